@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run the test suite (CPU; GPU tests skip without CUDA).
+# Extra arguments go to pytest (e.g. -k oracle).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh dev
+python -m pytest -q "$@"

@@ -1,0 +1,3 @@
+from fusedmoe.cli import main
+
+raise SystemExit(main())

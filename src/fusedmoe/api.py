@@ -1,0 +1,126 @@
+"""Functional entry points: `fused_experts` (given routing) and `fused_moe` (routing included).
+
+    topk_weights, topk_ids = select_experts(x, router_logits, top_k, ...)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, ...)
+
+Each call validates its inputs, describes the problem as a `MoEConfig`, asks the oracle for a
+backend (cached per config and platform) and runs prepare -> experts -> finalize.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from fusedmoe.activations import SWIGLUOAI_ALPHA
+from fusedmoe.config import MoEConfig
+from fusedmoe.modular import ExpertWeights, LocalPrepareFinalize, ModularMoE
+from fusedmoe.oracle import select_backend
+from fusedmoe.platform import Platform
+from fusedmoe.quant.params import QuantParams
+from fusedmoe.routing import select_experts
+from fusedmoe.validation import check_experts_inputs
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    quant: QuantParams | None = None,
+    backend: str = "auto",
+    swiglu_alpha: float = SWIGLUOAI_ALPHA,
+    swiglu_limit: float | None = None,
+    inplace: bool = False,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """out [T, H] = sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(hidden_states[t]).
+
+    expert(x) = w2[e] @ act(w13[e] @ x + w13_bias[e]) + w2_bias[e]; w13 is [E, 2I, H] (rows
+    [0, I) gate, [I, 2I) up) for gated activations, [E, I, H] for `*_no_mul`; w2 is [E, H, I].
+    With expert_map (global id -> local index, -1 = not on this rank) w13/w2 hold the local
+    experts and unmapped slots contribute zero. `inplace=True` writes into hidden_states when
+    the backend allows it.
+    """
+    if quant is not None and not isinstance(quant, QuantParams):
+        raise TypeError(f"quant must be a fusedmoe.QuantParams or None, got {type(quant).__name__}")
+    shape = check_experts_inputs(
+        hidden_states, w13, w2, topk_weights, topk_ids,
+        activation=activation, expert_map=expert_map, global_num_experts=global_num_experts,
+        w13_bias=w13_bias, w2_bias=w2_bias,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        quantized=quant is not None, validate=validate,
+    )
+    if quant is not None:
+        from fusedmoe.quant.weights import check_quant_weights
+
+        check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1])
+    dtype = hidden_states.dtype
+    config = MoEConfig(
+        shape.num_global_experts,
+        shape.top_k,
+        shape.hidden_size,
+        shape.intermediate_size,
+        # float64 is accepted for the torch reference; the oracle sees it as float32 math.
+        dtype=torch.float32 if dtype == torch.float64 else dtype,
+        activation=activation,
+        has_bias=w13_bias is not None or w2_bias is not None,
+        quant=None if quant is None else quant.scheme,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        backend=backend,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        has_expert_map=expert_map is not None,
+    )
+    if dtype == torch.float64 and config.backend not in ("torch", "reference", "ref"):
+        raise ValueError("float64 hidden_states are only supported with backend='torch'")
+    kernel = _kernel(config, Platform.for_device(hidden_states.device))
+    if shape.num_tokens == 0:
+        return hidden_states if inplace else hidden_states.new_empty(0, shape.hidden_size)
+    weights = ExpertWeights(w13, w2, w13_bias, w2_bias, quant)
+    return kernel(hidden_states, weights, topk_weights, topk_ids, expert_map_E=expert_map, inplace=inplace)
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel(config: MoEConfig, platform: Platform) -> ModularMoE:
+    selection = select_backend(config, platform)
+    return ModularMoE(LocalPrepareFinalize(), selection.experts(config))
+
+
+_ROUTING_KEYS = frozenset(inspect.signature(select_experts).parameters) - {
+    "hidden_states", "router_logits", "top_k",
+}
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    **kwargs,
+) -> torch.Tensor:
+    """select_experts(hidden_states, router_logits, top_k, ...) then fused_experts(...).
+
+    Routing keywords (renormalize, scoring_func, use_grouped_topk, num_expert_group, topk_group,
+    e_score_correction_bias, routed_scaling_factor, custom_routing_function) go to
+    `select_experts`; the rest to `fused_experts`. `validate` goes to both.
+    """
+    routing = {k: kwargs.pop(k) for k in list(kwargs) if k in _ROUTING_KEYS}
+    if "validate" in routing:
+        kwargs["validate"] = routing["validate"]
+    unknown = set(kwargs) - set(inspect.signature(fused_experts).parameters)
+    if unknown:
+        raise TypeError(f"fused_moe got unexpected keyword arguments {sorted(unknown)}")
+    topk_weights, topk_ids = select_experts(hidden_states, router_logits, top_k, **routing)
+    return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, **kwargs)

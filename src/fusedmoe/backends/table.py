@@ -1,0 +1,297 @@
+"""The built-in backend table and the priority order per scheme family.
+
+Requirements follow the backends the seeds select among (vLLM's fused-MoE oracle): FlashInfer
+TRTLLM/CUTLASS/CuteDSL/b12x, ROCm AITER, DeepGEMM, CUTLASS grouped GEMM, Marlin, XPU, TPU and
+out-of-tree platforms, plus fusedmoe's own: `torch` (the reference), `cpu`, `emulation`, `triton`.
+Records for packages fusedmoe does not ship point at adapters in `fusedmoe.backends.external`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.backends import (
+    ALL_ACTIVATIONS,
+    ALL_DTYPES,
+    ALL_FEATURES,
+    QUANTIZED_SCHEMES,
+    Backend,
+    register_backend,
+)
+from fusedmoe.config import MoEConfig
+from fusedmoe.platform import KINDS, Platform
+
+HALF = frozenset((torch.float16, torch.bfloat16))
+GPU = frozenset(("cuda", "rocm"))
+FP8_W8A8 = frozenset(("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block"))
+FP8_ALL = FP8_W8A8 | {"fp8_w8a16"}
+INT4 = frozenset(("int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128"))
+WEIGHT_ONLY = frozenset(("fp8_w8a16", "int8_w8a16", "mxfp4_w4a16", "nvfp4_w4a16")) | INT4
+FI_ACTS = frozenset(("silu", "relu2_no_mul", "swigluoai"))
+EXT = "fusedmoe.backends.external:"
+
+
+def _unquantized_needs_ep_without_dp(config: MoEConfig, platform: Platform) -> str | None:
+    # The seeds enable FlashInfer CUTLASS for bf16 only with expert parallelism and no DP.
+    if config.quant is None:
+        if not config.parallel.use_ep:
+            return "for unquantized MoE it needs expert parallelism (ep_size > 1)"
+        if config.parallel.use_dp:
+            return "for unquantized MoE it is not available with data parallelism (dp_size > 1)"
+    return None
+
+
+def _fi_cutlass_scheme_capability(config: MoEConfig, platform: Platform) -> str | None:
+    cap = platform.capability or (0, 0)
+    name = "unquantized" if config.quant is None else config.quant.name
+    if name in ("fp8_w8a8_block", "mxfp4_w4a16") and cap[0] != 9:
+        return f"{name} runs only on SM90 (got {platform.capability_str})"
+    if name in ("nvfp4", "mxfp4_w4a8") and cap < (10, 0):
+        return f"{name} needs device capability >= 10.0 (got {platform.capability_str})"
+    return None
+
+
+def _linear_ep_only(config: MoEConfig, platform: Platform) -> str | None:
+    # Kernels that place experts from (ep_rank, ep_size) cannot follow an arbitrary expert_map.
+    if config.has_expert_map:
+        return "it places experts by (ep_rank, ep_size) and cannot take an arbitrary expert_map"
+    if config.parallel.use_ep and config.parallel.placement != "linear":
+        return f"it needs linear expert placement, not {config.parallel.placement!r}"
+    return None
+
+
+def _fp4_cutlass_ep(config: MoEConfig, platform: Platform) -> str | None:
+    if config.quant is not None and config.quant.name == "nvfp4" and config.parallel.ep_size != 1:
+        return "its NVFP4 path needs ep_size == 1"
+    return None
+
+
+def _gated_only_hidden_multiple(multiple: int):
+    def check(config: MoEConfig, platform: Platform) -> str | None:
+        if config.hidden_size % multiple or config.intermediate_size_per_partition % multiple:
+            return (
+                f"hidden_size={config.hidden_size} and intermediate_size_per_partition="
+                f"{config.intermediate_size_per_partition} must be multiples of {multiple}"
+            )
+        return None
+
+    return check
+
+
+def _oot_plugin_missing(config: MoEConfig, platform: Platform) -> str | None:
+    return (
+        "out-of-tree platforms bring their own backend: register it with "
+        "fusedmoe.register_backend(...) or the 'fusedmoe.backends' entry-point group"
+    )
+
+
+BUILTIN: tuple[Backend, ...] = (
+    # fusedmoe's own ---------------------------------------------------------------------------
+    Backend(
+        "torch", "PyTorch reference: fp32 accumulation, any device, every feature (explicit only)",
+        kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
+        features=ALL_FEATURES, auto=False, deterministic=True,
+        aliases=("reference", "ref"), impl="fusedmoe.backends.torch_ref:TorchExperts",
+    ),
+    Backend(
+        "cpu", "CPU path: slots sorted by expert, one matmul per expert segment",
+        kinds=frozenset(("cpu",)), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
+        features=ALL_FEATURES - {"routed_scaling"}, deterministic=True,
+        impl="fusedmoe.backends.cpu:CpuExperts",
+    ),
+    Backend(
+        "emulation", "Dequantize weights, fake-quantize activations, run the reference",
+        kinds=frozenset(KINDS), schemes=QUANTIZED_SCHEMES, dtypes=ALL_DTYPES,
+        features=ALL_FEATURES - {"routed_scaling"}, deterministic=True,
+        impl="fusedmoe.backends.emulation:EmulationExperts",
+    ),
+    Backend(
+        "triton", "fusedmoe Triton kernels, contiguous (sorted-token) layout",
+        kinds=GPU,
+        schemes=frozenset(("unquantized", "int8_w8a8", "int8_w8a16")) | FP8_W8A8 | INT4 | {"mxfp4_w4a16"},
+        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8))
+        + (("int8_w8a8", (7, 5)),),
+        features=ALL_FEATURES - {"routed_scaling"}, dtypes=ALL_DTYPES, needs_triton=True,
+        twin="batched_triton", deterministic=True,
+    ),
+    Backend(
+        "batched_triton", "fusedmoe Triton kernels, batched [E, max_tokens, H] layout",
+        kinds=GPU, schemes=frozenset(("unquantized",)) | FP8_W8A8, layout="batched",
+        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8)),
+        features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=ALL_DTYPES,
+        needs_triton=True, twin="triton", deterministic=True,
+    ),
+    # FlashInfer -------------------------------------------------------------------------------
+    Backend(
+        "flashinfer_trtllm", "FlashInfer TensorRT-LLM MoE (fused router; SM100)",
+        kinds=frozenset(("cuda",)), min_capability=(10, 0), max_capability=(11, 0),
+        schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a8_tensor_static",
+                           "fp8_w8a8_block", "nvfp4", "mxfp4_w4a16", "mxfp4_w4a8")),
+        activations=frozenset(("silu", "relu2_no_mul", "swigluoai")), dtypes=HALF,
+        features=frozenset(("clamp", "bias", "expert_map", "routed_scaling")),
+        packages=("flashinfer",), group="flashinfer", monolithic=True,
+        routing_methods=frozenset(("softmax_topk", "sigmoid_topk", "grouped_topk", "llama4")),
+        impl=EXT + "FlashInferTrtllmExperts",
+    ),
+    Backend(
+        "flashinfer_cutlass", "FlashInfer CUTLASS fused MoE (SM90/100/120)",
+        kinds=frozenset(("cuda",)), min_capability=(9, 0),
+        schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a8_tensor_static",
+                           "fp8_w8a8_block", "nvfp4", "mxfp4_w4a16", "mxfp4_w4a8")),
+        activations=FI_ACTS, dtypes=HALF, features=frozenset(("bias", "expert_map")),
+        packages=("flashinfer",), group="flashinfer",
+        extra_checks=(_fi_cutlass_scheme_capability, _unquantized_needs_ep_without_dp, _linear_ep_only),
+        impl=EXT + "FlashInferCutlassExperts",
+    ),
+    Backend(
+        "flashinfer_cutedsl", "FlashInfer CuteDSL masked grouped GEMM (NVFP4, SM100)",
+        kinds=frozenset(("cuda",)), min_capability=(10, 0), max_capability=(11, 0),
+        schemes=frozenset(("nvfp4",)), activations=frozenset(("silu",)), dtypes=HALF,
+        features=frozenset(("expert_map",)), packages=("flashinfer",), group="flashinfer",
+        twin="flashinfer_cutedsl_batched", impl=EXT + "FlashInferCuteDslExperts",
+    ),
+    Backend(
+        "flashinfer_cutedsl_batched", "FlashInfer CuteDSL masked grouped GEMM, batched layout",
+        kinds=frozenset(("cuda",)), min_capability=(10, 0), max_capability=(11, 0),
+        schemes=frozenset(("nvfp4",)), layout="batched", activations=frozenset(("silu",)),
+        dtypes=HALF, packages=("flashinfer",), group="flashinfer",
+        twin="flashinfer_cutedsl", impl=EXT + "FlashInferCuteDslExperts",
+    ),
+    Backend(
+        "flashinfer_b12x", "FlashInfer b12x NVFP4 MoE for SM12x (opt-in: CUTLASS SM121 MMA guard)",
+        kinds=frozenset(("cuda",)), min_capability=(12, 0), max_capability=(13, 0),
+        schemes=frozenset(("nvfp4",)), activations=frozenset(("silu",)), dtypes=HALF,
+        packages=("flashinfer",), group="flashinfer", auto=False,
+        impl=EXT + "FlashInferB12xExperts",
+    ),
+    # ROCm AITER -------------------------------------------------------------------------------
+    Backend(
+        "aiter", "ROCm AITER fused MoE (opt-in with FUSEDMOE_USE_AITER=1)",
+        kinds=frozenset(("rocm",)),
+        schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a8_tensor_static",
+                           "fp8_w8a8_channel", "fp8_w8a8_block", "mxfp4_w4a16")),
+        activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
+        features=frozenset(("bias", "expert_map", "weight_on_input")),
+        packages=("aiter",), group="aiter", impl=EXT + "AiterExperts",
+    ),
+    # DeepGEMM ---------------------------------------------------------------------------------
+    Backend(
+        "deepgemm", "DeepGEMM FP8 block-scaled grouped GEMM (contiguous)",
+        kinds=frozenset(("cuda",)), min_capability=(9, 0), max_capability=(11, 0),
+        schemes=frozenset(("fp8_w8a8_block",)), activations=frozenset(("silu",)),
+        dtypes=frozenset((torch.bfloat16,)), features=frozenset(("expert_map",)),
+        packages=("deep_gemm",), group="deep_gemm", twin="batched_deepgemm",
+        aliases=("deep_gemm",), extra_checks=(_gated_only_hidden_multiple(128),),
+        impl=EXT + "DeepGemmExperts",
+    ),
+    Backend(
+        "batched_deepgemm", "DeepGEMM FP8 masked grouped GEMM (batched)",
+        kinds=frozenset(("cuda",)), min_capability=(9, 0), max_capability=(11, 0),
+        schemes=frozenset(("fp8_w8a8_block",)), layout="batched", activations=frozenset(("silu",)),
+        dtypes=frozenset((torch.bfloat16,)), packages=("deep_gemm",), group="deep_gemm",
+        twin="deepgemm", aliases=("batched_deep_gemm",),
+        extra_checks=(_gated_only_hidden_multiple(128),), impl=EXT + "DeepGemmExperts",
+    ),
+    # CUTLASS grouped GEMM ---------------------------------------------------------------------
+    Backend(
+        "cutlass", "CUTLASS grouped GEMM (FP8 per-tensor/per-channel; NVFP4 on SM100+)",
+        kinds=frozenset(("cuda",)), min_capability=(9, 0),
+        schemes=frozenset(("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "nvfp4")),
+        scheme_capability=(("nvfp4", (10, 0)),),
+        activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
+        features=frozenset(("expert_map",)), packages=("cutlass",), group="cutlass",
+        twin="batched_cutlass", aliases=("vllm_cutlass",), extra_checks=(_fp4_cutlass_ep,),
+    ),
+    Backend(
+        "batched_cutlass", "CUTLASS grouped GEMM, batched layout",
+        kinds=frozenset(("cuda",)), min_capability=(9, 0),
+        schemes=frozenset(("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel")),
+        layout="batched", activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
+        packages=("cutlass",), group="cutlass", twin="cutlass", aliases=("batched_vllm_cutlass",),
+    ),
+    # Weight-only (the seeds' Marlin rows; fusedmoe serves them with its Triton W4A16/W8A16) ---
+    Backend(
+        "marlin", "Weight-only kernels: quantized weights dequantized in registers, bf16 math",
+        kinds=frozenset(("cuda",)), min_capability=(7, 5),
+        schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
+        features=frozenset(("bias", "clamp", "expert_map", "lora", "weight_on_input")),
+        dtypes=HALF, needs_triton=True, twin="batched_marlin", deterministic=True,
+    ),
+    Backend(
+        "batched_marlin", "Weight-only kernels, batched layout",
+        kinds=frozenset(("cuda",)), min_capability=(7, 5), layout="batched",
+        schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
+        features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=HALF,
+        needs_triton=True, twin="marlin", deterministic=True,
+    ),
+    # Platform backends ------------------------------------------------------------------------
+    Backend(
+        "xpu", "Intel XPU fused MoE (IPEX GatedMLPMOE)",
+        kinds=frozenset(("xpu",)),
+        schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a16", "mxfp4_w4a16")),
+        activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
+        features=frozenset(("expert_map",)), packages=("intel_extension_for_pytorch",),
+        extra_checks=(_linear_ep_only,), impl=EXT + "XpuExperts",
+    ),
+    Backend(
+        "tpu", "TPU fused MoE (tpu_inference)",
+        kinds=frozenset(("tpu",)), schemes=frozenset(("unquantized",)),
+        activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF | {torch.float32},
+        features=frozenset(("expert_map", "bias")), packages=("tpu_inference",),
+        impl=EXT + "TpuExperts",
+    ),
+    Backend(
+        "oot", "Out-of-tree platform's own MoE op (supplied by a plugin)",
+        kinds=frozenset(("oot",)), schemes=frozenset(("unquantized",)) | QUANTIZED_SCHEMES,
+        activations=ALL_ACTIVATIONS, dtypes=ALL_DTYPES, features=ALL_FEATURES,
+        extra_checks=(_oot_plugin_missing,),
+    ),
+)
+
+# Priority order per scheme family (first supported wins). Entries are (backend, kinds where it
+# may be auto-selected; None = wherever it runs). Explicit-only backends (auto=False) never
+# appear here. `emulation` is auto-selected on GPUs only for NVFP4 (as the seeds); elsewhere it
+# is the CPU's path for every quantized scheme.
+OFF_GPU = frozenset(("cpu", "xpu", "tpu", "oot"))
+_PLATFORM_TAIL = (("xpu", None), ("cpu", None), ("tpu", None), ("oot", None))
+
+PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
+    "unquantized": (
+        ("flashinfer_trtllm", None), ("flashinfer_cutlass", None), ("aiter", None),
+        ("triton", None), ("batched_triton", None), *_PLATFORM_TAIL,
+    ),
+    "fp8": (
+        ("aiter", None), ("flashinfer_trtllm", None), ("flashinfer_cutlass", None),
+        ("deepgemm", None), ("batched_deepgemm", None), ("cutlass", None),
+        ("batched_cutlass", None), ("triton", None), ("batched_triton", None),
+        ("marlin", None), ("batched_marlin", None), ("xpu", None), ("oot", None),
+        ("emulation", OFF_GPU),
+    ),
+    "int8": (("triton", None), ("marlin", None), ("oot", None), ("emulation", OFF_GPU)),
+    "int4": (
+        ("marlin", None), ("batched_marlin", None), ("triton", None), ("oot", None),
+        ("emulation", OFF_GPU),
+    ),
+    "nvfp4": (
+        ("flashinfer_trtllm", None), ("flashinfer_cutedsl", None),
+        ("flashinfer_cutedsl_batched", None), ("flashinfer_cutlass", None), ("cutlass", None),
+        ("marlin", None), ("batched_marlin", None), ("oot", None), ("emulation", None),
+    ),
+    "mxfp4": (
+        ("flashinfer_trtllm", None), ("aiter", None), ("triton", None),
+        ("flashinfer_cutlass", None), ("marlin", None), ("batched_marlin", None), ("xpu", None),
+        ("oot", None), ("emulation", OFF_GPU),
+    ),
+}
+
+# Families where FlashInfer is opt-in (FUSEDMOE_USE_FLASHINFER=1), as upstream does for bf16.
+FLASHINFER_OPT_IN = frozenset(("unquantized",))
+# FUSEDMOE_FLASHINFER_MODE -> backend.
+FLASHINFER_MODES = {
+    "latency": "flashinfer_trtllm",
+    "throughput": "flashinfer_cutlass",
+    "masked_gemm": "flashinfer_cutedsl",
+}
+
+for _record in BUILTIN:
+    register_backend(_record)

@@ -1,0 +1,171 @@
+"""Frozen descriptions of a MoE problem: the parallel split and the whole layer config.
+
+`MoEConfig` is what the oracle selects on; it holds no tensors. Every field is validated at
+construction and errors name the offending value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from fusedmoe.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, is_gated
+from fusedmoe.quant.scheme import Family, QuantScheme, family_of, get_scheme
+
+ActivationFormat = Literal["standard", "batched"]
+Placement = Literal["linear", "round_robin"]
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Routing methods a monolithic backend (one that fuses the router) may have to reproduce.
+ROUTING_METHODS = ("softmax_topk", "sigmoid_topk", "grouped_topk", "llama4", "custom")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the layer is split: tensor (intermediate), data (tokens) and expert parallelism.
+
+    With EP each rank owns whole experts (`num_experts / ep_size` of them); with TP each rank
+    owns `intermediate_size / tp_size` columns of every expert it holds.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    placement: Placement = "linear"
+
+    def __post_init__(self) -> None:
+        for kind in ("tp", "dp", "ep"):
+            size, rank = getattr(self, f"{kind}_size"), getattr(self, f"{kind}_rank")
+            if size < 1:
+                raise ValueError(f"{kind}_size={size} must be >= 1")
+            if not 0 <= rank < size:
+                raise ValueError(f"{kind}_rank={rank} must be in [0, {kind}_size={size})")
+        if self.placement not in ("linear", "round_robin"):
+            raise ValueError(f"placement={self.placement!r}; expected 'linear' or 'round_robin'")
+
+    @property
+    def use_ep(self) -> bool:
+        return self.ep_size > 1
+
+    @property
+    def use_dp(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def use_tp(self) -> bool:
+        return self.tp_size > 1
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer as the oracle sees it: shapes, numerics, features, split and request.
+
+    `intermediate_size` is the model's full expert width; each TP rank holds
+    `intermediate_size_per_partition` of it. `swiglu_limit` asks for the SwiGLU clamp (on
+    swigluoai it overrides the default 7.0). `backend` is "auto" or a backend name.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype = torch.bfloat16
+    activation: str = "silu"
+    has_bias: bool = False
+    quant: QuantScheme | str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = SWIGLUOAI_ALPHA
+    activation_format: ActivationFormat = "standard"
+    backend: str = "auto"
+    apply_router_weight_on_input: bool = False
+    has_expert_map: bool = False
+    routing_method: str = "softmax_topk"
+    routed_scaling_factor: float = 1.0
+    max_num_tokens: int | None = None
+    allow_cutlass: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quant", get_scheme(self.quant))
+        object.__setattr__(self, "backend", str(self.backend).strip().lower())
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"dtype={self.dtype} must be one of {list(ACTIVATION_DTYPES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}; expected one of {list(ACTIVATIONS)}")
+        if self.swiglu_limit is not None:
+            if not is_gated(self.activation):
+                raise ValueError(
+                    f"swiglu_limit={self.swiglu_limit} needs a gated activation, "
+                    f"not {self.activation!r}"
+                )
+            if not self.swiglu_limit > 0:
+                raise ValueError(f"swiglu_limit={self.swiglu_limit} must be > 0")
+        if self.activation_format not in ("standard", "batched"):
+            raise ValueError(
+                f"activation_format={self.activation_format!r}; expected 'standard' or 'batched'"
+            )
+        if self.routing_method not in ROUTING_METHODS:
+            raise ValueError(
+                f"routing_method={self.routing_method!r}; expected one of {list(ROUTING_METHODS)}"
+            )
+        if self.apply_router_weight_on_input and self.top_k != 1:
+            raise ValueError(
+                f"apply_router_weight_on_input=True needs top_k == 1 (got top_k={self.top_k}): "
+                "the weight scales the expert's input, which is only defined for one expert"
+            )
+        tp, ep = self.parallel.tp_size, self.parallel.ep_size
+        if self.intermediate_size % tp:
+            raise ValueError(
+                f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp}"
+            )
+        if self.num_experts % ep:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by ep_size={ep} "
+                f"({self.num_experts} % {ep} = {self.num_experts % ep})"
+            )
+        if self.max_num_tokens is not None and self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= 1")
+
+    # Derived views -------------------------------------------------------------------------
+    @property
+    def family(self) -> Family:
+        return family_of(self.quant)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.parallel.ep_size
+
+    @property
+    def intermediate_size_per_partition(self) -> int:
+        return self.intermediate_size // self.parallel.tp_size
+
+    @property
+    def gated(self) -> bool:
+        return is_gated(self.activation)
+
+    @property
+    def needs_expert_map(self) -> bool:
+        # Batched buffers arrive already dispatched to this rank's experts: no map to apply.
+        standard_ep = self.parallel.use_ep and self.activation_format == "standard"
+        return self.has_expert_map or standard_ep
+
+    @property
+    def needs_clamp(self) -> bool:
+        return self.swiglu_limit is not None
+
+    def replace(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)

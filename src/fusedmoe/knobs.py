@@ -1,0 +1,122 @@
+"""Every FUSEDMOE_* environment variable, in one place. Nobody else reads os.environ.
+
+Each knob is typed, defaulted and documented; `override(...)` scopes values for tests. Env
+knobs only say what an argument could say: an explicit argument always wins.
+
+Tri-state knobs (USE_FLASHINFER, USE_DEEP_GEMM, USE_AITER) are None when unset, False for
+0/false/no/off (exclude those backends) and True for 1/true/yes/on (require them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "FUSEDMOE_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _tristate(name: str, raw: str) -> bool | None:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE)}")
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(choices)}")
+        return value
+
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("BACKEND", _text, None,
+             "Force one backend by name when the call/layer says backend='auto'."),
+        Knob("USE_FLASHINFER", _tristate, None,
+             "FlashInfer MoE backends: unset = scheme default (opt-in for unquantized), 0 = exclude, "
+             "1 = require (error if none supports the config)."),
+        Knob("FLASHINFER_MODE", _choice("latency", "throughput", "masked_gemm"), None,
+             "With USE_FLASHINFER=1: latency -> flashinfer_trtllm, throughput -> flashinfer_cutlass, "
+             "masked_gemm -> flashinfer_cutedsl."),
+        Knob("USE_DEEP_GEMM", _tristate, None,
+             "DeepGEMM backends: unset = auto, 0 = exclude, 1 = require."),
+        Knob("USE_AITER", _tristate, None,
+             "ROCm AITER backend: unset/0 = off (opt-in, as upstream), 1 = require."),
+        Knob("ALLOW_CUTLASS", _tristate, None,
+             "Let auto-selection consider the cutlass grouped-GEMM backends (default: only when "
+             "the config sets allow_cutlass)."),
+        Knob("BATCH_INVARIANT", _tristate, None,
+             "Only select backends whose output does not depend on the batch composition."),
+        Knob("VALIDATE", _tristate, None,
+             "Run input checks that need a device-to-host sync (id ranges, NaN logits) on GPU tensors."),
+        Knob("TUNED_DIR", _text, None,
+             "Folder searched for tuned tile tables before the packaged ones."),
+        Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
+             "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
+    )
+}
+
+_overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "fusedmoe_knob_overrides", default=None
+)
+
+
+def get(name: str) -> Any:
+    """The knob's value: a scoped override, else the parsed environment variable, else default."""
+    knob = KNOBS[name]
+    scoped = _overrides.get()
+    if scoped is not None and name in scoped:
+        return scoped[name]
+    raw = os.environ.get(PREFIX + name)
+    if raw is None or raw.strip() == "":
+        return knob.default
+    return knob.parse(name, raw)
+
+
+def is_set(name: str) -> bool:
+    return get(name) is not None
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Scope knob values (None = as if unset), e.g. `with knobs.override(USE_FLASHINFER=False):`."""
+    for name in values:
+        if name not in KNOBS:
+            raise KeyError(f"unknown knob {name!r}; known: {sorted(KNOBS)}")
+    merged = dict(_overrides.get() or {})
+    merged.update(values)
+    token = _overrides.set(merged)
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(variable, current raw value, doc) for every knob, for `fusedmoe env`."""
+    return [(PREFIX + k.name, os.environ.get(PREFIX + k.name, ""), k.doc) for k in KNOBS.values()]

@@ -1,0 +1,152 @@
+"""Routing: router logits [T, E] -> (topk_weights float32 [T, K], topk_ids int32 [T, K]).
+
+    p = softmax(logits) | sigmoid(logits)               (computed in float32)
+    c = p + e_score_correction_bias                      (selection only; weights stay unbiased)
+    grouped: keep the topk_group best of num_expert_group contiguous groups (group score = sum
+             of the top-2 c with a bias, max p without), the rest masked to -inf
+    ids = topk(c, K); w = p[ids]; w /= sum(w) if renormalize; w *= routed_scaling_factor
+
+Covers Mixtral/Qwen (softmax top-k, optional renormalize), DeepSeek-V2 (softmax, group max),
+DeepSeek-V3/Kimi-K2/GLM-4.5 (sigmoid, biased grouped top-k, scaling), MiniMax-M2 (sigmoid + bias,
+no groups), Llama-4 (sigmoid top-1 without renormalize) and any custom function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fusedmoe.validation import should_validate
+
+CustomRouting = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def select_experts(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    scoring_func: str = "softmax",
+    use_grouped_topk: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    custom_routing_function: CustomRouting | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick top_k experts per token; returns (weights float32 [T, K], ids int32 [T, K]).
+
+    `validate` (default: on for CPU tensors, FUSEDMOE_VALIDATE for GPU tensors) adds the checks
+    that need a device-to-host sync: NaN/Inf logits.
+    """
+    num_experts = _check_routing_inputs(hidden_states, router_logits, top_k, scoring_func)
+    if should_validate(validate, router_logits) and not bool(torch.isfinite(router_logits).all()):
+        bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
+        raise ValueError(
+            f"router_logits contain NaN/Inf (first at token {bad[0]}, expert {bad[1]}); "
+            "routing on them is undefined"
+        )
+    if custom_routing_function is not None:
+        weights, ids = custom_routing_function(hidden_states, router_logits, top_k, renormalize)
+        weights, ids = _check_custom_output(weights, ids, router_logits.shape[0], top_k)
+        if routed_scaling_factor != 1.0:
+            weights = weights * routed_scaling_factor
+        return weights, ids
+
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
+    select_on = scores
+    if e_score_correction_bias is not None:
+        if e_score_correction_bias.shape != (num_experts,):
+            raise ValueError(
+                f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
+                f"expected ({num_experts},)"
+            )
+        select_on = scores + e_score_correction_bias.to(device=scores.device, dtype=torch.float32)
+
+    if use_grouped_topk:
+        select_on = _mask_groups(
+            select_on, num_expert_group, topk_group, top_k, biased=e_score_correction_bias is not None
+        )
+    elif num_expert_group is not None or topk_group is not None:
+        raise ValueError("num_expert_group/topk_group are only used with use_grouped_topk=True")
+
+    ids = torch.topk(select_on, top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def _mask_groups(
+    select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, biased: bool
+) -> torch.Tensor:
+    """Keep the topk_group best expert groups per token; others -> -inf (scores may be < 0)."""
+    tokens, num_experts = select_on.shape
+    if num_expert_group is None or topk_group is None:
+        raise ValueError("use_grouped_topk=True needs num_expert_group and topk_group")
+    if num_expert_group < 1 or num_experts % num_expert_group:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by num_expert_group={num_expert_group}"
+        )
+    if not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, num_expert_group={num_expert_group}]")
+    per_group = num_experts // num_expert_group
+    if top_k > topk_group * per_group:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts left after group selection "
+            f"(topk_group={topk_group} x {per_group} experts per group = {topk_group * per_group})"
+        )
+    grouped = select_on.view(tokens, num_expert_group, per_group)
+    if biased:  # DeepSeek-V3 noaux_tc: a group scores the sum of its two best biased scores
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+    else:  # DeepSeek-V2 group_limited_greedy: the group's best score
+        group_scores = grouped.amax(dim=-1)
+    keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_expert_group, per_group)
+    return select_on.masked_fill(~expert_mask.reshape(tokens, num_experts), float("-inf"))
+
+
+def _check_routing_inputs(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, top_k: int, scoring_func: str
+) -> int:
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be 2-D [tokens, experts], got shape {tuple(router_logits.shape)}")
+    if not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be floating point, got {router_logits.dtype}")
+    tokens, num_experts = router_logits.shape
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != tokens:
+        raise ValueError(
+            f"hidden_states shape {tuple(hidden_states.shape)} does not match router_logits "
+            f"shape {tuple(router_logits.shape)} (expected [{tokens}, hidden])"
+        )
+    if hidden_states.device != router_logits.device:
+        raise ValueError(
+            f"hidden_states on {hidden_states.device} but router_logits on {router_logits.device}"
+        )
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r} must be a positive int")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds the number of experts ({num_experts})")
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func={scoring_func!r}; expected 'softmax' or 'sigmoid'")
+    return num_experts
+
+
+def _check_custom_output(weights, ids, tokens: int, top_k: int):
+    if not isinstance(weights, torch.Tensor) or not isinstance(ids, torch.Tensor):
+        raise TypeError("custom_routing_function must return (weights, ids) tensors")
+    if tuple(weights.shape) != (tokens, top_k) or tuple(ids.shape) != (tokens, top_k):
+        raise ValueError(
+            f"custom_routing_function returned weights {tuple(weights.shape)} and ids "
+            f"{tuple(ids.shape)}, expected ({tokens}, {top_k}) each"
+        )
+    if ids.is_floating_point():
+        raise ValueError(f"custom_routing_function returned ids of dtype {ids.dtype}, expected integers")
+    return weights.float(), ids.to(torch.int32)

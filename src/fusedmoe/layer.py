@@ -80,7 +80,6 @@ class FusedMoE(nn.Module):
         quant=None,
         parallel: ParallelConfig | None = None,
         backend: str = "auto",
-        lora: bool = False,
         activation_format: str = "standard",
         device: torch.device | str | None = None,
         platform: Platform | None = None,
@@ -99,7 +98,7 @@ class FusedMoE(nn.Module):
         self.config = MoEConfig(
             num_experts, top_k, hidden_size, intermediate_size,
             dtype=params_dtype, activation=activation, has_bias=has_bias, quant=quant,
-            parallel=parallel, lora=lora, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+            parallel=parallel, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
             activation_format=activation_format, backend=backend,
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,

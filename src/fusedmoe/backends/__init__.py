@@ -56,7 +56,8 @@ class Backend:
     auto: False = chosen only when requested by name;
     monolithic: fuses the router, so it must reproduce the routing method itself;
     twin: the same kernel in the other activation format (standard <-> batched);
-    impl: "module:Class" of the experts implementation, None while fusedmoe has none.
+    impl: "module:Class" of the experts implementation, None while fusedmoe has none;
+    pending_schemes: schemes the backend is meant to serve that its implementation lacks so far.
     """
 
     name: str
@@ -82,6 +83,7 @@ class Backend:
     aliases: tuple[str, ...] = ()
     extra_checks: tuple[Check, ...] = field(default=(), compare=False)
     impl: str | None = None
+    pending_schemes: frozenset[str] = frozenset()
     plugin: bool = False
 
     def __post_init__(self) -> None:
@@ -143,6 +145,8 @@ class Backend:
         scheme = "unquantized" if config.quant is None else config.quant.name
         if scheme not in self.schemes:
             return f"it does not support the {scheme} scheme"
+        if scheme in self.pending_schemes:
+            return f"fusedmoe's implementation does not cover the {scheme} scheme yet"
         for name, cap in self.scheme_capability:
             if name == scheme and not platform.capability_at_least(*cap):
                 return f"{scheme} needs device capability >= {_cap(cap)}, got {platform.capability_str}"

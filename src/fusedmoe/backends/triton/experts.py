@@ -1,0 +1,206 @@
+"""Host side of the `triton` backend: align slots by expert, pick tiles, launch the kernels.
+
+    sorted_slot, block_expert, num_rows = align(topk_ids, expert_map)   # stable sort, no host sync
+    a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
+
+The whole computation is the custom op `fusedmoe::triton_experts` (with a fake implementation),
+so layers using it compile with `torch.compile(fullgraph=True)` and capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.activations import ACTIVATIONS, is_gated
+from fusedmoe.backends.triton.tiles import TileConfig, heuristic
+from fusedmoe.modular import Experts, ExpertWeights
+
+ACT_CODES = {name: i for i, name in enumerate(
+    ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
+)}
+assert set(ACT_CODES) == set(ACTIVATIONS)
+
+
+def align(
+    topk_ids_TK: torch.Tensor,
+    expert_map_E: torch.Tensor | None,
+    num_global_experts: int,
+    num_local_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the N = T*K slots by local expert, each expert's run padded to a multiple of block_m.
+
+    Returns sorted_slot [R] int32 (slot index t*K+k, or N for padding), block_expert [R/block_m]
+    int32, num_rows [1] int32 (padded rows in use) and slot_ok [N] int8 (1 = the slot runs here).
+    R = N + min(L, N)*(block_m - 1) rounded up to block_m: the worst case, known on the host, so
+    nothing waits on the device. The sort is stable: the same ids give the same order, bit for bit.
+    """
+    device = topk_ids_TK.device
+    n = topk_ids_TK.numel()
+    num_local = num_local_experts
+    ids = topk_ids_TK.reshape(-1).long()
+    valid = (ids >= 0) & (ids < num_global_experts)
+    local = torch.where(valid, ids, torch.zeros_like(ids))
+    if expert_map_E is not None:
+        local = expert_map_E.long()[local]
+        valid &= local >= 0
+    local = torch.where(valid, local, torch.full_like(local, num_local))  # invalid -> bucket L
+
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    order = torch.sort(local, stable=True).indices
+    sorted_local = local[order]
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    unpadded_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=device) - unpadded_start[sorted_local]
+
+    rows = n + min(num_local, n) * (block_m - 1)
+    rows = (rows + block_m - 1) // block_m * block_m
+    is_local = sorted_local < num_local
+    dest = torch.where(
+        is_local, padded_start[sorted_local.clamp(max=num_local - 1)] + rank,
+        torch.full_like(rank, rows),  # invalid slots land in a dump row past the end
+    )
+    sorted_slot = torch.full((rows + 1,), n, dtype=torch.int32, device=device)
+    sorted_slot.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    num_rows = padded_end[-1:].to(torch.int32) if num_local else torch.zeros(1, dtype=torch.int32, device=device)
+    return sorted_slot[:rows], block_expert, num_rows, valid.to(torch.int8)
+
+
+def triton_experts(
+    x_TH: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    tiles: tuple[TileConfig, TileConfig] | None = None,
+) -> torch.Tensor:
+    """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels."""
+    from fusedmoe.backends.triton import kernels
+
+    num_tokens, hidden = x_TH.shape
+    top_k = topk_ids_TK.shape[1]
+    num_local = w13.shape[0]
+    inter = w2.shape[2]
+    gated = is_gated(activation)
+    out = torch.empty_like(x_TH)
+    if num_tokens == 0:
+        return out
+    n_slots = num_tokens * top_k
+    if tiles is None:
+        t1 = heuristic(n_slots, num_local, inter, hidden, x_TH.dtype, gated=gated)
+        t2 = heuristic(n_slots, num_local, hidden, inter, x_TH.dtype, gated=False)
+    else:
+        t1, t2 = tiles
+    if t1.block_m != t2.block_m:
+        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+    sorted_slot, block_expert, num_rows, slot_ok = align(
+        topk_ids_TK, expert_map, num_global_experts, num_local, t1.block_m
+    )
+    weights_N = topk_weights_TK.reshape(-1)
+    if not weights_N.is_contiguous():
+        weights_N = weights_N.contiguous()
+    a = torch.empty(sorted_slot.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
+    y = torch.empty(n_slots, hidden, dtype=x_TH.dtype, device=x_TH.device)
+    ieee = x_TH.dtype == torch.float32
+    dummy = x_TH  # stands in for absent bias pointers (never read)
+    b13 = w13_bias if w13_bias is not None else dummy
+    b2 = w2_bias if w2_bias is not None else dummy
+    limit = swiglu_limit if swiglu_limit is not None else (7.0 if activation == "swigluoai" else 0.0)
+    blocks = sorted_slot.numel() // t1.block_m
+
+    kernels.moe_gemm1_kernel[(blocks, triton_cdiv(inter, t1.block_n))](
+        x_TH, w13, b13, a, weights_N, sorted_slot, block_expert, num_rows,
+        n_slots, top_k, hidden, inter,
+        x_TH.stride(0), x_TH.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
+        a.stride(0), a.stride(1),
+        float(swiglu_alpha), float(limit),
+        GATED=gated, ACT=ACT_CODES[activation], HAS_LIMIT=swiglu_limit is not None and activation != "swigluoai",
+        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input, IEEE=ieee,
+        **t1.as_kwargs(),
+    )
+    kernels.moe_gemm2_kernel[(blocks, triton_cdiv(hidden, t2.block_n))](
+        a, w2, b2, y, weights_N, sorted_slot, block_expert, num_rows,
+        n_slots, hidden, inter,
+        a.stride(0), a.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
+        y.stride(0), y.stride(1),
+        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input, IEEE=ieee,
+        **t2.as_kwargs(),
+    )
+    block_h = min(1024, triton_next_pow2(hidden))
+    kernels.moe_reduce_kernel[(num_tokens, triton_cdiv(hidden, block_h))](
+        y, out, slot_ok, hidden,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@torch.library.custom_op("fusedmoe::triton_experts", mutates_args=())
+def triton_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    return triton_experts(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
+    )
+
+
+@triton_experts_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+      activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit):
+    return torch.empty_like(x)
+
+
+class TritonExperts(Experts):
+    """Unquantized experts on fusedmoe's Triton kernels (contiguous layout)."""
+
+    def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
+              out_TH=None) -> torch.Tensor:
+        c = self.config
+        if weights.quant is not None:
+            raise NotImplementedError("quantized schemes are not in the triton backend yet")
+        y = triton_experts_op(
+            x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
+            weights.w2_bias, expert_map_E, c.num_experts, c.activation,
+            c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit,
+        )
+        if out_TH is not None:
+            return out_TH.copy_(y)
+        return y

@@ -1,0 +1,197 @@
+"""Triton kernels of the `triton` backend (jitted code only; host code is in experts.py).
+
+Pipeline over the slots (t, k) sorted by local expert and padded to BLOCK_M per expert:
+    gemm1:  a[r, :]   = act(w13[e] @ x[token(r)] (* w) + b13[e])          one program per (row block, N tile)
+    gemm2:  y[slot, :] = (w2[e] @ a[r] + b2[e]) * w                      one program per (row block, H tile)
+    reduce: out[t, :]  = sum_k y[t*K + k, :] over valid slots, in fp32  one program per (token, H tile)
+Every row block belongs to one expert (`block_expert`), blocks past the padded row count exit at
+once, so the grid can be sized for the worst case and the launch captured in a CUDA graph.
+Row offsets are computed in int64: T*K*H may exceed 2^31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Activation codes (constexpr): keep in sync with experts.ACT_CODES.
+ACT_SILU = tl.constexpr(0)
+ACT_GELU = tl.constexpr(1)
+ACT_GELU_TANH = tl.constexpr(2)
+ACT_SWIGLUOAI = tl.constexpr(3)
+ACT_SILU_NO_MUL = tl.constexpr(4)
+ACT_GELU_NO_MUL = tl.constexpr(5)
+ACT_RELU2_NO_MUL = tl.constexpr(6)
+
+
+@triton.jit
+def _gelu_erf(z):
+    return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_tanh(z):
+    inner = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+    return z * tl.sigmoid(2.0 * inner)  # 0.5 * (1 + tanh(u)) == sigmoid(2u)
+
+
+@triton.jit
+def _activation(g, u, alpha, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """act on fp32 accumulators; u is the up half for gated activations (ignored otherwise)."""
+    if ACT == ACT_SWIGLUOAI:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    else:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        if ACT == ACT_SILU:
+            out = g * tl.sigmoid(g) * u
+        elif ACT == ACT_GELU:
+            out = _gelu_erf(g) * u
+        elif ACT == ACT_GELU_TANH:
+            out = _gelu_tanh(g) * u
+        elif ACT == ACT_SILU_NO_MUL:
+            out = g * tl.sigmoid(g)
+        elif ACT == ACT_GELU_NO_MUL:
+            out = _gelu_erf(g)
+        else:  # ACT_RELU2_NO_MUL
+            r = tl.maximum(g, 0.0)
+            out = r * r
+    return out
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs: exact fp32 products, not TF32
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, top_k, hidden, inter,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_be, stride_bn,
+    stride_ar, stride_ai,
+    alpha, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    token = (slot // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_base = w13_ptr + expert * stride_we
+    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh
+    wu_ptrs = wg_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = _dot(xa, wg, acc_g, IEEE)
+        if GATED:
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_u = _dot(xa, wu, acc_u, IEEE)
+        x_ptrs += BLOCK_K * stride_xh
+        wg_ptrs += BLOCK_K * stride_wh
+        wu_ptrs += BLOCK_K * stride_wh
+
+    if WEIGHT_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T): scale the rows before the bias
+        w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc_g = acc_g * w[:, None]
+        acc_u = acc_u * w[:, None]
+    if HAS_BIAS:
+        b_base = b13_ptr + expert * stride_be
+        acc_g += tl.load(b_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + (offs_n + inter) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    act = _activation(acc_g, acc_u, alpha, limit, ACT, HAS_LIMIT)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
+    tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, hidden, inter,
+    stride_ar, stride_ai,
+    stride_we, stride_wh, stride_wi,
+    stride_be, stride_bh,
+    stride_ys, stride_yh,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :] * stride_ai
+    w_ptrs = (w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
+              + offs_k[:, None] * stride_wi)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _dot(aa, ww, acc, IEEE)
+        a_ptrs += BLOCK_K * stride_ai
+        w_ptrs += BLOCK_K * stride_wi
+
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if not WEIGHT_ON_INPUT:
+        w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    y_ptrs = y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_reduce_kernel(
+    y_ptr, out_ptr, slot_ok_ptr,
+    hidden,
+    stride_ys, stride_yh, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t, h] = sum over valid k of y[t*K + k, h], accumulated in fp32 in slot order."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = t * TOP_K + k
+        ok = tl.load(slot_ok_ptr + slot + offs_h * 0) != 0  # the slot's flag, as a [BLOCK_H] mask
+        y = tl.load(y_ptr + slot * stride_ys + offs_h * stride_yh, mask=h_ok & ok, other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)

@@ -1,0 +1,75 @@
+"""Tile configurations for the Triton MoE GEMMs: one validity predicate, a heuristic first.
+
+    tile = heuristic(problem)           # always valid (asserted by tests over many shapes)
+    check_tile(tile, ...) -> reason     # the one predicate; tuned tables are held to it too
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SMEM_BYTES = 227 * 1024  # per-block shared memory on H100/H200 (sm_90)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1) -> str | None:
+    """The reason `tile` cannot run, or None. `operands` = B tiles per K step (2 for gate+up)."""
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(tile, name)
+        if not _pow2(value) or not 16 <= value <= 256:
+            return f"{name}={value} must be a power of two in [16, 256] (tl.dot needs >= 16)"
+    if tile.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={tile.num_warps} must be one of 1, 2, 4, 8, 16"
+    if not 1 <= tile.num_stages <= 7:
+        return f"num_stages={tile.num_stages} must be in [1, 7]"
+    size = torch.empty((), dtype=dtype).element_size()
+    per_stage = (tile.block_m * tile.block_k + operands * tile.block_k * tile.block_n) * size
+    if per_stage * tile.num_stages > SMEM_BYTES:
+        return (
+            f"{tile.num_stages} stages x {per_stage} B = {per_stage * tile.num_stages} B of shared "
+            f"memory exceeds {SMEM_BYTES} B"
+        )
+    return None
+
+
+def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> int:
+    """Rows per block: about the tokens an expert receives, so padding stays small."""
+    per_expert = num_slots / max(1, min(num_local_experts, num_slots))
+    for bm in (16, 32, 64):
+        if per_expert <= bm:
+            return bm
+    return 64 if dtype == torch.float32 else 128
+
+
+def heuristic(
+    num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool
+) -> TileConfig:
+    """A valid tile for one grouped GEMM with N output columns and K reduction."""
+    block_m = block_m_for(num_slots, num_local_experts, dtype)
+    block_k = 32 if dtype == torch.float32 else 64
+    block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    operands = 2 if gated else 1
+    stages = 4
+    tile = TileConfig(block_m, block_n, block_k, num_warps, stages)
+    while check_tile(tile, dtype=dtype, operands=operands) and tile.num_stages > 1:
+        tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1)
+    return tile

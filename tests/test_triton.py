@@ -1,0 +1,233 @@
+"""The Triton backend's logic on the CPU, through the Triton interpreter (fp32/fp16, small sizes).
+
+bf16 is not tested here: the interpreter's bf16 tl.dot multiplies raw bit patterns
+(triton-lang/triton#11584); bf16 runs in tests/test_gpu.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
+from fusedmoe.backends.triton.experts import align, triton_experts, triton_experts_op  # noqa: E402
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
+from fusedmoe.modular import ExpertWeights  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: ~2^-11 per rounding, a few roundings deep
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape and not torch.isnan(out).any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# Alignment -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("use_map", [False, True])
+def test_align_sorts_pads_and_drops(block_m, use_map):
+    gen = torch.Generator().manual_seed(block_m + use_map)
+    num_global, top_k, tokens = 9, 3, 23
+    ids = torch.stack([torch.randperm(num_global, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    ids[0, 0], ids[1, 1] = -1, num_global  # out of range: must be dropped, never indexed
+    expert_map = None
+    num_local = num_global
+    if use_map:
+        expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1, 5], dtype=torch.int32)
+        num_local = 6
+    sorted_slot, block_expert, num_rows, slot_ok = align(ids, expert_map, num_global, num_local, block_m)
+    n = ids.numel()
+    assert sorted_slot.numel() % block_m == 0 and block_expert.numel() == sorted_slot.numel() // block_m
+    rows = int(num_rows)
+    # every valid slot appears exactly once, in a block of its own expert, in increasing slot order
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < num_global)
+    local = torch.where(valid, flat, torch.zeros_like(flat))
+    if expert_map is not None:
+        local = expert_map.long()[local]
+        valid &= local >= 0
+    assert torch.equal(slot_ok.bool(), valid)
+    seen = sorted_slot[:rows][sorted_slot[:rows] < n].long()
+    assert sorted(seen.tolist()) == torch.nonzero(valid).flatten().tolist()
+    assert (sorted_slot[rows:] == n).all()
+    for b in range(rows // block_m):
+        blk = sorted_slot[b * block_m:(b + 1) * block_m].long()
+        real = blk[blk < n]
+        assert real.numel() > 0, "a block in use holds at least one slot"
+        assert (local[real] == block_expert[b]).all()
+        assert torch.equal(real, real.sort().values), "stable: slots keep their order"
+    counts = torch.bincount(local[valid], minlength=num_local)
+    assert rows == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_align_is_deterministic():
+    ids = torch.randint(0, 16, (300, 4), generator=torch.Generator().manual_seed(1)).int()
+    first = align(ids, None, 16, 16, 16)
+    for _ in range(3):
+        again = align(ids, None, 16, 16, 16)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+# Tiles -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_heuristic_tiles_are_valid(dtype):
+    for slots in (1, 7, 64, 1000, 32768, 10**6):
+        for experts in (1, 8, 128, 512):
+            for n, k, gated in ((256, 7168, True), (14336, 4096, True), (4096, 14336, False), (37, 65, False)):
+                tile = heuristic(slots, experts, n, k, dtype, gated=gated)
+                assert check_tile(tile, dtype=dtype, operands=2 if gated else 1) is None, tile
+
+
+def test_check_tile_reasons():
+    assert "power of two" in check_tile(TileConfig(24, 64, 64), dtype=torch.float16)
+    assert ">= 16" in check_tile(TileConfig(8, 64, 64), dtype=torch.float16)
+    assert "shared memory" in check_tile(TileConfig(256, 256, 256, 8, 4), dtype=torch.float32, operands=2)
+    assert "num_warps" in check_tile(TileConfig(64, 64, 64, 3), dtype=torch.float16)
+
+
+# Kernels vs the reference --------------------------------------------------------------------------
+CASES = [
+    # id, T, E, K, H, I, activation, bias, weight_on_input, expert_map
+    ("basic", 9, 6, 2, 64, 32, "silu", False, False, False),
+    ("odd-sizes", 5, 7, 3, 65, 37, "silu", True, False, False),
+    ("gelu-bias", 6, 4, 2, 48, 40, "gelu", True, False, False),
+    ("gelu-tanh", 4, 5, 2, 32, 48, "gelu_tanh", False, False, False),
+    ("swigluoai", 6, 4, 2, 48, 40, "swigluoai", True, False, False),
+    ("silu-no-mul", 5, 5, 2, 32, 24, "silu_no_mul", False, False, False),
+    ("gelu-no-mul", 5, 5, 2, 32, 24, "gelu_no_mul", True, False, False),
+    ("relu2", 7, 6, 3, 40, 24, "relu2_no_mul", False, False, False),
+    ("top1-weight-on-input", 8, 5, 1, 32, 32, "silu", True, True, False),
+    ("topk-equals-e", 3, 4, 4, 32, 16, "silu", False, False, False),
+    ("m1", 1, 8, 2, 64, 32, "silu", False, False, False),
+    ("expert-map", 9, 8, 3, 32, 32, "silu", True, False, True),
+    ("many-tokens", 70, 3, 2, 32, 16, "silu", False, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernels_match_reference(case, dtype):
+    _, T, E, K, H, I, act, bias, on_input, use_map = case
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
+    rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
+    num_local = E
+    expert_map = None
+    if use_map:  # this rank holds experts 0, 2, 4, ...; others contribute zero
+        local_ids = list(range(0, E, 2))
+        num_local = len(local_ids)
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[local_ids] = torch.arange(num_local, dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(num_local, rows, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(num_local, H, I, generator=gen) / I**0.5).to(dtype)
+    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(num_local, H, generator=gen).to(dtype) if bias else None
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K, renormalize=not on_input)
+    alpha, limit = (1.5, 6.0) if act == "swigluoai" else (1.702, None)
+    out = triton_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE),
+                         None if b13 is None else b13.to(DEVICE), None if b2 is None else b2.to(DEVICE),
+                         None if expert_map is None else expert_map.to(DEVICE), E, act, on_input, alpha, limit)
+    ref = fused_experts_ref(
+        x.double(), w13.double(), w2.double(), weights, ids, activation=act,
+        apply_router_weight_on_input=on_input, expert_map_E=expert_map, global_num_experts=E,
+        w13_bias_LG=None if b13 is None else b13.double(), w2_bias_LH=None if b2 is None else b2.double(),
+        swiglu_alpha=alpha, swiglu_limit=limit,
+    )
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+def test_swiglu_clamp_applied():
+    gen = torch.Generator().manual_seed(3)
+    T, E, K, H, I = 6, 4, 2, 32, 16
+    x = torch.randn(T, H, generator=gen) * 4  # large activations so the clamp bites
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen) / I**0.5
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K)
+    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, 1.0)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, swiglu_limit=1.0)
+    unclamped = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
+    assert rel_err(out, ref) < 1e-5 and rel_err(out, unclamped) > 0.1
+
+
+def test_empty_experts_and_all_to_one():
+    T, E, H, I = 12, 6, 32, 16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 6, torch.randn(E, H, I, generator=gen) / 4
+    ids = torch.full((T, 1), 4, dtype=torch.int32)  # every token to expert 4; the others get nothing
+    weights = torch.rand(T, 1, generator=gen)
+    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_out_of_range_ids_contribute_zero():
+    T, E, K, H, I = 5, 4, 2, 32, 16
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 6, torch.randn(E, H, I, generator=gen) / 4
+    ids = torch.tensor([[0, 1], [-1, 2], [3, E], [E + 7, -5], [2, 3]], dtype=torch.int32)
+    weights = torch.rand(T, K, generator=gen)
+    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
+    keep = (ids >= 0) & (ids < E)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights * keep, ids.clamp(0, E - 1))
+    assert rel_err(out, ref) < 1e-5
+    assert out[3].abs().max() == 0
+
+
+def test_zero_tokens():
+    x = torch.randn(0, 32)
+    out = triton_experts(x, torch.randn(4, 32, 32), torch.randn(4, 32, 16), torch.rand(0, 2),
+                         torch.zeros(0, 2, dtype=torch.int32), None, None, None, 4, "silu", False, 1.702, None)
+    assert out.shape == (0, 32)
+
+
+def test_deterministic():
+    gen = torch.Generator().manual_seed(8)
+    T, E, K, H, I = 20, 5, 2, 32, 16
+    x = torch.randn(T, H, generator=gen).half()
+    w13, w2 = (torch.randn(E, 2 * I, H, generator=gen) / 6).half(), (torch.randn(E, H, I, generator=gen) / 4).half()
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K)
+    a = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
+    b = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
+    assert torch.equal(a, b)
+
+
+def test_experts_class_and_custom_op_fake():
+    from fusedmoe.backends.triton.experts import TritonExperts
+
+    config = MoEConfig(4, 2, 32, 16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 32, generator=gen)
+    w = ExpertWeights(torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4)
+    weights, ids = select_experts(x, torch.randn(3, 4, generator=gen), 2)
+    out = TritonExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    ref = fused_experts_ref(x.double(), w.w13.double(), w.w2.double(), weights, ids)
+    assert rel_err(out, ref) < 1e-5
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx = torch.empty(7, 32)
+        fake = triton_experts_op(fx, torch.empty(4, 32, 32), torch.empty(4, 32, 16), torch.empty(7, 2),
+                                 torch.empty(7, 2, dtype=torch.int32), None, None, None, 4, "silu", False,
+                                 1.702, None)
+        assert fake.shape == (7, 32) and fake.dtype == torch.float32
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(3, 32, generator=gen)
+    w13, w2 = torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4
+    weights, ids = select_experts(x, torch.randn(3, 4, generator=gen), 2)
+    torch.library.opcheck(
+        triton_experts_op, (x, w13, w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None),
+        test_utils=("test_schema", "test_faketensor"),
+    )

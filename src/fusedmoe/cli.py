@@ -1,8 +1,9 @@
-"""`fusedmoe` command line: explain | demo | env.
+"""`fusedmoe` command line: explain | demo | bench | env.
 
     fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
+    fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
     fusedmoe env [--json]
 """
 
@@ -36,9 +37,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--list", action="store_true", help="list the model presets and exit")
     env = sub.add_parser("env", help="versions, device, optional backend packages, FUSEDMOE_* knobs")
     env.add_argument("--json", action="store_true")
+    bench = sub.add_parser("bench", help="time backends on model presets (CUDA graphs, rotated weights)")
+    bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the 5 targets)")
+    bench.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,1024,4096)")
+    bench.add_argument("--backends", default="triton,grouped_mm,torch",
+                       help="comma-separated backends, or 'all' for every one that runs here")
+    bench.add_argument("--copies", type=int, default=4, help="weight copies rotated per replay (>= 4)")
+    bench.add_argument("--csv", default=None, help="write rows as CSV")
+    bench.add_argument("--json", default=None, help="write rows and metadata as JSON")
+    bench.add_argument("--plot", default=None, help="write a PNG of %% of roofline per preset")
+    bench.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
     args = parser.parse_args(argv)
     try:
-        return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env}[args.command](args)
+        return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env,
+                "bench": cmd_bench}[args.command](args)
     except (ValueError, NotImplementedError) as exc:
         print(f"fusedmoe {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -229,6 +241,118 @@ def _short_table(explanation) -> str:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# bench -------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from fusedmoe import bench
+    from fusedmoe.presets import get_preset
+
+    if not torch.cuda.is_available():
+        raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
+    if args.copies < 4:
+        raise ValueError(f"--copies {args.copies}: rotate at least 4 weight copies so decode does not time L2")
+    presets = [get_preset(p) for p in (args.presets.split(",") if args.presets else bench.TARGET_PRESETS)]
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(bench.DEFAULT_TOKENS)
+    backends = _bench_backends(args.backends)
+    ceilings = bench.measure_ceilings()
+    meta = _bench_meta(ceilings, args.commit)
+    print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s "
+          f"(measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}", flush=True)
+    rows = []
+    total = len(presets) * len(tokens) * len(backends)
+
+    def progress(label: str) -> None:
+        done = len(rows) + 1
+        print(f"\r[{done:>3}/{total}] {label:<50}", end="", file=sys.stderr, flush=True)
+
+    for preset in presets:
+        rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress)
+    print(file=sys.stderr)
+    print(bench.format_table(rows, [b for b in ("torch", "grouped_mm") if b in backends]))
+    if args.csv:
+        _write_csv(args.csv, rows, meta)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=1)
+    if args.plot:
+        _plot(args.plot, rows, meta)
+    return 0
+
+
+def _bench_backends(spec: str) -> list[str]:
+    from fusedmoe.backends import REGISTRY
+
+    if spec == "all":
+        return [n for n in ("triton", "grouped_mm", "torch") if n in REGISTRY]
+    names = [b.strip() for b in spec.split(",") if b.strip()]
+    unknown = [b for b in names if b not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {sorted(REGISTRY)}")
+    return names
+
+
+def _bench_meta(ceilings, commit: str | None) -> dict:
+    import subprocess
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"device": ceilings.device, "bandwidth_TBps": ceilings.bandwidth / 1e12,
+            "bf16_TFLOPs": ceilings.bf16_flops / 1e12, "torch": torch.__version__,
+            "triton": triton_version, "cuda": torch.version.cuda, "commit": commit,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def _write_csv(path: str, rows, meta: dict) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        f.write("# " + " ".join(f"{k}={v}" for k, v in meta.items()) + "\n")
+        writer = csv.writer(f)
+        writer.writerow(["preset", "backend", "tokens", "experts_touched", "us", "tflops", "gbps",
+                         "roof_pct", "bound", "speedup_vs_torch", "speedup_vs_grouped_mm", "error"])
+        for r in rows:
+            writer.writerow([r.preset, r.backend, r.tokens, r.experts_touched, f"{r.us:.2f}",
+                             f"{r.tflops:.2f}", f"{r.gbps:.1f}", f"{r.roof_pct:.1f}", r.bound,
+                             f"{r.speedup_vs.get('torch', float('nan')):.2f}",
+                             f"{r.speedup_vs.get('grouped_mm', float('nan')):.2f}", r.error or ""])
+
+
+def _plot(path: str, rows, meta: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from exc
+    presets = sorted({r.preset for r in rows})
+    fig, axes = plt.subplots(1, len(presets), figsize=(4 * len(presets), 3.5), squeeze=False)
+    for ax, preset in zip(axes[0], presets, strict=True):
+        for backend in sorted({r.backend for r in rows}):
+            pts = [(r.tokens, r.roof_pct) for r in rows if r.preset == preset and r.backend == backend and not r.error]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_title(preset)
+        ax.set_xlabel("tokens")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("% of roofline")
+    axes[0][0].legend()
+    fig.suptitle(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # env ---------------------------------------------------------------------------------------------

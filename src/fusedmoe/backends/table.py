@@ -78,6 +78,21 @@ def _gated_only_hidden_multiple(multiple: int):
     return check
 
 
+def _grouped_mm_requirements(config: MoEConfig, platform: Platform) -> str | None:
+    from fusedmoe.backends.grouped_mm import grouped_mm_available
+
+    if not grouped_mm_available():
+        return "this torch has no grouped_mm"
+    if platform.kind == "cuda":
+        if not platform.capability_at_least(9, 0):
+            return f"torch's CUDA grouped_mm needs device capability >= 9.0, got {platform.capability_str}"
+        if config.dtype != torch.bfloat16:
+            return f"torch's CUDA grouped_mm takes bfloat16, not {config.dtype}"
+        if config.hidden_size % 8 or config.intermediate_size_per_partition % 8:
+            return "torch's CUDA grouped_mm needs hidden and intermediate sizes that are multiples of 8"
+    return None
+
+
 def _oot_plugin_missing(config: MoEConfig, platform: Platform) -> str | None:
     return (
         "out-of-tree platforms bring their own backend: register it with "
@@ -122,6 +137,13 @@ BUILTIN: tuple[Backend, ...] = (
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8)),
         features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=ALL_DTYPES,
         needs_triton=True, twin="triton", deterministic=True,
+    ),
+    Backend(
+        "grouped_mm", "PyTorch grouped GEMM over slots sorted by expert (the baseline users write)",
+        kinds=frozenset(("cuda", "cpu")), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
+        features=ALL_FEATURES - {"routed_scaling", "lora"}, deterministic=True,
+        extra_checks=(_grouped_mm_requirements,),
+        impl="fusedmoe.backends.grouped_mm:GroupedMMExperts",
     ),
     # FlashInfer -------------------------------------------------------------------------------
     Backend(
@@ -260,7 +282,7 @@ _PLATFORM_TAIL = (("xpu", None), ("cpu", None), ("tpu", None), ("oot", None))
 PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
     "unquantized": (
         ("flashinfer_trtllm", None), ("flashinfer_cutlass", None), ("aiter", None),
-        ("triton", None), ("batched_triton", None), *_PLATFORM_TAIL,
+        ("triton", None), ("batched_triton", None), *_PLATFORM_TAIL, ("grouped_mm", None),
     ),
     "fp8": (
         ("aiter", None), ("flashinfer_trtllm", None), ("flashinfer_cutlass", None),

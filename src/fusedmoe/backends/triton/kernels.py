@@ -64,7 +64,7 @@ def _activation(g, u, alpha, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:  # fp32 inputs: exact fp32 products, not TF32
+    if IEEE:  # noqa: SIM108 (constexpr branch)  fp32 inputs: exact fp32 products, not TF32
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)

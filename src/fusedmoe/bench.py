@@ -1,0 +1,204 @@
+"""Benchmarks: one timer (CUDA-graph replay, median, weights rotated) and the roofline.
+
+    t      = median over replays of a graph that runs the layer once on each of R >= 4 weight
+             copies, divided by R (so decode reads HBM, not the 50-60 MB L2)
+    bytes  = E_touched * (G + I) * H * w_bytes + T * H * 2 * a_bytes     (E_touched from the ids)
+    flops  = 2 * T * K * H * (G + I)                                     (G = 2I gated, else I)
+    t_roof = max(bytes / BW, flops / PEAK), BW and PEAK measured in the same run
+    % roof = t_roof / t
+Routing is excluded: ids and weights are drawn once (uniform random logits) before timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe.presets import Preset
+
+DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+TARGET_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "llama-4-maverick")
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    device: str
+    bandwidth: float  # bytes/s, the larger of a D2D copy (read + write) and a read-only reduction
+    bf16_flops: float  # FLOP/s of an 8192^3 bf16 matmul
+
+    @property
+    def ridge(self) -> float:
+        return self.bf16_flops / self.bandwidth
+
+
+@dataclass
+class Row:
+    preset: str
+    backend: str
+    tokens: int
+    experts_touched: int
+    us: float
+    tflops: float
+    gbps: float
+    roof_pct: float
+    bound: str
+    speedup_vs: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+def _events_median(fn: Callable[[], None], iters: int) -> float:
+    """Median seconds of fn() timed with CUDA events."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _bandwidth(device: torch.device, gib: float) -> float:
+    src = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_bw = 2 * src.numel() * 2 / _events_median(lambda: dst.copy_(src), 10)
+    src.sum(dtype=torch.float32)
+    read_bw = src.numel() * 2 / _events_median(lambda: src.sum(dtype=torch.float32), 10)
+    return max(copy_bw, read_bw)
+
+
+def _matmul_rate(device: torch.device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a @ b
+    return 2 * 8192**3 / _events_median(lambda: a @ b, 10)
+
+
+def measure_ceilings(device: torch.device | str = "cuda", gib: float = 2.0) -> Ceilings:
+    """Bandwidth (copy or read, whichever is faster) and dense bf16 rate, on random data."""
+    device = torch.device(device)
+    return Ceilings(torch.cuda.get_device_name(device), _bandwidth(device, gib), _matmul_rate(device))
+
+
+def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, iters: int = 30) -> float:
+    """Median seconds per call over `calls` (one per weight copy), replayed as one CUDA graph."""
+    for call in calls:  # compile / JIT every kernel outside capture
+        call()
+    torch.cuda.synchronize()
+    if not graph:
+        def run():
+            for call in calls:
+                call()
+        return _events_median(run, max(3, iters // 3)) / len(calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for call in calls:
+            call()
+    g.replay()
+    torch.cuda.synchronize()
+    return _events_median(g.replay, iters) / len(calls)
+
+
+def roofline(preset: Preset, tokens: int, experts_touched: int, inter: int, ceilings: Ceilings,
+             w_bytes: float = 2.0, a_bytes: int = 2) -> tuple[float, float, float, str]:
+    """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call."""
+    gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+    g = 2 * inter if gated else inter
+    bytes_ = experts_touched * (g + inter) * preset.hidden_size * w_bytes + tokens * preset.hidden_size * 2 * a_bytes
+    flops = 2 * tokens * preset.top_k * preset.hidden_size * (g + inter)
+    t_mem, t_cmp = bytes_ / ceilings.bandwidth, flops / ceilings.bf16_flops
+    return bytes_, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute"
+
+
+def bench_preset(
+    preset: Preset,
+    backends: Sequence[str],
+    tokens_list: Sequence[int],
+    ceilings: Ceilings,
+    *,
+    copies: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time each backend on one preset (its benchmark TP split) at each token count."""
+    from fusedmoe.api import fused_experts
+    from fusedmoe.routing import select_experts
+
+    device = torch.device("cuda")
+    inter = preset.intermediate_size // preset.bench_tp
+    gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+    rows_w13 = 2 * inter if gated else inter
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h = preset.hidden_size
+    weights = []
+    for _ in range(copies):
+        w13 = (torch.randn(preset.num_experts, rows_w13, h, device=device, generator=gen) / h**0.5).to(dtype)
+        w2 = (torch.randn(preset.num_experts, h, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+        b13 = torch.randn(preset.num_experts, rows_w13, device=device, generator=gen).to(dtype) if preset.has_bias else None
+        b2 = torch.randn(preset.num_experts, h, device=device, generator=gen).to(dtype) if preset.has_bias else None
+        weights.append((w13, w2, b13, b2))
+    out: list[Row] = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)
+        logits = torch.randn(tokens, preset.num_experts, device=device, generator=gen)
+        renorm = not preset.apply_router_weight_on_input
+        topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
+                                          scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
+        touched = int(torch.unique(topk_ids).numel())
+        nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings)
+        results: dict[str, float] = {}
+        for backend in backends:
+            if progress:
+                progress(f"{preset.name} M={tokens} {backend}")
+            kw = dict(activation=preset.activation, backend=backend,
+                      apply_router_weight_on_input=preset.apply_router_weight_on_input)
+            calls = [
+                (lambda w13=w13, w2=w2, b13=b13, b2=b2, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
+                 fused_experts(x, w13, w2, topk_w, topk_ids, w13_bias=b13, w2_bias=b2, **kw))
+                for (w13, w2, b13, b2) in weights
+            ]
+            try:
+                t = time_rotated(calls, graph=backend != "torch")
+            except Exception as exc:  # a backend that cannot run here is a row with its reason
+                out.append(Row(preset.name, backend, tokens, touched, float("nan"), float("nan"),
+                               float("nan"), float("nan"), bound, error=f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            results[backend] = t
+            out.append(Row(preset.name, backend, tokens, touched, t * 1e6, flops / t / 1e12,
+                           nbytes / t / 1e9, 100 * t_roof / t, bound))
+        for row in out[-len(backends):]:
+            if row.tokens == tokens and row.backend in results:
+                row.speedup_vs = {b: results[b] / results[row.backend] for b in results if b != row.backend}
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def format_table(rows: Sequence[Row], baselines: Sequence[str] = ("torch", "grouped_mm")) -> str:
+    head = f"{'preset':18} {'backend':11} {'M':>5} {'E_act':>5} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'%roof':>6} {'bound':7}"
+    head += "".join(f" {'vs ' + b:>14}" for b in baselines)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.error:
+            lines.append(f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5}  error: {r.error}")
+            continue
+        line = (f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5} {r.us:>9.1f} "
+                f"{r.tflops:>8.1f} {r.gbps:>7.0f} {r.roof_pct:>6.1f} {r.bound:7}")
+        for b in baselines:
+            s = r.speedup_vs.get(b)
+            line += f" {f'{s:.2f}x' if s else '-':>14}"
+        lines.append(line)
+    return "\n".join(lines)

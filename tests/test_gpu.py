@@ -1,0 +1,180 @@
+"""GPU tests: every kernel against the reference on real shapes, edge cases, graphs, compile.
+
+Skipped without CUDA. Run on the device machine: `pytest -m gpu tests/test_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedmoe
+from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
+from fusedmoe.presets import PRESETS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # fp32: TF32-free (ieee) dots
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill freed cache blocks with NaN so an output element the kernel never writes shows up."""
+    torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
+
+
+def make(T, E, K, H, I, dtype, *, act="silu", bias=False, seed=0, on_input=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
+    x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    w13 = (torch.randn(E, rows, H, device="cuda", generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(dtype)
+    b13 = torch.randn(E, rows, device="cuda", generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(dtype) if bias else None
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    w, ids = select_experts(x, logits, K, renormalize=not on_input)
+    return x, w13, w2, b13, b2, w, ids
+
+
+def ref_of(x, w13, w2, b13, b2, w, ids, **kw):
+    return fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids,
+                             w13_bias_LG=None if b13 is None else b13.float(),
+                             w2_bias_LH=None if b2 is None else b2.float(), **kw)
+
+
+SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "llama-4-maverick"]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_presets_bf16(name, tokens):
+    p = PRESETS[name]
+    inter = p.intermediate_size // p.bench_tp
+    x, w13, w2, b13, b2, w, ids = make(tokens, p.num_experts, p.top_k, p.hidden_size, inter, torch.bfloat16,
+                                       act=p.activation, bias=p.has_bias, on_input=p.apply_router_weight_on_input)
+    kw = dict(activation=p.activation, apply_router_weight_on_input=p.apply_router_weight_on_input)
+    poison_allocator()
+    out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
+    assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, **kw)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu", "swigluoai", "relu2_no_mul", "silu_no_mul"])
+def test_dtypes_and_activations(dtype, act):
+    x, w13, w2, b13, b2, w, ids = make(77, 12, 3, 256, 192, dtype, act=act, bias=True, seed=1)
+    poison_allocator()
+    out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, activation=act, backend="triton")
+    assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, activation=act)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("T,E,K,H,I", [(0, 8, 2, 128, 64), (1, 8, 2, 128, 64), (5, 7, 3, 65, 37),
+                                       (33, 6, 6, 4096, 128), (9, 257, 8, 256, 96)])
+def test_edge_shapes(T, E, K, H, I):
+    x, w13, w2, b13, b2, w, ids = make(T, E, K, H, I, torch.bfloat16, seed=2)
+    out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    assert out.shape == (T, H)
+    if T:
+        assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids)) < TOL[torch.bfloat16]
+
+
+def test_all_tokens_one_expert_and_empty_experts():
+    x, w13, w2, _, _, w, ids = make(500, 16, 1, 512, 256, torch.bfloat16, seed=3)
+    ids = torch.full_like(ids, 11)
+    out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    assert rel_err(out, ref_of(x, w13, w2, None, None, w, ids)) < TOL[torch.bfloat16]
+
+
+def test_expert_map_and_out_of_range_ids():
+    x, w13, w2, _, _, w, ids = make(64, 16, 4, 256, 128, torch.bfloat16, seed=4)
+    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    expert_map[1::2] = torch.arange(8, dtype=torch.int32, device="cuda")
+    w13l, w2l = w13[:8].contiguous(), w2[:8].contiguous()
+    out = fused_experts(x, w13l, w2l, w, ids, expert_map=expert_map, global_num_experts=16, backend="triton")
+    ref = fused_experts_ref(x.float(), w13l.float(), w2l.float(), w, ids, expert_map_E=expert_map,
+                            global_num_experts=16)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    bad = ids.clone()
+    bad[::3, 0] = 99  # out of range, validation off: contributes zero, never read out of bounds
+    out = fused_experts(x, w13, w2, w, bad, backend="triton", validate=False)
+    keep = (bad < 16).float()
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w * keep, bad.clamp(max=15))
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="outside"):
+        fused_experts(x, w13, w2, w, bad, backend="triton", validate=True)
+
+
+def test_int32_offset_overflow():
+    """T*K*H = 100000 * 6 * 4096 > 2^31: row offsets must be 64-bit."""
+    T, E, K, H, I = 100_000, 8, 6, 4096, 128
+    x, w13, w2, _, _, w, ids = make(T, E, K, H, I, torch.bfloat16, seed=5)
+    out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    rows = torch.cat([torch.arange(0, 100), torch.arange(T - 100, T)]).cuda()
+    ref = ref_of(x[rows], w13, w2, None, None, w[rows], ids[rows])
+    assert rel_err(out[rows], ref) < TOL[torch.bfloat16]
+
+
+def test_deterministic_and_cuda_graph():
+    x, w13, w2, _, _, w, ids = make(200, 32, 4, 1024, 512, torch.bfloat16, seed=6)
+    first = fused_experts(x, w13, w2, w, ids, backend="triton")
+    assert torch.equal(first, fused_experts(x, w13, w2, w, ids, backend="triton"))
+    static_out = None
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_experts(x, w13, w2, w, ids, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        static_out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first)
+    # new routing through the same graph
+    w2_, ids2 = select_experts(x, torch.randn(200, 32, device="cuda"), 4)
+    w.copy_(w2_)
+    ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(static_out, ref_of(x, w13, w2, None, None, w, ids)) < TOL[torch.bfloat16]
+
+
+def test_layer_selects_triton_and_compiles():
+    E, K, H, I = 16, 4, 512, 256
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, H**-0.5)
+        layer.w2_weight.normal_(0, I**-0.5)
+    assert layer.process_weights_after_loading().name == "triton"
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(37, E, device="cuda")
+    eager = layer(x, logits)
+    compiled = torch.compile(layer, fullgraph=True)
+    out = compiled(x, logits)
+    assert rel_err(out, eager) < 1e-2
+    w, ids = layer.route(x, logits)
+    assert rel_err(eager, ref_of(x, layer.w13_weight, layer.w2_weight, None, None, w, ids)) < TOL[torch.bfloat16]
+
+
+def test_grouped_mm_backend():
+    reason = fusedmoe.backends.REGISTRY["grouped_mm"].check(fusedmoe.MoEConfig(8, 2, 256, 128),
+                                                            fusedmoe.Platform.current())
+    if reason is not None:
+        pytest.skip(f"grouped_mm unsupported here: {reason}")
+    x, w13, w2, b13, b2, w, ids = make(70, 8, 2, 256, 128, torch.bfloat16, bias=True, seed=7)
+    out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, backend="grouped_mm")
+    assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids)) < TOL[torch.bfloat16]
+
+
+def test_opcheck_on_gpu():
+    from fusedmoe.backends.triton.experts import triton_experts_op
+
+    x, w13, w2, _, _, w, ids = make(9, 8, 2, 128, 64, torch.bfloat16, seed=8)
+    torch.library.opcheck(triton_experts_op, (x, w13, w2, w, ids, None, None, None, 8, "silu", False, 1.702, None))

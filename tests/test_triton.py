@@ -18,7 +18,12 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
-from fusedmoe.backends.triton.experts import align, triton_experts, triton_experts_op  # noqa: E402
+from fusedmoe.backends.triton.experts import (  # noqa: E402
+    _align_small,
+    align_torch,
+    triton_experts,
+    triton_experts_op,
+)
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import ExpertWeights  # noqa: E402
 
@@ -32,9 +37,10 @@ def rel_err(out, ref):
 
 
 # Alignment -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("align", [align_torch, _align_small], ids=["torch", "one-program"])
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("use_map", [False, True])
-def test_align_sorts_pads_and_drops(block_m, use_map):
+def test_align_sorts_pads_and_drops(block_m, use_map, align):
     gen = torch.Generator().manual_seed(block_m + use_map)
     num_global, top_k, tokens = 9, 3, 23
     ids = torch.stack([torch.randperm(num_global, generator=gen)[:top_k] for _ in range(tokens)]).int()
@@ -71,10 +77,23 @@ def test_align_sorts_pads_and_drops(block_m, use_map):
 
 def test_align_is_deterministic():
     ids = torch.randint(0, 16, (300, 4), generator=torch.Generator().manual_seed(1)).int()
-    first = align(ids, None, 16, 16, 16)
+    first = align_torch(ids, None, 16, 16, 16)
     for _ in range(3):
-        again = align(ids, None, 16, 16, 16)
+        again = align_torch(ids, None, 16, 16, 16)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 256), (13, 6, 7), (32, 8, 60), (3, 4, 4)])
+def test_one_program_align_equals_torch_align(tokens, top_k, experts):
+    gen = torch.Generator().manual_seed(tokens * experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    expert_map = torch.randperm(experts, generator=gen).int()
+    expert_map[::3] = -1
+    for emap, num_local in ((None, experts), (expert_map, experts)):
+        for block_m in (16, 64):
+            got = _align_small(ids, emap, experts, num_local, block_m)
+            want = align_torch(ids, emap, experts, num_local, block_m)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 # Tiles -------------------------------------------------------------------------------------------------

@@ -32,8 +32,14 @@ class ExpertsShape:
 
 
 def should_validate(validate: bool | None, *tensors: torch.Tensor | None) -> bool:
+    """Explicit argument, else always for CPU tensors, else FUSEDMOE_VALIDATE.
+
+    Never inside torch.compile tracing unless asked for: value checks would break the graph.
+    """
     if validate is not None:
         return bool(validate)
+    if torch.compiler.is_compiling():
+        return False
     if all(t is None or t.device.type == "cpu" for t in tensors):
         return True
     return bool(knobs.get("VALIDATE"))

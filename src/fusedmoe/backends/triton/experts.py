@@ -9,6 +9,8 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
@@ -19,6 +21,9 @@ ACT_CODES = {name: i for i, name in enumerate(
     ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
 )}
 assert set(ACT_CODES) == set(ACTIVATIONS)
+
+
+ALIGN_SMALL_MAX_SLOTS = 256  # one-program alignment up to here: a [N, N] rank compare in registers
 
 
 def align(
@@ -34,7 +39,48 @@ def align(
     int32, num_rows [1] int32 (padded rows in use) and slot_ok [N] int8 (1 = the slot runs here).
     R = N + min(L, N)*(block_m - 1) rounded up to block_m: the worst case, known on the host, so
     nothing waits on the device. The sort is stable: the same ids give the same order, bit for bit.
+    Few slots (decode) take one Triton program; more take a handful of torch ops.
     """
+    if topk_ids_TK.numel() <= ALIGN_SMALL_MAX_SLOTS and num_local_experts < 4096:
+        return _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
+    return align_torch(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
+
+
+def _rows(n: int, num_local: int, block_m: int) -> int:
+    rows = n + min(num_local, n) * (block_m - 1)
+    return (rows + block_m - 1) // block_m * block_m
+
+
+def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m):
+    from fusedmoe.backends.triton import kernels
+
+    device = topk_ids_TK.device
+    n = topk_ids_TK.numel()
+    rows = _rows(n, num_local_experts, block_m)
+    sorted_slot = torch.empty(rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    slot_ok = torch.empty(n, dtype=torch.int8, device=device)
+    block_e = triton_next_pow2(num_local_experts + 1)
+    scratch = torch.empty(block_e, dtype=torch.int32, device=device)
+    ids = topk_ids_TK.reshape(-1)
+    kernels.moe_align_small_kernel[(1,)](
+        ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
+        slot_ok, scratch, n, num_global_experts, num_local_experts, rows,
+        HAS_MAP=expert_map_E is not None, BLOCK_N=max(16, triton_next_pow2(n)), BLOCK_E=block_e,
+        BLOCK_M=block_m, BLOCK_R=1024, num_warps=4,
+    )
+    return sorted_slot, block_expert, num_rows, slot_ok
+
+
+def align_torch(
+    topk_ids_TK: torch.Tensor,
+    expert_map_E: torch.Tensor | None,
+    num_global_experts: int,
+    num_local_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align` with torch ops (stable sort, scatter_add counts, cumsum, searchsorted): any size."""
     device = topk_ids_TK.device
     n = topk_ids_TK.numel()
     num_local = num_local_experts
@@ -56,8 +102,7 @@ def align(
     unpadded_start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(n, device=device) - unpadded_start[sorted_local]
 
-    rows = n + min(num_local, n) * (block_m - 1)
-    rows = (rows + block_m - 1) // block_m * block_m
+    rows = _rows(n, num_local, block_m)
     is_local = sorted_local < num_local
     dest = torch.where(
         is_local, padded_start[sorted_local.clamp(max=num_local - 1)] + rank,
@@ -100,8 +145,9 @@ def triton_experts(
         return out
     n_slots = num_tokens * top_k
     if tiles is None:
-        t1 = heuristic(n_slots, num_local, inter, hidden, x_TH.dtype, gated=gated)
-        t2 = heuristic(n_slots, num_local, hidden, inter, x_TH.dtype, gated=False)
+        sms = _num_sms(x_TH.device)
+        t1 = heuristic(n_slots, num_local, inter, hidden, x_TH.dtype, gated=gated, num_sms=sms)
+        t2 = heuristic(n_slots, num_local, hidden, inter, x_TH.dtype, gated=False, num_sms=sms)
     else:
         t1, t2 = tiles
     if t1.block_m != t2.block_m:
@@ -150,6 +196,13 @@ def triton_experts(
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
     )
     return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:

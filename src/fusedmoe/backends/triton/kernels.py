@@ -195,3 +195,45 @@ def moe_reduce_kernel(
         y = tl.load(y_ptr + slot * stride_ys + offs_h * stride_yh, mask=h_ok & ok, other=0.0)
         acc += y.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def moe_align_small_kernel(
+    ids_ptr, expert_map_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr, slot_ok_ptr, scratch_ptr,
+    num_slots, num_global, num_local, total_rows,
+    HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The whole alignment in one program, for few slots (decode): same result as the torch path.
+
+    rank(i) = #{j < i : expert(j) == expert(i)} (stable); dest(i) = padded_start[expert(i)] + rank(i)
+    """
+    offs = tl.arange(0, BLOCK_N)
+    in_range = offs < num_slots
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (ids >= 0) & (ids < num_global)
+    local = tl.where(valid, ids, 0)
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
+        valid = valid & (local >= 0)
+    local = tl.where(valid, local, num_local)  # invalid and padding lanes -> bucket L
+    tl.store(slot_ok_ptr + offs, valid.to(tl.int8), mask=in_range)
+
+    counts = tl.histogram(local, BLOCK_E)
+    experts = tl.arange(0, BLOCK_E)
+    padded = tl.where(experts < num_local, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(scratch_ptr + experts, padded_end - padded)
+    tl.store(num_rows_ptr, tl.sum(padded, 0))
+    for r0 in range(0, total_rows, BLOCK_R):  # every row starts as padding, every block unowned
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tl.store(sorted_slot_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_slots, mask=rows < total_rows)
+        tl.store(block_expert_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_local,
+                 mask=rows < total_rows // BLOCK_M)
+    tl.debug_barrier()
+
+    same = (local[:, None] == local[None, :]) & (offs[None, :] < offs[:, None])
+    rank = tl.sum(same.to(tl.int32), 1)
+    dest = tl.load(scratch_ptr + local, mask=valid, other=0) + rank
+    tl.store(sorted_slot_ptr + dest, offs.to(tl.int32), mask=valid)
+    tl.store(block_expert_ptr + dest // BLOCK_M, local.to(tl.int32), mask=valid)

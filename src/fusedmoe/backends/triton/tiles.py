@@ -60,16 +60,34 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 
 
 def heuristic(
-    num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool
+    num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
+    num_sms: int = 132,
 ) -> TileConfig:
-    """A valid tile for one grouped GEMM with N output columns and K reduction."""
+    """A valid tile for one grouped GEMM with N output columns and K reduction.
+
+    Few rows per expert (decode) make the GEMM a weight stream: narrow N tiles give enough
+    programs to keep every SM busy (>= 2 per SM) and long K tiles keep bytes in flight.
+    """
     block_m = block_m_for(num_slots, num_local_experts, dtype)
-    block_k = 32 if dtype == torch.float32 else 64
-    block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     operands = 2 if gated else 1
-    stages = 4
-    tile = TileConfig(block_m, block_n, block_k, num_warps, stages)
-    while check_tile(tile, dtype=dtype, operands=operands) and tile.num_stages > 1:
-        tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1)
+    blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
+    if block_m == 16:
+        want = max(16, n * blocks // (2 * num_sms))
+        block_n = min(128, 1 << (want.bit_length() - 1))
+        block_k = 128 if dtype == torch.float32 else 256
+        num_warps = 4
+    else:
+        block_k = 32 if dtype == torch.float32 else 64
+        block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    tile = TileConfig(block_m, block_n, block_k, num_warps, 4)
+    while check_tile(tile, dtype=dtype, operands=operands):
+        if tile.num_stages > 2:
+            tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1)
+        elif tile.block_k > 32:
+            block_k //= 2
+            tile = TileConfig(block_m, block_n, block_k, num_warps, 4)
+        else:
+            tile = TileConfig(block_m, block_n, block_k, num_warps, 1)
+            break
     return tile

@@ -164,9 +164,6 @@ class FusedMoE(nn.Module):
         c = self.config
         if not 0 <= expert_id < c.num_experts:
             raise ValueError(f"expert_id={expert_id} outside [0, {c.num_experts})")
-        local = self._global_to_local.get(expert_id)
-        if local is None:
-            return False
         if kind == "gate" and not c.gated:
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
@@ -183,6 +180,9 @@ class FusedMoE(nn.Module):
                 f"expert {expert_id} {shard}: checkpoint tensor has shape {tuple(tensor.shape)}, "
                 f"expected {want}"
             )
+        local = self._global_to_local.get(expert_id)
+        if local is None:  # checked like a local one, so a bad checkpoint fails on every rank
+            return False
         # w13 rows: [0, I) gate, [I, 2I) up (non-gated: [0, I) up).
         offset = inter if (kind == "up" and c.gated) else 0
         with torch.no_grad():

@@ -160,4 +160,7 @@ def check_experts_inputs(
                 raise ValueError(
                     f"expert_map values must be -1 or in [0, {num_local}), found {lo if lo < -1 else hi}"
                 )
+            owned = expert_map[expert_map >= 0]
+            if owned.numel() != torch.unique(owned).numel():
+                raise ValueError("expert_map sends two global experts to the same local expert")
     return ExpertsShape(num_tokens, hidden, intermediate, num_local, num_global, top_k)

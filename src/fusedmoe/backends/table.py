@@ -88,8 +88,13 @@ def _grouped_mm_requirements(config: MoEConfig, platform: Platform) -> str | Non
             return f"torch's CUDA grouped_mm needs device capability >= 9.0, got {platform.capability_str}"
         if config.dtype != torch.bfloat16:
             return f"torch's CUDA grouped_mm takes bfloat16, not {config.dtype}"
-        if config.hidden_size % 8 or config.intermediate_size_per_partition % 8:
-            return "torch's CUDA grouped_mm needs hidden and intermediate sizes that are multiples of 8"
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    sizes = (config.hidden_size, config.intermediate_size_per_partition)
+    if any(n * itemsize % 16 for n in sizes):
+        return (
+            f"grouped_mm needs 16-byte-aligned rows: hidden={sizes[0]} and intermediate={sizes[1]} "
+            f"must be multiples of {16 // itemsize} for {config.dtype}"
+        )
     return None
 
 

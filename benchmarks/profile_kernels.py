@@ -1,0 +1,54 @@
+"""Per-kernel device time of one fused_experts call (torch.profiler), for decode/prefill shapes.
+
+    python benchmarks/profile_kernels.py --presets qwen3-30b-a3b,deepseek-v3 --tokens 1,16,256
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+from fusedmoe import fused_experts, select_experts
+from fusedmoe.presets import get_preset
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,llama-4-maverick")
+    ap.add_argument("--tokens", default="1,16,256,4096")
+    ap.add_argument("--backend", default="triton")
+    args = ap.parse_args()
+    for name in args.presets.split(","):
+        p = get_preset(name)
+        inter = p.intermediate_size // p.bench_tp
+        gated = p.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+        copies = 4
+        ws = [((torch.randn(p.num_experts, (2 if gated else 1) * inter, p.hidden_size, device="cuda") / 50).bfloat16(),
+               (torch.randn(p.num_experts, p.hidden_size, inter, device="cuda") / 30).bfloat16()) for _ in range(copies)]
+        for t in (int(v) for v in args.tokens.split(",")):
+            x = torch.randn(t, p.hidden_size, device="cuda").bfloat16()
+            w, ids = select_experts(x, torch.randn(t, p.num_experts, device="cuda"), p.top_k)
+            kw = dict(activation=p.activation, backend=args.backend,
+                      apply_router_weight_on_input=p.apply_router_weight_on_input)
+            for w13, w2 in ws:
+                fused_experts(x, w13, w2, w, ids, **kw)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    for w13, w2 in ws:
+                        fused_experts(x, w13, w2, w, ids, **kw)
+                torch.cuda.synchronize()
+            totals = defaultdict(float)
+            for evt in prof.events():
+                if evt.device_type == torch.autograd.DeviceType.CUDA:
+                    totals[evt.name[:60]] += evt.device_time / (5 * copies)
+            total = sum(totals.values())
+            print(f"{name} M={t}: device total {total:.1f} us over {len(totals)} kernels")
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {v:8.1f} us  {k}")
+
+
+if __name__ == "__main__":
+    main()

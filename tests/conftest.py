@@ -1,0 +1,43 @@
+"""Shared pytest setup: `cases.py` is importable from every test file (this folder is on
+sys.path); tests marked `gpu` skip without CUDA; `no_kernel` makes any experts kernel fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Replace every experts kernel by `raise AssertionError("kernel ran")`.
+
+    Input errors must be raised by validation, before any compute: under this fixture an error
+    that only a kernel would hit shows up as AssertionError instead of the expected one. Covers
+    the cpu and torch backends and every other `Experts` implementation imported so far.
+    """
+    import fusedmoe.backends.cpu
+    import fusedmoe.backends.torch_ref  # noqa: F401
+    from fusedmoe.modular import Experts
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("kernel ran")
+
+    for cls in _subclasses(Experts):
+        if "apply" in vars(cls):
+            monkeypatch.setattr(cls, "apply", kernel_ran)

@@ -1,0 +1,405 @@
+"""FusedMoE: create -> load per-expert checkpoint tensors -> process -> forward.
+
+The layer's forward must equal `fused_moe` on the stacked full weights with the same routing;
+TP ranks (intermediate split) and EP ranks (expert split) must sum to the single layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cases import assert_close_rel
+from fusedmoe import FusedMoE, ParallelConfig, fused_moe
+from fusedmoe.activations import GATED
+
+# Legend: T tokens, H hidden, I intermediate, G = 2I or I, E experts.
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    name: str
+    num_experts: int = 8
+    top_k: int = 2
+    hidden: int = 64
+    intermediate: int = 48
+    activation: str = "silu"
+    has_bias: bool = False
+    correction_bias: bool = False
+    apply_router_weight_on_input: bool = False
+    routing: tuple[tuple[str, object], ...] = (("renormalize", True),)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{str(self.dtype).removeprefix('torch.')}"
+
+    def layer(self, parallel: ParallelConfig | None = None) -> FusedMoE:
+        return FusedMoE(
+            self.num_experts, self.top_k, self.hidden, self.intermediate,
+            params_dtype=self.dtype, activation=self.activation, has_bias=self.has_bias,
+            has_correction_bias=self.correction_bias,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            parallel=parallel, **dict(self.routing),
+        )
+
+
+def dbrx_routing(hidden_states, router_logits, top_k, renormalize):
+    """DBRX: softmax -> top-k -> divide by the L1 norm (moe_normalize_expert_weights=1)."""
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    return weights / weights.norm(p=1, dim=-1, keepdim=True), ids
+
+
+DEEPSEEK_ROUTING = (
+    ("scoring_func", "sigmoid"), ("use_grouped_topk", True), ("num_expert_group", 4),
+    ("topk_group", 2), ("renormalize", True), ("routed_scaling_factor", 2.5),
+)
+LAYER_CASES = [
+    LayerCase("mixtral_softmax_renorm"),
+    LayerCase("deepseek_v3_grouped", num_experts=16, top_k=4, correction_bias=True,
+              routing=DEEPSEEK_ROUTING),
+    LayerCase("gpt_oss_swigluoai_bias", activation="swigluoai", has_bias=True),
+    LayerCase("silu_bias", has_bias=True, routing=(("renormalize", False),)),
+    LayerCase("nemotron_relu2_no_mul", activation="relu2_no_mul", has_bias=True),
+    LayerCase("dbrx_custom_routing", top_k=4, routing=(("custom_routing_function", dbrx_routing),)),
+    LayerCase("llama4_weight_on_input", top_k=1, apply_router_weight_on_input=True,
+              routing=(("scoring_func", "sigmoid"), ("renormalize", False))),
+]
+LAYER_CASES += [dataclasses.replace(c, dtype=torch.bfloat16) for c in LAYER_CASES]
+
+
+# Checkpoint ------------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    """Full (unsharded) per-expert tensors, float32, as a hub checkpoint stores them."""
+
+    experts: list[dict[str, torch.Tensor]]  # shard (gate/up/down[_bias]) -> tensor
+    correction_bias: torch.Tensor | None
+
+    def stacked(self, case: LayerCase) -> dict:
+        """fused_moe keyword tensors: w13 [E, G, H] (gate rows, then up), w2 [E, H, I], biases."""
+
+        def stack(fn):
+            return torch.stack([fn(e) for e in self.experts]).to(case.dtype)
+
+        halves = ("gate", "up") if case.gated else ("up",)
+        out = dict(
+            w13=stack(lambda e: torch.cat([e[h] for h in halves])),
+            w2=stack(lambda e: e["down"]),
+        )
+        if case.has_bias:
+            out["w13_bias"] = stack(lambda e: torch.cat([e[f"{h}_bias"] for h in halves]))
+            out["w2_bias"] = stack(lambda e: e["down_bias"])
+        return out
+
+
+def make_checkpoint(case: LayerCase) -> Checkpoint:
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    H, I = case.hidden, case.intermediate  # noqa: E741
+
+    def randn(*shape, scale):
+        return torch.randn(*shape, generator=g) * scale
+
+    experts = []
+    for _ in range(case.num_experts):
+        shards = {"up": randn(I, H, scale=H**-0.5), "down": randn(H, I, scale=I**-0.5)}
+        if case.gated:
+            shards["gate"] = randn(I, H, scale=H**-0.5)
+        if case.has_bias:
+            shards |= {f"{s}_bias": randn(H if s == "down" else I, scale=0.5) for s in list(shards)}
+        experts.append(shards)
+    bias = randn(case.num_experts, scale=0.3) if case.correction_bias else None
+    return Checkpoint(experts, bias)
+
+
+def make_batch(case: LayerCase, num_tokens: int = 29) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
+    x = torch.randn(num_tokens, case.hidden, generator=g).to(case.dtype)
+    logits = torch.randn(num_tokens, case.num_experts, generator=g)
+    return x, logits
+
+
+HF_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _named(ckpt: Checkpoint, prefix: str, names: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for e, shards in enumerate(ckpt.experts):
+        for shard, tensor in shards.items():
+            proj, _, bias = shard.partition("_")
+            out.append((f"{prefix}.experts.{e}.{names[proj]}.{'bias' if bias else 'weight'}", tensor))
+    return out
+
+
+def load_hf(layer: FusedMoE, ckpt: Checkpoint) -> None:
+    named = _named(ckpt, "model.layers.0.mlp", HF_NAMES)
+    extra = [("model.layers.0.mlp.gate.weight", torch.randn(3, 3))]  # the router: not ours
+    assert layer.load_weights(named + extra) == {n for n, _ in named}
+
+
+def load_mixtral(layer: FusedMoE, ckpt: Checkpoint) -> None:
+    named = _named(ckpt, "model.layers.0.block_sparse_moe", MIXTRAL_NAMES)
+    assert layer.load_weights(named) == {n for n, _ in named}
+
+
+def load_vllm_weight_loader(layer: FusedMoE, ckpt: Checkpoint) -> None:
+    for e, shards in enumerate(ckpt.experts):
+        for shard, tensor in shards.items():
+            proj, _, bias = shard.partition("_")
+            param = "w2" if proj == "down" else "w13"
+            layer.weight_loader(tensor, f"experts.{param}_{'bias' if bias else 'weight'}",
+                                MIXTRAL_NAMES[proj], e)
+
+
+def load_per_expert(layer: FusedMoE, ckpt: Checkpoint) -> None:
+    for e, shards in enumerate(ckpt.experts):
+        for shard, tensor in shards.items():
+            layer.load_expert_weight(e, shard, tensor)
+
+
+LOADERS: dict[str, Callable[[FusedMoE, Checkpoint], None]] = {
+    "hf_names": load_hf,
+    "mixtral_names": load_mixtral,
+    "weight_loader": load_vllm_weight_loader,
+    "load_expert_weight": load_per_expert,
+}
+
+
+def build(case: LayerCase, ckpt: Checkpoint, parallel: ParallelConfig | None = None,
+          loader: str = "load_expert_weight") -> FusedMoE:
+    layer = case.layer(parallel)
+    LOADERS[loader](layer, ckpt)
+    if ckpt.correction_bias is not None:
+        layer.e_score_correction_bias.copy_(ckpt.correction_bias)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def functional(case: LayerCase, ckpt: Checkpoint, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return fused_moe(
+        x, router_logits=logits, top_k=case.top_k, activation=case.activation,
+        apply_router_weight_on_input=case.apply_router_weight_on_input,
+        e_score_correction_bias=ckpt.correction_bias, **ckpt.stacked(case), **dict(case.routing),
+    )
+
+
+# Forward == fused_moe ---------------------------------------------------------------------------
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c.id)
+def test_forward_equals_fused_moe(case: LayerCase, loader: str) -> None:
+    ckpt = make_checkpoint(case)
+    layer = build(case, ckpt, loader=loader)
+    assert layer.selection.name == "cpu"
+    x, logits = make_batch(case)
+    out = layer(x, logits)
+    assert out.dtype == case.dtype
+    assert_close_rel(out, functional(case, ckpt, x, logits), case.dtype)
+
+
+def test_correction_bias_changes_routing() -> None:
+    """Guard the data: the DeepSeek case's correction bias is not a no-op."""
+    case = next(c for c in LAYER_CASES if c.correction_bias)
+    ckpt = make_checkpoint(case)
+    x, logits = make_batch(case)
+    without = dataclasses.replace(ckpt, correction_bias=torch.zeros(case.num_experts))
+    assert not torch.allclose(functional(case, ckpt, x, logits), functional(case, without, x, logits))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d)[6:])
+def test_leading_batch_dims(dtype: torch.dtype) -> None:
+    case = dataclasses.replace(LAYER_CASES[0], dtype=dtype)
+    layer = build(case, make_checkpoint(case))
+    x, logits = make_batch(case, num_tokens=2 * 7)
+    out = layer(x.reshape(2, 7, case.hidden), logits.reshape(2, 7, case.num_experts))
+    assert out.shape == (2, 7, case.hidden)
+    assert torch.equal(out.reshape(14, case.hidden), layer(x, logits))
+
+
+def test_zero_tokens() -> None:
+    case = LAYER_CASES[0]
+    layer = build(case, make_checkpoint(case))
+    x, logits = make_batch(case, num_tokens=0)
+    assert layer(x, logits).shape == (0, case.hidden)
+
+
+# Tensor and expert parallelism -----------------------------------------------------------------
+PARALLEL_CASES = [c for c in LAYER_CASES if c.name in
+                  ("mixtral_softmax_renorm", "deepseek_v3_grouped", "gpt_oss_swigluoai_bias",
+                   "nemotron_relu2_no_mul", "llama4_weight_on_input")]
+SPLITS = {
+    "tp2": [ParallelConfig(tp_size=2, tp_rank=r) for r in range(2)],
+    "ep2_linear": [ParallelConfig(ep_size=2, ep_rank=r) for r in range(2)],
+    "ep2_round_robin": [ParallelConfig(ep_size=2, ep_rank=r, placement="round_robin") for r in range(2)],
+    "ep4_round_robin": [ParallelConfig(ep_size=4, ep_rank=r, placement="round_robin") for r in range(4)],
+    "tp2_ep2": [ParallelConfig(tp_size=2, tp_rank=t, ep_size=2, ep_rank=r)
+                for t in range(2) for r in range(2)],
+}
+
+
+# Every split in float32; bf16 once per case (its partial sums round separately, as on GPUs).
+PARALLEL_PARAMS = [
+    pytest.param(case, split, id=f"{case.id}-{split}")
+    for case in PARALLEL_CASES for split in SPLITS
+    if case.dtype == torch.float32 or split in ("tp2", "ep2_round_robin")
+]
+
+
+@pytest.mark.parametrize(("case", "split"), PARALLEL_PARAMS)
+def test_ranks_sum_to_single_layer(case: LayerCase, split: str) -> None:
+    """Each rank loads the same full checkpoint; the sum of the partial outputs (what the
+    all-reduce computes) equals one unsplit layer. Down biases are counted once."""
+    ckpt = make_checkpoint(case)
+    x, logits = make_batch(case)
+    full = build(case, ckpt)(x, logits)
+    partial_sum = sum(build(case, ckpt, p)(x, logits).double() for p in SPLITS[split])
+    assert_close_rel(partial_sum, full, case.dtype)
+
+
+@pytest.mark.parametrize("placement", ("linear", "round_robin"))
+def test_ep_rank_loads_only_its_experts(placement: str) -> None:
+    case = LAYER_CASES[0]
+    ckpt = make_checkpoint(case)
+    for rank in range(2):
+        layer = case.layer(ParallelConfig(ep_size=2, ep_rank=rank, placement=placement))
+        owned = {e for e in range(8) if (e // 4 == rank if placement == "linear" else e % 2 == rank)}
+        accepted = {e for e in range(8) if layer.load_expert_weight(e, "down", ckpt.experts[e]["down"])}
+        assert accepted == owned
+        assert set(layer.local_to_global.tolist()) == owned
+        want_map = torch.full((8,), -1, dtype=torch.int32)
+        want_map[layer.local_to_global] = torch.arange(4, dtype=torch.int32)
+        assert torch.equal(layer.expert_map, want_map)
+        assert layer.w13_weight.shape == (4, 2 * case.intermediate, case.hidden)
+        # load_weights consumes the other rank's names too (nobody else will load them).
+        named = _named(ckpt, "mlp", HF_NAMES)
+        assert layer.load_weights(named) == {n for n, _ in named}
+
+
+def test_tp_rank_holds_its_slice() -> None:
+    case = dataclasses.replace(LAYER_CASES[0], has_bias=True)
+    ckpt = make_checkpoint(case)
+    half = case.intermediate // 2
+    for rank in range(2):
+        layer = build(case, ckpt, ParallelConfig(tp_size=2, tp_rank=rank))
+        cols = slice(rank * half, (rank + 1) * half)
+        e = ckpt.experts[5]
+        assert torch.equal(layer.w13_weight[5], torch.cat([e["gate"][cols], e["up"][cols]]))
+        assert torch.equal(layer.w2_weight[5], e["down"][:, cols])
+        assert torch.equal(layer.w13_bias[5], torch.cat([e["gate_bias"][cols], e["up_bias"][cols]]))
+        assert torch.equal(layer.w2_bias[5], e["down_bias"] if rank == 0 else torch.zeros(case.hidden))
+
+
+# Errors ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BadLoad:
+    id: str
+    case: LayerCase
+    call: Callable[[FusedMoE], object]
+    match: str
+    error: type[Exception] = ValueError
+
+
+BASE = LAYER_CASES[0]
+RELU2 = next(c for c in LAYER_CASES if c.activation == "relu2_no_mul")
+BAD_LOADS = [
+    BadLoad("wrong_gate_shape", BASE, lambda m: m.load_expert_weight(3, "gate_proj", torch.randn(48, 65)),
+            r"expert 3 gate_proj: checkpoint tensor has shape \(48, 65\), expected \(48, 64\)"),
+    BadLoad("transposed_down", BASE, lambda m: m.load_expert_weight(6, "w2", torch.randn(48, 64)),
+            r"expert 6 w2: checkpoint tensor has shape \(48, 64\), expected \(64, 48\)"),
+    BadLoad("wrong_bias_shape", RELU2, lambda m: m.load_expert_weight(1, "down_bias", torch.randn(48)),
+            r"expert 1 down_bias: checkpoint tensor has shape \(48,\), expected \(64,\)"),
+    BadLoad("unknown_shard", BASE, lambda m: m.load_expert_weight(0, "w4", torch.randn(48, 64)),
+            r"unknown shard 'w4'; expected one of \["),
+    BadLoad("expert_out_of_range", BASE, lambda m: m.load_expert_weight(8, "up", torch.randn(48, 64)),
+            r"expert_id=8 outside \[0, 8\)"),
+    BadLoad("gate_on_non_gated", RELU2, lambda m: m.load_expert_weight(0, "gate_proj", torch.randn(48, 64)),
+            r"activation 'relu2_no_mul' is not gated"),
+    BadLoad("bias_without_has_bias", BASE, lambda m: m.load_expert_weight(0, "down_bias", torch.randn(64)),
+            r"'down_bias': the layer was built with has_bias=False"),
+    BadLoad("hf_name_bad_shape", BASE,
+            lambda m: m.load_weights([("model.layers.0.mlp.experts.2.up_proj.weight", torch.randn(64, 48))]),
+            r"expert 2 up_proj: checkpoint tensor has shape \(64, 48\), expected \(48, 64\)"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_LOADS, ids=lambda b: b.id)
+def test_load_rejects(bad: BadLoad) -> None:
+    layer = bad.case.layer()
+    with pytest.raises(bad.error, match=bad.match):
+        bad.call(layer)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "skip", "match"),
+    [
+        (None, {(2, "up"), (5, "down")}, r"\[\(2, 'up'\), \(5, 'down'\)\]"),
+        (ParallelConfig(ep_size=2, ep_rank=1, placement="round_robin"), {(3, "gate")}, r"\[\(3, 'gate'\)\]"),
+    ],
+    ids=("ep1", "ep2_round_robin"),
+)
+def test_missing_weights_detected(parallel, skip: set, match: str) -> None:
+    case = BASE
+    ckpt = make_checkpoint(case)
+    layer = case.layer(parallel)
+    for e, shards in enumerate(ckpt.experts):
+        for shard, tensor in shards.items():
+            if (e, shard) not in skip:
+                layer.load_expert_weight(e, shard, tensor)
+    with pytest.raises(RuntimeError, match=r"checkpoint tensors never loaded \(expert, shard\): " + match):
+        layer.process_weights_after_loading()
+
+
+def test_missing_up_on_non_gated_detected() -> None:
+    ckpt = make_checkpoint(RELU2)
+    layer = RELU2.layer()
+    for e, shards in enumerate(ckpt.experts):
+        for shard, tensor in shards.items():
+            if (e, shard) != (4, "up"):
+                layer.load_expert_weight(e, shard, tensor)
+    with pytest.raises(RuntimeError, match=r"\[\(4, 'up'\)\]"):
+        layer.process_weights_after_loading()
+
+
+def test_loading_after_processing_raises() -> None:
+    ckpt = make_checkpoint(BASE)
+    layer = build(BASE, ckpt)
+    with pytest.raises(RuntimeError, match=r"weights were already processed for backend 'cpu'"):
+        layer.load_expert_weight(0, "up", ckpt.experts[0]["up"])
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "num_experts", "match"),
+    [
+        (torch.float32, 7, r"router_logits have 7 experts, the layer has 8"),
+        (torch.bfloat16, 8, r"hidden_states dtype torch.bfloat16 differs from the layer's torch.float32"),
+    ],
+    ids=("logits_experts", "x_dtype"),
+)
+def test_forward_rejects(x_dtype: torch.dtype, num_experts: int, match: str) -> None:
+    layer = build(BASE, make_checkpoint(BASE))
+    x, logits = make_batch(BASE)
+    with pytest.raises(ValueError, match=match):
+        layer(x.to(x_dtype), logits[:, :num_experts])
+
+
+@pytest.mark.parametrize(
+    ("parallel", "match"),
+    [
+        (dict(tp_size=5), r"intermediate_size=48 is not divisible by tp_size=5"),
+        (dict(ep_size=3), r"num_experts=8 is not divisible by ep_size=3"),
+        (dict(ep_size=2, ep_rank=2), r"ep_rank=2 must be in \[0, ep_size=2\)"),
+    ],
+    ids=("tp5", "ep3", "ep_rank"),
+)
+def test_bad_parallel_config(parallel: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BASE.layer(ParallelConfig(**parallel))

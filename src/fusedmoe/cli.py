@@ -1,9 +1,10 @@
-"""`fusedmoe` command line: explain | demo | bench | env.
+"""`fusedmoe` command line: explain | demo | bench | tune | env.
 
     fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
+    fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR]
     fusedmoe env [--json]
 """
 
@@ -47,10 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", default=None, help="write rows and metadata as JSON")
     bench.add_argument("--plot", default=None, help="write a PNG of %% of roofline per preset")
     bench.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
+    tune = sub.add_parser("tune", help="search Triton tiles for a shape on this GPU, write the table")
+    tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split)")
+    tune.add_argument("--experts", type=int)
+    tune.add_argument("--hidden", type=int)
+    tune.add_argument("--intermediate", type=int, help="per-GPU intermediate size")
+    tune.add_argument("--top-k", type=int)
+    tune.add_argument("--activation", default=None)
+    tune.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
+    tune.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    tune.add_argument("--out", default=None, help="folder (default: FUSEDMOE_TUNED_DIR, else the packaged tables)")
     args = parser.parse_args(argv)
     try:
         return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
     except (ValueError, NotImplementedError) as exc:
         print(f"fusedmoe {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -353,6 +364,41 @@ def _plot(path: str, rows, meta: dict) -> None:
     fig.suptitle(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['commit']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# tune --------------------------------------------------------------------------------------------
+def cmd_tune(args) -> int:
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.tuning import PACKAGED
+    from fusedmoe.presets import get_preset
+    from fusedmoe.tune import progress_printer, tune_shape, write_table
+
+    if not torch.cuda.is_available():
+        raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
+    if args.model:
+        p = get_preset(args.model)
+        shape = dict(experts=p.num_experts, hidden=p.hidden_size, inter=p.intermediate_size // p.bench_tp,
+                     top_k=p.top_k, activation=args.activation or p.activation)
+    else:
+        missing = [f"--{n}" for n, v in (("experts", args.experts), ("hidden", args.hidden),
+                   ("intermediate", args.intermediate), ("top-k", args.top_k)) if v is None]
+        if missing:
+            raise ValueError(f"give --model NAME or all of --experts --hidden --intermediate --top-k (missing {missing})")
+        shape = dict(experts=args.experts, hidden=args.hidden, inter=args.intermediate, top_k=args.top_k,
+                     activation=args.activation or "silu")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    entries = tune_shape(**shape, tokens_list=tokens, dtype=DTYPES[args.dtype],
+                         progress=progress_printer(3 * len(tokens)))
+    print(file=sys.stderr)
+    for e in entries:
+        print(f"M={e['tokens']:>5}: {e['us']:8.1f} us (heuristic {e['heuristic_us']:8.1f} us)  "
+              f"gemm1 {e['gemm1']}  gemm2 {e['gemm2']}")
+    if not entries:
+        print("the heuristic is within 3% of the best config found at every token count: nothing written")
+        return 0
+    path = write_table(entries, args.out or knobs.get("TUNED_DIR") or PACKAGED)
+    print(f"wrote {len(entries)} entries to {path}")
+    return 0
 
 
 # env ---------------------------------------------------------------------------------------------

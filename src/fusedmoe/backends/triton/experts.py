@@ -10,6 +10,7 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -116,6 +117,124 @@ def align_torch(
     return sorted_slot[:rows], block_expert, num_rows, valid.to(torch.int8)
 
 
+@dataclass(frozen=True)
+class GemmProblem:
+    """What tile selection keys on: sizes, flags and dtype of one experts call."""
+
+    num_slots: int
+    num_local_experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    gated: bool
+    dtype: torch.dtype
+
+
+def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """A tuned entry for this device and shape when one exists, else the heuristic."""
+    from fusedmoe.backends.triton.tuning import lookup
+
+    tuned = lookup(problem, device)
+    if tuned is not None:
+        return tuned
+    sms = _num_sms(device)
+    p = problem
+    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms)
+    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms)
+    return t1, t2
+
+
+@dataclass
+class Launch:
+    """Everything the three kernels share for one call (buffers, aligned slots, flags)."""
+
+    x: torch.Tensor
+    weights_N: torch.Tensor
+    sorted_slot: torch.Tensor
+    block_expert: torch.Tensor
+    num_rows: torch.Tensor
+    slot_ok: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    top_k: int
+    activation: str
+    weight_on_input: bool
+    swiglu_alpha: float
+    swiglu_limit: float | None
+    block_m: int
+
+
+def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
+                   inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
+                   block_m) -> Launch:
+    sorted_slot, block_expert, num_rows, slot_ok = align(
+        topk_ids_TK, expert_map, num_global_experts, num_local, block_m
+    )
+    weights_N = topk_weights_TK.reshape(-1)
+    if not weights_N.is_contiguous():
+        weights_N = weights_N.contiguous()
+    n_slots = topk_ids_TK.numel()
+    a = torch.empty(sorted_slot.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
+    y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
+    return Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
+                  topk_ids_TK.shape[1], activation, apply_router_weight_on_input, swiglu_alpha,
+                  swiglu_limit, block_m)
+
+
+def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig) -> None:
+    from fusedmoe.backends.triton import kernels
+
+    x, a = L.x, L.a
+    inter, hidden = a.shape[1], x.shape[1]
+    gated = is_gated(L.activation)
+    bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
+    limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
+    kernels.moe_gemm1_kernel[(L.sorted_slot.numel() // L.block_m, triton_cdiv(inter, tile.block_n))](
+        x, w13, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+        L.y.shape[0], L.top_k, hidden, inter,
+        x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        bias.stride(0) if w13_bias is not None else 0, bias.stride(1) if w13_bias is not None else 0,
+        a.stride(0), a.stride(1),
+        float(L.swiglu_alpha), float(limit),
+        GATED=gated, ACT=ACT_CODES[L.activation],
+        HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
+        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=L.weight_on_input,
+        IEEE=x.dtype == torch.float32, **tile.as_kwargs(),
+    )
+
+
+def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig) -> None:
+    from fusedmoe.backends.triton import kernels
+
+    a, y = L.a, L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    bias = w2_bias if w2_bias is not None else y
+    kernels.moe_gemm2_kernel[(L.sorted_slot.numel() // L.block_m, triton_cdiv(hidden, tile.block_n))](
+        a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+        y.shape[0], hidden, inter,
+        a.stride(0), a.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
+        y.stride(0), y.stride(1),
+        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=L.weight_on_input,
+        IEEE=a.dtype == torch.float32, **tile.as_kwargs(),
+    )
+
+
+def launch_reduce(L: Launch, out: torch.Tensor) -> None:
+    from fusedmoe.backends.triton import kernels
+
+    y = L.y
+    hidden = y.shape[1]
+    block_h = min(1024, triton_next_pow2(hidden))
+    kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
+        y, out, L.slot_ok, hidden,
+        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4,
+    )
+
+
 def triton_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
@@ -133,68 +252,22 @@ def triton_experts(
     tiles: tuple[TileConfig, TileConfig] | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels."""
-    from fusedmoe.backends.triton import kernels
-
     num_tokens, hidden = x_TH.shape
-    top_k = topk_ids_TK.shape[1]
-    num_local = w13.shape[0]
-    inter = w2.shape[2]
-    gated = is_gated(activation)
+    num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.empty_like(x_TH)
     if num_tokens == 0:
         return out
-    n_slots = num_tokens * top_k
-    if tiles is None:
-        sms = _num_sms(x_TH.device)
-        t1 = heuristic(n_slots, num_local, inter, hidden, x_TH.dtype, gated=gated, num_sms=sms)
-        t2 = heuristic(n_slots, num_local, hidden, inter, x_TH.dtype, gated=False, num_sms=sms)
-    else:
-        t1, t2 = tiles
+    problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
+                          is_gated(activation), x_TH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_tiles(problem, x_TH.device)
     if t1.block_m != t2.block_m:
         raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
-    sorted_slot, block_expert, num_rows, slot_ok = align(
-        topk_ids_TK, expert_map, num_global_experts, num_local, t1.block_m
-    )
-    weights_N = topk_weights_TK.reshape(-1)
-    if not weights_N.is_contiguous():
-        weights_N = weights_N.contiguous()
-    a = torch.empty(sorted_slot.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
-    y = torch.empty(n_slots, hidden, dtype=x_TH.dtype, device=x_TH.device)
-    ieee = x_TH.dtype == torch.float32
-    dummy = x_TH  # stands in for absent bias pointers (never read)
-    b13 = w13_bias if w13_bias is not None else dummy
-    b2 = w2_bias if w2_bias is not None else dummy
-    limit = swiglu_limit if swiglu_limit is not None else (7.0 if activation == "swigluoai" else 0.0)
-    blocks = sorted_slot.numel() // t1.block_m
-
-    kernels.moe_gemm1_kernel[(blocks, triton_cdiv(inter, t1.block_n))](
-        x_TH, w13, b13, a, weights_N, sorted_slot, block_expert, num_rows,
-        n_slots, top_k, hidden, inter,
-        x_TH.stride(0), x_TH.stride(1),
-        w13.stride(0), w13.stride(1), w13.stride(2),
-        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
-        a.stride(0), a.stride(1),
-        float(swiglu_alpha), float(limit),
-        GATED=gated, ACT=ACT_CODES[activation], HAS_LIMIT=swiglu_limit is not None and activation != "swigluoai",
-        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input, IEEE=ieee,
-        **t1.as_kwargs(),
-    )
-    kernels.moe_gemm2_kernel[(blocks, triton_cdiv(hidden, t2.block_n))](
-        a, w2, b2, y, weights_N, sorted_slot, block_expert, num_rows,
-        n_slots, hidden, inter,
-        a.stride(0), a.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
-        y.stride(0), y.stride(1),
-        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=apply_router_weight_on_input, IEEE=ieee,
-        **t2.as_kwargs(),
-    )
-    block_h = min(1024, triton_next_pow2(hidden))
-    kernels.moe_reduce_kernel[(num_tokens, triton_cdiv(hidden, block_h))](
-        y, out, slot_ok, hidden,
-        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
-    )
+    launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                            num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                            swiglu_limit, t1.block_m)
+    launch_gemm1(launch, w13, w13_bias, t1)
+    launch_gemm2(launch, w2, w2_bias, t2)
+    launch_reduce(launch, out)
     return out
 
 

@@ -1,0 +1,181 @@
+"""`fusedmoe tune`: search Triton tile configs for a shape on this GPU and write the table.
+
+For each token count: draw uniform routing, then for block_m in {heuristic/2, heuristic,
+heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
+num_warps, num_stages; one parameter at a time, keep what is faster), and keep the block_m whose
+two GEMMs sum fastest. An entry is written only when it beats the heuristic by more than 3%
+(tuned tables age: a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies
+with CUDA events (median), so decode shapes read HBM, not L2.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile
+from fusedmoe.backends.triton.tuning import FORMAT, device_file_name
+
+BLOCK_N = (16, 32, 64, 128, 256)
+BLOCK_K = (32, 64, 128, 256)
+WARPS = (4, 8)
+STAGES = (2, 3, 4, 5)
+
+
+def _median_us(fn: Callable[[int], None], copies: int, iters: int = 12) -> float:
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for it in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(it % copies)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _neighbours(tile: TileConfig) -> list[TileConfig]:
+    out = []
+    for field, values in (("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS),
+                          ("num_stages", STAGES)):
+        current = getattr(tile, field)
+        i = values.index(current) if current in values else 0
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(values):
+                out.append(TileConfig(**{**tile.__dict__, field: values[j]}))
+    return out
+
+
+def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig, dtype, operands: int,
+             rounds: int = 2) -> tuple[TileConfig, float]:
+    best, best_t = start, time_tile(start)
+    for _ in range(rounds):
+        improved = False
+        for cand in _neighbours(best):
+            if check_tile(cand, dtype=dtype, operands=operands):
+                continue
+            try:
+                t = time_tile(cand)
+            except Exception:  # a config Triton cannot compile here (e.g. out of resources)
+                continue
+            if t < best_t:
+                best, best_t, improved = cand, t, True
+        if not improved:
+            break
+    return best, best_t
+
+
+def tune_shape(
+    *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
+    tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, copies: int = 4,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Tuned entries (dicts for the JSON table) for one shape at each token count."""
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        _num_sms,
+        launch_gemm1,
+        launch_gemm2,
+        prepare_launch,
+    )
+    from fusedmoe.backends.triton.tiles import heuristic
+    from fusedmoe.routing import select_experts
+
+    device = torch.device("cuda")
+    gated = is_gated(activation)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = 2 * inter if gated else inter
+    weights = [((torch.randn(experts, rows, hidden, device=device, generator=gen) / hidden**0.5).to(dtype),
+                (torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype))
+               for _ in range(copies)]
+    sms = _num_sms(device)
+    entries = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+        topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
+        problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
+        h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms)
+        h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms)
+
+        def timers(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids):
+            launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation,
+                                    False, 1.702, None, block_m)
+            launch_gemm1(launch, weights[0][0], None, TileConfig(block_m, 32, 64))  # fill `a`
+
+            def gemm1_us(tile: TileConfig) -> float:
+                return _median_us(lambda i: launch_gemm1(launch, weights[i][0], None, tile), copies)
+
+            def gemm2_us(tile: TileConfig) -> float:
+                return _median_us(lambda i: launch_gemm2(launch, weights[i][1], None, tile), copies)
+
+            return gemm1_us, gemm2_us
+
+        time1, time2 = timers(h1.block_m)
+        heuristic_us = time1(h1) + time2(h2)
+        best = None
+        for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
+            if progress:
+                progress(f"E={experts} H={hidden} I={inter} k={top_k} M={tokens} block_m={block_m}")
+            time1, time2 = timers(block_m)
+            s1 = TileConfig(block_m, h1.block_n, h1.block_k, h1.num_warps, h1.num_stages)
+            s2 = TileConfig(block_m, h2.block_n, h2.block_k, h2.num_warps, h2.num_stages)
+            if check_tile(s1, dtype=dtype, operands=2 if gated else 1) or check_tile(s2, dtype=dtype):
+                continue
+            b1, u1 = _descend(time1, s1, dtype, 2 if gated else 1)
+            b2, u2 = _descend(time2, s2, dtype, 1)
+            if best is None or u1 + u2 < best[0]:
+                best = (u1 + u2, b1, b2)
+        if best is None or best[0] > 0.97 * heuristic_us:
+            continue
+        entries.append({
+            "dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
+            "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens,
+            "gemm1": list(best[1].__dict__.values()), "gemm2": list(best[2].__dict__.values()),
+            "us": round(best[0], 2), "heuristic_us": round(heuristic_us, 2),
+        })
+    return entries
+
+
+def write_table(entries: list[dict], folder: str | Path) -> Path:
+    """Merge `entries` into <folder>/<device>.json (same shape and token count: replaced)."""
+    import triton
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / device_file_name(torch.cuda.get_device_name())
+    old = []
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") == FORMAT and data.get("triton", "").split(".")[:2] == triton.__version__.split(".")[:2]:
+                old = data["entries"]
+        except (OSError, ValueError):
+            pass
+    key = lambda e: (e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"], e["gated"], e["tokens"])  # noqa: E731
+    merged = {key(e): e for e in old}
+    merged.update({key(e): e for e in entries})
+    data = {"format": FORMAT, "device": torch.cuda.get_device_name(), "triton": triton.__version__,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "entries": sorted(merged.values(), key=key)}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def progress_printer(total: int) -> Callable[[str], None]:
+    count = [0]
+
+    def show(label: str) -> None:
+        count[0] += 1
+        print(f"\r[{count[0]:>3}/{total}] {label:<70}", end="", file=sys.stderr, flush=True)
+
+    return show

@@ -250,3 +250,66 @@ def test_opcheck():
         triton_experts_op, (x, w13, w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+# Tuned tables --------------------------------------------------------------------------------------
+def _table(entries, triton_version=None):
+    from fusedmoe.backends.triton.tuning import FORMAT, _triton_version
+
+    return {"format": FORMAT, "device": "NVIDIA H200", "triton": triton_version or _triton_version(),
+            "entries": entries}
+
+
+def _entry(tokens, g1=(16, 32, 128, 4, 4), g2=(16, 64, 64, 4, 4), **kw):
+    e = {"dtype": "bfloat16", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "gated": True,
+         "tokens": tokens, "gemm1": list(g1), "gemm2": list(g2)}
+    e.update(kw)
+    return e
+
+
+def test_tuned_table_parse_and_nearest():
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    table = parse_table(_table([_entry(1), _entry(16, g1=(32, 64, 64, 4, 3), g2=(32, 64, 64, 4, 3)),
+                                _entry(256, g1=(64, 64, 64, 4, 3), g2=(64, 128, 64, 8, 3))]), "t.json")
+    key = ("bfloat16", 128, 2048, 768, 8, True)
+    assert nearest(table, key, 1)[0].block_m == 16
+    assert nearest(table, key, 12)[0].block_m == 32   # log2 distance: 16 is nearer than 1
+    assert nearest(table, key, 100)[0].block_m == 64  # 256 (1.36) nearer than 16 (2.64)
+    assert nearest(table, key, 10**6)[1].block_n == 128
+    assert nearest(table, ("bfloat16", 64, 2048, 768, 8, True), 16) is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_entry(1, g1=(16, 24, 64, 4, 4)), "power of two"),
+    (_entry(1, g1=(16, 256, 256, 8, 6)), "shared memory"),
+    (_entry(1, g2=(32, 64, 64, 4, 4)), "different block_m"),
+    ({"dtype": "bfloat16"}, "malformed"),
+    (_entry(1, dtype="float99"), "malformed|unknown dtype"),
+])
+def test_tuned_table_rejects_invalid(bad, match):
+    from fusedmoe.backends.triton.tuning import parse_table
+
+    with pytest.raises(ValueError, match=match):
+        parse_table(_table([bad]), "t.json")
+    with pytest.raises(ValueError, match="not a fusedmoe tuned table"):
+        parse_table({"entries": []}, "t.json")
+
+
+def test_tuned_table_files_corrupt_or_stale_are_ignored(tmp_path, caplog):
+    import json
+    import logging
+
+    from fusedmoe.backends.triton.tuning import _load
+
+    corrupt = tmp_path / "a.json"
+    corrupt.write_text("{not json")
+    stale = tmp_path / "b.json"
+    stale.write_text(json.dumps(_table([_entry(1)], triton_version="2.0.0")))
+    good = tmp_path / "c.json"
+    good.write_text(json.dumps(_table([_entry(1)])))
+    with caplog.at_level(logging.INFO, logger="fusedmoe"):
+        assert _load(str(corrupt), 1.0) == {}
+        assert _load(str(stale), 1.0) == {}
+        assert len(_load(str(good), 1.0)) == 1
+    assert "ignoring tuned table" in caplog.text and "tuned with Triton 2.0.0" in caplog.text

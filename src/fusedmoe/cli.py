@@ -387,17 +387,22 @@ def cmd_tune(args) -> int:
         shape = dict(experts=args.experts, hidden=args.hidden, inter=args.intermediate, top_k=args.top_k,
                      activation=args.activation or "silu")
     tokens = [int(t) for t in args.tokens.split(",")]
-    entries = tune_shape(**shape, tokens_list=tokens, dtype=DTYPES[args.dtype],
-                         progress=progress_printer(3 * len(tokens)))
-    print(file=sys.stderr)
-    for e in entries:
-        print(f"M={e['tokens']:>5}: {e['us']:8.1f} us (heuristic {e['heuristic_us']:8.1f} us)  "
-              f"gemm1 {e['gemm1']}  gemm2 {e['gemm2']}")
-    if not entries:
-        print("the heuristic is within 3% of the best config found at every token count: nothing written")
-        return 0
-    path = write_table(entries, args.out or knobs.get("TUNED_DIR") or PACKAGED)
-    print(f"wrote {len(entries)} entries to {path}")
+    folder = args.out or knobs.get("TUNED_DIR") or PACKAGED
+    progress = progress_printer(3 * len(tokens))
+    written = 0
+    for count in tokens:  # written after each token count, so an interrupted run keeps its work
+        entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], progress=progress)
+        print(file=sys.stderr)
+        if not entries:
+            print(f"M={count:>5}: the heuristic is within 3% of the best config found; nothing written")
+            continue
+        e = entries[0]
+        print(f"M={count:>5}: {e['us']:8.1f} us (heuristic {e['heuristic_us']:8.1f} us)  "
+              f"gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
+        path = write_table(entries, folder)
+        written += 1
+    if written:
+        print(f"wrote {written} entries to {path}")
     return 0
 
 

@@ -115,8 +115,16 @@ def lookup(problem, device: torch.device) -> tuple[TileConfig, TileConfig] | Non
            problem.inter, problem.top_k, problem.gated)
     tokens = max(1, problem.num_slots // max(1, problem.top_k))
     for table in _tables(_device_name(device)):
-        entries = table.get(key)
-        if entries:
-            _, t1, t2 = min(entries, key=lambda e: abs(math.log2(e[0]) - math.log2(tokens)))
-            return t1, t2
+        found = nearest(table, key, tokens)
+        if found is not None:
+            return found
     return None
+
+
+def nearest(table: dict, key: tuple, tokens: int) -> tuple[TileConfig, TileConfig] | None:
+    """The entry for `key` whose token count is nearest to `tokens` in log2 (ties: the smaller)."""
+    entries = table.get(key)
+    if not entries:
+        return None
+    _, t1, t2 = min(entries, key=lambda e: (abs(math.log2(e[0]) - math.log2(tokens)), e[0]))
+    return t1, t2

@@ -5,7 +5,7 @@ heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block
 num_warps, num_stages; one parameter at a time, keep what is faster), and keep the block_m whose
 two GEMMs sum fastest. An entry is written only when it beats the heuristic by more than 3%
 (tuned tables age: a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies
-with CUDA events (median), so decode shapes read HBM, not L2.
+from a CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for.
 """
 
 from __future__ import annotations
@@ -28,18 +28,34 @@ WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 
 
-def _median_us(fn: Callable[[int], None], copies: int, iters: int = 12) -> float:
-    for i in range(copies):
+def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float:
+    """Median us per call of fn(i) over the weight copies, replayed from a CUDA graph.
+
+    A graph takes Python launch overhead (tens of us) out of the timing: at decode the kernels
+    run for less than that, and eager timing would tune for the CPU.
+    """
+    for i in range(copies):  # compile outside capture
         fn(i)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for it in range(iters):
+    for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(it % copies)
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / copies)
     return statistics.median(times)
 
 

@@ -274,9 +274,12 @@ def test_tuned_table_parse_and_nearest():
                                 _entry(256, g1=(64, 64, 64, 4, 3), g2=(64, 128, 64, 8, 3))]), "t.json")
     key = ("bfloat16", 128, 2048, 768, 8, True)
     assert nearest(table, key, 1)[0].block_m == 16
+    assert nearest(table, key, 2)[0].block_m == 16
     assert nearest(table, key, 12)[0].block_m == 32   # log2 distance: 16 is nearer than 1
-    assert nearest(table, key, 100)[0].block_m == 64  # 256 (1.36) nearer than 16 (2.64)
-    assert nearest(table, key, 10**6)[1].block_n == 128
+    assert nearest(table, key, 200)[1].block_n == 128
+    assert nearest(table, key, 4) is None              # two octaves from 1 and 16: the heuristic
+    assert nearest(table, key, 100) is None
+    assert nearest(table, key, 10**6) is None
     assert nearest(table, ("bfloat16", 64, 2048, 768, 8, True), 16) is None
 
 

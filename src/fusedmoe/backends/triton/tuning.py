@@ -6,7 +6,7 @@ Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first) and in the
 `tuned/` folder. They are data only (json.load, never executed). Every entry is held to the same
 validity predicate as the heuristic (`tiles.check_tile`); a file that does not parse, or was tuned
 with another Triton major.minor, is reported once and ignored. Among the entries for a shape the
-one with the nearest token count (in log2) wins.
+one with the nearest token count (in log2) wins, if it is within a factor of two.
 """
 
 from __future__ import annotations
@@ -121,10 +121,16 @@ def lookup(problem, device: torch.device) -> tuple[TileConfig, TileConfig] | Non
     return None
 
 
+MAX_OCTAVES = 1.0  # an entry tuned at M serves M/2 .. 2M; farther off, the heuristic knows better
+
+
 def nearest(table: dict, key: tuple, tokens: int) -> tuple[TileConfig, TileConfig] | None:
-    """The entry for `key` whose token count is nearest to `tokens` in log2 (ties: the smaller)."""
+    """The entry for `key` nearest to `tokens` in log2 (ties: the smaller), within one octave."""
     entries = table.get(key)
     if not entries:
         return None
-    _, t1, t2 = min(entries, key=lambda e: (abs(math.log2(e[0]) - math.log2(tokens)), e[0]))
-    return t1, t2
+    distance = lambda e: abs(math.log2(e[0]) - math.log2(tokens))  # noqa: E731
+    best = min(entries, key=lambda e: (distance(e), e[0]))
+    if distance(best) > MAX_OCTAVES:
+        return None
+    return best[1], best[2]

@@ -95,8 +95,10 @@ def align_torch(
 
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, local, torch.ones_like(local))
-    order = torch.sort(local, stable=True).indices
-    sorted_local = local[order]
+    # Narrow keys sort in fewer radix passes (2 bytes instead of 8 for up to 32k experts).
+    key_dtype = torch.int16 if num_local < 2**15 - 1 else torch.int32
+    sorted_key, order = torch.sort(local.to(key_dtype), stable=True)
+    sorted_local = sorted_key.long()
     padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded

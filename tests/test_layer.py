@@ -403,3 +403,34 @@ def test_forward_rejects(x_dtype: torch.dtype, num_experts: int, match: str) -> 
 def test_bad_parallel_config(parallel: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BASE.layer(ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8", "int4_w4a16_g32", "mxfp4_w4a16", "nvfp4"])
+def test_layer_online_quantization(scheme):
+    """quant=<scheme>: full-precision checkpoint in, quantized payload + scales after processing,
+    forward equal to fused_experts on the same quantized weights."""
+    from fusedmoe import fused_experts
+    from fusedmoe.quant.weights import quantize_weights
+
+    E, K, H, I = 6, 2, 128, 64
+    gen = torch.Generator().manual_seed(31)
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I**0.5
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.float32, quant=scheme)
+    for e in range(E):
+        layer.load_expert_weight(e, "gate_proj", w13[e, :I])
+        layer.load_expert_weight(e, "up_proj", w13[e, I:])
+        layer.load_expert_weight(e, "down_proj", w2[e])
+    assert layer.process_weights_after_loading().name == "emulation"
+    q13, q2, params = quantize_weights(w13, w2, scheme)
+    assert torch.equal(layer.w13_weight, q13) and torch.equal(layer.w13_scale, params.w13_scale)
+    x = torch.randn(9, H, generator=gen)
+    logits = torch.randn(9, E, generator=gen)
+    weights, ids = layer.route(x, logits)
+    out = layer(x, logits)
+    assert torch.allclose(out, fused_experts(x, q13, q2, weights, ids, quant=params), rtol=1e-6, atol=1e-6)
+
+
+def test_layer_static_activation_scheme_refused():
+    with pytest.raises(NotImplementedError, match="static activation scales need calibration"):
+        FusedMoE(4, 2, 64, 32, params_dtype=torch.float32, quant="fp8_w8a8_tensor_static")

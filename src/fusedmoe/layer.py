@@ -8,6 +8,8 @@ up; [L, I/tp, H] for non-gated activations), `w2_weight` [L, H, I/tp], optional 
 [L, G], `w2_bias` [L, H]. L = num_experts / ep_size local experts; TP shards the intermediate.
 With TP > 1 the output is this rank's partial sum (the caller all-reduces), and the down
 projection's bias is added on tp_rank 0 only so that the sum counts it once.
+With `quant=<scheme>` the layer loads full-precision checkpoints and quantizes them in
+`process_weights_after_loading` (online quantization; scales become buffers `w13_scale`, ...).
 """
 
 from __future__ import annotations
@@ -103,12 +105,14 @@ class FusedMoE(nn.Module):
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,
         )
-        if self.config.quant is not None:
+        if self.config.quant is not None and self.config.quant.activation is not None \
+                and not self.config.quant.activation.dynamic and self.config.quant.family == "fp8":
             raise NotImplementedError(
-                f"FusedMoE with quant={self.config.quant.name!r}: quantized parameters and their "
-                "checkpoint loaders are not in this release; quantize with "
-                "fusedmoe.quant.weights.quantize_weights and call fused_experts(..., quant=...)"
+                f"FusedMoE(quant={self.config.quant.name!r}) quantizes full-precision checkpoints "
+                "at load time, and static activation scales need calibration data; loading "
+                "pre-quantized checkpoints is not in this release"
             )
+        self.quant_params = None
         self.routing = dict(
             renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
             num_expert_group=num_expert_group, topk_group=topk_group,
@@ -237,6 +241,8 @@ class FusedMoE(nn.Module):
         platform = self.platform or Platform.for_device(self.w13_weight.device)
         self.selection = select_backend(c, platform)
         experts = self.selection.experts(c)
+        if c.quant is not None:
+            self._quantize()
         processed = experts.process_weights(self._expert_weights())
         with torch.no_grad():
             for name in ("w13", "w2"):
@@ -247,8 +253,22 @@ class FusedMoE(nn.Module):
         self._kernel = ModularMoE(LocalPrepareFinalize(), experts)
         return self.selection
 
+    def _quantize(self) -> None:
+        """Online quantization: the loaded full-precision weights become the scheme's payload."""
+        from fusedmoe.quant.weights import quantize_weights
+
+        with torch.no_grad():
+            q13, q2, params = quantize_weights(self.w13_weight, self.w2_weight, self.config.quant)
+        self._parameters["w13_weight"] = nn.Parameter(q13, requires_grad=False)
+        self._parameters["w2_weight"] = nn.Parameter(q2, requires_grad=False)
+        for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale",
+                     "w2_global_scale"):
+            self.register_buffer(f"{name}", getattr(params, name))
+        self.quant_params = params
+
     def _expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        return ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias,
+                             self.quant_params)
 
     # Forward -----------------------------------------------------------------------------------
     def route(self, hidden_states: torch.Tensor, router_logits: torch.Tensor):
@@ -276,7 +296,7 @@ class FusedMoE(nn.Module):
             x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
             activation=c.activation, expert_map=self.expert_map, global_num_experts=c.num_experts,
             w13_bias=self.w13_bias, w2_bias=self.w2_bias,
-            apply_router_weight_on_input=c.apply_router_weight_on_input, quantized=False,
+            apply_router_weight_on_input=c.apply_router_weight_on_input, quantized=c.quant is not None,
             validate=False,
         )
         if x.shape[0] == 0:

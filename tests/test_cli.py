@@ -1,0 +1,81 @@
+"""The command line: explain (table and JSON, described platforms), demo on the CPU, env, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fusedmoe.cli import main
+
+
+def test_explain_preset_on_described_platform(capsys):
+    rc = main(["explain", "--model", "deepseek-v3", "--quant", "fp8_w8a8_block", "--platform", "cuda:9.0",
+               "--packages", "deep_gemm"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("FP8 MoE on cuda sm90 +deep_gemm: chosen deepgemm (via auto)")
+    assert "flashinfer_cutlass" in out and "the flashinfer package is not installed" in out
+
+
+def test_explain_json_with_parallel_config(capsys):
+    rc = main(["explain", "--experts", "64", "--hidden", "2048", "--intermediate", "1408", "--top-k", "6",
+               "--ep", "2", "--dp", "2", "--platform", "cuda:9.0", "--packages", "flashinfer", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["chosen"] == "triton"
+    assert data["config"]["parallel"]["ep_size"] == 2 and data["config"]["parallel"]["dp_size"] == 2
+    verdicts = {v["name"]: v for v in data["verdicts"]}
+    assert "not available with data parallelism" in verdicts["flashinfer_cutlass"]["reason"]
+
+
+def test_explain_nothing_qualifies_exits_1(capsys):
+    rc = main(["explain", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--top-k", "2",
+               "--quant", "fp8_w8a8_block", "--platform", "cuda:7.0"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "No FP8 MoE backend supports the deployment configuration" in out
+
+
+def test_explain_bad_arguments(capsys):
+    assert main(["explain", "--experts", "8"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["explain", "--model", "gpt-9"]) == 2
+    assert "unknown model preset 'gpt-9'" in capsys.readouterr().err
+    assert main(["explain", "--model", "mixtral-8x7b", "--backend", "bogus", "--platform", "cpu"]) == 1
+    assert "backend='bogus' is not supported" in capsys.readouterr().out
+
+
+def test_demo_on_cpu(capsys):
+    rc = main(["demo", "--model", "deepseek-v3", "--tokens", "8", "--scale", "16", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "backend      cpu (via auto)" in out and "(ok, tolerance" in out
+
+
+def test_demo_list(capsys):
+    assert main(["demo", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b",
+                 "gpt-oss-120b", "llama-4-maverick", "kimi-k2", "glm-4.5-air"):
+        assert name in out
+
+
+def test_env_json(capsys):
+    assert main(["env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["platform"]["kind"] in ("cpu", "cuda", "rocm", "xpu")
+    assert "FUSEDMOE_BACKEND" in data["knobs"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_and_tune_need_a_gpu(capsys):
+    assert main(["bench"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert main(["tune", "--model", "qwen3-30b-a3b"]) == 2
+
+
+def test_python_dash_m():
+    out = subprocess.run([sys.executable, "-m", "fusedmoe", "explain", "--model", "qwen3-30b-a3b",
+                          "--platform", "cpu"], capture_output=True, text=True, check=True).stdout
+    assert "chosen cpu" in out

@@ -178,3 +178,31 @@ def test_opcheck_on_gpu():
 
     x, w13, w2, _, _, w, ids = make(9, 8, 2, 128, 64, torch.bfloat16, seed=8)
     torch.library.opcheck(triton_experts_op, (x, w13, w2, w, ids, None, None, None, 8, "silu", False, 1.702, None))
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
+def test_batched_layout(name):
+    p = PRESETS[name]
+    x, w13, w2, b13, b2, w, ids = make(64, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp,
+                                       torch.bfloat16, act=p.activation, bias=p.has_bias, seed=9)
+    kw = dict(activation=p.activation, w13_bias=b13, w2_bias=b2)
+    poison_allocator()
+    out = fused_experts(x, w13, w2, w, ids, activation_format="batched", **kw)
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=p.activation)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    fused_experts(x, w13, w2, w, ids, activation_format="batched", **kw)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static = fused_experts(x, w13, w2, w, ids, activation_format="batched", **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+
+
+def test_in_place():
+    x, w13, w2, b13, b2, w, ids = make(100, 16, 4, 512, 256, torch.bfloat16, bias=True, seed=10)
+    ref = ref_of(x, w13, w2, b13, b2, w, ids)
+    out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, inplace=True)
+    assert out.data_ptr() == x.data_ptr()
+    assert rel_err(x, ref) < TOL[torch.bfloat16]

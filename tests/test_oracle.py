@@ -289,8 +289,9 @@ def test_current_gpu_kernels_reported_missing():
     assert select_backend(cfg(), H100).name == "triton"
     with pytest.raises(NoBackendError, match="triton: fusedmoe's implementation does not cover the fp8_w8a8_block"):
         select_backend(cfg(quant="fp8_w8a8_block"), H100)
-    with pytest.raises(NoBackendError, match="batched_triton: fusedmoe has no implementation of it yet"):
-        select_backend(cfg(activation_format="batched"), H100)
+    assert select_backend(cfg(activation_format="batched"), H100).name == "batched_triton"
+    with pytest.raises(NoBackendError, match="batched_triton: fusedmoe's implementation does not cover"):
+        select_backend(cfg(activation_format="batched", quant="fp8_w8a8_block"), H100)
     assert select_backend(cfg(backend="torch"), H100).name == "torch"
 
 

@@ -16,7 +16,7 @@ import torch
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.config import MoEConfig
-from fusedmoe.modular import ExpertWeights, LocalPrepareFinalize, ModularMoE
+from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.params import QuantParams
@@ -43,6 +43,7 @@ def fused_experts(
     swiglu_limit: float | None = None,
     inplace: bool = False,
     validate: bool | None = None,
+    activation_format: str = "standard",
 ) -> torch.Tensor:
     """out [T, H] = sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(hidden_states[t]).
 
@@ -50,7 +51,9 @@ def fused_experts(
     [0, I) gate, [I, 2I) up) for gated activations, [E, I, H] for `*_no_mul`; w2 is [E, H, I].
     With expert_map (global id -> local index, -1 = not on this rank) w13/w2 hold the local
     experts and unmapped slots contribute zero. `inplace=True` writes into hidden_states when
-    the backend allows it.
+    the backend allows it. activation_format="batched" dispatches the slots into per-expert
+    buffers [L, max_tokens, H] first (the layout of expert-parallel all-to-all) and runs a
+    batched backend on them.
     """
     if quant is not None and not isinstance(quant, QuantParams):
         raise TypeError(f"quant must be a fusedmoe.QuantParams or None, got {type(quant).__name__}")
@@ -81,6 +84,7 @@ def fused_experts(
         backend=backend,
         apply_router_weight_on_input=apply_router_weight_on_input,
         has_expert_map=expert_map is not None,
+        activation_format=activation_format,
     )
     if dtype == torch.float64 and config.backend not in ("torch", "reference", "ref"):
         raise ValueError("float64 hidden_states are only supported with backend='torch'")
@@ -94,7 +98,7 @@ def fused_experts(
 @functools.lru_cache(maxsize=256)
 def _kernel(config: MoEConfig, platform: Platform) -> ModularMoE:
     selection = select_backend(config, platform)
-    return ModularMoE(LocalPrepareFinalize(), selection.experts(config))
+    return make_modular(config, selection.experts(config))
 
 
 _ROUTING_KEYS = frozenset(inspect.signature(select_experts).parameters) - {

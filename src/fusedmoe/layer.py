@@ -22,7 +22,7 @@ from torch import nn
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.config import MoEConfig, ParallelConfig
-from fusedmoe.modular import ExpertWeights, LocalPrepareFinalize, ModularMoE
+from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.routing import CustomRouting, select_experts
@@ -250,7 +250,7 @@ class FusedMoE(nn.Module):
                 param = getattr(self, f"{name}_weight")
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
-        self._kernel = ModularMoE(LocalPrepareFinalize(), experts)
+        self._kernel = make_modular(c, experts)
         return self.selection
 
     def _quantize(self) -> None:

@@ -70,6 +70,28 @@ class Experts(abc.ABC):
         """Return [T, H] in x's dtype (written into out_TH when given)."""
 
 
+class BatchedExperts(Experts):
+    """Experts on per-local-expert buffers: y[e, j] = expert_e(x[e, j]) for j < num_tokens[e].
+
+    No routed weights and no reduction: the combine step owns both.
+    """
+
+    layout: ClassVar[str] = "batched"
+    supports_inplace: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def apply_batched(
+        self, x_LMH: torch.Tensor, num_tokens_L: torch.Tensor, weights: ExpertWeights
+    ) -> torch.Tensor:
+        """Return [L, max_tokens, H]; rows past num_tokens[e] are zero."""
+
+    def apply(self, *args, **kwargs):
+        raise TypeError(
+            f"{type(self).__name__} takes per-expert buffers: run it through ModularMoE with a "
+            "batched prepare/finalize"
+        )
+
+
 class PrepareFinalize:
     """Token movement around the experts. The base class is one rank: nothing moves."""
 
@@ -85,10 +107,85 @@ class PrepareFinalize:
 LocalPrepareFinalize = PrepareFinalize
 
 
-class ModularMoE:
-    """prepare -> experts -> finalize."""
+@dataclass
+class BatchedHandle:
+    """What `dispatch` did, for `combine`: each slot's token, local expert, row and weight."""
 
-    def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts):
+    token_N: torch.Tensor
+    local_N: torch.Tensor
+    row_N: torch.Tensor
+    valid_N: torch.Tensor
+    weight_N: torch.Tensor
+    num_tokens: int
+
+
+class BatchedLocalPrepareFinalize:
+    """One rank, batched layout: scatter slots into [L, max_tokens, H] buffers, combine weighted.
+
+        dispatch: x_b[e, j] = x[token] (* w if router weight on input) for the j-th slot of e
+        combine:  out[t] = sum_k w[t, k] * y_b[e(t,k), j(t,k)]    (fp32, slot order: deterministic)
+    max_tokens defaults to T: a token reaches an expert at most once when its ids are distinct,
+    as routing guarantees; rows beyond max_tokens are dropped, and reported when validating.
+    """
+
+    def __init__(self, num_global_experts: int, *, weight_on_input: bool,
+                 max_tokens: int | None = None, validate: bool | None = None):
+        self.num_global = num_global_experts
+        self.weight_on_input = weight_on_input
+        self.max_tokens = max_tokens
+        self.validate = validate
+
+    def dispatch(self, x_TH, topk_weights_TK, topk_ids_TK, expert_map_E, num_local: int):
+        from fusedmoe.validation import should_validate
+
+        self.num_local = num_local
+        num_tokens, hidden = x_TH.shape
+        top_k = topk_ids_TK.shape[1]
+        max_tokens = self.max_tokens or num_tokens
+        local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, self.num_global)
+        local_N = torch.where(valid_TK, local_TK, self.num_local).flatten()
+        order = torch.sort(local_N, stable=True).indices
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=x_TH.device)
+        counts.scatter_add_(0, local_N, torch.ones_like(local_N))
+        start = torch.cumsum(counts, 0) - counts
+        row_sorted = torch.arange(local_N.numel(), device=x_TH.device) - start[local_N[order]]
+        row_N = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)
+        if should_validate(self.validate, x_TH) and local_N.numel():
+            worst = int(counts[: self.num_local].max()) if self.num_local else 0
+            if worst > max_tokens:
+                raise ValueError(
+                    f"an expert receives {worst} slots but the batched buffers hold max_tokens="
+                    f"{max_tokens} (repeated ids within a token's top-k?)"
+                )
+        valid_N = valid_TK.flatten() & (row_N < max_tokens)
+        token_N = torch.arange(num_tokens * top_k, device=x_TH.device) // top_k
+        weight_N = topk_weights_TK.flatten().float()
+        x_b = torch.zeros(self.num_local, max_tokens, hidden, dtype=x_TH.dtype, device=x_TH.device)
+        rows = x_TH[token_N]
+        if self.weight_on_input:
+            rows = (rows.float() * weight_N.unsqueeze(-1)).to(x_TH.dtype)
+        e_idx = torch.where(valid_N, local_N, 0)
+        j_idx = torch.where(valid_N, row_N, 0)
+        x_b.index_put_((e_idx, j_idx), torch.where(valid_N.unsqueeze(-1), rows, x_b[e_idx, j_idx]))
+        num_tokens_L = counts[: self.num_local].clamp(max=max_tokens).to(torch.int32)
+        return x_b, num_tokens_L, BatchedHandle(token_N, local_N, row_N, valid_N, weight_N, num_tokens)
+
+    def combine(self, y_LMH: torch.Tensor, handle: BatchedHandle) -> torch.Tensor:
+        h = handle
+        e_idx = torch.where(h.valid_N, h.local_N, 0)
+        j_idx = torch.where(h.valid_N, h.row_N, 0)
+        y_N = y_LMH[e_idx, j_idx].float()
+        scale = torch.where(h.valid_N, torch.ones_like(h.weight_N) if self.weight_on_input else h.weight_N,
+                            torch.zeros_like(h.weight_N))
+        y_N = torch.where(h.valid_N.unsqueeze(-1), y_N * scale.unsqueeze(-1), torch.zeros((), device=y_N.device))
+        top_k = y_N.shape[0] // max(1, h.num_tokens)
+        return y_N.view(h.num_tokens, top_k, -1).sum(dim=1).to(y_LMH.dtype)
+
+
+class ModularMoE:
+    """prepare -> experts -> finalize (standard layout) or dispatch -> experts -> combine (batched)."""
+
+    def __init__(self, prepare_finalize, experts: Experts):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
 
@@ -102,10 +199,26 @@ class ModularMoE:
         expert_map_E: torch.Tensor | None = None,
         inplace: bool = False,
     ) -> torch.Tensor:
+        if self.experts.layout == "batched":
+            pf = self.prepare_finalize
+            x_b, counts, handle = pf.dispatch(x_TH, topk_weights_TK, topk_ids_TK, expert_map_E,
+                                              weights.w13.shape[0])
+            out = pf.combine(self.experts.apply_batched(x_b, counts, weights), handle)
+            return x_TH.copy_(out) if inplace else out
         x, w, ids = self.prepare_finalize.prepare(x_TH, topk_weights_TK, topk_ids_TK)
         out = x_TH if inplace and self.experts.supports_inplace else None
         y = self.experts.apply(x, weights, w, ids, expert_map_E=expert_map_E, out_TH=out)
-        return self.prepare_finalize.finalize(y)
+        y = self.prepare_finalize.finalize(y)
+        return x_TH.copy_(y) if inplace and out is None else y
+
+
+def make_modular(config: MoEConfig, experts: Experts) -> ModularMoE:
+    """The one-rank modular kernel for `experts`, in the layout it takes."""
+    if experts.layout == "batched":
+        pf = BatchedLocalPrepareFinalize(config.num_experts, weight_on_input=config.apply_router_weight_on_input,
+                                         max_tokens=config.max_num_tokens)
+        return ModularMoE(pf, experts)
+    return ModularMoE(LocalPrepareFinalize(), experts)
 
 
 def local_slots(

@@ -142,6 +142,7 @@ BUILTIN: tuple[Backend, ...] = (
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8)),
         features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=ALL_DTYPES,
         needs_triton=True, twin="triton", deterministic=True,
+        impl="fusedmoe.backends.triton.experts:BatchedTritonExperts", pending_schemes=FP8_W8A8,
     ),
     Backend(
         "grouped_mm", "PyTorch grouped GEMM over slots sorted by expert (the baseline users write)",

@@ -16,7 +16,7 @@ import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.backends.triton.tiles import TileConfig, heuristic
-from fusedmoe.modular import Experts, ExpertWeights
+from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights
 
 ACT_CODES = {name: i for i, name in enumerate(
     ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
@@ -160,7 +160,8 @@ class Launch:
     y: torch.Tensor
     top_k: int
     activation: str
-    weight_on_input: bool
+    scale_input: bool  # gemm1 multiplies rows by the routed weight (router weight on input)
+    scale_output: bool  # gemm2 multiplies rows by the routed weight (the usual case)
     swiglu_alpha: float
     swiglu_limit: float | None
     block_m: int
@@ -179,8 +180,8 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
     a = torch.empty(sorted_slot.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
     y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
     return Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
-                  topk_ids_TK.shape[1], activation, apply_router_weight_on_input, swiglu_alpha,
-                  swiglu_limit, block_m)
+                  topk_ids_TK.shape[1], activation, apply_router_weight_on_input,
+                  not apply_router_weight_on_input, swiglu_alpha, swiglu_limit, block_m)
 
 
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig) -> None:
@@ -201,7 +202,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         GATED=gated, ACT=ACT_CODES[L.activation],
         HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
-        HAS_BIAS=w13_bias is not None, WEIGHT_ON_INPUT=L.weight_on_input,
+        HAS_BIAS=w13_bias is not None, SCALE_ROWS=L.scale_input,
         IEEE=x.dtype == torch.float32, **tile.as_kwargs(),
     )
 
@@ -219,7 +220,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         w2.stride(0), w2.stride(1), w2.stride(2),
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
-        HAS_BIAS=w2_bias is not None, WEIGHT_ON_INPUT=L.weight_on_input,
+        HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=a.dtype == torch.float32, **tile.as_kwargs(),
     )
 
@@ -252,11 +253,15 @@ def triton_experts(
     swiglu_alpha: float,
     swiglu_limit: float | None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels."""
+    """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels.
+
+    `out` may be x itself: x is read only by gemm1, out written only by the final reduce.
+    """
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
-    out = torch.empty_like(x_TH)
+    out = torch.empty_like(x_TH) if out is None else out
     if num_tokens == 0:
         return out
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
@@ -316,6 +321,30 @@ def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_glo
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("fusedmoe::triton_experts_out", mutates_args=("out",))
+def triton_experts_out_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    out: torch.Tensor,
+) -> None:
+    """`triton_experts` writing into `out` (which may be x: the seeds' in-place mode)."""
+    triton_experts(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, out=out,
+    )
+
+
 class TritonExperts(Experts):
     """Unquantized experts on fusedmoe's Triton kernels (contiguous layout)."""
 
@@ -324,11 +353,95 @@ class TritonExperts(Experts):
         c = self.config
         if weights.quant is not None:
             raise NotImplementedError("quantized schemes are not in the triton backend yet")
-        y = triton_experts_op(
-            x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
-            weights.w2_bias, expert_map_E, c.num_experts, c.activation,
-            c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit,
-        )
+        args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
+                weights.w2_bias, expert_map_E, c.num_experts, c.activation,
+                c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
         if out_TH is not None:
-            return out_TH.copy_(y)
+            triton_experts_out_op(*args, out_TH)
+            return out_TH
+        return triton_experts_op(*args)
+
+
+# Batched layout ---------------------------------------------------------------------------------
+def triton_batched_experts(
+    x_LMH: torch.Tensor,
+    num_tokens_L: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """y[e, j] = w2[e] @ act(w13[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e]; rows past
+    the count are not computed (zero). No routed weight: the combine applies it.
+
+    The same kernels as the contiguous layout: buffer rows are the "slots" (top_k = 1), each
+    expert's max_tokens rows are padded to whole BLOCK_M blocks, rows past the count masked.
+    """
+    num_local, max_tokens, hidden = x_LMH.shape
+    inter = w2.shape[2]
+    gated = is_gated(activation)
+    y = torch.zeros_like(x_LMH)
+    if num_local == 0 or max_tokens == 0:
         return y
+    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
+    t1, t2 = choose_tiles(problem, x_LMH.device)
+    bm = t1.block_m
+    padded = triton_cdiv(max_tokens, bm) * bm
+    device = x_LMH.device
+    if padded != max_tokens:
+        x_pad = torch.zeros(num_local, padded, hidden, dtype=x_LMH.dtype, device=device)
+        x_pad[:, :max_tokens] = x_LMH
+    else:
+        x_pad = x_LMH.contiguous()
+    rows = num_local * padded
+    r = torch.arange(rows, device=device)
+    valid = (r % padded) < num_tokens_L.to(device).long().clamp(max=max_tokens).repeat_interleave(padded)
+    sorted_slot = torch.where(valid, r, rows).to(torch.int32)
+    block_expert = (torch.arange(rows // bm, device=device) * bm // padded).to(torch.int32)
+    num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
+    y_pad = torch.empty(rows, hidden, dtype=x_LMH.dtype, device=device)
+    launch = Launch(
+        x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert, num_rows,
+        valid.to(torch.int8), torch.empty(rows, inter, dtype=x_LMH.dtype, device=device), y_pad,
+        1, activation, False, False, swiglu_alpha, swiglu_limit, bm,
+    )
+    launch_gemm1(launch, w13, w13_bias, t1)
+    launch_gemm2(launch, w2, w2_bias, t2)
+    y_pad = torch.where(valid.unsqueeze(-1), y_pad, torch.zeros((), dtype=y_pad.dtype, device=device))
+    return y_pad.view(num_local, padded, hidden)[:, :max_tokens]
+
+
+@torch.library.custom_op("fusedmoe::triton_batched_experts", mutates_args=())
+def triton_batched_experts_op(
+    x: torch.Tensor,
+    num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    return triton_batched_experts(x, num_tokens, w13, w2, w13_bias, w2_bias, activation,
+                                  swiglu_alpha, swiglu_limit).contiguous()
+
+
+@triton_batched_experts_op.register_fake
+def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit):
+    return torch.empty_like(x)
+
+
+class BatchedTritonExperts(BatchedExperts):
+    """Unquantized experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch)."""
+
+    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
+        c = self.config
+        if weights.quant is not None:
+            raise NotImplementedError("quantized schemes are not in the batched_triton backend yet")
+        return triton_batched_experts_op(x_LMH, num_tokens_L, weights.w13, weights.w2,
+                                         weights.w13_bias, weights.w2_bias, c.activation,
+                                         c.swiglu_alpha, c.swiglu_limit)

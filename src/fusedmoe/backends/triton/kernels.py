@@ -82,7 +82,7 @@ def moe_gemm1_kernel(
     stride_ar, stride_ai,
     alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile."""
@@ -117,7 +117,7 @@ def moe_gemm1_kernel(
         wg_ptrs += BLOCK_K * stride_wh
         wu_ptrs += BLOCK_K * stride_wh
 
-    if WEIGHT_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T): scale the rows before the bias
+    if SCALE_ROWS:  # router weight on input: (w * x) @ W^T == w * (x @ W^T), before the bias
         w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         acc_g = acc_g * w[:, None]
         acc_u = acc_u * w[:, None]
@@ -140,7 +140,7 @@ def moe_gemm2_kernel(
     stride_we, stride_wh, stride_wi,
     stride_be, stride_bh,
     stride_ys, stride_yh,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
@@ -170,7 +170,7 @@ def moe_gemm2_kernel(
 
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if not WEIGHT_ON_INPUT:
+    if SCALE_ROWS:  # the routed weight, unless it was applied to the input (or by a combine)
         w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
     y_ptrs = y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh

@@ -104,7 +104,7 @@ def test_heuristic_tiles_are_valid(dtype):
         for experts in (1, 8, 128, 512):
             for n, k, gated in ((256, 7168, True), (14336, 4096, True), (4096, 14336, False), (37, 65, False)):
                 tile = heuristic(slots, experts, n, k, dtype, gated=gated)
-                assert check_tile(tile, dtype=dtype, operands=2 if gated else 1) is None, tile
+                assert check_tile(tile, dtype=dtype, operands=2 if gated else 1, allow_split=gated) is None, tile
 
 
 def test_check_tile_reasons():
@@ -112,6 +112,38 @@ def test_check_tile_reasons():
     assert ">= 16" in check_tile(TileConfig(8, 64, 64), dtype=torch.float16)
     assert "shared memory" in check_tile(TileConfig(256, 256, 256, 8, 4), dtype=torch.float32, operands=2)
     assert "num_warps" in check_tile(TileConfig(64, 64, 64, 3), dtype=torch.float16)
+    assert "only GEMM1 splits K" in check_tile(TileConfig(16, 64, 64, 4, 3, 2), dtype=torch.float16)
+    assert check_tile(TileConfig(16, 64, 64, 4, 3, 2), dtype=torch.float16, allow_split=True) is None
+    assert "split_k=3" in check_tile(TileConfig(16, 64, 64, 4, 3, 3), dtype=torch.float16, allow_split=True)
+
+
+def test_heuristic_splits_decode_gemm1():
+    tile = heuristic(8, 256, 256, 7168, torch.bfloat16, gated=True, num_sms=132)  # DeepSeek TP8, M=1
+    assert tile.block_m == 16 and tile.split_k > 1
+    assert heuristic(8, 256, 7168, 256, torch.bfloat16, gated=False).split_k == 1
+    assert heuristic(32768, 128, 768, 2048, torch.bfloat16, gated=True).split_k == 1
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("act,bias,on_input", [("silu", True, False), ("swigluoai", True, False),
+                                               ("relu2_no_mul", False, False), ("silu", False, True)])
+def test_split_k_gemm1_matches_reference(split, act, bias, on_input):
+    gen = torch.Generator().manual_seed(50 + split)
+    T, E, H, I = 5, 6, 200, 40
+    K = 1 if on_input else 2
+    rows = I if act.endswith("no_mul") else 2 * I
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, rows, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    b13 = torch.randn(E, rows, generator=gen) if bias else None
+    b2 = torch.randn(E, H, generator=gen) if bias else None
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K, renormalize=not on_input)
+    tiles = (TileConfig(16, 16, 32, 4, 2, split), TileConfig(16, 32, 32, 4, 2))
+    out = triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=tiles)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation=act,
+                            apply_router_weight_on_input=on_input,
+                            w13_bias_LG=None if b13 is None else b13.double(),
+                            w2_bias_LH=None if b2 is None else b2.double())
+    assert rel_err(out, ref) < 1e-5
 
 
 # Kernels vs the reference --------------------------------------------------------------------------

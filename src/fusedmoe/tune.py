@@ -2,7 +2,7 @@
 
 For each token count: draw uniform routing, then for block_m in {heuristic/2, heuristic,
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
-num_warps, num_stages; one parameter at a time, keep what is faster), and keep the block_m whose
+num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and keep the block_m whose
 two GEMMs sum fastest. An entry is written only when it beats the heuristic by more than 3%
 (tuned tables age: a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies
 from a CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for.
@@ -26,6 +26,7 @@ BLOCK_N = (16, 32, 64, 128, 256)
 BLOCK_K = (32, 64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
+SPLITS = (1, 2, 4, 8)
 
 
 def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float:
@@ -59,10 +60,12 @@ def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float
     return statistics.median(times)
 
 
-def _neighbours(tile: TileConfig) -> list[TileConfig]:
+def _neighbours(tile: TileConfig, allow_split: bool) -> list[TileConfig]:
     out = []
-    for field, values in (("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS),
-                          ("num_stages", STAGES)):
+    fields = [("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS), ("num_stages", STAGES)]
+    if allow_split:
+        fields.append(("split_k", SPLITS))
+    for field, values in fields:
         current = getattr(tile, field)
         i = values.index(current) if current in values else 0
         for j in (i - 1, i + 1):
@@ -72,12 +75,12 @@ def _neighbours(tile: TileConfig) -> list[TileConfig]:
 
 
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig, dtype, operands: int,
-             rounds: int = 2) -> tuple[TileConfig, float]:
+             rounds: int = 2, allow_split: bool = False) -> tuple[TileConfig, float]:
     best, best_t = start, time_tile(start)
     for _ in range(rounds):
         improved = False
-        for cand in _neighbours(best):
-            if check_tile(cand, dtype=dtype, operands=operands):
+        for cand in _neighbours(best, allow_split):
+            if check_tile(cand, dtype=dtype, operands=operands, allow_split=allow_split):
                 continue
             try:
                 t = time_tile(cand)
@@ -143,11 +146,11 @@ def tune_shape(
             if progress:
                 progress(f"E={experts} H={hidden} I={inter} k={top_k} M={tokens} block_m={block_m}")
             time1, time2 = timers(block_m)
-            s1 = TileConfig(block_m, h1.block_n, h1.block_k, h1.num_warps, h1.num_stages)
+            s1 = TileConfig(block_m, h1.block_n, h1.block_k, h1.num_warps, h1.num_stages, h1.split_k)
             s2 = TileConfig(block_m, h2.block_n, h2.block_k, h2.num_warps, h2.num_stages)
-            if check_tile(s1, dtype=dtype, operands=2 if gated else 1) or check_tile(s2, dtype=dtype):
+            if check_tile(s1, dtype=dtype, operands=2 if gated else 1, allow_split=True) or check_tile(s2, dtype=dtype):
                 continue
-            b1, u1 = _descend(time1, s1, dtype, 2 if gated else 1)
+            b1, u1 = _descend(time1, s1, dtype, 2 if gated else 1, allow_split=True)
             b2, u2 = _descend(time2, s2, dtype, 1)
             if best is None or u1 + u2 < best[0]:
                 best = (u1 + u2, b1, b2)

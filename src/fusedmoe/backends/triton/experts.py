@@ -192,19 +192,34 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     gated = is_gated(L.activation)
     bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
     limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
-    kernels.moe_gemm1_kernel[(L.sorted_slot.numel() // L.block_m, triton_cdiv(inter, tile.block_n))](
-        x, w13, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
-        L.y.shape[0], L.top_k, hidden, inter,
+    blocks = L.sorted_slot.numel() // L.block_m
+    k_per_split = triton_cdiv(triton_cdiv(hidden, tile.split_k), tile.block_k) * tile.block_k
+    splits = triton_cdiv(hidden, k_per_split)
+    hpart = x  # never written unless SPLIT_K > 1
+    if splits > 1:
+        hpart = torch.empty(splits, a.shape[0], w13.shape[1], dtype=torch.float32, device=x.device)
+    flags = dict(GATED=gated, ACT=ACT_CODES[L.activation],
+                 HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
+                 HAS_BIAS=w13_bias is not None, SCALE_ROWS=L.scale_input)
+    b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
+    h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
+    kernels.moe_gemm1_kernel[(blocks, triton_cdiv(inter, tile.block_n), splits)](
+        x, w13, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
+        L.y.shape[0], L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
-        bias.stride(0) if w13_bias is not None else 0, bias.stride(1) if w13_bias is not None else 0,
-        a.stride(0), a.stride(1),
+        *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
-        GATED=gated, ACT=ACT_CODES[L.activation],
-        HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
-        HAS_BIAS=w13_bias is not None, SCALE_ROWS=L.scale_input,
-        IEEE=x.dtype == torch.float32, **tile.as_kwargs(),
+        IEEE=x.dtype == torch.float32, SPLIT_K=splits, **flags, **tile.as_kwargs(),
     )
+    if splits > 1:
+        block_n = min(128, triton_next_pow2(inter))
+        kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
+            hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+            L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
+            float(L.swiglu_alpha), float(limit),
+            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags,
+        )
 
 
 def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig) -> None:

@@ -2,6 +2,7 @@
 
 Pipeline over the slots (t, k) sorted by local expert and padded to BLOCK_M per expert:
     gemm1:  a[r, :]   = act(w13[e] @ x[token(r)] (* w) + b13[e])          one program per (row block, N tile)
+            (split-K for few rows: fp32 partials per H share, then moe_act_kernel sums them)
     gemm2:  y[slot, :] = (w2[e] @ a[r] + b2[e]) * w                      one program per (row block, H tile)
     reduce: out[t, :]  = sum_k y[t*K + k, :] over valid slots, in fp32  one program per (token, H tile)
 Every row block belongs to one expert (`block_expert`), blocks past the padded row count exit at
@@ -72,22 +73,46 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
+                    stride_be, stride_bn, inter, alpha, limit,
+                    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """(router weight on input) -> + bias -> activation, on fp32 accumulators."""
+    if SCALE_ROWS:  # router weight on input: (w * x) @ W^T == w * (x @ W^T), before the bias
+        w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc_g = acc_g * w[:, None]
+        acc_u = acc_u * w[:, None]
+    if HAS_BIAS:
+        b_base = b13_ptr + expert * stride_be
+        acc_g += tl.load(b_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + (offs_n + inter) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return _activation(acc_g, acc_u, alpha, limit, ACT, HAS_LIMIT)
+
+
+@triton.jit
 def moe_gemm1_kernel(
-    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr,
+    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
     sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
-    num_slots, top_k, hidden, inter,
+    num_slots, top_k, hidden, inter, k_per_split,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wh,
     stride_be, stride_bn,
     stride_ar, stride_ai,
+    stride_hs, stride_hr,
     alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile."""
+    """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
+
+    SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
+    the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -98,15 +123,17 @@ def moe_gemm1_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, hidden)
 
-    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    x_ptrs = x_ptr + token[:, None] * stride_xt + (k_start + offs_k)[None, :] * stride_xh
     w_base = w13_ptr + expert * stride_we
-    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wh
+    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
     wu_ptrs = wg_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = offs_k < k_end - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_g = _dot(xa, wg, acc_g, IEEE)
@@ -117,16 +144,50 @@ def moe_gemm1_kernel(
         wg_ptrs += BLOCK_K * stride_wh
         wu_ptrs += BLOCK_K * stride_wh
 
-    if SCALE_ROWS:  # router weight on input: (w * x) @ W^T == w * (x @ W^T), before the bias
-        w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
-        acc_g = acc_g * w[:, None]
-        acc_u = acc_u * w[:, None]
-    if HAS_BIAS:
-        b_base = b13_ptr + expert * stride_be
-        acc_g += tl.load(b_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:
+        h_ptrs = hpart_ptr + pid_s * stride_hs + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
+        tl.store(h_ptrs, acc_g, mask=n_ok[None, :])
         if GATED:
-            acc_u += tl.load(b_base + (offs_n + inter) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    act = _activation(acc_g, acc_u, alpha, limit, ACT, HAS_LIMIT)
+            tl.store(h_ptrs + inter, acc_u, mask=n_ok[None, :])
+    else:
+        act = _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
+                              stride_be, stride_bn, inter, alpha, limit,
+                              GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
+        tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def moe_act_kernel(
+    hpart_ptr, b13_ptr, a_ptr, topk_w_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, inter,
+    stride_be, stride_bn, stride_ar, stride_ai, stride_hs, stride_hr,
+    alpha, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """a[r, n] = act(sum_s hpart[s, r, n] ...): the split-K GEMM1 partials, summed in split order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    h_ptrs = hpart_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc_g += tl.load(h_ptrs + s * stride_hs, mask=n_ok[None, :], other=0.0)
+        if GATED:
+            acc_u += tl.load(h_ptrs + s * stride_hs + inter, mask=n_ok[None, :], other=0.0)
+    act = _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
+                          stride_be, stride_bn, inter, alpha, limit,
+                          GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
 

@@ -20,6 +20,7 @@ class TileConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # GEMM1 only: programs per row block and N tile along K (decode)
 
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
@@ -30,8 +31,13 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1) -> str | None:
-    """The reason `tile` cannot run, or None. `operands` = B tiles per K step (2 for gate+up)."""
+def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow_split: bool = False) -> str | None:
+    """The reason `tile` cannot run, or None. `operands` = B tiles per K step (2 for gate+up);
+    split-K exists for GEMM1 only (its partials are finished by the activation kernel)."""
+    if tile.split_k not in (1, 2, 4, 8, 16):
+        return f"split_k={tile.split_k} must be one of 1, 2, 4, 8, 16"
+    if tile.split_k > 1 and not allow_split:
+        return f"split_k={tile.split_k}: only GEMM1 splits K"
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(tile, name)
         if not _pow2(value) or not 16 <= value <= 256:
@@ -71,23 +77,28 @@ def heuristic(
     block_m = block_m_for(num_slots, num_local_experts, dtype)
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
+    split = 1
     if block_m == 16:
         want = max(16, n * blocks // (2 * num_sms))
         block_n = min(128, 1 << (want.bit_length() - 1))
         block_k = 128 if dtype == torch.float32 else 256
         num_warps = 4
+        programs = blocks * -(-n // block_n)
+        if gated and programs < 2 * num_sms:  # GEMM1 with too few programs: split H (decode)
+            while split < 8 and programs * split < 2 * num_sms and k // (2 * split) >= 2 * block_k:
+                split *= 2
     else:
         block_k = 32 if dtype == torch.float32 else 64
         block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    tile = TileConfig(block_m, block_n, block_k, num_warps, 4)
-    while check_tile(tile, dtype=dtype, operands=operands):
+    tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
+    while check_tile(tile, dtype=dtype, operands=operands, allow_split=True):
         if tile.num_stages > 2:
-            tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1)
+            tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1, split)
         elif tile.block_k > 32:
             block_k //= 2
-            tile = TileConfig(block_m, block_n, block_k, num_warps, 4)
+            tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
         else:
-            tile = TileConfig(block_m, block_n, block_k, num_warps, 1)
+            tile = TileConfig(block_m, block_n, block_k, num_warps, 1, split)
             break
     return tile

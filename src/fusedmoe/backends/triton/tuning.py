@@ -64,8 +64,8 @@ def parse_table(data: object, source: str) -> dict[tuple, list[tuple[int, TileCo
             raise ValueError(f"{source}: entry {i} is malformed ({exc!r})") from None
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{source}: entry {i} has unknown dtype {e['dtype']!r}")
-        for name, tile, operands in (("gemm1", t1, 2 if key[-1] else 1), ("gemm2", t2, 1)):
-            reason = check_tile(tile, dtype=dtype, operands=operands)
+        for name, tile, operands, split in (("gemm1", t1, 2 if key[-1] else 1, True), ("gemm2", t2, 1, False)):
+            reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split)
             if reason:
                 raise ValueError(f"{source}: entry {i} {name} tile {tile} is invalid: {reason}")
         if t1.block_m != t2.block_m:

@@ -142,11 +142,8 @@ class BatchedLocalPrepareFinalize:
         num_tokens, hidden = x_TH.shape
         top_k = topk_ids_TK.shape[1]
         max_tokens = self.max_tokens or num_tokens
-        local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, self.num_global)
-        local_N = torch.where(valid_TK, local_TK, self.num_local).flatten()
-        order = torch.sort(local_N, stable=True).indices
-        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=x_TH.device)
-        counts.scatter_add_(0, local_N, torch.ones_like(local_N))
+        slots = sort_slots(topk_ids_TK, expert_map_E, self.num_global, self.num_local)
+        local_N, order, counts = slots.local_N, slots.order_N, slots.counts
         start = torch.cumsum(counts, 0) - counts
         row_sorted = torch.arange(local_N.numel(), device=x_TH.device) - start[local_N[order]]
         row_N = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)
@@ -157,7 +154,7 @@ class BatchedLocalPrepareFinalize:
                     f"an expert receives {worst} slots but the batched buffers hold max_tokens="
                     f"{max_tokens} (repeated ids within a token's top-k?)"
                 )
-        valid_N = valid_TK.flatten() & (row_N < max_tokens)
+        valid_N = (local_N < self.num_local) & (row_N < max_tokens)
         token_N = torch.arange(num_tokens * top_k, device=x_TH.device) // top_k
         weight_N = topk_weights_TK.flatten().float()
         x_b = torch.zeros(self.num_local, max_tokens, hidden, dtype=x_TH.dtype, device=x_TH.device)
@@ -237,3 +234,31 @@ def local_slots(
         valid &= local >= 0
         local = torch.where(valid, local, torch.zeros_like(local))
     return local, valid
+
+
+@dataclass
+class SortedSlots:
+    """The N = T*K slots grouped by local expert (stable: equal experts keep slot order).
+
+    local_N [N]: local expert per slot (L for slots that run elsewhere or are invalid);
+    order_N [N]: slot indices sorted by local_N; counts [L+1]: slots per local expert, the last
+    entry counting the slots that do not run here; token_N [N]: the token of each sorted slot.
+    """
+
+    local_N: torch.Tensor
+    order_N: torch.Tensor
+    counts: torch.Tensor
+    token_N: torch.Tensor
+
+
+def sort_slots(
+    topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None, num_global_experts: int,
+    num_local_experts: int,
+) -> SortedSlots:
+    """Group slots by local expert with device ops only (no host sync)."""
+    local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, num_global_experts)
+    local_N = torch.where(valid_TK, local_TK, num_local_experts).flatten()
+    order_N = torch.sort(local_N, stable=True).indices
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=local_N.device)
+    counts.scatter_add_(0, local_N, torch.ones_like(local_N))
+    return SortedSlots(local_N, order_N, counts, order_N // topk_ids_TK.shape[1])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedmoe.activations import apply_activation
-from fusedmoe.modular import Experts, ExpertWeights, local_slots
+from fusedmoe.modular import Experts, ExpertWeights, sort_slots
 
 
 class CpuExperts(Experts):
@@ -21,15 +21,12 @@ class CpuExperts(Experts):
               out_TH=None) -> torch.Tensor:
         c = self.config
         num_tokens, hidden = x_TH.shape
-        top_k = topk_ids_TK.shape[1]
         num_local = weights.w13.shape[0]
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x_TH.device)
         if num_tokens:
-            local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, c.num_experts)
-            local_N = torch.where(valid_TK, local_TK, num_local).flatten()  # N = T*K slots
-            order_N = torch.argsort(local_N, stable=True)
-            counts = torch.bincount(local_N, minlength=num_local + 1).tolist()
-            token_N = order_N // top_k
+            slots = sort_slots(topk_ids_TK, expert_map_E, c.num_experts, num_local)
+            order_N, token_N = slots.order_N, slots.token_N
+            counts = slots.counts.tolist()  # host-side segment bounds: fine on the CPU
             w_N = topk_weights_TK.flatten()[order_N].float().unsqueeze(-1)
             x_NH = x_TH[token_N]
             if c.apply_router_weight_on_input:

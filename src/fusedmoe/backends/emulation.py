@@ -14,13 +14,14 @@ import weakref
 
 import torch
 
+from fusedmoe.backends.torch_ref import reference_for
 from fusedmoe.config import MoEConfig
 from fusedmoe.modular import Experts, ExpertWeights
 from fusedmoe.quant.activations import fake_quantize_activation
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey
 from fusedmoe.quant.weights import check_quant_weights, dequantize_weights
-from fusedmoe.reference import Transform, fused_experts_ref
+from fusedmoe.reference import Transform
 
 
 class EmulationExperts(Experts):
@@ -46,16 +47,8 @@ class EmulationExperts(Experts):
         check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1])
         w13_LGH, w2_LHI = self._dequantized(weights.w13, weights.w2, quant)
         key = quant.scheme.activation
-        y = fused_experts_ref(
-            x_TH, w13_LGH, w2_LHI, topk_weights_TK, topk_ids_TK,
-            activation=c.activation,
-            apply_router_weight_on_input=c.apply_router_weight_on_input,
-            expert_map_E=expert_map_E,
-            global_num_experts=c.num_experts,
-            w13_bias_LG=weights.w13_bias,
-            w2_bias_LH=weights.w2_bias,
-            swiglu_alpha=c.swiglu_alpha,
-            swiglu_limit=c.swiglu_limit,
+        y = reference_for(
+            c, x_TH, w13_LGH, w2_LHI, weights, topk_weights_TK, topk_ids_TK, expert_map_E,
             input_transform=activation_transform(key, quant.a13_scale),
             intermediate_transform=activation_transform(key, quant.a2_scale),
         )

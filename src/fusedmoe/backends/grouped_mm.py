@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedmoe.activations import apply_activation
-from fusedmoe.modular import Experts, ExpertWeights, local_slots
+from fusedmoe.modular import Experts, ExpertWeights, sort_slots
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -28,14 +28,10 @@ class GroupedMMExperts(Experts):
         num_tokens, hidden = x_TH.shape
         top_k = topk_ids_TK.shape[1]
         num_local = weights.w13.shape[0]
-        local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, c.num_experts)
-        local_N = torch.where(valid_TK, local_TK, num_local).flatten()
-        order_N = torch.sort(local_N, stable=True).indices
-        counts = torch.zeros(num_local + 1, dtype=torch.int32, device=x_TH.device)
-        counts.scatter_add_(0, local_N, torch.ones_like(local_N, dtype=torch.int32))
-        offs = torch.cumsum(counts[:num_local], 0, dtype=torch.int32)
+        slots = sort_slots(topk_ids_TK, expert_map_E, c.num_experts, num_local)
+        local_N, order_N, token_N = slots.local_N, slots.order_N, slots.token_N
+        offs = torch.cumsum(slots.counts[:num_local], 0, dtype=torch.int32)
         sorted_local = local_N[order_N].clamp(max=num_local - 1)
-        token_N = order_N // top_k
         w_N = topk_weights_TK.flatten()[order_N].float().unsqueeze(-1)
 
         x_NH = x_TH[token_N]

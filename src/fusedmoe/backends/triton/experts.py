@@ -24,6 +24,7 @@ ACT_CODES = {name: i for i, name in enumerate(
 assert set(ACT_CODES) == set(ACTIVATIONS)
 
 
+GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
 ALIGN_SMALL_MAX_SLOTS = 256  # one-program alignment up to here: a [N, N] rank compare in registers
 
 
@@ -203,14 +204,14 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
                  HAS_BIAS=w13_bias is not None, SCALE_ROWS=L.scale_input)
     b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
     h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
-    kernels.moe_gemm1_kernel[(blocks, triton_cdiv(inter, tile.block_n), splits)](
+    kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
         x, w13, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
         L.y.shape[0], L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
-        IEEE=x.dtype == torch.float32, SPLIT_K=splits, **flags, **tile.as_kwargs(),
+        IEEE=x.dtype == torch.float32, SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -228,7 +229,8 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     a, y = L.a, L.y
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
-    kernels.moe_gemm2_kernel[(L.sorted_slot.numel() // L.block_m, triton_cdiv(hidden, tile.block_n))](
+    blocks = L.sorted_slot.numel() // L.block_m
+    kernels.moe_gemm2_kernel[(blocks * triton_cdiv(hidden, tile.block_n),)](
         a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
         y.shape[0], hidden, inter,
         a.stride(0), a.stride(1),
@@ -236,7 +238,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=a.dtype == torch.float32, **tile.as_kwargs(),
+        IEEE=a.dtype == torch.float32, GROUP_M=GROUP_M, **tile.as_kwargs(),
     )
 
 

@@ -73,6 +73,19 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program, in groups of GROUP_M row blocks that sweep all N tiles
+    together: a row block's activations and an expert's weight tiles are reused from L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
                     stride_be, stride_bn, inter, alpha, limit,
                     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -102,7 +115,7 @@ def moe_gemm1_kernel(
     stride_hs, stride_hr,
     alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
@@ -110,9 +123,8 @@ def moe_gemm1_kernel(
     SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_s = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -201,12 +213,12 @@ def moe_gemm2_kernel(
     stride_we, stride_wh, stride_wi,
     stride_be, stride_bh,
     stride_ys, stride_yh,
-    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)

@@ -359,3 +359,20 @@ def test_int64_expert_map(backend: str) -> None:
     inp, ref = expected(BASE.replace(expert_map="missing"))
     wide = dataclasses.replace(inp, expert_map=inp.expert_map.long())
     assert_close_rel(run(backend, wide), ref, torch.float32)
+
+
+def test_backend_knob_change_takes_effect_between_calls(monkeypatch):
+    """fused_experts caches its kernel per config, but a changed FUSEDMOE_BACKEND selects again."""
+    from fusedmoe.backends.torch_ref import TorchExperts
+
+    gen = torch.Generator().manual_seed(70)
+    x = torch.randn(3, 32, generator=gen)
+    w13, w2 = torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4
+    weights, ids = torch.rand(3, 2, generator=gen), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    fused_experts(x, w13, w2, weights, ids)  # cpu
+    calls = []
+    real = TorchExperts.apply
+    monkeypatch.setattr(TorchExperts, "apply", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setenv("FUSEDMOE_BACKEND", "torch")
+    fused_experts(x, w13, w2, weights, ids)
+    assert calls == [1]

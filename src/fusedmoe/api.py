@@ -15,9 +15,10 @@ import inspect
 import torch
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
+from fusedmoe.backends import generation
 from fusedmoe.config import MoEConfig
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
-from fusedmoe.oracle import select_backend
+from fusedmoe.oracle import knob_state, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.routing import select_experts
@@ -88,7 +89,7 @@ def fused_experts(
     )
     if dtype == torch.float64 and config.backend not in ("torch", "reference", "ref"):
         raise ValueError("float64 hidden_states are only supported with backend='torch'")
-    kernel = _kernel(config, Platform.for_device(hidden_states.device))
+    kernel = _kernel(config, Platform.for_device(hidden_states.device), knob_state(), generation())
     if shape.num_tokens == 0:
         return hidden_states if inplace else hidden_states.new_empty(0, shape.hidden_size)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, quant)
@@ -96,7 +97,8 @@ def fused_experts(
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(config: MoEConfig, platform: Platform) -> ModularMoE:
+def _kernel(config: MoEConfig, platform: Platform, knobs_now: tuple, registry_gen: int) -> ModularMoE:
+    del knobs_now, registry_gen  # cache key only: a changed knob or registry selects again
     selection = select_backend(config, platform)
     return make_modular(config, selection.experts(config))
 

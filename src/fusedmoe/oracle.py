@@ -119,7 +119,7 @@ def select_backend(config: MoEConfig, platform: Platform | None = None) -> Selec
     """Choose the backend for `config` on `platform` (default: the real machine)."""
     platform = Platform.current() if platform is None else platform
     load_plugins()
-    d = _decide_cached(config, platform, _knob_state(), _backends.generation())
+    d = _decide_cached(config, platform, knob_state(), _backends.generation())
     for v in d.verdicts:
         if v.status == REJECTED and v.priority is not None:
             _log_once(logging.DEBUG, _rejection_message(config, v.name, v.reason))
@@ -134,7 +134,7 @@ def explain(config: MoEConfig, platform: Platform | None = None) -> Explanation:
     """A verdict for every registered backend; never raises for an unselectable config."""
     platform = Platform.current() if platform is None else platform
     load_plugins()
-    d = _decide_cached(config, platform, _knob_state(), _backends.generation())
+    d = _decide_cached(config, platform, knob_state(), _backends.generation())
     error = None if d.error is None else str(d.error)
     return Explanation(config, platform, d.verdicts, d.chosen, error=error, via=d.via)
 
@@ -148,16 +148,17 @@ class _Decision:
     error: Exception | None = None
 
 
-def _knob_state() -> tuple:
+def knob_state() -> tuple:
+    """The FUSEDMOE_* values selection depends on (part of every cache key)."""
     names = ("BACKEND", "USE_FLASHINFER", "FLASHINFER_MODE", "USE_DEEP_GEMM", "USE_AITER",
              "ALLOW_CUTLASS", "BATCH_INVARIANT")
     return tuple(knobs.get(n) for n in names)
 
 
 @functools.lru_cache(maxsize=1024)
-def _decide_cached(config: MoEConfig, platform: Platform, knob_state: tuple, gen: int) -> _Decision:
+def _decide_cached(config: MoEConfig, platform: Platform, knobs_now: tuple, gen: int) -> _Decision:
     del gen  # part of the cache key only: registrations invalidate earlier decisions
-    request, use_fi, fi_mode, use_dg, use_aiter, allow_cutlass, batch_invariant = knob_state
+    request, use_fi, fi_mode, use_dg, use_aiter, allow_cutlass, batch_invariant = knobs_now
     if batch_invariant:
         config = config.replace(batch_invariant=True)
     if allow_cutlass is not None:

@@ -10,6 +10,10 @@ With TP > 1 the output is this rank's partial sum (the caller all-reduces), and 
 projection's bias is added on tp_rank 0 only so that the sum counts it once.
 With `quant=<scheme>` the layer loads full-precision checkpoints and quantizes them in
 `process_weights_after_loading` (online quantization; scales become buffers `w13_scale`, ...).
+With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and scales instead
+(`fusedmoe.quant.checkpoint`): `w13_weight`/`w2_weight` hold the storage dtype and the scale
+buffers the fused layout, except that w13's per-tensor values (fp8 weight scale, NVFP4 global
+scale, input scales) stay per half, [L, 2] (gate, up), until processing fuses them to [L].
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ from fusedmoe.config import MoEConfig, ParallelConfig
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, select_backend
 from fusedmoe.platform import Platform
+from fusedmoe.quant.checkpoint import (
+    GPT_OSS_TENSORS,
+    ROLES,
+    TENSOR_ROLES,
+    check_checkpoint_tensor,
+    check_partition,
+    fuse_fp8_tensor_scales,
+    fuse_nvfp4_global_scales,
+    gpt_oss_mxfp4_tensor,
+    roles_of,
+    tp_slice,
+)
+from fusedmoe.quant.formats import FP8_DTYPE
+from fusedmoe.quant.params import QuantParams
+from fusedmoe.quant.weights import scale_shape
 from fusedmoe.routing import CustomRouting, select_experts
 from fusedmoe.validation import check_experts_inputs
 
@@ -34,7 +53,14 @@ SHARD_ALIASES = {
     "up_proj": "up", "w3": "up", "up": "up",
     "down_proj": "down", "w2": "down", "down": "down",
 }
-_EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.(\w+)\.(weight|bias)$")
+_EXPERT_NAME = re.compile(
+    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(weight|bias|weight_scale|weight_scale_inv|weight_scale_2|"
+    r"input_scale)$"
+)
+_GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
+_PROJECTIONS = ("gate", "up", "down")
+_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8, "mxfp4": torch.uint8}
+_SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32
 
 
 def expert_placement(num_experts: int, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +106,7 @@ class FusedMoE(nn.Module):
         swiglu_alpha: float = SWIGLUOAI_ALPHA,
         swiglu_limit: float | None = None,
         quant=None,
+        prequantized: bool = False,
         parallel: ParallelConfig | None = None,
         backend: str = "auto",
         activation_format: str = "standard",
@@ -105,13 +132,19 @@ class FusedMoE(nn.Module):
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,
         )
-        if self.config.quant is not None and self.config.quant.activation is not None \
-                and not self.config.quant.activation.dynamic and self.config.quant.family == "fp8":
+        scheme = self.config.quant
+        if prequantized and scheme is None:
+            raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
+        if prequantized:
+            check_partition(scheme, intermediate_size, parallel.tp_size)
+        elif scheme is not None and scheme.activation is not None \
+                and not scheme.activation.dynamic and scheme.family == "fp8":
             raise NotImplementedError(
-                f"FusedMoE(quant={self.config.quant.name!r}) quantizes full-precision checkpoints "
-                "at load time, and static activation scales need calibration data; loading "
-                "pre-quantized checkpoints is not in this release"
+                f"FusedMoE(quant={scheme.name!r}) quantizes full-precision checkpoints at load "
+                "time, and static activation scales need calibration data; load a checkpoint "
+                "that carries input_scale with prequantized=True"
             )
+        self.prequantized = prequantized
         self.quant_params = None
         self.routing = dict(
             renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
@@ -125,8 +158,13 @@ class FusedMoE(nn.Module):
         num_local, inter = c.num_local_experts, c.intermediate_size_per_partition
         rows = 2 * inter if c.gated else inter
         factory = dict(dtype=params_dtype, device=device)
-        self.w13_weight = nn.Parameter(torch.empty(num_local, rows, hidden_size, **factory), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter, **factory), requires_grad=False)
+        if prequantized:
+            self._create_quantized_storage(num_local, rows, hidden_size, inter, device)
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(num_local, rows, hidden_size, **factory),
+                                           requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter, **factory),
+                                          requires_grad=False)
         if has_bias:
             self.w13_bias = nn.Parameter(torch.zeros(num_local, rows, **factory), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.zeros(num_local, hidden_size, **factory), requires_grad=False)
@@ -144,9 +182,37 @@ class FusedMoE(nn.Module):
             "expert_map", expert_map.to(device) if parallel.use_ep else None, persistent=False
         )
         self._global_to_local = {int(g): i for i, g in enumerate(local_to_global.tolist())}
-        self._loaded = torch.zeros(num_local, 3, dtype=torch.bool)  # gate, up, down
+        # [L, projection (gate, up, down), role (ROLES: weight, weight_scale, ...)]
+        self._loaded = torch.zeros(num_local, len(_PROJECTIONS), len(ROLES), dtype=torch.bool)
         self.selection: Selection | None = None
         self._kernel: ModularMoE | None = None
+
+    def _create_quantized_storage(self, num_local: int, rows: int, hidden: int, inter: int,
+                                  device: torch.device | str | None) -> None:
+        """Payload parameters in storage dtype, scale buffers in the layout being loaded."""
+        scheme = self.config.quant
+        key = scheme.weight
+        pack = 2 if key.dtype in ("nvfp4", "mxfp4") else 1
+        payload = dict(dtype=_PAYLOAD_DTYPE[key.dtype], device=device)
+        self.w13_weight = nn.Parameter(torch.empty(num_local, rows, hidden // pack, **payload),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden, inter // pack, **payload),
+                                      requires_grad=False)
+        parts = 2 if self.config.gated else 1  # per-tensor values of w13: one per half
+        per_tensor = dict(dtype=torch.float32, device=device)
+        scale = dict(dtype=_SCALE_DTYPE.get(key.dtype, torch.float32), device=device)
+        if key.granularity == "tensor":
+            self.register_buffer("w13_scale", torch.empty(num_local, parts, **per_tensor))
+        else:
+            self.register_buffer("w13_scale", torch.empty(scale_shape(key, num_local, rows, hidden), **scale))
+        self.register_buffer("w2_scale", torch.empty(scale_shape(key, num_local, hidden, inter), **scale))
+        if key.dtype == "nvfp4":
+            self.register_buffer("w13_global_scale", torch.empty(num_local, parts, **per_tensor))
+            self.register_buffer("w2_global_scale", torch.empty(num_local, **per_tensor))
+        required, optional = roles_of(scheme)
+        if "input_scale" in required + optional:
+            self.register_buffer("a13_scale", torch.empty(num_local, parts, **per_tensor))
+            self.register_buffer("a2_scale", torch.empty(num_local, **per_tensor))
 
     # Loading -----------------------------------------------------------------------------------
     def load_expert_weight(self, expert_id: int, shard: str, tensor: torch.Tensor) -> bool:
@@ -155,16 +221,33 @@ class FusedMoE(nn.Module):
         shard: gate/up/down (aliases gate_proj, up_proj, down_proj, w1, w3, w2) for the weight,
         or the same with a "_bias" suffix. Full (unsharded) tensors: gate/up [I, H], down [H, I],
         gate/up bias [I], down bias [H]; this rank's TP slice is taken here.
+        Pre-quantized layers also take "<projection>.<tensor>" with tensor one of weight,
+        weight_scale, weight_scale_inv, weight_scale_2, input_scale, shaped as stored on disk
+        (`fusedmoe.quant.checkpoint`).
         """
         if self._kernel is not None:
             raise RuntimeError(
                 "weights were already processed for backend "
                 f"{self.selection.name!r}; load every weight before process_weights_after_loading()"
             )
-        is_bias = shard.endswith("_bias")
-        kind = SHARD_ALIASES.get(shard[: -len("_bias")] if is_bias else shard)
+        proj, _, name = shard.partition(".")
+        is_bias = not name and proj.endswith("_bias")
+        if is_bias:
+            proj = proj[: -len("_bias")]
+        kind = SHARD_ALIASES.get(proj)
         if kind is None:
             raise ValueError(f"unknown shard {shard!r}; expected one of {sorted(SHARD_ALIASES)}")
+        name = name or "weight"
+        if name not in TENSOR_ROLES:
+            raise ValueError(
+                f"unknown checkpoint tensor {name!r} in shard {shard!r}; expected one of "
+                f"{sorted(TENSOR_ROLES)}"
+            )
+        if name != "weight" and not self.prequantized:
+            raise ValueError(
+                f"{shard!r} is a quantized checkpoint tensor: build the layer with "
+                "quant=<the checkpoint's scheme>, prequantized=True"
+            )
         c = self.config
         if not 0 <= expert_id < c.num_experts:
             raise ValueError(f"expert_id={expert_id} outside [0, {c.num_experts})")
@@ -172,6 +255,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
             raise ValueError(f"{shard!r}: the layer was built with has_bias=False")
+        if self.prequantized and not is_bias:
+            return self._load_quantized(expert_id, proj, kind, name, tensor)
         full_i, inter, hidden = c.intermediate_size, c.intermediate_size_per_partition, c.hidden_size
         tp = c.parallel.tp_rank
         cols = slice(tp * inter, (tp + 1) * inter)
@@ -201,27 +286,124 @@ class FusedMoE(nn.Module):
             else:
                 self.w13_weight[local, offset : offset + inter].copy_(tensor[cols])
         if not is_bias:
-            self._loaded[local, ("gate", "up", "down").index(kind)] = True
+            self._loaded[local, _PROJECTIONS.index(kind), ROLES.index("weight")] = True
         return True
 
+    def _load_quantized(self, expert_id: int, proj: str, kind: str, name: str,
+                        tensor: torch.Tensor) -> bool:
+        c = self.config
+        scheme = c.quant
+        key = scheme.weight
+        full_i, inter, hidden = c.intermediate_size, c.intermediate_size_per_partition, c.hidden_size
+        is_down = kind == "down"
+        n, k = (hidden, full_i) if is_down else (full_i, hidden)
+        where = f"expert {expert_id} {proj}"
+        check_checkpoint_tensor(scheme, where, name, tensor, n, k)
+        role = TENSOR_ROLES[name]
+        required, optional = roles_of(scheme)
+        if role not in required + optional:  # only input_scale can get here
+            if scheme.activation is None:
+                # Weight-only: activations stay bf16/fp16, the checkpoint's calibration is moot.
+                return self._global_to_local.get(expert_id) is not None
+            raise ValueError(
+                f"{where}.{name}: {scheme.name} computes activation scales at run time "
+                f"({scheme.activation}); a checkpoint with static input scales loads as "
+                "fp8_w8a8_tensor_static"
+            )
+        local = self._global_to_local.get(expert_id)
+        if local is None:  # checked like a local one, so a bad checkpoint fails on every rank
+            return False
+        part = tp_slice(key, role, is_down, tensor, inter, c.parallel.tp_rank)
+        half = 1 if kind == "up" and c.gated else 0
+        rows = slice(half * inter, (half + 1) * inter)
+        if role == "weight":
+            target = self.w2_weight[local] if is_down else self.w13_weight[local, rows]
+        elif role == "weight_scale" and key.granularity == "tensor":
+            target = self.w2_scale[local] if is_down else self.w13_scale[local, half]
+        elif role == "weight_scale":
+            if key.granularity == "block":  # I_p is a multiple of the block (check_partition)
+                rows = slice(rows.start // key.group[0], rows.stop // key.group[0])
+            target = self.w2_scale[local] if is_down else self.w13_scale[local, rows]
+        elif role == "weight_scale_2":
+            target = self.w2_global_scale[local] if is_down else self.w13_global_scale[local, half]
+        else:
+            target = self.a2_scale[local] if is_down else self.a13_scale[local, half]
+        if target.dim() < part.dim():  # per-tensor [1] or [] and channel [N, 1] scales
+            part = part.reshape(-1) if target.dim() else part.reshape(())
+        with torch.no_grad():
+            target.copy_(part)  # broadcasts a [1] channel scale; bf16 scales widen exactly
+        self._loaded[local, _PROJECTIONS.index(kind), ROLES.index(role)] = True
+        return True
+
+    def load_fused_experts_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one of gpt-oss's per-layer MXFP4 tensors (`GPT_OSS_TENSORS`, all E experts):
+        this rank's experts, de-interleaved to [gate; up] rows and TP-sliced."""
+        if self._kernel is not None:
+            raise RuntimeError(
+                "weights were already processed for backend "
+                f"{self.selection.name!r}; load every weight before process_weights_after_loading()"
+            )
+        c = self.config
+        if not self.prequantized or c.quant.weight.dtype != "mxfp4":
+            raise ValueError(
+                f"{name}: gpt-oss MXFP4 tensors need quant='mxfp4_w4a16' (or 'mxfp4_w4a8'), "
+                f"prequantized=True; this layer has quant={c.quant and c.quant.name!r}, "
+                f"prequantized={self.prequantized}"
+            )
+        if not c.gated:
+            raise ValueError(f"{name}: gpt-oss experts are gated, activation {c.activation!r} is not")
+        if name.endswith("_bias") and not c.has_bias:
+            raise ValueError(f"{name!r}: the layer was built with has_bias=False")
+        part = gpt_oss_mxfp4_tensor(
+            name, tensor, num_experts=c.num_experts, hidden=c.hidden_size,
+            intermediate=c.intermediate_size, tp_size=c.parallel.tp_size, tp_rank=c.parallel.tp_rank,
+        )
+        part = part[self.local_to_global.to(part.device)]
+        gate_up = name.startswith("gate_up")
+        kind = name.rsplit("_", 1)[1]
+        prefix = "w13" if gate_up else "w2"
+        target = getattr(self, {"blocks": f"{prefix}_weight", "scales": f"{prefix}_scale",
+                                "bias": f"{prefix}_bias"}[kind])
+        if kind == "bias" and not gate_up and c.parallel.tp_rank != 0:
+            part = torch.zeros_like(part)  # counted once in the TP sum, as for per-expert biases
+        with torch.no_grad():
+            target.copy_(part)
+        if kind != "bias":
+            projs = [0, 1] if gate_up else [2]
+            self._loaded[:, projs, ROLES.index("weight" if kind == "blocks" else "weight_scale")] = True
+
     def weight_loader(self, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> bool:
-        """vLLM-style entry: `shard_id` w1/w3/w2 (or gate/up/down); bias when the name ends in bias."""
-        shard = shard_id + ("_bias" if weight_name.endswith("bias") else "")
+        """vLLM-style entry: `shard_id` w1/w3/w2 (or gate/up/down); bias when the name ends in
+        bias, a quantized tensor when it ends in one of its names (w13_weight_scale_inv, ...)."""
+        tensor = next((t for t in TENSOR_ROLES if t != "weight" and weight_name.endswith(t)), None)
+        if tensor is not None:
+            shard = f"{shard_id}.{tensor}"
+        else:
+            shard = shard_id + ("_bias" if weight_name.endswith("bias") else "")
         return self.load_expert_weight(expert_id, shard, loaded_weight)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load `...experts.{e}.{gate_proj,up_proj,down_proj,w1,w3,w2}.{weight,bias}` tensors.
+        """Load `...experts.{e}.{gate_proj,up_proj,down_proj,w1,w3,w2}.{weight,bias}` tensors,
+        their quantized companions (`.weight_scale`, `.weight_scale_inv`, `.weight_scale_2`,
+        `.input_scale`) and gpt-oss's fused `...experts.{gate_up_proj,down_proj}_{blocks,scales,
+        bias}`.
 
         Returns the names consumed (those of experts on other EP ranks included); other names
         are left for the caller.
         """
         used = set()
         for name, tensor in named_tensors:
+            fused = _GPT_OSS_NAME.search(name)
+            if fused is not None:
+                self.load_fused_experts_weight(fused.group(1), tensor)
+                used.add(name)
+                continue
             m = _EXPERT_NAME.search(name)
             if m is None or m.group(2) not in SHARD_ALIASES:
                 continue
             expert, proj, kind = int(m.group(1)), m.group(2), m.group(3)
-            self.load_expert_weight(expert, proj + ("_bias" if kind == "bias" else ""), tensor)
+            shard = {"weight": proj, "bias": f"{proj}_bias"}.get(kind, f"{proj}.{kind}")
+            self.load_expert_weight(expert, shard, tensor)
             used.add(name)
         return used
 
@@ -231,17 +413,13 @@ class FusedMoE(nn.Module):
         if self._kernel is not None:
             return self.selection
         c = self.config
-        needed = self._loaded if c.gated else self._loaded[:, 1:]
-        if self._loaded.any() and not needed.all():
-            missing = [
-                (int(self.local_to_global[e]), ("gate", "up", "down")[s + (0 if c.gated else 1)])
-                for e, s in (~needed).nonzero().tolist()
-            ]
-            raise RuntimeError(f"checkpoint tensors never loaded (expert, shard): {missing[:8]}")
+        self._check_all_loaded()
         platform = self.platform or Platform.for_device(self.w13_weight.device)
         self.selection = select_backend(c, platform)
         experts = self.selection.experts(c)
-        if c.quant is not None:
+        if self.prequantized:
+            self._fuse_prequantized()
+        elif c.quant is not None:
             self._quantize()
         processed = experts.process_weights(self._expert_weights())
         with torch.no_grad():
@@ -252,6 +430,56 @@ class FusedMoE(nn.Module):
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
         self._kernel = make_modular(c, experts)
         return self.selection
+
+    def _check_all_loaded(self) -> None:
+        """Raise listing (expert, shard) pairs never loaded, unless nothing was loaded at all.
+
+        Optional roles (NVFP4's input_scale) are all-or-nothing across the layer.
+        """
+        c = self.config
+        required, optional = roles_of(c.quant) if self.prequantized else (("weight",), ())
+        projs = [0, 1, 2] if c.gated else [1, 2]
+        loaded = self._loaded[:, projs]
+        if not loaded.any():
+            return
+        roles = list(required) + [r for r in optional if loaded[..., ROLES.index(r)].any()]
+        needed = loaded[..., [ROLES.index(r) for r in roles]]
+        if needed.all():
+            return
+        missing = [
+            (int(self.local_to_global[e]),
+             _PROJECTIONS[projs[p]] + ("" if roles[r] == "weight" else f".{roles[r]}"))
+            for e, p, r in (~needed).nonzero().tolist()
+        ]
+        raise RuntimeError(f"checkpoint tensors never loaded (expert, shard): {missing[:8]}")
+
+    def _fuse_prequantized(self) -> None:
+        """Fuse w13's per-half values, then hand the buffers to QuantParams.
+
+        fp8 per-tensor: requantize to max(s_gate, s_up); NVFP4: one global per expert, the
+        max (`fusedmoe.quant.checkpoint`); input scales: max over the halves, as gate and up
+        read one quantized x and the larger scale clips neither calibration.
+        """
+        scheme = self.config.quant
+        with torch.no_grad():
+            if scheme.weight.granularity == "tensor":
+                q13, scale13 = fuse_fp8_tensor_scales(self.w13_weight, self.w13_scale)
+                self._parameters["w13_weight"] = nn.Parameter(q13, requires_grad=False)
+                self.register_buffer("w13_scale", scale13)
+            if scheme.weight.dtype == "nvfp4":
+                scale13, global13 = fuse_nvfp4_global_scales(self.w13_scale, self.w13_global_scale)
+                self.register_buffer("w13_scale", scale13)
+                self.register_buffer("w13_global_scale", global13)
+            if hasattr(self, "a13_scale"):
+                if self._loaded[..., ROLES.index("input_scale")].any():
+                    self.register_buffer("a13_scale", self.a13_scale.amax(dim=1))
+                else:  # NVFP4 without calibration: dynamic activation global scales
+                    self.a13_scale = self.a2_scale = None
+        self.quant_params = QuantParams(
+            scheme, self.w13_scale, self.w2_scale, getattr(self, "a13_scale", None),
+            getattr(self, "a2_scale", None), getattr(self, "w13_global_scale", None),
+            getattr(self, "w2_global_scale", None),
+        )
 
     def _quantize(self) -> None:
         """Online quantization: the loaded full-precision weights become the scheme's payload."""

@@ -193,7 +193,7 @@ def check_quant_weights(
         ("w13_scale", params.w13_scale, rows, hidden),
         ("w2_scale", params.w2_scale, hidden, intermediate),
     ):
-        shape = _scale_shape(key, num_experts, n, k)
+        shape = scale_shape(key, num_experts, n, k)
         _check_tensor(name, scale, (shape,), scale_dtypes, scheme, device)
     for name, global_scale in (
         ("w13_global_scale", params.w13_global_scale),
@@ -252,7 +252,8 @@ def _check_group_divides(scheme: QuantScheme, name: str, k: int) -> None:
         )
 
 
-def _scale_shape(key: QuantKey, num_experts: int, n: int, k: int) -> tuple[int, ...]:
+def scale_shape(key: QuantKey, num_experts: int, n: int, k: int) -> tuple[int, ...]:
+    """Shape of the weight scales of E experts' [N, K] weights (layouts of `quant.scheme`)."""
     if key.granularity == "tensor":
         return (num_experts,)
     if key.granularity == "channel":
@@ -264,7 +265,7 @@ def _scale_shape(key: QuantKey, num_experts: int, n: int, k: int) -> tuple[int, 
 
 
 def _amax(w_ENK: torch.Tensor, key: QuantKey) -> torch.Tensor:
-    """|w| maximum over each scale's granule, in the layout of `_scale_shape`."""
+    """|w| maximum over each scale's granule, in the layout of `scale_shape`."""
     w = w_ENK.abs()
     if key.granularity == "tensor":
         return w.amax(dim=(1, 2))

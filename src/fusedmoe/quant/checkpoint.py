@@ -1,0 +1,253 @@
+"""Pre-quantized checkpoints -> the fused payload and scale layouts of `fusedmoe.quant.params`.
+
+    check_checkpoint_tensor -> tp_slice -> (layer places rows) -> fuse_fp8_tensor_scales |
+    fuse_nvfp4_global_scales;  gpt-oss: gpt_oss_mxfp4_tensor (fused over experts on disk)
+Per expert and projection on disk (N output rows, K input columns; gate/up: N = I, K = H;
+down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
+    fp8 block     weight fp8 [N, K] + weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]  (DeepSeek)
+    fp8 tensor    weight fp8 [N, K] + weight_scale [] / [1] (or 0-d weight_scale_inv), input_scale
+    fp8 channel   weight fp8 [N, K] + weight_scale [N, 1]
+    int8 channel  weight int8 [N, K] + weight_scale [N, 1] (fp32 or bf16)    (compressed-tensors)
+    nvfp4         weight uint8 [N, K/2] + weight_scale e4m3 [N, K/16] + weight_scale_2 fp32 []
+                  + input_scale fp32 []                                                 (ModelOpt)
+Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2].
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from fusedmoe.quant.formats import FP8_DTYPE, FP8_MAX, MX_GROUP, fp8_quantize
+from fusedmoe.quant.scheme import QuantKey, QuantScheme
+
+# Checkpoint tensor name -> its role; DeepSeek's `weight_scale_inv` is a multiplier like
+# `weight_scale` (the 0-d Mistral variant too), so both fill the weight scale.
+ROLES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+TENSOR_ROLES = {
+    "weight": "weight",
+    "weight_scale": "weight_scale",
+    "weight_scale_inv": "weight_scale",
+    "weight_scale_2": "weight_scale_2",
+    "input_scale": "input_scale",
+}
+GPT_OSS_TENSORS = (
+    "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+    "down_proj_blocks", "down_proj_scales", "down_proj_bias",
+)
+_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8}
+_FLOAT_SCALE = (torch.float32, torch.bfloat16, torch.float16)
+_SCALAR_SHAPES = ((), (1,))
+
+
+def roles_of(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) roles of one projection's checkpoint tensors under `scheme`.
+
+    A static fp8 activation scale must come from the checkpoint; NVFP4's input global scale
+    may (without it the global is computed per call).
+    """
+    key, act = scheme.weight, scheme.activation
+    required = ["weight", "weight_scale"]
+    optional = []
+    if key.dtype == "nvfp4":
+        required.append("weight_scale_2")
+    if act is not None and not act.dynamic:
+        required.append("input_scale")
+    elif act is not None and act.dtype == "nvfp4":
+        optional.append("input_scale")
+    return tuple(required), tuple(optional)
+
+
+def partition_alignment(scheme: QuantScheme) -> int:
+    """The multiple of which I_p must be: a block or group may not straddle the TP cut or the
+    gate/up seam of w13, and packed codes come two per byte."""
+    key = scheme.weight
+    if key.granularity == "block":
+        return key.group[0]
+    if key.granularity == "group":
+        return key.group
+    return 1
+
+
+def check_partition(scheme: QuantScheme, intermediate: int, tp_size: int) -> None:
+    """Raise unless I_p = intermediate / tp_size is a multiple of `partition_alignment`."""
+    align = partition_alignment(scheme)
+    inter = intermediate // tp_size
+    if inter % align:
+        what = ("128x128 blocks" if scheme.weight.granularity == "block"
+                else f"groups of {align} inputs")
+        raise ValueError(
+            f"{scheme.name} scales cover {what}: the intermediate size per partition "
+            f"I / tp = {intermediate} / {tp_size} = {inter} must be a multiple of {align} "
+            f"({inter} % {align} = {inter % align}), or a block would straddle the gate/up seam "
+            "or the TP cut"
+        )
+
+
+def expected_tensor(
+    scheme: QuantScheme, role: str, n: int, k: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
+    """(allowed shapes, allowed dtypes) of one projection's `role` tensor for a [N, K] weight."""
+    key = scheme.weight
+    if key.dtype not in _PAYLOAD_DTYPE:
+        raise ValueError(
+            f"{scheme.name}: per-expert checkpoint tensors exist for fp8, int8 and nvfp4 "
+            f"schemes; MXFP4 loads gpt-oss's fused names "
+            f"({', '.join(GPT_OSS_TENSORS)})"
+        )
+    if role == "weight":
+        return ((n, k // 2 if key.dtype == "nvfp4" else k),), (_PAYLOAD_DTYPE[key.dtype],)
+    if role == "weight_scale":
+        if key.granularity == "block":
+            block_n, block_k = key.group
+            return ((math.ceil(n / block_n), math.ceil(k / block_k)),), _FLOAT_SCALE
+        if key.granularity == "tensor":
+            return _SCALAR_SHAPES, _FLOAT_SCALE
+        if key.granularity == "channel":  # [1] is a per-tensor scale, broadcast exactly
+            return ((n, 1), (1,)), _FLOAT_SCALE
+        return ((n, k // key.group),), (FP8_DTYPE,)
+    if role == "weight_scale_2":
+        if key.dtype != "nvfp4":
+            raise ValueError(f"weight_scale_2 is NVFP4's global scale; {scheme.name} has none")
+        return _SCALAR_SHAPES, (torch.float32,)
+    if role == "input_scale":
+        return _SCALAR_SHAPES, (torch.float32,)
+    raise ValueError(f"unknown checkpoint tensor role {role!r}; expected one of {ROLES}")
+
+
+def check_checkpoint_tensor(
+    scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int
+) -> None:
+    """Raise ValueError naming `where` (expert and projection) unless `tensor` fits `name`."""
+    shapes, dtypes = expected_tensor(scheme, TENSOR_ROLES[name], n, k)
+    got = tuple(tensor.shape)
+    context = f"({scheme.name}, weight [N, K] = [{n}, {k}])"
+    if got not in shapes:
+        want = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{where}.{name}: checkpoint tensor has shape {got}, expected {want} {context}")
+    if tensor.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(
+            f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}"
+        )
+
+
+def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inter: int,
+             tp_rank: int) -> torch.Tensor:
+    """This rank's part of a checked tensor: rows [r I_p, (r+1) I_p) of gate/up, columns of down,
+    in the tensor's own units (bytes: I_p / 2, blocks: I_p / 128, groups: I_p / g).
+
+    Per-tensor scales (and channel scales of down, whose rows are H) are not split.
+    """
+    if tensor.dim() < 2 or (is_down and role == "weight_scale" and key.granularity == "channel"):
+        return tensor
+    per = inter
+    if role == "weight" and key.dtype == "nvfp4" and is_down:
+        per = inter // 2
+    elif role == "weight_scale" and key.granularity == "block":
+        per = inter // key.group[0]
+    elif role == "weight_scale" and key.granularity == "group" and is_down:
+        per = inter // key.group
+    cut = slice(tp_rank * per, (tp_rank + 1) * per)
+    return tensor[:, cut] if is_down else tensor[cut]
+
+
+def fuse_fp8_tensor_scales(
+    w13_LGH: torch.Tensor, scale_L2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One per-tensor scale per expert for w13 from per-half scales (vLLM
+    requantize_with_max_scale):  s = max(s_gate, s_up);  q_h' = e4m3(q_h * s_h / s).
+
+    The half with the larger scale is unchanged; the other rounds once more in e4m3 (relative
+    error <= 2^-4). Dividing by the max never overflows 448.
+    """
+    scale_L = scale_L2.amax(dim=1)
+    inter = w13_LGH.shape[1] // 2
+    halves = w13_LGH.float().unflatten(1, (2, inter))  # [L, 2, I, H]
+    ratio = (scale_L2 / scale_L.unsqueeze(1)).view(-1, 2, 1, 1)
+    # q * 1.0 re-encodes to the same e4m3 value, so the max half stays bit-exact.
+    return fp8_quantize(halves * ratio, 1.0).flatten(1, 2), scale_L
+
+
+def fuse_nvfp4_global_scales(
+    block_scale_LGk: torch.Tensor, global_L2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One NVFP4 global scale per expert for w13:  g = max(g_gate, g_up);
+    b_h' = e4m3(b_h * g_h / g) for each half's e4m3 block scales; codes unchanged.
+
+    b' * g = b * g_h up to one e4m3 rounding of b' (relative <= 2^-4, exact for the half whose
+    global is g, and when g_h / g is a power of two). The max never overflows e4m3's 448, unlike
+    the min; vLLM keeps w1's global instead, which misscales up_proj when the two differ. Block
+    scales that flush to zero (g_h / g below ~2^-9 / b_h) are reported with a warning.
+    """
+    global_L = global_L2.amax(dim=1)
+    inter = block_scale_LGk.shape[1] // 2
+    halves = block_scale_LGk.float().unflatten(1, (2, inter))
+    ratio = (global_L2 / global_L.unsqueeze(1)).view(-1, 2, 1, 1)
+    rescaled = (halves * ratio).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    flushed = int(((rescaled.float() == 0) & (halves != 0)).sum())
+    if flushed:
+        warnings.warn(
+            f"unifying NVFP4 w1/w3 global scales (ratios down to {ratio.min().item():.3g}) "
+            f"flushed {flushed} nonzero e4m3 block scales to zero",
+            stacklevel=2,
+        )
+    return rescaled.flatten(1, 2), global_L
+
+
+def gpt_oss_mxfp4_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> torch.Tensor:
+    """gpt-oss's fused tensor `name` (all E experts) -> this rank's part in the fused layout.
+
+    gate_up_*: rows interleaved on disk (gate = 0::2, up = 1::2) -> [gate I_p; up I_p] rows;
+    *_blocks [E, N, K/32, 16] -> payload [E, N, K/2] (byte j: low nibble = element 2j);
+    down_*: columns r I_p .. (r+1) I_p (bytes / 2, scales / 32); down_proj_bias is not split.
+    """
+    if name not in GPT_OSS_TENSORS:
+        raise ValueError(f"unknown gpt-oss expert tensor {name!r}; expected one of {GPT_OSS_TENSORS}")
+    E, H, I = num_experts, hidden, intermediate  # noqa: E741
+    if H % MX_GROUP:
+        raise ValueError(
+            f"gpt-oss MXFP4 packs groups of {MX_GROUP}: H = {H} is not a multiple of {MX_GROUP} "
+            f"({H} % {MX_GROUP} = {H % MX_GROUP})"
+        )
+    gate_up = name.startswith("gate_up")
+    n, k = (2 * I, H) if gate_up else (H, I)
+    kind = name.rsplit("_", 1)[1]
+    want_shape, want_dtypes = {
+        "blocks": ((E, n, k // MX_GROUP, MX_GROUP // 2), (torch.uint8,)),
+        "scales": ((E, n, k // MX_GROUP), (torch.uint8,)),
+        "bias": ((E, n), _FLOAT_SCALE),
+    }[kind]
+    context = f"(gpt-oss MXFP4, E = {E}, H = {H}, I = {I})"
+    if tuple(tensor.shape) != want_shape:
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {want_shape} {context}"
+        )
+    if tensor.dtype not in want_dtypes:
+        want = " or ".join(str(d) for d in want_dtypes)
+        raise ValueError(f"{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}")
+    inter = I // tp_size
+    if inter % MX_GROUP:
+        raise ValueError(
+            f"gpt-oss MXFP4 scales cover groups of {MX_GROUP}: I / tp = {I} / {tp_size} = {inter} "
+            f"must be a multiple of {MX_GROUP} ({inter} % {MX_GROUP} = {inter % MX_GROUP})"
+        )
+    t = tensor.flatten(-2) if kind == "blocks" else tensor
+    if gate_up:
+        rows = slice(tp_rank * inter, (tp_rank + 1) * inter)
+        return torch.cat((t[:, 0::2][:, rows], t[:, 1::2][:, rows]), dim=1)
+    if kind == "bias":
+        return t
+    per = {"blocks": inter // 2, "scales": inter // MX_GROUP}[kind]
+    return t[..., tp_rank * per : (tp_rank + 1) * per]

@@ -512,3 +512,11 @@ def test_missing_scale_detected() -> None:
     with pytest.raises(RuntimeError, match=r"never loaded \(expert, shard\): "
                                            r"\[\(2, 'up.weight_scale_2'\), \(3, 'down.input_scale'\)\]"):
         layer.process_weights_after_loading()
+
+
+def test_prequantized_layer_with_nothing_loaded_is_refused():
+    from fusedmoe import FusedMoE
+
+    layer = FusedMoE(4, 2, 256, 128, params_dtype=torch.float32, quant="fp8_w8a8_block", prequantized=True)
+    with pytest.raises(RuntimeError, match="no checkpoint tensors were loaded"):
+        layer.process_weights_after_loading()

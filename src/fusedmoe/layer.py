@@ -432,7 +432,8 @@ class FusedMoE(nn.Module):
         return self.selection
 
     def _check_all_loaded(self) -> None:
-        """Raise listing (expert, shard) pairs never loaded, unless nothing was loaded at all.
+        """Raise listing (expert, shard) pairs never loaded, unless nothing was loaded at all
+        into a full-precision layer (its parameters may have been assigned directly).
 
         Optional roles (NVFP4's input_scale) are all-or-nothing across the layer.
         """
@@ -441,7 +442,9 @@ class FusedMoE(nn.Module):
         projs = [0, 1, 2] if c.gated else [1, 2]
         loaded = self._loaded[:, projs]
         if not loaded.any():
-            return
+            if self.prequantized:  # its storage is only ever filled by loading
+                raise RuntimeError("no checkpoint tensors were loaded into this pre-quantized layer")
+            return  # full-precision parameters may have been assigned directly
         roles = list(required) + [r for r in optional if loaded[..., ROLES.index(r)].any()]
         needed = loaded[..., [ROLES.index(r) for r in roles]]
         if needed.all():

@@ -143,6 +143,15 @@ CASES = [
     Case("req-beats-knobs", cfg(backend="triton"), H100_FI, "triton", env={"USE_FLASHINFER": "1"}),
     Case("req-cpu-on-cuda", cfg(backend="cpu"), H100, None, BackendRequestError, "it runs on cpu, not cuda"),
     Case("req-fi-cutlass-ep", cfg(backend="flashinfer_cutlass", parallel=EP2), H100_FI, "flashinfer_cutlass"),
+    # --- grouped_mm: the PyTorch baseline, after every kernel in the order -------------------------
+    Case("grouped-mm-request", cfg(backend="grouped_mm"), H100, "grouped_mm"),
+    Case("grouped-mm-cpu", cfg(backend="grouped_mm", dtype=torch.float32), CPU, "grouped_mm"),
+    Case("grouped-mm-fp16-cuda", cfg(backend="grouped_mm", dtype=torch.float16), H100, None,
+         BackendRequestError, "torch's CUDA grouped_mm takes bfloat16"),
+    Case("grouped-mm-ampere", cfg(backend="grouped_mm"), A100, None, BackendRequestError,
+         "needs device capability >= 9.0"),
+    Case("grouped-mm-unaligned", cfg(backend="grouped_mm", hidden_size=2050), H100, None,
+         BackendRequestError, "16-byte-aligned rows"),
     # --- activation format: batched -> batched twin ----------------------------------------------
     Case("batched-auto", cfg(activation_format="batched"), H100, "batched_triton"),
     Case("batched-request-twin", cfg(activation_format="batched", backend="triton"), H100, "batched_triton"),

@@ -153,7 +153,6 @@ class FusedMoE(nn.Module):
             custom_routing_function=custom_routing_function,
         )
         self.platform = platform
-        self.top_k = top_k
         c = self.config
         num_local, inter = c.num_local_experts, c.intermediate_size_per_partition
         rows = 2 * inter if c.gated else inter
@@ -504,7 +503,7 @@ class FusedMoE(nn.Module):
     # Forward -----------------------------------------------------------------------------------
     def route(self, hidden_states: torch.Tensor, router_logits: torch.Tensor):
         return select_experts(
-            hidden_states, router_logits, self.top_k,
+            hidden_states, router_logits, self.config.top_k,
             e_score_correction_bias=self.e_score_correction_bias, **self.routing,
         )
 

@@ -206,3 +206,54 @@ def test_in_place():
     out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, inplace=True)
     assert out.data_ptr() == x.data_ptr()
     assert rel_err(x, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("path", ["decode", "two-gemm"])
+def test_presets_both_paths(name, tokens, path):
+    """The fused decode kernel and the align + two-GEMM pipeline on every preset at decode sizes."""
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_tiles, triton_experts
+    from fusedmoe.backends.triton.tiles import decode_heuristic
+
+    p = PRESETS[name]
+    inter = p.intermediate_size // p.bench_tp
+    x, w13, w2, b13, b2, w, ids = make(tokens, p.num_experts, p.top_k, p.hidden_size, inter, torch.bfloat16,
+                                       act=p.activation, bias=p.has_bias, on_input=p.apply_router_weight_on_input,
+                                       seed=tokens)
+    if path == "decode":
+        kw = {"decode": decode_heuristic(ids.numel(), inter, p.hidden_size)}
+    else:
+        problem = GemmProblem(ids.numel(), p.num_experts, p.hidden_size, inter, p.top_k, w13.shape[1] != inter,
+                              torch.bfloat16)
+        kw = {"tiles": choose_tiles(problem, x.device)}
+    poison_allocator()
+    out = triton_experts(x, w13, w2, w, ids, b13, b2, None, p.num_experts, p.activation,
+                         p.apply_router_weight_on_input, 1.702, None, **kw)
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=p.activation,
+                 apply_router_weight_on_input=p.apply_router_weight_on_input)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_decode_path_deterministic_in_graph_with_expert_map():
+    x, w13, w2, _, _, w, ids = make(3, 16, 4, 1024, 256, torch.bfloat16, seed=9)
+    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    expert_map[::2] = torch.arange(8, dtype=torch.int32, device="cuda")
+    w13l, w2l = w13[:8].contiguous(), w2[:8].contiguous()
+    kw = dict(expert_map=expert_map, global_num_experts=16, backend="triton")
+    first = fused_experts(x, w13l, w2l, w, ids, **kw)
+    ref = fused_experts_ref(x.float(), w13l.float(), w2l.float(), w, ids, expert_map_E=expert_map,
+                            global_num_experts=16)
+    assert rel_err(first, ref) < TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_experts(x, w13l, w2l, w, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        static_out = fused_experts(x, w13l, w2l, w, ids, **kw)
+    for _ in range(3):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first)

@@ -27,6 +27,44 @@ class TileConfig:
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The fused decode kernel's tile: an intermediate slice per program, H streamed in chunks."""
+
+    block_i: int
+    block_h: int
+    num_warps: int = 4
+
+
+# Slots (T*K) up to which the fused decode kernel runs instead of align + two GEMMs + reduce.
+DECODE_MAX_SLOTS = 32
+
+
+def check_decode(cfg: DecodeConfig) -> str | None:
+    """The reason the decode tile cannot run, or None."""
+    if not _pow2(cfg.block_i) or not 16 <= cfg.block_i <= 128:
+        return f"block_i={cfg.block_i} must be a power of two in [16, 128] (32-byte w2 row segments)"
+    if not _pow2(cfg.block_h) or not 32 <= cfg.block_h <= 1024:
+        return f"block_h={cfg.block_h} must be a power of two in [32, 1024]"
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={cfg.num_warps} must be one of 1, 2, 4, 8, 16"
+    if cfg.block_i * cfg.block_h > 16384:
+        return f"block_i x block_h = {cfg.block_i * cfg.block_h} > 16384 fp32 accumulators per operand"
+    return None
+
+
+def decode_heuristic(num_slots: int, inter: int, hidden: int, *, num_sms: int = 132) -> DecodeConfig:
+    """Widest intermediate slice that still gives every SM a program: wide slices read longer
+    contiguous w2 rows and write fewer fp32 partials (slots x I/block_i x H x 4 bytes)."""
+    block_i = 16
+    for bi in (64, 32):
+        if num_slots * -(-inter // bi) >= num_sms:
+            block_i = bi
+            break
+    block_h = min(8192 // block_i, max(32, 1 << (hidden - 1).bit_length()))  # 32 KB of weights in flight
+    return DecodeConfig(block_i, block_h, 8)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -6,8 +6,10 @@ bf16 is not tested here: the interpreter's bf16 tl.dot multiplies raw bit patter
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ triton = pytest.importorskip("triton")
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
     GemmProblem,
+    _align_chunked,
     _align_small,
     align_torch,
     choose_decode,
@@ -62,7 +65,12 @@ def rel_err(out, ref):
 
 
 # Alignment -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("align", [align_torch, _align_small], ids=["torch", "one-program"])
+# Chunks of 16 slots: the interpreter sorts ~1024 slots a second, so multi-chunk cases stay small.
+ALIGNS = {"torch": align_torch, "one-program": _align_small,
+          "chunked": functools.partial(_align_chunked, chunk=16)}
+
+
+@pytest.mark.parametrize("align", ALIGNS.values(), ids=ALIGNS.keys())
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("use_map", [False, True])
 def test_align_sorts_pads_and_drops(block_m, use_map, align):
@@ -100,11 +108,12 @@ def test_align_sorts_pads_and_drops(block_m, use_map, align):
     assert rows == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
-def test_align_is_deterministic():
-    ids = torch.randint(0, 16, (300, 4), generator=torch.Generator().manual_seed(1)).int()
-    first = align_torch(ids, None, 16, 16, 16)
-    for _ in range(3):
-        again = align_torch(ids, None, 16, 16, 16)
+@pytest.mark.parametrize("align", [align_torch, ALIGNS["chunked"]], ids=["torch", "chunked"])
+def test_align_is_deterministic(align):
+    ids = torch.randint(0, 16, (30, 4), generator=torch.Generator().manual_seed(1)).int()
+    first = align(ids, None, 16, 16, 16)
+    for _ in range(2):
+        again = align(ids, None, 16, 16, 16)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
@@ -119,6 +128,57 @@ def test_one_program_align_equals_torch_align(tokens, top_k, experts):
             got = _align_small(ids, emap, experts, num_local, block_m)
             want = align_torch(ids, emap, experts, num_local, block_m)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@dataclass(frozen=True)
+class AlignCase:
+    name: str
+    tokens: int
+    top_k: int
+    num_global: int
+    block_m: int
+    chunk: int
+    ids: str = "random"  # random | one-expert | few-experts
+    bad_ids: bool = False  # -1 and num_global among the ids: dropped, never indexed
+
+
+ALIGN_CASES = [
+    AlignCase("n-not-multiple-of-chunk", 37, 3, 9, 16, 16, bad_ids=True),
+    AlignCase("n-below-chunk", 5, 2, 100, 64, 64),  # E > N: most experts empty
+    AlignCase("several-chunks-e13", 24, 4, 13, 128, 16, bad_ids=True),
+    AlignCase("one-expert", 40, 1, 6, 16, 16, ids="one-expert"),  # one run across every chunk
+    AlignCase("empty-experts", 20, 2, 64, 64, 8, ids="few-experts"),
+]
+
+
+def align_ids(case: AlignCase) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    shape = (case.tokens, case.top_k)
+    if case.ids == "one-expert":
+        ids = torch.full(shape, case.num_global // 2, dtype=torch.int32)
+    elif case.ids == "few-experts":
+        ids = torch.tensor([3, 17, 40], dtype=torch.int32)[torch.randint(0, 3, shape, generator=gen)]
+    else:
+        ids = torch.randint(0, case.num_global, shape, generator=gen).int()
+    if case.bad_ids:
+        ids.view(-1)[torch.randperm(ids.numel(), generator=gen)[:6]] = torch.tensor(
+            [-1, case.num_global, -1, case.num_global + 5, -7, case.num_global], dtype=torch.int32)
+    return ids
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("use_map", [False, True], ids=["no-map", "map"])
+def test_chunked_align_equals_torch_align(case, use_map):
+    ids = align_ids(case)
+    expert_map, num_local = None, case.num_global
+    if use_map:  # every third expert lives on another rank; the rest are renumbered
+        owned = torch.arange(case.num_global) % 3 != 1
+        expert_map = torch.where(owned, owned.cumsum(0) - 1, -1).int()
+        num_local = int(owned.sum())
+    got = _align_chunked(ids, expert_map, case.num_global, num_local, case.block_m, chunk=case.chunk)
+    want = align_torch(ids, expert_map, case.num_global, num_local, case.block_m)
+    for name, a, b in zip(("sorted_slot", "block_expert", "num_rows", "slot_ok"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 # Tiles -------------------------------------------------------------------------------------------------

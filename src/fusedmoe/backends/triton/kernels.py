@@ -424,3 +424,77 @@ def moe_decode_reduce_kernel(
         for j in range(num_j):
             acc += tl.load(row + j * stride_pj, mask=h_ok, other=0.0)
     tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr, expert_map_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr, slot_ok_ptr,
+    count_ptr, start_ptr, key_ptr, rank_ptr,
+    num_slots, num_global, num_local, total_rows,
+    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The whole alignment in one program, CHUNK slots at a time (any count): same result as torch.
+
+    pass 1, per chunk: key = expert*CHUNK + offset, sorted (stable: offsets are unique);
+        rank(i) = count[expert(i)] (earlier chunks) + position of i in its expert's run; count += run
+    start = exclusive cumsum of count padded to BLOCK_M;  pass 2: dest(i) = start[expert(i)] + rank(i)
+    """
+    for r0 in range(0, total_rows, BLOCK_R):  # every row starts as padding, every block unowned
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tl.store(sorted_slot_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_slots, mask=rows < total_rows)
+        tl.store(block_expert_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_local,
+                 mask=rows < total_rows // BLOCK_M)
+    for e0 in range(0, num_local + 1, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        tl.store(count_ptr + experts, tl.zeros((BLOCK_E,), tl.int32), mask=experts <= num_local)
+    tl.debug_barrier()
+
+    lanes = tl.arange(0, CHUNK)
+    for c0 in range(0, num_slots, CHUNK):
+        offs = c0 + lanes
+        in_range = offs < num_slots
+        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+        valid = in_range & (ids >= 0) & (ids < num_global)
+        local = tl.where(valid, ids, 0)
+        if HAS_MAP:
+            local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
+            valid = valid & (local >= 0)
+        local = tl.where(valid, local, num_local).to(tl.int32)  # invalid and padding lanes -> bucket L
+        tl.store(slot_ok_ptr + offs, valid.to(tl.int8), mask=in_range)
+        key = tl.sort(local * CHUNK + lanes)
+        expert = key // CHUNK
+        tl.store(key_ptr + offs, key)
+        tl.debug_barrier()  # neighbours' keys, and the previous chunk's counts, are visible from here
+        prev_expert = tl.load(key_ptr + offs - 1, mask=lanes > 0, other=0) // CHUNK
+        next_expert = tl.load(key_ptr + offs + 1, mask=lanes < CHUNK - 1, other=0) // CHUNK
+        run_start = tl.associative_scan(tl.where((lanes == 0) | (prev_expert != expert), lanes, 0), 0, _max)
+        rank = tl.load(count_ptr + expert) + lanes - run_start
+        tl.store(rank_ptr + offs, rank)
+        tl.debug_barrier()  # a run spans warps: all of it reads count[expert] before its end writes
+        tl.store(count_ptr + expert, rank + 1, mask=(lanes == CHUNK - 1) | (next_expert != expert))
+    tl.debug_barrier()
+
+    rows_used = 0
+    for e0 in range(0, num_local, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        counts = tl.load(count_ptr + experts, mask=experts < num_local, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(start_ptr + experts, rows_used + tl.cumsum(padded, 0) - padded, mask=experts < num_local)
+        rows_used += tl.sum(padded, 0)
+    tl.store(num_rows_ptr, rows_used)
+    tl.debug_barrier()
+
+    for c0 in range(0, num_slots, CHUNK):
+        offs = c0 + lanes
+        key = tl.load(key_ptr + offs)
+        expert = key // CHUNK
+        mine = expert < num_local
+        dest = tl.load(start_ptr + expert, mask=mine, other=0) + tl.load(rank_ptr + offs, mask=mine, other=0)
+        tl.store(sorted_slot_ptr + dest, c0 + key % CHUNK, mask=mine)
+        tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine)

@@ -75,6 +75,18 @@ def test_bench_and_tune_need_a_gpu(capsys):
     assert main(["tune", "--model", "qwen3-30b-a3b"]) == 2
 
 
+def test_bench_quant_bytes_and_refusals(capsys):
+    from fusedmoe.bench import quant_bytes
+
+    assert quant_bytes(None) == (2.0, 2.0)
+    assert quant_bytes("fp8_w8a8_channel") == (1.0, 1.0) == quant_bytes("int8_w8a8")
+    assert quant_bytes("fp8_w8a8_block") == (1.0 + 4 / 16384, 1.0)
+    assert main(["bench", "--quant", "int4_w4a16_g128"]) == 2
+    assert "takes a W8A8 scheme" in capsys.readouterr().err
+    assert main(["bench", "--quant", "fp9"]) == 2
+    assert "not a known quantization scheme" in capsys.readouterr().err
+
+
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "fusedmoe", "explain", "--model", "qwen3-30b-a3b",
                           "--platform", "cpu"], capture_output=True, text=True, check=True).stdout

@@ -296,8 +296,17 @@ def test_error_classes_are_value_and_not_implemented_errors():
 def test_current_gpu_kernels_reported_missing():
     """Kernels fusedmoe has not written yet are reported as such, not pretended."""
     assert select_backend(cfg(), H100).name == "triton"
-    with pytest.raises(NoBackendError, match="triton: fusedmoe's implementation does not cover the fp8_w8a8_block"):
-        select_backend(cfg(quant="fp8_w8a8_block"), H100)
+    w8a8 = ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block")
+    for scheme in w8a8:  # no FlashInfer / DeepGEMM / CUTLASS installed: the seeds fall to Triton
+        assert select_backend(cfg(quant=scheme), H100).name == "triton"
+    assert select_backend(cfg(quant="fp8_w8a8_block"), H100_DG).name == "deepgemm"  # ahead of it
+    assert select_backend(cfg(quant="fp8_w8a8_channel"), H100_FI_DG).name == "triton"  # neither has it
+    assert select_backend(cfg(quant="int8_w8a8"), A100).name == "triton"
+    assert select_backend(cfg(quant="fp8_w8a8_block", backend="triton"), H100_DG).name == "triton"
+    with pytest.raises(NoBackendError, match="triton: fp8_w8a8_channel needs device capability >= 8.9"):
+        select_backend(cfg(quant="fp8_w8a8_channel"), A100)
+    with pytest.raises(NoBackendError, match="triton: fusedmoe's implementation does not cover the int4_w4a16_g128"):
+        select_backend(cfg(quant="int4_w4a16_g128"), H100)
     assert select_backend(cfg(activation_format="batched"), H100).name == "batched_triton"
     with pytest.raises(NoBackendError, match="batched_triton: fusedmoe's implementation does not cover"):
         select_backend(cfg(activation_format="batched", quant="fp8_w8a8_block"), H100)

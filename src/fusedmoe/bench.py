@@ -7,6 +7,9 @@
     t_roof = max(bytes / BW, flops / PEAK), BW and PEAK measured in the same run
     % roof = t_roof / t
 Routing is excluded: ids and weights are drawn once (uniform random logits) before timing.
+With `quant` (a W8A8 scheme) `triton` runs the rotated copies quantized by `quantize_weights`
+and bytes count the quantized width plus scales (`quant_bytes`); other backends (`grouped_mm`,
+`torch`) run the bf16 copies as the baseline, measured against the same (quantized) roof.
 """
 
 from __future__ import annotations
@@ -125,8 +128,23 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
+def quant_bytes(scheme: str | None) -> tuple[float, float]:
+    """(bytes per weight, bytes per activation element) for the roofline: bf16 2 and 2; W8A8
+    1 and 1, plus fp32 block scales for fp8 block (4 bytes per 128 x 128 = 16384 weights);
+    per-tensor and per-channel scales are negligible (<= 4 / H per weight)."""
+    from fusedmoe.quant.scheme import get_scheme
+
+    resolved = get_scheme(scheme)
+    if resolved is None:
+        return 2.0, 2.0
+    if resolved.weight_only or resolved.weight.dtype not in ("fp8", "int8"):
+        raise ValueError(f"bench --quant takes a W8A8 scheme (fp8_w8a8_*, int8_w8a8), not {resolved.name}")
+    w_bytes = 1.0 + (4 / 16384 if resolved.weight.granularity == "block" else 0.0)
+    return w_bytes, 1.0
+
+
 def roofline(preset: Preset, tokens: int, experts_touched: int, inter: int, ceilings: Ceilings,
-             w_bytes: float = 2.0, a_bytes: int = 2) -> tuple[float, float, float, str]:
+             w_bytes: float = 2.0, a_bytes: float = 2) -> tuple[float, float, float, str]:
     """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call."""
     gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
     g = 2 * inter if gated else inter
@@ -146,8 +164,12 @@ def bench_preset(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    quant: str | None = None,
 ) -> list[Row]:
-    """Time each backend on one preset (its benchmark TP split) at each token count."""
+    """Time each backend on one preset (its benchmark TP split) at each token count.
+
+    quant: a W8A8 scheme for `triton` (the other backends keep bf16 weights: the baseline).
+    """
     from fusedmoe.api import fused_experts
     from fusedmoe.routing import select_experts
 
@@ -157,13 +179,17 @@ def bench_preset(
     rows_w13 = 2 * inter if gated else inter
     gen = torch.Generator(device=device).manual_seed(seed)
     h = preset.hidden_size
-    weights = []
+    w_bytes, a_bytes = quant_bytes(quant)
+    keep_float = quant is None or any(b != "triton" for b in backends)
+    weights, quantized = [], []
     for _ in range(copies):
         w13 = (torch.randn(preset.num_experts, rows_w13, h, device=device, generator=gen) / h**0.5).to(dtype)
         w2 = (torch.randn(preset.num_experts, h, inter, device=device, generator=gen) / inter**0.5).to(dtype)
         b13 = torch.randn(preset.num_experts, rows_w13, device=device, generator=gen).to(dtype) if preset.has_bias else None
         b2 = torch.randn(preset.num_experts, h, device=device, generator=gen).to(dtype) if preset.has_bias else None
-        weights.append((w13, w2, b13, b2))
+        if quant is not None:
+            quantized.append(_quantized_copy(w13, w2, b13, b2, quant))
+        weights.append((w13, w2, b13, b2) if keep_float else None)
     out: list[Row] = []
     for tokens in tokens_list:
         x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)
@@ -172,17 +198,19 @@ def bench_preset(
         topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
                                           scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
         touched = int(torch.unique(topk_ids).numel())
-        nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings)
+        nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes)
         results: dict[str, float] = {}
         for backend in backends:
             if progress:
                 progress(f"{preset.name} M={tokens} {backend}")
             kw = dict(activation=preset.activation, backend=backend,
                       apply_router_weight_on_input=preset.apply_router_weight_on_input)
+            # (w13, w2, b13, b2, QuantParams or None) per rotated copy
+            copies_here = quantized if quant is not None and backend == "triton" else [(*w, None) for w in weights]
             calls = [
-                (lambda w13=w13, w2=w2, b13=b13, b2=b2, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
-                 fused_experts(x, w13, w2, topk_w, topk_ids, w13_bias=b13, w2_bias=b2, **kw))
-                for (w13, w2, b13, b2) in weights
+                (lambda c=c, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
+                 fused_experts(x, c[0], c[1], topk_w, topk_ids, w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
+                for c in copies_here
             ]
             try:
                 t = time_rotated(calls, graph=backend != "torch")
@@ -196,9 +224,19 @@ def bench_preset(
         for row in out[-len(backends):]:
             if row.tokens == tokens and row.backend in results:
                 row.speedup_vs = {b: results[b] / results[row.backend] for b in results if b != row.backend}
-    del weights
+    del weights, quantized
     torch.cuda.empty_cache()
     return out
+
+
+def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
+    """(q13, q2, b13, b2, QuantParams); static activation scales calibrated for N(0, 1) inputs."""
+    from fusedmoe.quant.weights import quantize_weights
+
+    static = scheme.endswith("_static")
+    amax = (torch.tensor(6.0), torch.tensor(10.0)) if static else None  # |x| ~ 5 sigma, |a| ~ 8
+    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    return q13, q2, b13, b2, params
 
 
 def format_table(rows: Sequence[Row], baselines: Sequence[str] = ("torch", "grouped_mm")) -> str:

@@ -4,6 +4,7 @@
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
+                   [--quant fp8_w8a8_block]
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR]
     fusedmoe env [--json]
 """
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--backends", default="triton,grouped_mm,torch",
                        help="comma-separated backends, or 'all' for every one that runs here")
     bench.add_argument("--copies", type=int, default=4, help="weight copies rotated per replay (>= 4)")
+    bench.add_argument("--quant", default=None,
+                       help="a W8A8 scheme for triton (fp8_w8a8_block, int8_w8a8, ...): bytes at the "
+                            "quantized width; other backends stay bf16 as the baseline")
     bench.add_argument("--csv", default=None, help="write rows as CSV")
     bench.add_argument("--json", default=None, help="write rows and metadata as JSON")
     bench.add_argument("--plot", default=None, help="write a PNG of %% of roofline per preset")
@@ -259,6 +263,7 @@ def cmd_bench(args) -> int:
     from fusedmoe import bench
     from fusedmoe.presets import get_preset
 
+    bench.quant_bytes(args.quant)  # an unknown or non-W8A8 scheme fails before any GPU work
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
     if args.copies < 4:
@@ -268,8 +273,10 @@ def cmd_bench(args) -> int:
     backends = _bench_backends(args.backends)
     ceilings = bench.measure_ceilings()
     meta = _bench_meta(ceilings, args.commit)
+    meta["quant"] = args.quant
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s "
-          f"(measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}", flush=True)
+          f"(measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
+          + (f"; triton runs {args.quant}" if args.quant else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
 
@@ -278,7 +285,8 @@ def cmd_bench(args) -> int:
         print(f"\r[{done:>3}/{total}] {label:<50}", end="", file=sys.stderr, flush=True)
 
     for preset in presets:
-        rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress)
+        rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress,
+                                   quant=args.quant)
     print(file=sys.stderr)
     print(bench.format_table(rows, [b for b in ("torch", "grouped_mm") if b in backends]))
     if args.csv:

@@ -134,7 +134,7 @@ BUILTIN: tuple[Backend, ...] = (
         features=ALL_FEATURES - {"routed_scaling"}, dtypes=ALL_DTYPES, needs_triton=True,
         twin="batched_triton", deterministic=True,
         impl="fusedmoe.backends.triton.experts:TritonExperts",
-        pending_schemes=frozenset(("int8_w8a8", "int8_w8a16", "mxfp4_w4a16")) | FP8_W8A8 | INT4,
+        pending_schemes=frozenset(("int8_w8a16", "mxfp4_w4a16")) | INT4,
     ),
     Backend(
         "batched_triton", "fusedmoe Triton kernels, batched [E, max_tokens, H] layout",

@@ -470,13 +470,16 @@ def triton_experts_out_op(
 
 
 class TritonExperts(Experts):
-    """Unquantized experts on fusedmoe's Triton kernels (contiguous layout)."""
+    """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8
+    schemes through quant.py."""
 
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
               out_TH=None) -> torch.Tensor:
         c = self.config
         if weights.quant is not None:
-            raise NotImplementedError("quantized schemes are not in the triton backend yet")
+            from fusedmoe.backends.triton.quant import apply_quant
+
+            return apply_quant(c, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH)
         args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
                 weights.w2_bias, expert_map_E, c.num_experts, c.activation,
                 c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
@@ -569,3 +572,8 @@ class BatchedTritonExperts(BatchedExperts):
         return triton_batched_experts_op(x_LMH, num_tokens_L, weights.w13, weights.w2,
                                          weights.w13_bias, weights.w2_bias, c.activation,
                                          c.swiglu_alpha, c.swiglu_limit)
+
+
+# The W8A8 path (TritonExperts.apply with weights.quant) registers its custom ops on import,
+# before any torch.compile trace reaches apply.
+from fusedmoe.backends.triton import quant as _quant  # noqa: E402,F401

@@ -12,12 +12,19 @@ Row offsets are computed in int64: T*K*H may exceed 2^31.
 Decode (few slots): no alignment, two launches instead of four or five:
     decode: part[s, j, :] = (w2[e][:, j] @ act(w13[e][j] @ x[token(s)]) (+ b2[e])) * w    one program per (slot, I slice j)
     reduce: out[t, :]     = sum_k sum_j part[t*K + k, j, :], in fp32                     one program per (token, H tile)
+
+W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
+per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
+each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
+load (Q_TENSOR: one scale per expert). Host side: quant.py.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from fusedmoe.backends.triton.quant_kernels import FP8_MAX, _quantize, _scale_of
 
 # Activation codes (constexpr): keep in sync with experts.ACT_CODES.
 ACT_SILU = tl.constexpr(0)
@@ -27,6 +34,12 @@ ACT_SWIGLUOAI = tl.constexpr(3)
 ACT_SILU_NO_MUL = tl.constexpr(4)
 ACT_GELU_NO_MUL = tl.constexpr(5)
 ACT_RELU2_NO_MUL = tl.constexpr(6)
+
+# W8A8 scale modes (constexpr): keep in sync with quant.QUANT_CODES.
+Q_NONE = tl.constexpr(0)
+Q_TENSOR = tl.constexpr(1)  # A quantized on load with one scale per expert; w one scale per expert
+Q_CHANNEL = tl.constexpr(2)  # A codes with a scale per row (token); w a scale per output channel
+Q_BLOCK = tl.constexpr(3)  # A codes with a scale per row and 128 columns; w per 128x128 block
 
 
 @triton.jit
@@ -108,6 +121,15 @@ def _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, t
 
 
 @triton.jit
+def _load_scale(ptr, STATIC: tl.constexpr):
+    """A per-tensor activation scale: the value itself (static) or the scale of an amax."""
+    value = tl.load(ptr).to(tl.float32)
+    if not STATIC:
+        value = _scale_of(value, FP8_MAX)
+    return value
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
     sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
@@ -121,11 +143,19 @@ def moe_gemm1_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # W8A8: x scales (Q_TENSOR [L] amax or static, Q_CHANNEL [T], Q_BLOCK [T, H/128]), w13 scales
+    # ([L], [L, G], [L, G/128, H/128]); FUSE_AQ also quantizes the output per 1x128 (aq, a_s).
+    xs_ptr=None, ws_ptr=None, aq_ptr=None, as_ptr=None,
+    stride_xs0=0, stride_xs1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
+    stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
+    QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
+    ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
     SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
+    W8A8: the partials / outputs are dequantized (scales applied) before either path.
     """
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
@@ -146,19 +176,59 @@ def moe_gemm1_kernel(
     w_base = w13_ptr + expert * stride_we
     wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
     wu_ptrs = wg_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT != Q_NONE:
+        ws_base = ws_ptr + expert * stride_ws0
+    if QUANT == Q_TENSOR:
+        x_scale = _load_scale(xs_ptr + expert * stride_xs0, X_STATIC)
+        if X_ROW_W:  # router weight on input, applied before quantizing (as the reference)
+            row_w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+    if ACC_INT:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = offs_k < k_end - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT == Q_TENSOR:
+            xf = xa.to(tl.float32)
+            if X_ROW_W:
+                xf = xf * row_w[:, None]
+            xa = _quantize(xf, x_scale, False, SOFT_FP8).to(w13_ptr.dtype.element_ty)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = _dot(xa, wg, acc_g, IEEE)
+        if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
+            kb = k0 // 128
+            sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
+            sg = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
+            acc_g += tl.dot(xa, wg) * (sx[:, None] * sg.to(tl.float32)[None, :])
+        else:
+            acc_g = _dot(xa, wg, acc_g, IEEE)
         if GATED:
             wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_u = _dot(xa, wu, acc_u, IEEE)
+            if QUANT == Q_BLOCK:
+                su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
+                             mask=n_ok, other=0.0)
+                acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
+            else:
+                acc_u = _dot(xa, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K * stride_xh
         wg_ptrs += BLOCK_K * stride_wh
         wu_ptrs += BLOCK_K * stride_wh
+
+    if QUANT == Q_TENSOR:
+        scale = x_scale * tl.load(ws_base).to(tl.float32)
+        acc_g = acc_g * scale
+        acc_u = acc_u * scale
+    elif QUANT == Q_CHANNEL:
+        sx = tl.load(xs_ptr + token * stride_xs0, mask=row_ok, other=0.0)[:, None]
+        sg = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g = acc_g.to(tl.float32) * sx * sg
+        if GATED:
+            su = tl.load(ws_base + (offs_n + inter) * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u = acc_u.to(tl.float32) * sx * su
+        else:
+            acc_u = acc_u.to(tl.float32)
 
     if SPLIT_K > 1:
         h_ptrs = hpart_ptr + pid_s * stride_hs + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
@@ -169,8 +239,17 @@ def moe_gemm1_kernel(
         act = _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
                               stride_be, stride_bn, inter, alpha, limit,
                               GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
-        tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+        if FUSE_AQ:  # BLOCK_N == 128: this tile holds whole 1x128 groups of the intermediate
+            act = tl.where(n_ok[None, :], act, 0.0)
+            a_scale = _scale_of(tl.max(tl.abs(act), 1), FP8_MAX)
+            q = _quantize(act, a_scale[:, None], False, SOFT_FP8)
+            rows64 = rows.to(tl.int64)
+            tl.store(aq_ptr + rows64[:, None] * stride_aqr + offs_n[None, :] * stride_aqi,
+                     q.to(aq_ptr.dtype.element_ty), mask=n_ok[None, :])
+            tl.store(as_ptr + rows64 * stride_asr + pid_n * stride_asg, a_scale)
+        else:
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
+            tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -219,6 +298,12 @@ def moe_gemm2_kernel(
     stride_ys, stride_yh,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # W8A8: a scales (Q_TENSOR [L] amax or static, Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted
+    # rows), w2 scales ([L], [L, H], [L, H/128, I/128]). Q_TENSOR reads a in fp32 and quantizes it.
+    as_ptr=None, ws_ptr=None,
+    stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
+    QUANT: tl.constexpr = 0, A_STATIC: tl.constexpr = False, ACC_INT: tl.constexpr = False,
+    SOFT_FP8: tl.constexpr = False,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -236,15 +321,36 @@ def moe_gemm2_kernel(
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :] * stride_ai
     w_ptrs = (w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
               + offs_k[:, None] * stride_wi)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT != Q_NONE:
+        ws_base = ws_ptr + expert * stride_ws0
+    if QUANT == Q_TENSOR:
+        a_scale = _load_scale(as_ptr + expert * stride_as0, A_STATIC)
+    if ACC_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = offs_k < inter - k0
         aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT == Q_TENSOR:
+            aa = _quantize(aa.to(tl.float32), a_scale, False, SOFT_FP8).to(w2_ptr.dtype.element_ty)
         ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(aa, ww, acc, IEEE)
+        if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
+            kb = k0 // 128
+            sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
+            sw = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
+            acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
+        else:
+            acc = _dot(aa, ww, acc, IEEE)
         a_ptrs += BLOCK_K * stride_ai
         w_ptrs += BLOCK_K * stride_wi
 
+    if QUANT == Q_TENSOR:
+        acc = acc * (a_scale * tl.load(ws_base).to(tl.float32))
+    elif QUANT == Q_CHANNEL:
+        sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
+        sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
+        acc = acc.to(tl.float32) * sa[:, None] * sw[None, :]
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SCALE_ROWS:  # the routed weight, unless it was applied to the input (or by a combine)

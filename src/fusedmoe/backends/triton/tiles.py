@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 SMEM_BYTES = 227 * 1024  # per-block shared memory on H100/H200 (sm_90)
+QUANT_GRANULARITIES = ("tensor", "channel", "block")  # W8A8 weight scale layouts
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow_split: bool = False) -> str | None:
+def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow_split: bool = False,
+               quant: str | None = None) -> str | None:
     """The reason `tile` cannot run, or None. `operands` = B tiles per K step (2 for gate+up);
-    split-K exists for GEMM1 only (its partials are finished by the activation kernel)."""
+    split-K exists for GEMM1 only (its partials are finished by the activation kernel).
+
+    quant = the W8A8 weight granularity ("tensor", "channel", "block") or None. 8-bit operands
+    take K >= 32 per MMA; block scales need BLOCK_K and BLOCK_N to divide 128 (one scale block
+    per K step and N tile). Shared memory counts weights at 1 byte and activations at 1 byte, or
+    4 for "tensor" (quantized on load from the fp32 intermediate).
+    """
     if tile.split_k not in (1, 2, 4, 8, 16):
         return f"split_k={tile.split_k} must be one of 1, 2, 4, 8, 16"
     if tile.split_k > 1 and not allow_split:
@@ -84,8 +92,21 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
         return f"num_warps={tile.num_warps} must be one of 1, 2, 4, 8, 16"
     if not 1 <= tile.num_stages <= 7:
         return f"num_stages={tile.num_stages} must be in [1, 7]"
+    if quant is not None:
+        if quant not in QUANT_GRANULARITIES:
+            return f"quant={quant!r} must be one of {QUANT_GRANULARITIES}"
+        if tile.block_k < 32:
+            return f"block_k={tile.block_k}: 8-bit tl.dot needs block_k >= 32"
+        if quant == "block" and (tile.block_k > 128 or tile.block_n > 128):
+            return (
+                f"block_k={tile.block_k}, block_n={tile.block_n}: 128x128 block scales need both "
+                "to divide 128"
+            )
     size = torch.empty((), dtype=dtype).element_size()
-    per_stage = (tile.block_m * tile.block_k + operands * tile.block_k * tile.block_n) * size
+    a_size, b_size = size, size
+    if quant is not None:
+        a_size, b_size = (4 if quant == "tensor" else 1), 1
+    per_stage = tile.block_m * tile.block_k * a_size + operands * tile.block_k * tile.block_n * b_size
     if per_stage * tile.num_stages > SMEM_BYTES:
         return (
             f"{tile.num_stages} stages x {per_stage} B = {per_stage * tile.num_stages} B of shared "
@@ -105,12 +126,14 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
-    num_sms: int = 132,
+    num_sms: int = 132, quant: str | None = None,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
     Few rows per expert (decode) make the GEMM a weight stream: narrow N tiles give enough
     programs to keep every SM busy (>= 2 per SM) and long K tiles keep bytes in flight.
+    quant (W8A8 weight granularity): 1-byte operands take BLOCK_K 128 (the bytes of bf16's 64);
+    block scales cap BLOCK_K and BLOCK_N at 128.
     """
     block_m = block_m_for(num_slots, num_local_experts, dtype)
     operands = 2 if gated else 1
@@ -129,8 +152,12 @@ def heuristic(
         block_k = 32 if dtype == torch.float32 else 64
         block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    if quant is not None:
+        block_k = 128 if block_m > 16 else block_k
+        if quant == "block":
+            block_k, block_n = min(block_k, 128), min(block_n, 128)
     tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
-    while check_tile(tile, dtype=dtype, operands=operands, allow_split=True):
+    while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant):
         if tile.num_stages > 2:
             tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1, split)
         elif tile.block_k > 32:

@@ -1,0 +1,480 @@
+"""Host side of the `triton` backend's W8A8 schemes: quantize activations, launch the 8-bit GEMMs.
+
+    codes, scales = quantize_activation(x, key)          # vs quantize_activation_ref (torch)
+    x -> [quantize x] -> gemm1 (8-bit dot, scales) -> [quantize a] -> gemm2 -> reduce
+The activations are quantized exactly where and how the `emulation` backend fake-quantizes them:
+    fp8_w8a8_tensor(_static)  one scale per local expert: amax of its rows (an atomic max over the
+                              aligned rows) or the static a13/a2 scale; GEMMs quantize on load
+    fp8_w8a8_channel, int8    one scale per token (x) / per aligned row (a): quantize_rows_kernel
+    fp8_w8a8_block            1x128 groups; GEMM1 quantizes its output in the epilogue when its
+                              N tile is one group (BLOCK_N 128, no split-K), else a separate pass
+Router weight on input scales x before quantization. The intermediate is kept in fp32 between
+GEMM1 and its quantization, as the reference computes it. No host sync: CUDA-graph safe.
+Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts, K top-k,
+N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.activations import is_gated
+from fusedmoe.backends.triton.experts import (
+    ACT_CODES,
+    GROUP_M,
+    GemmProblem,
+    Launch,
+    _num_sms,
+    align,
+    launch_reduce,
+    triton_cdiv,
+    triton_next_pow2,
+)
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic
+from fusedmoe.quant.formats import FP8_DTYPE
+from fusedmoe.quant.params import QuantParams
+from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
+
+# Scale modes of the GEMM kernels, keyed by the weight granularity: keep in sync with kernels.Q_*.
+QUANT_CODES = {"tensor": 1, "channel": 2, "block": 3}
+W8A8_SCHEMES = frozenset(
+    ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
+)
+ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
+_CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
+
+
+def _soft_fp8(device: torch.device) -> bool:
+    # CPU tensors run under the Triton interpreter, whose fp32 -> fp8 cast mis-rounds at binade
+    # carries (quant_kernels._fp8_grid); GPUs cast exactly in hardware.
+    return device.type == "cpu"
+
+
+# Activation quantization ---------------------------------------------------------------------
+def quantize_activation(
+    x_MK: torch.Tensor,
+    key: QuantKey,
+    static_scale: torch.Tensor | None = None,
+    *,
+    row_weight_M: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K], scales) of x (* row_weight per row) with Triton kernels, no host sync.
+
+    Scales: fp8/int8 token [M, 1]; fp8 group g [M, ceil(K / g)]; fp8 tensor [1] (the static
+    scale, or amax(x) / 448). Same values as `quantize_activation_ref`.
+    """
+    _check_key(key)
+    if x_MK.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x_MK.shape)}")
+    m, k = x_MK.shape
+    device = x_MK.device
+    codes = torch.empty(m, k, dtype=_CODE_DTYPE[key.dtype], device=device)
+    if key.granularity == "tensor":
+        scale = _tensor_scale(x_MK, static_scale, row_weight_M)
+        if m:
+            _launch_rows(x_MK, codes, scale, row_weight_M, k, key, scale_in=1)
+        return codes, scale
+    group = k if key.granularity == "token" else key.group
+    scales = torch.empty(m, max(1, triton_cdiv(k, group)), dtype=torch.float32, device=device)
+    if m and k:
+        _launch_rows(x_MK, codes, scales, row_weight_M, group, key)
+    elif m:
+        scales.fill_(1.0)
+    return codes, scales
+
+
+def quantize_activation_ref(
+    x_MK: torch.Tensor,
+    key: QuantKey,
+    static_scale: torch.Tensor | None = None,
+    *,
+    row_weight_M: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation` in torch (`fusedmoe.quant.formats`): scale = amax / qmax per group
+    (1 for all-zero groups), codes = fp8(clamp(x / scale, +-448)) or clamp(round(x / scale))."""
+    from fusedmoe.quant.formats import (
+        FP8_MAX,
+        INT_RANGE,
+        absmax_scale,
+        fp8_quantize,
+        int_quantize,
+    )
+
+    _check_key(key)
+    x = x_MK.float()
+    if row_weight_M is not None:
+        x = x * row_weight_M.float().unsqueeze(-1)
+    qmax = FP8_MAX if key.dtype == "fp8" else INT_RANGE[8][1]
+    if key.granularity == "tensor":
+        scale = static_scale.float().reshape(1) if static_scale is not None else (
+            absmax_scale(x.abs().amax().reshape(1), FP8_MAX))
+        return fp8_quantize(x, scale), scale
+    k = x.shape[-1]
+    group = max(k, 1) if key.granularity == "token" else key.group
+    padded = torch.nn.functional.pad(x, (0, -k % group)).unflatten(-1, (-1, group))
+    scales = absmax_scale(padded.abs().amax(-1), qmax)
+    expanded = scales.repeat_interleave(group, -1)[:, :k]
+    codes = fp8_quantize(x, expanded) if key.dtype == "fp8" else int_quantize(x, expanded, 8)
+    return codes, scales
+
+
+def _check_key(key: QuantKey) -> None:
+    kind = (key.dtype, key.granularity)
+    ok = kind in (("fp8", "tensor"), ("fp8", "token"), ("int8", "token")) or (
+        kind == ("fp8", "group") and key.group == ACT_GROUP)
+    if not ok:
+        raise ValueError(f"no Triton activation quantization for {key} (fp8 tensor/token/group128, int8 token)")
+
+
+def _tensor_scale(x_MK, static_scale, row_weight_M) -> torch.Tensor:
+    """[1] fp32: the static scale, or amax(|x|) / 448 computed on the device."""
+    from fusedmoe.backends.triton import quant_kernels
+
+    device = x_MK.device
+    if static_scale is not None:
+        if static_scale.numel() != 1:
+            raise ValueError(f"a per-tensor static scale holds one value, got shape {tuple(static_scale.shape)}")
+        return static_scale.float().reshape(1).to(device)
+    m, k = x_MK.shape
+    amax = torch.zeros(1, dtype=torch.float32, device=device)
+    if m and k:
+        block_m = 16
+        rows = triton_cdiv(m, block_m) * block_m
+        sorted_slot = torch.arange(rows, dtype=torch.int32, device=device)  # rows >= m: padding
+        one_expert = torch.zeros(rows // block_m, dtype=torch.int32, device=device)
+        num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
+        quant_kernels.expert_amax_kernel[(rows // block_m,)](
+            x_MK, amax, row_weight_M if row_weight_M is not None else amax, sorted_slot, one_expert,
+            num_rows, m, 1, k, x_MK.stride(0), x_MK.stride(1),
+            GATHER=True, HAS_ROW_W=row_weight_M is not None, BLOCK_M=block_m,
+            BLOCK_K=min(256, triton_next_pow2(k)), num_warps=4,
+        )
+    return torch.where(amax > 0, amax / torch.full((), 448.0, device=device), torch.ones_like(amax))
+
+
+def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_rows=None):
+    """quantize_rows_kernel over x's rows: scales [rows, groups] out (scale_in 0) or [1] in."""
+    from fusedmoe.backends.triton import quant_kernels
+
+    m, k = x.shape
+    group = group if scale_in == 0 else k
+    groups = triton_cdiv(k, group)
+    block_k = min(1024, triton_next_pow2(group))
+    block_r = max(1, min(64, 4096 // block_k))  # ~4k elements per program
+    s_strides = (scales.stride(0), scales.stride(1)) if scale_in == 0 else (0, 0)
+    quant_kernels.quantize_rows_kernel[(triton_cdiv(m, block_r), groups)](
+        x, codes, scales, row_weight if row_weight is not None else x, scales,
+        num_rows if num_rows is not None else scales, m, k, group,
+        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), *s_strides,
+        IS_INT=key.dtype == "int8", SOFT_FP8=_soft_fp8(x.device), SCALE_IN=scale_in,
+        HAS_ROW_W=row_weight is not None, HAS_NUM_ROWS=num_rows is not None,
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+# Tiles ---------------------------------------------------------------------------------------
+def choose_quant_tiles(problem: GemmProblem, granularity: str, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """The heuristic with W8A8 constraints (tuned tables hold unquantized tiles: not used)."""
+    p, sms = problem, _num_sms(device)
+    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
+                   num_sms=sms, quant=granularity)
+    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
+                   num_sms=sms, quant=granularity)
+    return t1, t2
+
+
+def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype) -> None:
+    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, False)):
+        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=granularity)
+        if reason:
+            raise ValueError(f"{name} tile {tile} cannot run {granularity} W8A8: {reason}")
+    if t1.block_m != t2.block_m:
+        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+
+
+# The experts ---------------------------------------------------------------------------------
+def triton_quant_experts(
+    x_TH: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: str | QuantScheme,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    tiles: tuple[TileConfig, TileConfig] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H] = sum_k w * (w2q[e] @ fq(act(w13q[e] @ fq(x) + b13[e])) + b2[e]) on 8-bit GEMMs.
+
+    w13q / w2q: the fp8 / int8 payloads times their scales; fq: the scheme's activation
+    quantization (module docstring). `out` may be x itself.
+    """
+    from fusedmoe.backends.triton import kernels
+
+    scheme = _w8a8_scheme(scheme)
+    wkey, akey = scheme.weight, scheme.activation
+    gran = wkey.granularity
+    num_tokens, hidden = x_TH.shape
+    num_local, inter = w13.shape[0], w2.shape[2]
+    device = x_TH.device
+    out = torch.empty_like(x_TH) if out is None else out
+    if num_tokens == 0:
+        return out
+    gated = is_gated(activation)
+    problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated, x_TH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, gran, device)
+    _check_tiles(t1, t2, gated, gran, x_TH.dtype)
+    block_m = t1.block_m
+    sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
+                                                         num_local, block_m)
+    weights_N = topk_weights_TK.reshape(-1)
+    if not weights_N.is_contiguous():
+        weights_N = weights_N.contiguous()
+    n_slots, rows = topk_ids_TK.numel(), sorted_slot.numel()
+    soft = _soft_fp8(device)
+    y = torch.empty(n_slots, hidden, dtype=x_TH.dtype, device=device)
+    a = torch.empty(rows, inter, dtype=torch.float32, device=device)
+    L = Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
+               topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
+               swiglu_alpha, swiglu_limit, block_m)
+    row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
+
+    # x: codes per token / group, or (tensor) one scale per expert, quantized in GEMM1's loads
+    code_dtype = _CODE_DTYPE[akey.dtype]
+    if gran == "tensor":
+        x_in, x_static = x_TH, a13_scale is not None
+        x_scales = _per_expert(a13_scale, num_local) if x_static else _expert_amax(L, x_TH, row_w, num_local, gather=True)
+        xs_strides = (x_scales.stride(0), 0)
+    else:
+        x_in, x_scales = quantize_activation(x_TH, akey, row_weight_M=row_w)
+        x_static = False
+        xs_strides = (x_scales.stride(0), x_scales.stride(1))
+
+    # GEMM1 (-> fp32 a, or the 1x128 codes directly)
+    fuse = gran == "block" and t1.block_n == ACT_GROUP and t1.split_k == 1
+    a_codes = a_scales = None
+    if gran != "tensor":
+        a_codes = torch.empty(rows, inter, dtype=code_dtype, device=device)
+        groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
+        a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
+    _launch_gemm1(L, x_in, w13, w13_bias, w13_scale, x_scales, xs_strides, t1, gran, x_static,
+                  row_w is not None and gran == "tensor", wkey.dtype == "int8", soft,
+                  a_codes if fuse else None, a_scales if fuse else None, kernels)
+
+    # the intermediate: the same quantization, per aligned row (padding rows are harmless)
+    if gran == "tensor":
+        a_static = a2_scale is not None
+        a_in, a_scales = a, (_per_expert(a2_scale, num_local) if a_static else _expert_amax(L, a, None, num_local, gather=False))
+        as_strides = (a_scales.stride(0), 0)
+    else:
+        a_static = False
+        if not fuse:
+            group = inter if gran == "channel" else ACT_GROUP
+            _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=num_rows)
+        a_in, as_strides = a_codes, (a_scales.stride(0), a_scales.stride(1))
+
+    _launch_gemm2(L, a_in, w2, w2_bias, w2_scale, a_scales, as_strides, t2, gran, a_static,
+                  wkey.dtype == "int8", soft, kernels)
+    launch_reduce(L, out)
+    return out
+
+
+def _w8a8_scheme(scheme: str | QuantScheme) -> QuantScheme:
+    resolved = get_scheme(scheme)
+    if resolved is None or resolved.name not in W8A8_SCHEMES:
+        raise NotImplementedError(
+            f"the triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not "
+            f"{getattr(resolved, 'name', resolved)}"
+        )
+    return resolved
+
+
+def _per_expert(scale: torch.Tensor, num_local: int) -> torch.Tensor:
+    """A static activation scale ([], [1] or [L]) as a 1-D tensor the kernels index by expert
+    (stride 0 when shared)."""
+    flat = scale.reshape(-1)
+    return flat.expand(num_local) if flat.numel() == 1 else flat
+
+
+def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, num_local: int, *,
+                 gather: bool) -> torch.Tensor:
+    """amax [L] over each local expert's rows of x (tokens when gather, else aligned rows)."""
+    from fusedmoe.backends.triton import quant_kernels
+
+    amax = torch.zeros(num_local, dtype=torch.float32, device=x.device)
+    blocks = L.sorted_slot.numel() // L.block_m
+    quant_kernels.expert_amax_kernel[(blocks,)](
+        x, amax, row_w if row_w is not None else amax, L.sorted_slot, L.block_expert, L.num_rows,
+        L.y.shape[0], L.top_k, x.shape[1], x.stride(0), x.stride(1),
+        GATHER=gather, HAS_ROW_W=row_w is not None, BLOCK_M=L.block_m,
+        BLOCK_K=min(256 if L.block_m <= 32 else 64, triton_next_pow2(x.shape[1])), num_warps=4,
+    )
+    return amax
+
+
+def _scale_strides(scale: torch.Tensor, granularity: str) -> tuple[int, int, int]:
+    """(expert, row, column) strides of weight scales [L], [L, N] or [L, N/128, K/128]."""
+    strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
+    return strides if granularity != "tensor" else (strides[0], 0, 0)
+
+
+def _launch_gemm1(L, x, w13, w13_bias, w13_scale, x_scales, xs_strides, tile, gran, x_static, x_row_w,
+                  acc_int, soft, a_codes, a_scales, kernels) -> None:
+    a = L.a
+    inter, hidden = a.shape[1], x.shape[1]
+    bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
+    limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
+    blocks = L.sorted_slot.numel() // L.block_m
+    k_per_split = triton_cdiv(triton_cdiv(hidden, tile.split_k), tile.block_k) * tile.block_k
+    splits = triton_cdiv(hidden, k_per_split)
+    hpart = a  # never written unless SPLIT_K > 1
+    if splits > 1:
+        hpart = torch.empty(splits, a.shape[0], w13.shape[1], dtype=torch.float32, device=x.device)
+    flags = dict(GATED=is_gated(L.activation), ACT=ACT_CODES[L.activation],
+                 HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
+                 HAS_BIAS=w13_bias is not None, SCALE_ROWS=False)
+    b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
+    h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
+    fuse = a_codes is not None
+    aq, a_s = (a_codes, a_scales) if fuse else (None, None)
+    kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
+        x, w13, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
+        L.y.shape[0], L.top_k, hidden, inter, k_per_split,
+        x.stride(0), x.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2),
+        *b_strides, a.stride(0), a.stride(1), *h_strides,
+        float(L.swiglu_alpha), float(limit),
+        IEEE=False, SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
+        xs_ptr=x_scales, ws_ptr=w13_scale, aq_ptr=aq, as_ptr=a_s,
+        stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
+        **dict(zip(("stride_ws0", "stride_ws1", "stride_ws2"), _scale_strides(w13_scale, gran), strict=True)),
+        stride_aqr=aq.stride(0) if fuse else 0, stride_aqi=aq.stride(1) if fuse else 0,
+        stride_asr=a_s.stride(0) if fuse else 0, stride_asg=a_s.stride(1) if fuse else 0,
+        QUANT=QUANT_CODES[gran], X_STATIC=x_static, X_ROW_W=x_row_w, ACC_INT=acc_int,
+        SOFT_FP8=soft, FUSE_AQ=fuse,
+    )
+    if splits > 1:
+        block_n = min(128, triton_next_pow2(inter))
+        kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
+            hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+            L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
+            float(L.swiglu_alpha), float(limit),
+            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags,
+        )
+
+
+def _launch_gemm2(L, a, w2, w2_bias, w2_scale, a_scales, as_strides, tile, gran, a_static, acc_int,
+                  soft, kernels) -> None:
+    y = L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    bias = w2_bias if w2_bias is not None else y
+    blocks = L.sorted_slot.numel() // L.block_m
+    kernels.moe_gemm2_kernel[(blocks * triton_cdiv(hidden, tile.block_n),)](
+        a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+        y.shape[0], hidden, inter,
+        a.stride(0), a.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
+        y.stride(0), y.stride(1),
+        HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
+        IEEE=False, GROUP_M=GROUP_M, **tile.as_kwargs(),
+        as_ptr=a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
+        **dict(zip(("stride_ws0", "stride_ws1", "stride_ws2"), _scale_strides(w2_scale, gran), strict=True)),
+        QUANT=QUANT_CODES[gran], A_STATIC=a_static, ACC_INT=acc_int, SOFT_FP8=soft,
+    )
+
+
+# Custom ops (torch.compile(fullgraph=True), CUDA graphs) -------------------------------------
+@torch.library.custom_op("fusedmoe::triton_quant_experts", mutates_args=())
+def triton_quant_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: str,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return triton_quant_experts(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
+        w2_scale, a13_scale, a2_scale,
+    )
+
+
+@triton_quant_experts_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+      activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
+      w2_scale, a13_scale, a2_scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fusedmoe::triton_quant_experts_out", mutates_args=("out",))
+def triton_quant_experts_out_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: str,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """`triton_quant_experts` writing into `out` (which may be x)."""
+    triton_quant_experts(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
+        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
+        w2_scale, a13_scale, a2_scale, out=out,
+    )
+
+
+def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH):
+    """`TritonExperts.apply` for quantized weights: validate, then run the custom op."""
+    from fusedmoe.quant.weights import check_quant_weights
+
+    quant: QuantParams = weights.quant
+    scheme = _w8a8_scheme(quant.scheme)
+    if config.quant is not None and scheme != config.quant:
+        raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
+    check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1])
+    args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
+            weights.w2_bias, expert_map_E, config.num_experts, config.activation,
+            config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
+            scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
+    if out_TH is not None:
+        triton_quant_experts_out_op(*args, out_TH)
+        return out_TH
+    return triton_quant_experts_op(*args)

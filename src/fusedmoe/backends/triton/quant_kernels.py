@@ -1,0 +1,158 @@
+"""Triton kernels and helpers quantizing activations for the W8A8 experts (jitted code only;
+the host side is quant.py, the GEMMs that consume the codes are in kernels.py).
+
+    rows:  s[r, g] = amax(|x[r, group g]| (* w[r])) / qmax;  q[r, k] = code(x[r, k] (* w[r]) / s[r, g])
+           (per token: one group = the whole row; per group: 1x128, DeepSeek-V3) or a given scale
+    amax:  amax[e] = max |x[row(r)] (* w[slot(r)])| over the sorted rows r of local expert e
+code(v): fp8 e4m3 = cast(clamp(v, +-448)), round to nearest even; int8 = round half to even,
+clamp to [-128, 127]; scales of all-zero groups are 1. The same arithmetic as
+`fusedmoe.quant.formats` (true division, as torch does), so the codes match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+INT8_MAX = tl.constexpr(127.0)
+
+
+@triton.jit
+def _rint(v):
+    """Round half to even, fp32 in and out, |v| < 2^22 (libdevice's rint is not in the interpreter)."""
+    r = tl.floor(v + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fp8_grid(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32.
+
+    The interpreter's fp32 -> fp8 cast mis-rounds when rounding carries into the next binade
+    (Triton 3.9: 127.8 -> 64, not 128); after this the cast is exact. GPUs (cvt.rn.satfinite)
+    do not need it.
+    """
+    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormal step is 2^-9
+    step = ((exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    return _rint(v * inv_step) * step
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    """s = amax / qmax (1 where amax == 0), correctly rounded like torch's division."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+
+
+@triton.jit
+def _scale_for(amax, IS_INT: tl.constexpr):
+    """The scale of a group with this amax: amax / 127 (int8) or amax / 448 (fp8)."""
+    if IS_INT:  # noqa: SIM108 (constexpr branch)
+        scale = _scale_of(amax, INT8_MAX)
+    else:
+        scale = _scale_of(amax, FP8_MAX)
+    return scale
+
+
+@triton.jit
+def _quantize(v, scale, IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """The 8-bit code of fp32 v / scale, still as fp32 (exactly representable: cast it)."""
+    v = tl.math.div_rn(v, scale)
+    if IS_INT:
+        q = _rint(tl.minimum(tl.maximum(v, -128.0), 127.0))
+    else:
+        q = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+        if SOFT_FP8:
+            q = _fp8_grid(q)
+    return q
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, row_w_ptr, scale_in_ptr, num_rows_ptr,
+    num_rows, width, group,
+    stride_xr, stride_xk, stride_qr, stride_qk, stride_sr, stride_sg,
+    IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr, SCALE_IN: tl.constexpr,
+    HAS_ROW_W: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """q[r, k] = code(x[r, k] (* w[r]) / s[r, g]) for BLOCK_R rows and group g = program_id(1).
+
+    SCALE_IN: 0 = s is the group's amax / qmax (written to s[r, g]); 1 = s = scale_in[0]
+    (static); 2 = s = scale_in[0] / qmax with scale_in[0] an amax (dynamic per tensor).
+    HAS_NUM_ROWS: rows at or past num_rows_ptr[0] are skipped (the unused tail of aligned rows).
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if HAS_NUM_ROWS:
+        num_rows = tl.minimum(num_rows, tl.load(num_rows_ptr))
+        if tl.program_id(0) * BLOCK_R >= num_rows:
+            return
+    row_ok = rows < num_rows
+    rows = rows.to(tl.int64)
+    start = tl.program_id(1) * group
+    end = tl.minimum(start + group, width)
+    offs = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None] * stride_xr
+    q_rows = q_ptr + rows[:, None] * stride_qr
+    if HAS_ROW_W:  # router weight on input: quantize w * x, as the reference does
+        w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if SCALE_IN == 0:
+        amax = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            ok = row_ok[:, None] & (k0 + offs < end)[None, :]
+            x = tl.load(x_rows + (k0 + offs)[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+            if HAS_ROW_W:
+                x = x * w
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = _scale_for(tl.max(amax, 1), IS_INT)[:, None]
+        tl.store(s_ptr + rows[:, None] * stride_sr + tl.program_id(1) * stride_sg, scale, mask=row_ok[:, None])
+    elif SCALE_IN == 1:
+        scale = tl.load(scale_in_ptr).to(tl.float32)
+    else:
+        scale = _scale_for(tl.load(scale_in_ptr).to(tl.float32), IS_INT)
+    for k0 in range(start, end, BLOCK_K):
+        ok = row_ok[:, None] & (k0 + offs < end)[None, :]
+        x = tl.load(x_rows + (k0 + offs)[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+        if HAS_ROW_W:
+            x = x * w
+        q = _quantize(x, scale, IS_INT, SOFT_FP8)
+        tl.store(q_rows + (k0 + offs)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def expert_amax_kernel(
+    x_ptr, amax_ptr, row_w_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, top_k, width,
+    stride_xr, stride_xk,
+    GATHER: tl.constexpr, HAS_ROW_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """amax[e] = max(amax[e], |x[row(r), :] (* w[slot(r)])|) over the rows r of one row block.
+
+    GATHER: x rows are tokens (row = slot // top_k), else sorted rows (row = r). amax starts at 0;
+    the max is order-free, so the atomic update is deterministic.
+    """
+    pid = tl.program_id(0)
+    if pid * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    if GATHER:  # noqa: SIM108 (constexpr branch)
+        src = (slot // top_k).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if HAS_ROW_W:
+        w = tl.load(row_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        k_ok = k0 + offs < width
+        x = tl.load(x_ptr + src[:, None] * stride_xr + (k0 + offs)[None, :] * stride_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_ROW_W:
+            x = x * w[:, None]
+        amax = tl.maximum(amax, tl.abs(x))
+    tl.atomic_max(amax_ptr + expert, tl.max(tl.max(amax, 1), 0))

@@ -1,0 +1,290 @@
+"""The Triton backend's W8A8 schemes on the CPU, through the Triton interpreter (fp32/fp16).
+
+Activation quantization kernels against their torch reference (bit-exact codes and scales);
+the experts against the `emulation` backend (the same fake-quantized math) and the reference
+on dequantized weights. Tiles are given explicitly where the heuristic's would make many small
+programs: the interpreter's cost is per program and op.
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # these build CPU tensors for the interpreter; GPUs run test_gpu_quant.py
+    pytest.skip("interpreter tests (CPU); on a GPU see tests/test_gpu_quant.py", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
+from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
+from fusedmoe.backends.triton.experts import TritonExperts  # noqa: E402
+from fusedmoe.backends.triton.quant import (  # noqa: E402
+    quantize_activation,
+    quantize_activation_ref,
+    triton_quant_experts,
+    triton_quant_experts_op,
+)
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
+from fusedmoe.modular import ExpertWeights  # noqa: E402
+from fusedmoe.quant import SCHEMES, QuantKey, fake_quantize_activation  # noqa: E402
+from fusedmoe.quant.weights import dequantize_weights, quantize_weights  # noqa: E402
+
+W8A8 = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]
+# Triton vs emulation: the same quantized operands; only the summation order differs (and, for
+# fp16, the per-slot rounding of y before the fp32 top-k sum: ~2^-11 relative, measured 3.5e-4).
+# An intermediate value within an fp32 rounding of a code boundary may still flip one code.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# Triton vs the reference on dequantized weights without activation quantization: the
+# activations' round trip, through silu(g) * u and GEMM2: RMS <= sqrt(3) * r_a. fp8: r_a = 0.036
+# (tests/test_quant.py). int8: s / sqrt(12) relative to sigma with s = amax / 127; the
+# intermediate silu(g) * u is heavy-tailed, amax up to ~7 sigma over 160 values, so
+# r_a = 7 / (127 sqrt(12)) = 0.016 (measured 0.020 / sqrt(3) = 0.012).
+ACT_RMS = {"fp8": 0.036, "int8": 0.016}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Small tensors on 2 busy cores: intra-op threading only adds overhead (see test_quant.py).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# Activation quantization ---------------------------------------------------------------------
+KEYS = {
+    "fp8-token": QuantKey("fp8", "token", dynamic=True),
+    "int8-token": QuantKey("int8", "token", dynamic=True),
+    "fp8-group128": QuantKey("fp8", "group", 128, dynamic=True),
+    "fp8-tensor": QuantKey("fp8", "tensor", dynamic=True),
+    "fp8-tensor-static": QuantKey("fp8", "tensor"),
+}
+
+
+def _activation_rows(k: int, seed: int) -> torch.Tensor:
+    """Gaussian rows plus the hard ones: all zeros, exact rounding ties, fp8 binade carries."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, k, generator=gen) * torch.tensor([1, 3, 0.01, 100, 1, 1, 1]).unsqueeze(1)
+    x[4] = 0.0
+    x[5, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 126.5, 1.5, -127.0])  # int8 scale 1: ties
+    x[6, :6] = torch.tensor([448.0, 127.8, -31.9, 7.95, 0.0019, -240.0])  # fp8 scale 1: carries
+    return x
+
+
+@pytest.mark.parametrize("k", [200, 256])
+@pytest.mark.parametrize("name", list(KEYS))
+def test_quantize_activation_matches_torch_reference(name, k):
+    key = KEYS[name]
+    x = _activation_rows(k, zlib.crc32(name.encode()) + k)
+    static = torch.tensor([0.05]) if not key.dynamic else None
+    for row_weight in (None, torch.rand(x.shape[0], generator=torch.Generator().manual_seed(k))):
+        codes, scales = quantize_activation(x, key, static, row_weight_M=row_weight)
+        want_codes, want_scales = quantize_activation_ref(x, key, static, row_weight_M=row_weight)
+        assert codes.dtype == want_codes.dtype and scales.shape == want_scales.shape
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(codes.float(), want_codes.float()), (codes.float() - want_codes.float()).abs().max()
+    # the reference is the emulation's fake quantization, split into codes and scales
+    codes, scales = quantize_activation_ref(x, key, static)
+    group = k if key.granularity == "token" else (key.group or k)
+    expanded = scales.reshape(-1, 1) if key.granularity == "tensor" else scales.repeat_interleave(group, -1)[:, :k]
+    assert torch.equal(codes.float() * expanded, fake_quantize_activation(x, key, static))
+
+
+def test_quantize_activation_errors():
+    with pytest.raises(ValueError, match="no Triton activation quantization for fp8/group64"):
+        quantize_activation(torch.randn(2, 128), QuantKey("fp8", "group", 64, dynamic=True))
+    with pytest.raises(ValueError, match="one value"):
+        quantize_activation(torch.randn(2, 128), KEYS["fp8-tensor-static"], torch.ones(3))
+
+
+# The experts ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    id: str
+    T: int = 6
+    E: int = 4
+    K: int = 2
+    H: int = 128
+    I: int = 64
+    activation: str = "silu"
+    bias: bool = False
+    on_input: bool = False
+    expert_map: bool = False
+    tiles: tuple[tuple, tuple] | None = ((16, 64, 64, 4, 1), (16, 128, 64, 4, 1))
+
+
+MODES = ["fp8_w8a8_tensor", "fp8_w8a8_channel", "fp8_w8a8_block"]  # one scheme per scale mode
+CASES = [  # (case, schemes): the paths each case exercises differently
+    (Case("basic"), W8A8),
+    (Case("gelu-bias"), W8A8),
+    (Case("top1-weight-on-input", K=1, T=8, bias=True, on_input=True), W8A8),
+    (Case("expert-map", T=7, E=6, K=3, bias=True, expert_map=True), W8A8),
+    (Case("relu2-no-mul", activation="relu2_no_mul", I=48), ["fp8_w8a8_tensor", "fp8_w8a8_block", "int8_w8a8"]),
+    (Case("k-not-multiple-of-128", H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))), MODES),
+    (Case("fused-group-epilogue", I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
+    (Case("split-k", H=256, tiles=((16, 64, 64, 4, 1, 2), (16, 128, 64, 4, 1))), MODES + ["int8_w8a8"]),
+]
+
+
+def _problem(case: Case, scheme: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}{scheme}".encode()))
+    rows = case.I if case.activation.endswith("no_mul") else 2 * case.I
+    num_local, expert_map = case.E, None
+    if case.expert_map:  # this rank holds experts 0, 2, 4, ...; others contribute zero
+        local = list(range(0, case.E, 2))
+        num_local = len(local)
+        expert_map = torch.full((case.E,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(num_local, dtype=torch.int32)
+    x = torch.randn(case.T, case.H, generator=gen).to(dtype)
+    w13 = torch.randn(num_local, rows, case.H, generator=gen) / case.H**0.5
+    w2 = torch.randn(num_local, case.H, case.I, generator=gen) / case.I**0.5
+    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) * 0.1 if case.bias else None
+    b2 = torch.randn(num_local, case.H, generator=gen).to(dtype) * 0.1 if case.bias else None
+    weights, ids = select_experts(x, torch.randn(case.T, case.E, generator=gen), case.K,
+                                  renormalize=not case.on_input)
+    amax = None
+    if scheme.endswith("static"):  # calibrate: x's amax over all experts, a's per expert
+        amax = (torch.zeros(()), torch.ones(num_local))
+
+        def record(name):
+            def hook(t, e):
+                if name == "x":
+                    amax[0].copy_(torch.maximum(amax[0], t.abs().amax()))
+                else:
+                    amax[1][e] = t.abs().amax()
+                return t
+            return hook
+
+        fused_experts_ref(x, w13, w2, weights, ids, activation=case.activation,
+                          apply_router_weight_on_input=case.on_input, expert_map_E=expert_map,
+                          global_num_experts=case.E, w13_bias_LG=b13, w2_bias_LH=b2,
+                          input_transform=record("x"), intermediate_transform=record("a"))
+    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    config = MoEConfig(case.E, case.K, case.H, case.I, dtype=dtype, activation=case.activation,
+                       has_bias=case.bias, quant=scheme, apply_router_weight_on_input=case.on_input,
+                       has_expert_map=case.expert_map)
+    return config, x, ExpertWeights(q13, q2, b13, b2, params), weights, ids, expert_map
+
+
+def _run(config, x, w, weights, ids, expert_map, tiles=None, out=None):
+    p = w.quant
+    return triton_quant_experts(
+        x, w.w13, w.w2, weights, ids, w.w13_bias, w.w2_bias, expert_map, config.num_experts,
+        config.activation, config.apply_router_weight_on_input, config.swiglu_alpha,
+        config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
+        tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles), out=out,
+    )
+
+
+def _dequantized_reference(config, x, w, weights, ids, expert_map):
+    d13, d2 = dequantize_weights(w.w13, w.w2, w.quant)
+    return fused_experts_ref(
+        x.double(), d13.double(), d2.double(), weights, ids, activation=config.activation,
+        apply_router_weight_on_input=config.apply_router_weight_on_input, expert_map_E=expert_map,
+        global_num_experts=config.num_experts,
+        w13_bias_LG=None if w.w13_bias is None else w.w13_bias.double(),
+        w2_bias_LH=None if w.w2_bias is None else w.w2_bias.double(),
+    )
+
+
+@pytest.mark.parametrize("case,scheme", [(c, s) for c, schemes in CASES for s in schemes],
+                         ids=[f"{c.id}-{s}" for c, schemes in CASES for s in schemes])
+def test_schemes_match_emulation_and_reference(case, scheme):
+    config, x, w, weights, ids, expert_map = _problem(case, scheme, torch.float32)
+    out = _run(config, x, w, weights, ids, expert_map, case.tiles)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    exact = _dequantized_reference(config, x, w, weights, ids, expert_map)
+    assert rel_err(out, exact) < math.sqrt(3) * ACT_RMS[SCHEMES[scheme].activation.dtype]
+    if expert_map is not None:  # tokens whose slots are all remote get exactly zero
+        remote = (expert_map[ids.long()] < 0).all(-1)
+        assert (out[remote] == 0).all()
+
+
+@pytest.mark.parametrize("scheme", W8A8)
+def test_fp16_matches_emulation(scheme):
+    config, x, w, weights, ids, expert_map = _problem(Case("fp16", bias=True), scheme, torch.float16)
+    out = _run(config, x, w, weights, ids, expert_map, Case.tiles)
+    assert out.dtype == torch.float16
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(out, emulated) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_tensor", "fp8_w8a8_block"])
+def test_empty_experts_out_of_range_ids_and_determinism(scheme):
+    case = Case("edges", T=5)
+    config, x, w, weights, _, _ = _problem(case, scheme, torch.float32)
+    # expert 3 gets nothing, expert 1 most; -1 and E are out of range and contribute zero
+    ids = torch.tensor([[1, 0], [1, -1], [1, 4], [2, 1], [7, -5]], dtype=torch.int32)
+    out = _run(config, x, w, weights, ids, None, case.tiles)
+    keep = (ids >= 0) & (ids < 4)
+    emulated = EmulationExperts(config).apply(x, w, weights * keep, ids.clamp(0, 3), expert_map_E=None)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert (out[4] == 0).all()
+    assert torch.equal(out, _run(config, x, w, weights, ids, None, case.tiles))
+    empty = _run(config, x[:0], w, weights[:0], ids[:0], None)
+    assert empty.shape == (0, case.H)
+
+
+def test_experts_class_heuristic_tiles_in_place_and_errors():
+    config, x, w, weights, ids, _ = _problem(Case("class", T=3, H=64, I=32), "int8_w8a8", torch.float32)
+    experts = TritonExperts(config)
+    out = experts.apply(x, w, weights, ids, expert_map_E=None)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    into = x.clone()
+    assert experts.apply(into, w, weights, ids, expert_map_E=None, out_TH=into) is into
+    assert torch.equal(into, out)
+    other = TritonExperts(MoEConfig(4, 2, 64, 32, dtype=torch.float32, quant="fp8_w8a8_channel"))
+    with pytest.raises(ValueError, match="weights.quant has scheme int8_w8a8 but the config says fp8_w8a8_channel"):
+        other.apply(x, w, weights, ids, expert_map_E=None)
+    q13, q2, p = quantize_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32), "int4_w4a16_g32")
+    with pytest.raises(NotImplementedError, match="runs the W8A8 schemes"):
+        TritonExperts(MoEConfig(4, 2, 64, 32, dtype=torch.float32)).apply(
+            x, ExpertWeights(q13, q2, quant=p), weights, ids, expert_map_E=None)
+    with pytest.raises(ValueError, match=r"gemm1 tile .* cannot run block W8A8: block_k=256"):
+        _run(*_problem(Case("bad-tile"), "fp8_w8a8_block", torch.float32),
+             tiles=((16, 64, 256, 4, 1), (16, 64, 64, 4, 1)))
+
+
+def test_opcheck():
+    # int8: the schema check multiplies inputs, which CPU torch lacks for float8
+    config, x, w, weights, ids, _ = _problem(Case("opcheck", T=3, H=64, I=32), "int8_w8a8", torch.float32)
+    p = w.quant
+    args = (x, w.w13, w.w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None,
+            "int8_w8a8", p.w13_scale, p.w2_scale, None, None)
+    torch.library.opcheck(triton_quant_experts_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# Tiles ---------------------------------------------------------------------------------------
+def test_check_tile_quant_reasons():
+    assert "block_k=16: 8-bit tl.dot needs block_k >= 32" in check_tile(
+        TileConfig(16, 64, 16), dtype=torch.bfloat16, quant="channel")
+    assert "need both to divide 128" in check_tile(TileConfig(16, 256, 64), dtype=torch.bfloat16, quant="block")
+    assert "need both to divide 128" in check_tile(TileConfig(16, 64, 256), dtype=torch.bfloat16, quant="block")
+    assert check_tile(TileConfig(16, 64, 256), dtype=torch.bfloat16, quant="channel") is None
+    assert check_tile(TileConfig(16, 128, 128, 4, 3, 4), dtype=torch.bfloat16, quant="block", allow_split=True) is None
+    assert "quant='group'" in check_tile(TileConfig(16, 64, 64), dtype=torch.bfloat16, quant="group")
+
+
+@pytest.mark.parametrize("quant", ["tensor", "channel", "block"])
+def test_heuristic_quant_tiles_are_valid(quant):
+    for slots in (1, 7, 64, 1000, 32768, 10**6):
+        for experts in (1, 8, 128, 256):
+            for n, k, gated in ((256, 7168, True), (7168, 256, False), (1792, 4096, True), (37, 200, False)):
+                tile = heuristic(slots, experts, n, k, torch.bfloat16, gated=gated, quant=quant)
+                assert check_tile(tile, dtype=torch.bfloat16, operands=2 if gated else 1,
+                                  allow_split=gated, quant=quant) is None, tile

@@ -29,12 +29,13 @@ def timed(p, copies, x, w, ids, **kw) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=",".join(bench.TARGET_PRESETS))
-    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--tokens", default="1,2,4,8,16")
     args = ap.parse_args()
     ceil = bench.measure_ceilings()
     print(f"{ceil.device}: {ceil.bandwidth / 1e12:.2f} TB/s, {ceil.bf16_flops / 1e12:.0f} TFLOP/s")
-    grid = [DecodeConfig(bi, bh, nw) for bi in (16, 32, 64) for bh in (128, 256, 512, 1024) for nw in (4, 8)]
-    grid = [c for c in grid if check_decode(c) is None]
+    grid = [DecodeConfig(bi, bh, nw, st) for bi in (16, 32, 64) for bh in (64, 128, 256, 512) for nw in (4,)
+            for st in (3, 5) if 2048 <= bi * bh <= 8192]
+    grid = [c for c in grid if check_decode(c, torch.bfloat16) is None]
     for name in args.presets.split(","):
         p = PRESETS[name]
         inter, h, E, K = p.intermediate_size // p.bench_tp, p.hidden_size, p.num_experts, p.top_k
@@ -69,8 +70,8 @@ def main() -> None:
             def pct(t, t_roof=t_roof):
                 return 100 * t_roof / t
             print(f"{name:17} M={m:<3} E_act={touched:<4} two-gemm {two * 1e6:7.1f} us {pct(two):5.1f}% | "
-                  f"decode heur {heur.block_i}x{heur.block_h}w{heur.num_warps} {t_heur * 1e6:7.1f} us "
-                  f"{pct(t_heur):5.1f}% | best {best[1].block_i}x{best[1].block_h}w{best[1].num_warps} "
+                  f"decode heur {heur.block_i}x{heur.block_h}w{heur.num_warps}s{heur.num_stages} {t_heur * 1e6:7.1f} us "
+                  f"{pct(t_heur):5.1f}% | best {best[1].block_i}x{best[1].block_h}w{best[1].num_warps}s{best[1].num_stages} "
                   f"{best[0] * 1e6:7.1f} us {pct(best[0]):5.1f}% | err {err:.1e}", flush=True)
 
 

@@ -208,7 +208,7 @@ def launch_decode(x_TH, w13, w2, w13_bias, w2_bias, topk_weights_TK, topk_ids_TK
     """Decode path: one kernel computes every (slot, intermediate slice), one sums the partials."""
     from fusedmoe.backends.triton import kernels
 
-    reason = check_decode(cfg)
+    reason = check_decode(cfg, x_TH.dtype)
     if reason:
         raise ValueError(f"invalid decode tile {cfg}: {reason}")
     num_tokens, hidden = x_TH.shape
@@ -235,7 +235,8 @@ def launch_decode(x_TH, w13, w2, w13_bias, w2_bias, topk_weights_TK, topk_ids_TK
         HAS_LIMIT=swiglu_limit is not None and activation != "swigluoai",
         HAS_B13=w13_bias is not None, HAS_B2=w2_bias is not None, HAS_MAP=expert_map is not None,
         SCALE_IN=apply_router_weight_on_input, SCALE_OUT=not apply_router_weight_on_input,
-        BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
+        IEEE=x_TH.dtype == torch.float32, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_h = min(1024, triton_next_pow2(hidden))
     kernels.moe_decode_reduce_kernel[(num_tokens, triton_cdiv(hidden, block_h))](

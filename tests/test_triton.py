@@ -22,41 +22,17 @@ triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
-    GemmProblem,
     _align_chunked,
     _align_small,
     align_torch,
-    choose_decode,
-    choose_tiles,
     triton_experts,
     triton_experts_op,
 )
-from fusedmoe.backends.triton.tiles import (  # noqa: E402
-    DECODE_MAX_SLOTS,
-    DecodeConfig,
-    TileConfig,
-    check_decode,
-    check_tile,
-    decode_heuristic,
-    heuristic,
-)
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import ExpertWeights  # noqa: E402
 
 DEVICE = "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: ~2^-11 per rounding, a few roundings deep
-
-
-def path_kwargs(path, x, w13, w2, ids, act):
-    """Force one of the two kernel pipelines: `two-gemm` (align + GEMMs + reduce) or `decode`
-    (fused, with small tiles so H and I span several chunks and slices)."""
-    if path == "decode":
-        return {"decode": DecodeConfig(16, 32, 4)}
-    problem = GemmProblem(ids.numel(), w13.shape[0], x.shape[1], w2.shape[2], ids.shape[1],
-                          act in ("silu", "gelu", "gelu_tanh", "swigluoai"), x.dtype)
-    return {"tiles": choose_tiles(problem, torch.device("cpu"))}
-
-
-PATHS = ["two-gemm", "decode"]
 
 
 def rel_err(out, ref):
@@ -230,23 +206,6 @@ def test_split_k_gemm1_matches_reference(split, act, bias, on_input):
     assert rel_err(out, ref) < 1e-5
 
 
-def test_decode_tiles_valid_and_chosen_for_few_slots():
-    for slots in (1, 2, 8, 32):
-        for inter, hidden in ((256, 7168), (768, 2048), (14336, 4096), (37, 65), (2880, 2880)):
-            cfg = decode_heuristic(slots, inter, hidden)
-            assert check_decode(cfg) is None, cfg
-    cpu = torch.device("cpu")
-    small = GemmProblem(DECODE_MAX_SLOTS, 128, 2048, 768, 8, True, torch.bfloat16)
-    large = GemmProblem(DECODE_MAX_SLOTS + 1, 128, 2048, 768, 8, True, torch.bfloat16)
-    assert choose_decode(small, cpu) is not None and choose_decode(large, cpu) is None
-    assert "block_i" in check_decode(DecodeConfig(8, 64))
-    assert "block_h" in check_decode(DecodeConfig(16, 48))
-    with pytest.raises(ValueError, match="invalid decode tile"):
-        triton_experts(torch.randn(1, 32), torch.randn(2, 32, 32), torch.randn(2, 32, 16), torch.ones(1, 1),
-                       torch.zeros(1, 1, dtype=torch.int32), None, None, None, 2, "silu", False, 1.702, None,
-                       decode=DecodeConfig(8, 64))
-
-
 # Kernels vs the reference --------------------------------------------------------------------------
 CASES = [
     # id, T, E, K, H, I, activation, bias, weight_on_input, expert_map
@@ -266,10 +225,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kernels_match_reference(case, dtype, path):
+def test_kernels_match_reference(case, dtype):
     _, T, E, K, H, I, act, bias, on_input, use_map = case
     gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
     rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
@@ -289,8 +247,7 @@ def test_kernels_match_reference(case, dtype, path):
     alpha, limit = (1.5, 6.0) if act == "swigluoai" else (1.702, None)
     out = triton_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE),
                          None if b13 is None else b13.to(DEVICE), None if b2 is None else b2.to(DEVICE),
-                         None if expert_map is None else expert_map.to(DEVICE), E, act, on_input, alpha, limit,
-                         **path_kwargs(path, x, w13, w2, ids, act))
+                         None if expert_map is None else expert_map.to(DEVICE), E, act, on_input, alpha, limit)
     ref = fused_experts_ref(
         x.double(), w13.double(), w2.double(), weights, ids, activation=act,
         apply_router_weight_on_input=on_input, expert_map_E=expert_map, global_num_experts=E,
@@ -312,30 +269,26 @@ def test_swiglu_clamp_applied():
     assert rel_err(out, ref) < 1e-5 and rel_err(out, unclamped) > 0.1
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_empty_experts_and_all_to_one(path):
+def test_empty_experts_and_all_to_one():
     T, E, H, I = 12, 6, 32, 16
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(T, H, generator=gen)
     w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 6, torch.randn(E, H, I, generator=gen) / 4
     ids = torch.full((T, 1), 4, dtype=torch.int32)  # every token to expert 4; the others get nothing
     weights = torch.rand(T, 1, generator=gen)
-    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
-                         **path_kwargs(path, x, w13, w2, ids, "silu"))
+    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_out_of_range_ids_contribute_zero(path):
+def test_out_of_range_ids_contribute_zero():
     T, E, K, H, I = 5, 4, 2, 32, 16
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(T, H, generator=gen)
     w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 6, torch.randn(E, H, I, generator=gen) / 4
     ids = torch.tensor([[0, 1], [-1, 2], [3, E], [E + 7, -5], [2, 3]], dtype=torch.int32)
     weights = torch.rand(T, K, generator=gen)
-    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
-                         **path_kwargs(path, x, w13, w2, ids, "silu"))
+    out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None)
     keep = (ids >= 0) & (ids < E)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights * keep, ids.clamp(0, E - 1))
     assert rel_err(out, ref) < 1e-5
@@ -349,10 +302,9 @@ def test_zero_tokens():
     assert out.shape == (0, 32)
 
 
-@pytest.mark.parametrize("T", [20, 8], ids=["two-gemm", "decode"])
-def test_deterministic(T):
+def test_deterministic():
     gen = torch.Generator().manual_seed(8)
-    E, K, H, I = 5, 2, 32, 16
+    T, E, K, H, I = 20, 5, 2, 32, 16
     x = torch.randn(T, H, generator=gen).half()
     w13, w2 = (torch.randn(E, 2 * I, H, generator=gen) / 6).half(), (torch.randn(E, H, I, generator=gen) / 4).half()
     weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K)

@@ -3,7 +3,6 @@
     sorted_slot, block_expert, num_rows = align(topk_ids, expert_map)   # stable sort, no host sync
         (N <= 256: one program ranks all slots; N <= ALIGN_MAX_SLOTS: one program sorts chunks; else torch)
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
-    few slots (decode):  part = decode(x, w13, w2, topk_ids)  ->  out = reduce(part)
 
 The whole computation is the custom op `fusedmoe::triton_experts` (with a fake implementation),
 so layers using it compile with `torch.compile(fullgraph=True)` and capture in CUDA graphs.
@@ -17,14 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
-from fusedmoe.backends.triton.tiles import (
-    DECODE_MAX_SLOTS,
-    DecodeConfig,
-    TileConfig,
-    check_decode,
-    decode_heuristic,
-    heuristic,
-)
+from fusedmoe.backends.triton.tiles import TileConfig, heuristic
 from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights
 
 ACT_CODES = {name: i for i, name in enumerate(
@@ -195,56 +187,6 @@ def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig
     return t1, t2
 
 
-def choose_decode(problem: GemmProblem, device: torch.device) -> DecodeConfig | None:
-    """The fused decode kernel's tile when the problem is small enough for it, else None."""
-    if problem.num_slots > DECODE_MAX_SLOTS:
-        return None
-    return decode_heuristic(problem.num_slots, problem.inter, problem.hidden, num_sms=_num_sms(device))
-
-
-def launch_decode(x_TH, w13, w2, w13_bias, w2_bias, topk_weights_TK, topk_ids_TK, expert_map,
-                  num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
-                  swiglu_limit, cfg: DecodeConfig, out: torch.Tensor) -> None:
-    """Decode path: one kernel computes every (slot, intermediate slice), one sums the partials."""
-    from fusedmoe.backends.triton import kernels
-
-    reason = check_decode(cfg, x_TH.dtype)
-    if reason:
-        raise ValueError(f"invalid decode tile {cfg}: {reason}")
-    num_tokens, hidden = x_TH.shape
-    inter = w2.shape[2]
-    n = topk_ids_TK.numel()
-    num_j = triton_cdiv(inter, cfg.block_i)
-    part = torch.empty(n, num_j, hidden, dtype=torch.float32, device=x_TH.device)
-    ids = topk_ids_TK.reshape(-1).contiguous()
-    weights = topk_weights_TK.reshape(-1).contiguous()
-    b13 = w13_bias if w13_bias is not None else x_TH  # never read without HAS_B13
-    b2 = w2_bias if w2_bias is not None else x_TH
-    limit = swiglu_limit if swiglu_limit is not None else (7.0 if activation == "swigluoai" else 0.0)
-    kernels.moe_decode_kernel[(n * num_j,)](
-        x_TH, w13, b13, w2, b2, part, weights, ids, expert_map if expert_map is not None else ids,
-        n, num_global_experts, topk_ids_TK.shape[1], hidden, inter,
-        x_TH.stride(0), x_TH.stride(1),
-        w13.stride(0), w13.stride(1), w13.stride(2),
-        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
-        part.stride(0), part.stride(1),
-        float(swiglu_alpha), float(limit),
-        GATED=is_gated(activation), ACT=ACT_CODES[activation],
-        HAS_LIMIT=swiglu_limit is not None and activation != "swigluoai",
-        HAS_B13=w13_bias is not None, HAS_B2=w2_bias is not None, HAS_MAP=expert_map is not None,
-        SCALE_IN=apply_router_weight_on_input, SCALE_OUT=not apply_router_weight_on_input,
-        IEEE=x_TH.dtype == torch.float32, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    block_h = min(1024, triton_next_pow2(hidden))
-    kernels.moe_decode_reduce_kernel[(num_tokens, triton_cdiv(hidden, block_h))](
-        part, out, hidden, num_j, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
-        TOP_K=topk_ids_TK.shape[1], BLOCK_H=block_h, num_warps=4,
-    )
-
-
 @dataclass
 class Launch:
     """Everything the three kernels share for one call (buffers, aligned slots, flags)."""
@@ -369,13 +311,10 @@ def triton_experts(
     swiglu_limit: float | None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
-    decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels.
 
-    `tiles` forces the two-GEMM path with those tiles, `decode` the fused decode path; by default
-    problems of at most DECODE_MAX_SLOTS slots take the decode path. `out` may be x itself: x is
-    read only by the first kernel, out written only by the final reduce.
+    `out` may be x itself: x is read only by gemm1, out written only by the final reduce.
     """
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
@@ -384,13 +323,6 @@ def triton_experts(
         return out
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
                           is_gated(activation), x_TH.dtype)
-    if decode is None and tiles is None:
-        decode = choose_decode(problem, x_TH.device)
-    if decode is not None:
-        launch_decode(x_TH, w13, w2, w13_bias, w2_bias, topk_weights_TK, topk_ids_TK, expert_map,
-                      num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
-                      swiglu_limit, decode, out)
-        return out
     t1, t2 = tiles if tiles is not None else choose_tiles(problem, x_TH.device)
     if t1.block_m != t2.block_m:
         raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")

@@ -9,10 +9,6 @@ Every row block belongs to one expert (`block_expert`), blocks past the padded r
 once, so the grid can be sized for the worst case and the launch captured in a CUDA graph.
 Row offsets are computed in int64: T*K*H may exceed 2^31.
 
-Decode (few slots): no alignment, two launches instead of four or five:
-    decode: part[s, j, :] = (w2[e][:, j] @ act(w13[e][j] @ x[token(s)]) (+ b2[e])) * w    one program per (slot, I slice j)
-    reduce: out[t, :]     = sum_k sum_j part[t*K + k, j, :], in fp32                     one program per (token, H tile)
-
 W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
 per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
 each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
@@ -420,121 +416,6 @@ def moe_align_small_kernel(
     dest = tl.load(scratch_ptr + local, mask=valid, other=0) + rank
     tl.store(sorted_slot_ptr + dest, offs.to(tl.int32), mask=valid)
     tl.store(block_expert_ptr + dest // BLOCK_M, local.to(tl.int32), mask=valid)
-
-
-@triton.jit
-def moe_decode_kernel(
-    x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, part_ptr, topk_w_ptr, ids_ptr, expert_map_ptr,
-    num_slots, num_global, top_k, hidden, inter,
-    stride_xt, stride_xh,
-    stride_w1e, stride_w1n, stride_w1h,
-    stride_b1e, stride_b1n,
-    stride_w2e, stride_w2h, stride_w2i,
-    stride_b2e, stride_b2h,
-    stride_ps, stride_pj,
-    alpha, limit,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_B13: tl.constexpr,
-    HAS_B2: tl.constexpr, HAS_MAP: tl.constexpr, SCALE_IN: tl.constexpr, SCALE_OUT: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """The whole layer for one slot and one intermediate slice j, for few slots (decode):
-
-        a_j        = act(w13[e, slice_j] @ x[token] (* w) + b13[e, slice_j])        [BLOCK_I]
-        part[s, j] = (w2[e, :, slice_j] @ a_j (+ b2[e] if j == 0)) (* w)           [H], fp32
-    No alignment: the expert comes from ids[slot]. Programs of one slice are adjacent in the grid,
-    so slots that share an expert read its tiles together (one HBM read, the rest from L2).
-    moe_decode_reduce_kernel sums the partials over k and j in a fixed order (deterministic).
-    The matrix-vector products run as 16-row tl.dot with only row 0 live: that is what lets
-    Triton pipeline the weight loads (num_stages deep); multiply + row sums did not (Qwen3-30B
-    M=1 on an H200: 1.65 TB/s).
-    """
-    pid = tl.program_id(0)
-    slot = pid % num_slots
-    j = pid // num_slots
-    expert = tl.load(ids_ptr + slot).to(tl.int32)
-    valid = (expert >= 0) & (expert < num_global)
-    expert = tl.where(valid, expert, 0)
-    if HAS_MAP:
-        expert = tl.load(expert_map_ptr + expert).to(tl.int32)
-        valid = valid & (expert >= 0)
-    offs_h = tl.arange(0, BLOCK_H)
-    part_row = part_ptr + slot.to(tl.int64) * stride_ps + j * stride_pj
-    if valid == 0:  # not this rank's expert, or an id out of range: contributes exactly zero
-        for h0 in range(0, hidden, BLOCK_H):
-            tl.store(part_row + h0 + offs_h, tl.zeros((BLOCK_H,), tl.float32), mask=offs_h < hidden - h0)
-        return
-
-    e = expert.to(tl.int64)
-    token = (slot // top_k).to(tl.int64)
-    rows = tl.arange(0, 16)
-    live = rows == 0
-    offs_i = j * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = offs_i < inter
-    x_ptrs = x_ptr + token * stride_xt + (rows * 0)[:, None] + offs_h[None, :] * stride_xh
-    wg_ptrs = w13_ptr + e * stride_w1e + offs_i.to(tl.int64)[None, :] * stride_w1n + offs_h[:, None] * stride_w1h
-    wu_ptrs = wg_ptrs + inter * stride_w1n
-    acc_g = tl.zeros((16, BLOCK_I), dtype=tl.float32)
-    acc_u = tl.zeros((16, BLOCK_I), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_ok = offs_h < hidden - h0
-        xa = tl.load(x_ptrs, mask=live[:, None] & h_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
-        acc_g = _dot(xa, wg, acc_g, IEEE)
-        if GATED:
-            wu = tl.load(wu_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
-            acc_u = _dot(xa, wu, acc_u, IEEE)
-        x_ptrs += BLOCK_H * stride_xh
-        wg_ptrs += BLOCK_H * stride_w1h
-        wu_ptrs += BLOCK_H * stride_w1h
-    g = tl.sum(acc_g, 0)  # rows 1..15 are zero
-    u = tl.sum(acc_u, 0)
-
-    w = 1.0
-    if SCALE_IN or SCALE_OUT:
-        w = tl.load(topk_w_ptr + slot).to(tl.float32)
-    if SCALE_IN:  # router weight on input: (w * x) @ W^T == w * (x @ W^T), before the bias
-        g = g * w
-        u = u * w
-    if HAS_B13:
-        g += tl.load(b13_ptr + e * stride_b1e + offs_i * stride_b1n, mask=i_ok, other=0.0).to(tl.float32)
-        if GATED:
-            u += tl.load(b13_ptr + e * stride_b1e + (offs_i + inter) * stride_b1n, mask=i_ok,
-                         other=0.0).to(tl.float32)
-    a = tl.where(i_ok, _activation(g, u, alpha, limit, ACT, HAS_LIMIT), 0.0)
-    # Row 0 of the second product's A operand; rounded to the activation dtype, as the two-GEMM
-    # path stores its intermediate.
-    a_rows = tl.where(live[:, None], a[None, :], 0.0).to(x_ptr.dtype.element_ty)
-
-    w2_ptrs = w2_ptr + e * stride_w2e + offs_h.to(tl.int64)[None, :] * stride_w2h + offs_i[:, None] * stride_w2i
-    for h0 in range(0, hidden, BLOCK_H):
-        h_ok = offs_h < hidden - h0
-        wd = tl.load(w2_ptrs, mask=i_ok[:, None] & h_ok[None, :], other=0.0)
-        p = tl.sum(_dot(a_rows, wd, tl.zeros((16, BLOCK_H), dtype=tl.float32), IEEE), 0)
-        if HAS_B2:  # added once per slot, by slice 0
-            p += tl.load(b2_ptr + e * stride_b2e + (h0 + offs_h) * stride_b2h, mask=h_ok & (offs_h * 0 + j == 0),
-                         other=0.0).to(tl.float32)
-        if SCALE_OUT:
-            p = p * w
-        tl.store(part_row + h0 + offs_h, p, mask=h_ok)
-        w2_ptrs += BLOCK_H * stride_w2h
-
-
-@triton.jit
-def moe_decode_reduce_kernel(
-    part_ptr, out_ptr, hidden, num_j,
-    stride_ps, stride_pj, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """out[t, h] = sum_k sum_j part[t*K + k, j, h], in fp32, k then j ascending."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < hidden
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        row = part_ptr + (t * TOP_K + k) * stride_ps + offs_h
-        for j in range(num_j):
-            acc += tl.load(row + j * stride_pj, mask=h_ok, other=0.0)
-    tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit

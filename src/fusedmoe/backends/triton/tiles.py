@@ -28,51 +28,6 @@ class TileConfig:
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """The fused decode kernel's tile: an intermediate slice per program, H streamed in chunks."""
-
-    block_i: int
-    block_h: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# Slots (T*K) up to which the fused decode kernel runs instead of align + two GEMMs + reduce.
-DECODE_MAX_SLOTS = 32
-
-
-def check_decode(cfg: DecodeConfig, dtype: torch.dtype = torch.float32) -> str | None:
-    """The reason the decode tile cannot run with `dtype` activations and weights, or None."""
-    if not _pow2(cfg.block_i) or not 16 <= cfg.block_i <= 128:
-        return f"block_i={cfg.block_i} must be a power of two in [16, 128] (32-byte w2 row segments)"
-    if not _pow2(cfg.block_h) or not 32 <= cfg.block_h <= 1024:
-        return f"block_h={cfg.block_h} must be a power of two in [32, 1024]"
-    if cfg.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={cfg.num_warps} must be one of 1, 2, 4, 8, 16"
-    if not 1 <= cfg.num_stages <= 7:
-        return f"num_stages={cfg.num_stages} must be in [1, 7]"
-    # per stage: x rows [16, block_h] + gate and up tiles [block_h, block_i]
-    size = torch.empty((), dtype=dtype).element_size()
-    smem = cfg.num_stages * cfg.block_h * (16 + 2 * cfg.block_i) * size
-    if smem > SMEM_BYTES:
-        return (f"{cfg.num_stages} stages x {cfg.block_h} x (16 + 2 x {cfg.block_i}) x {size} B = {smem} B "
-                f"of shared memory exceeds {SMEM_BYTES} B")
-    return None
-
-
-def decode_heuristic(num_slots: int, inter: int, hidden: int, *, num_sms: int = 132) -> DecodeConfig:
-    """Widest intermediate slice that still gives every SM a program: wide slices read longer
-    contiguous w2 rows and write fewer fp32 partials (slots x I/block_i x H x 4 bytes)."""
-    block_i = 16
-    for bi in (64, 32):
-        if num_slots * -(-inter // bi) >= num_sms:
-            block_i = bi
-            break
-    block_h = min(4096 // block_i, max(32, 1 << (hidden - 1).bit_length()))  # 16 KB of weights per stage
-    return DecodeConfig(block_i, block_h, 4, 4)
-
-
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

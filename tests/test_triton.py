@@ -22,7 +22,9 @@ triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
+    ALIGN_CHUNKED_MAX_SLOTS,
     _align_chunked,
+    _align_multi,
     _align_small,
     align_torch,
     triton_experts,
@@ -42,8 +44,10 @@ def rel_err(out, ref):
 
 # Alignment -----------------------------------------------------------------------------------------
 # Chunks of 16 slots: the interpreter sorts ~1024 slots a second, so multi-chunk cases stay small.
+# The multi-program offsets sum 32 counts a step: 2 chunks x 16 experts, so both loops run.
 ALIGNS = {"torch": align_torch, "one-program": _align_small,
-          "chunked": functools.partial(_align_chunked, chunk=16)}
+          "chunked": functools.partial(_align_chunked, chunk=16),
+          "multi": functools.partial(_align_multi, chunk=16, offsets_tile=32)}
 
 
 @pytest.mark.parametrize("align", ALIGNS.values(), ids=ALIGNS.keys())
@@ -84,13 +88,28 @@ def test_align_sorts_pads_and_drops(block_m, use_map, align):
     assert rows == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
-@pytest.mark.parametrize("align", [align_torch, ALIGNS["chunked"]], ids=["torch", "chunked"])
+@pytest.mark.parametrize("align", ["torch", "chunked", "multi"])
 def test_align_is_deterministic(align):
+    align = ALIGNS[align]
     ids = torch.randint(0, 16, (30, 4), generator=torch.Generator().manual_seed(1)).int()
     first = align(ids, None, 16, 16, 16)
     for _ in range(2):
         again = align(ids, None, 16, 16, 16)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("n,num_local,path", [
+    (256, 8, "small"), (257, 8, "chunked"), (ALIGN_CHUNKED_MAX_SLOTS, 4095, "chunked"),
+    (ALIGN_CHUNKED_MAX_SLOTS + 1, 8, "multi"), (2**20, 4096, "multi"), (100, 4096, "chunked"),
+    (100, 4097, "torch"), (2**20, 4097, "torch"),
+])
+def test_align_routes_by_slots_and_experts(monkeypatch, n, num_local, path):
+    from fusedmoe.backends.triton import experts
+
+    for name, fn in (("small", "_align_small"), ("chunked", "_align_chunked"), ("multi", "_align_multi"),
+                     ("torch", "align_torch")):
+        monkeypatch.setattr(experts, fn, lambda *args, name=name: name)
+    assert experts.align(torch.zeros(n, 1, dtype=torch.int32), None, num_local, num_local, 64) == path
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 256), (13, 6, 7), (32, 8, 60), (3, 4, 4)])
@@ -124,6 +143,8 @@ ALIGN_CASES = [
     AlignCase("several-chunks-e13", 24, 4, 13, 128, 16, bad_ids=True),
     AlignCase("one-expert", 40, 1, 6, 16, 16, ids="one-expert"),  # one run across every chunk
     AlignCase("empty-experts", 20, 2, 64, 64, 8, ids="few-experts"),
+    AlignCase("e1", 50, 1, 1, 64, 16, bad_ids=True),  # 4 chunks, one expert; the map keeps it
+    AlignCase("e-above-n-chunks", 20, 2, 300, 16, 8, bad_ids=True),  # 5 chunks, 300 (200) experts
 ]
 
 
@@ -144,14 +165,17 @@ def align_ids(case: AlignCase) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("use_map", [False, True], ids=["no-map", "map"])
-def test_chunked_align_equals_torch_align(case, use_map):
+@pytest.mark.parametrize("path", ["chunked", "multi"])
+def test_chunk_aligns_equal_torch_align(case, use_map, path):
     ids = align_ids(case)
     expert_map, num_local = None, case.num_global
     if use_map:  # every third expert lives on another rank; the rest are renumbered
         owned = torch.arange(case.num_global) % 3 != 1
         expert_map = torch.where(owned, owned.cumsum(0) - 1, -1).int()
         num_local = int(owned.sum())
-    got = _align_chunked(ids, expert_map, case.num_global, num_local, case.block_m, chunk=case.chunk)
+    align = {"chunked": functools.partial(_align_chunked, chunk=case.chunk),
+             "multi": functools.partial(_align_multi, chunk=case.chunk, offsets_tile=32)}[path]
+    got = align(ids, expert_map, case.num_global, num_local, case.block_m)
     want = align_torch(ids, expert_map, case.num_global, num_local, case.block_m)
     for name, a, b in zip(("sorted_slot", "block_expert", "num_rows", "slot_ok"), got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name

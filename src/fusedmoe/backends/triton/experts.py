@@ -1,7 +1,8 @@
 """Host side of the `triton` backend: align slots by expert, pick tiles, launch the kernels.
 
     sorted_slot, block_expert, num_rows = align(topk_ids, expert_map)   # stable sort, no host sync
-        (N <= 256: one program ranks all slots; N <= ALIGN_MAX_SLOTS: one program sorts chunks; else torch)
+        (N <= 256: one program ranks all slots; N <= ALIGN_CHUNKED_MAX_SLOTS: one program sorts chunks;
+         beyond: count / offsets / scatter launches, one program per chunk; L > 4096: torch)
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
 
 The whole computation is the custom op `fusedmoe::triton_experts` (with a fake implementation),
@@ -27,12 +28,15 @@ assert set(ACT_CODES) == set(ACTIVATIONS)
 
 GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
 ALIGN_SMALL_MAX_SLOTS = 256  # one-program alignment up to here: a [N, N] rank compare in registers
-# Chunked one-program alignment up to here, torch ops beyond. One program sorts ~1k slots per
-# 5.5 us (H100, 16 warps, E=8..256, CUDA graph): N=2048 15 us vs torch 84 us, 16384 87-92 vs 99-102,
-# 32768 175-185 vs 102-104. Chunks of 512/2048 and 4/8 warps: 183-234 us at N=32768.
-ALIGN_MAX_SLOTS = 16384
-ALIGN_MAX_LOCAL_EXPERTS = 4096  # both Triton alignments; sort keys expert*chunk stay far below 2^31
+# Chunked one-program alignment up to here, three launches of the multi-program one beyond. One
+# program sorts ~1k slots per 5.5 us (H100, 16 warps, E=8..256, CUDA graph): N=2048 15 us vs torch
+# 84 us, 16384 87-92 vs 99-102, 32768 175-185 vs 102-104. Chunks of 512/2048 and 4/8 warps: 183-234 us
+# at N=32768. The crossover with the multi-program path is a placeholder until measured on an H200.
+ALIGN_CHUNKED_MAX_SLOTS = 4096
+ALIGN_MAX_LOCAL_EXPERTS = 4096  # the Triton alignments; sort keys expert*chunk stay far below 2^31
 ALIGN_CHUNK = 1024  # slots sorted at once by the chunked alignment
+ALIGN_MULTI_CHUNK = 1024  # slots per program of the multi-program alignment (not yet tuned)
+ALIGN_OFFSETS_TILE = 8192  # counts [chunks, L] summed per step by the one-program offsets kernel
 
 
 def align(
@@ -49,16 +53,19 @@ def align(
     int8 (1 = the slot runs here).
     R = N + min(L, N)*(block_m - 1) rounded up to block_m: the worst case, known on the host, so
     nothing waits on the device. The sort is stable: the same ids give the same order, bit for bit.
-    Three paths, one result: N <= 256 (decode) one Triton program ranking all slots at once;
-    N <= ALIGN_MAX_SLOTS one Triton program sorting ALIGN_CHUNK slots at a time; beyond, torch ops.
+    Four paths, one result: N <= 256 (decode) one Triton program ranking all slots at once;
+    N <= ALIGN_CHUNKED_MAX_SLOTS one Triton program sorting ALIGN_CHUNK slots at a time; beyond, three
+    launches with one program per ALIGN_MULTI_CHUNK slots; more than 4096 local experts, torch ops.
     """
     n = topk_ids_TK.numel()
     args = (topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
-    if num_local_experts > ALIGN_MAX_LOCAL_EXPERTS or n > ALIGN_MAX_SLOTS:
+    if num_local_experts > ALIGN_MAX_LOCAL_EXPERTS:
         return align_torch(*args)
     if n <= ALIGN_SMALL_MAX_SLOTS and num_local_experts < ALIGN_MAX_LOCAL_EXPERTS:
         return _align_small(*args)
-    return _align_chunked(*args)
+    if n <= ALIGN_CHUNKED_MAX_SLOTS:
+        return _align_chunked(*args)
+    return _align_multi(*args)
 
 
 def _rows(n: int, num_local: int, block_m: int) -> int:
@@ -111,6 +118,45 @@ def _align_chunked(topk_ids_TK, expert_map_E, num_global_experts, num_local_expe
         slot_ok, count, start, key, rank, n, num_global_experts, num_local, sorted_slot.numel(),
         HAS_MAP=expert_map_E is not None, CHUNK=chunk, BLOCK_E=min(1024, triton_next_pow2(num_local + 1)),
         BLOCK_M=block_m, BLOCK_R=1024, num_warps=16,
+    )
+    return sorted_slot, block_expert, num_rows, slot_ok
+
+
+def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m,
+                 chunk=ALIGN_MULTI_CHUNK, offsets_tile=ALIGN_OFFSETS_TILE):
+    """`align` in three launches: count (one program per `chunk` slots, a power of 2), offsets (one
+    program, `offsets_tile` counts at a time), scatter (one program per chunk)."""
+    from fusedmoe.backends.triton import kernels
+
+    device = topk_ids_TK.device
+    n = topk_ids_TK.numel()
+    num_local = num_local_experts
+    sorted_slot, block_expert, num_rows, slot_ok = _align_outputs(n, num_local, block_m, device)
+    rows = sorted_slot.numel()
+    num_chunks = max(1, triton_cdiv(n, chunk))
+    padded_n = num_chunks * chunk
+    # count [chunks, L]: at N = 1M slots and L = 512, 1024 x 512 ints (2 MiB)
+    scratch = torch.empty(num_local + 2 * padded_n + num_chunks * num_local, dtype=torch.int32, device=device)
+    start, key, in_run, count = scratch.split([num_local, padded_n, padded_n, num_chunks * num_local])
+    ids = topk_ids_TK.reshape(-1)
+    has_map = expert_map_E is not None
+    block_e = min(1024, triton_next_pow2(max(num_local, 1)))
+    num_warps = min(16, max(4, chunk // 64))
+    kernels.moe_align_count_kernel[(num_chunks,)](
+        ids, expert_map_E if has_map else ids, sorted_slot, block_expert, slot_ok, count, key, in_run,
+        n, num_global_experts, num_local, rows, triton_cdiv(rows, num_chunks),
+        triton_cdiv(rows // block_m, num_chunks),
+        HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_R=1024, num_warps=num_warps,
+    )
+    block_e = min(block_e, triton_next_pow2(offsets_tile))
+    block_c = max(2, min(triton_next_pow2(num_chunks), offsets_tile // block_e))
+    kernels.moe_align_offsets_kernel[(1,)](
+        count, start, num_rows, num_chunks, num_local, BLOCK_C=block_c, BLOCK_E=block_e, BLOCK_M=block_m,
+        num_warps=16,
+    )
+    kernels.moe_align_scatter_kernel[(num_chunks,)](
+        sorted_slot, block_expert, count, start, key, in_run, num_local, CHUNK=chunk, BLOCK_M=block_m,
+        num_warps=num_warps,
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 

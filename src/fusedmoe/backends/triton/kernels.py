@@ -377,6 +377,30 @@ def moe_reduce_kernel(
 
 
 @triton.jit
+def _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local, HAS_MAP: tl.constexpr):
+    """Local expert of each slot (int32; invalid, mapped away and out-of-range lanes -> bucket L), valid."""
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (ids >= 0) & (ids < num_global)
+    local = tl.where(valid, ids, 0)
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
+        valid = valid & (local >= 0)
+    return tl.where(valid, local, num_local).to(tl.int32), valid
+
+
+@triton.jit
+def _fill_unowned(sorted_slot_ptr, block_expert_ptr, row_lo, row_hi, block_lo, block_hi, num_slots, num_local,
+                  BLOCK_R: tl.constexpr):
+    """sorted_slot[row_lo:row_hi] = N (padding), block_expert[block_lo:block_hi] = L (unused block)."""
+    for r0 in range(row_lo, row_hi, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tl.store(sorted_slot_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_slots, mask=rows < row_hi)
+    for b0 in range(block_lo, block_hi, BLOCK_R):
+        blocks = b0 + tl.arange(0, BLOCK_R)
+        tl.store(block_expert_ptr + blocks, tl.full((BLOCK_R,), 0, tl.int32) + num_local, mask=blocks < block_hi)
+
+
+@triton.jit
 def moe_align_small_kernel(
     ids_ptr, expert_map_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr, slot_ok_ptr, scratch_ptr,
     num_slots, num_global, num_local, total_rows,
@@ -389,13 +413,7 @@ def moe_align_small_kernel(
     """
     offs = tl.arange(0, BLOCK_N)
     in_range = offs < num_slots
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
-    valid = in_range & (ids >= 0) & (ids < num_global)
-    local = tl.where(valid, ids, 0)
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
-        valid = valid & (local >= 0)
-    local = tl.where(valid, local, num_local)  # invalid and padding lanes -> bucket L
+    local, valid = _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local, HAS_MAP)
     tl.store(slot_ok_ptr + offs, valid.to(tl.int8), mask=in_range)
 
     counts = tl.histogram(local, BLOCK_E)
@@ -404,11 +422,8 @@ def moe_align_small_kernel(
     padded_end = tl.cumsum(padded, 0)
     tl.store(scratch_ptr + experts, padded_end - padded)
     tl.store(num_rows_ptr, tl.sum(padded, 0))
-    for r0 in range(0, total_rows, BLOCK_R):  # every row starts as padding, every block unowned
-        rows = r0 + tl.arange(0, BLOCK_R)
-        tl.store(sorted_slot_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_slots, mask=rows < total_rows)
-        tl.store(block_expert_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_local,
-                 mask=rows < total_rows // BLOCK_M)
+    _fill_unowned(sorted_slot_ptr, block_expert_ptr, 0, total_rows, 0, total_rows // BLOCK_M, num_slots, num_local,
+                  BLOCK_R)
     tl.debug_barrier()
 
     same = (local[:, None] == local[None, :]) & (offs[None, :] < offs[:, None])
@@ -421,6 +436,23 @@ def moe_align_small_kernel(
 @triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit
+def _sorted_runs(local, key_ptr, CHUNK: tl.constexpr):
+    """Stable sort of one chunk by expert: key = expert*CHUNK + lane, sorted and stored at key_ptr[:CHUNK].
+
+    Returns the sorted keys, their experts, each one's position in its expert's run, and run ends.
+    """
+    lanes = tl.arange(0, CHUNK)
+    key = tl.sort(local * CHUNK + lanes)
+    expert = key // CHUNK
+    tl.store(key_ptr + lanes, key)
+    tl.debug_barrier()  # neighbours' keys are visible from here
+    prev_expert = tl.load(key_ptr + lanes - 1, mask=lanes > 0, other=0) // CHUNK
+    next_expert = tl.load(key_ptr + lanes + 1, mask=lanes < CHUNK - 1, other=0) // CHUNK
+    run_start = tl.associative_scan(tl.where((lanes == 0) | (prev_expert != expert), lanes, 0), 0, _max)
+    return key, expert, lanes - run_start, (lanes == CHUNK - 1) | (next_expert != expert)
 
 
 @triton.jit
@@ -437,11 +469,8 @@ def moe_align_kernel(
         rank(i) = count[expert(i)] (earlier chunks) + position of i in its expert's run; count += run
     start = exclusive cumsum of count padded to BLOCK_M;  pass 2: dest(i) = start[expert(i)] + rank(i)
     """
-    for r0 in range(0, total_rows, BLOCK_R):  # every row starts as padding, every block unowned
-        rows = r0 + tl.arange(0, BLOCK_R)
-        tl.store(sorted_slot_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_slots, mask=rows < total_rows)
-        tl.store(block_expert_ptr + rows, tl.full((BLOCK_R,), 0, tl.int32) + num_local,
-                 mask=rows < total_rows // BLOCK_M)
+    _fill_unowned(sorted_slot_ptr, block_expert_ptr, 0, total_rows, 0, total_rows // BLOCK_M, num_slots, num_local,
+                  BLOCK_R)
     for e0 in range(0, num_local + 1, BLOCK_E):
         experts = e0 + tl.arange(0, BLOCK_E)
         tl.store(count_ptr + experts, tl.zeros((BLOCK_E,), tl.int32), mask=experts <= num_local)
@@ -451,25 +480,14 @@ def moe_align_kernel(
     for c0 in range(0, num_slots, CHUNK):
         offs = c0 + lanes
         in_range = offs < num_slots
-        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
-        valid = in_range & (ids >= 0) & (ids < num_global)
-        local = tl.where(valid, ids, 0)
-        if HAS_MAP:
-            local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
-            valid = valid & (local >= 0)
-        local = tl.where(valid, local, num_local).to(tl.int32)  # invalid and padding lanes -> bucket L
+        local, valid = _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local, HAS_MAP)
         tl.store(slot_ok_ptr + offs, valid.to(tl.int8), mask=in_range)
-        key = tl.sort(local * CHUNK + lanes)
-        expert = key // CHUNK
-        tl.store(key_ptr + offs, key)
-        tl.debug_barrier()  # neighbours' keys, and the previous chunk's counts, are visible from here
-        prev_expert = tl.load(key_ptr + offs - 1, mask=lanes > 0, other=0) // CHUNK
-        next_expert = tl.load(key_ptr + offs + 1, mask=lanes < CHUNK - 1, other=0) // CHUNK
-        run_start = tl.associative_scan(tl.where((lanes == 0) | (prev_expert != expert), lanes, 0), 0, _max)
-        rank = tl.load(count_ptr + expert) + lanes - run_start
+        # its barrier also makes the previous chunk's counts visible
+        key, expert, in_run, run_end = _sorted_runs(local, key_ptr + c0, CHUNK)
+        rank = tl.load(count_ptr + expert) + in_run
         tl.store(rank_ptr + offs, rank)
         tl.debug_barrier()  # a run spans warps: all of it reads count[expert] before its end writes
-        tl.store(count_ptr + expert, rank + 1, mask=(lanes == CHUNK - 1) | (next_expert != expert))
+        tl.store(count_ptr + expert, rank + 1, mask=run_end)
     tl.debug_barrier()
 
     rows_used = 0
@@ -490,3 +508,82 @@ def moe_align_kernel(
         dest = tl.load(start_ptr + expert, mask=mine, other=0) + tl.load(rank_ptr + offs, mask=mine, other=0)
         tl.store(sorted_slot_ptr + dest, c0 + key % CHUNK, mask=mine)
         tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine)
+
+
+# Multi-program alignment: three launches, one program per CHUNK slots in the first and last.
+#     count:   stable sort of chunk c by expert; in_run(i) = position of i in its expert's run;
+#              count[c, e] = run length (0 when e is absent); fill this program's share of the padding
+#     offsets: base[c, e] = sum_{c' < c} count[c', e] (in place); start[e] = exclusive cumsum over
+#              experts of sum_c count[c, e] padded to BLOCK_M; num_rows = the padded total
+#     scatter: dest(i) = start[e] + base[c, e] + in_run(i)
+@triton.jit
+def moe_align_count_kernel(
+    ids_ptr, expert_map_ptr, sorted_slot_ptr, block_expert_ptr, slot_ok_ptr, count_ptr, key_ptr, in_run_ptr,
+    num_slots, num_global, num_local, total_rows, rows_per_program, blocks_per_program,
+    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program c: slot_ok, sorted keys, in_run and count[c, :] of slots [c*CHUNK, (c+1)*CHUNK), and
+    rows [c*rows_per_program, ...) / blocks [c*blocks_per_program, ...) set to padding / unowned."""
+    c = tl.program_id(0).to(tl.int64)
+    row_lo = c * rows_per_program
+    block_lo = c * blocks_per_program
+    _fill_unowned(sorted_slot_ptr, block_expert_ptr, row_lo, tl.minimum(row_lo + rows_per_program, total_rows),
+                  block_lo, tl.minimum(block_lo + blocks_per_program, total_rows // BLOCK_M), num_slots, num_local,
+                  BLOCK_R)
+    count_row = count_ptr + c * num_local
+    for e0 in range(0, num_local, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        tl.store(count_row + experts, tl.zeros((BLOCK_E,), tl.int32), mask=experts < num_local)
+
+    c0 = c * CHUNK
+    offs = c0 + tl.arange(0, CHUNK)
+    in_range = offs < num_slots
+    local, valid = _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local, HAS_MAP)
+    tl.store(slot_ok_ptr + offs, valid.to(tl.int8), mask=in_range)
+    # its barrier also orders the zeroed counts before the run lengths below
+    key, expert, in_run, run_end = _sorted_runs(local, key_ptr + c0, CHUNK)
+    tl.store(in_run_ptr + offs, in_run)
+    tl.store(count_row + expert, in_run + 1, mask=run_end & (expert < num_local))
+
+
+@triton.jit
+def moe_align_offsets_kernel(
+    count_ptr, start_ptr, num_rows_ptr, num_chunks, num_local,
+    BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program: count [chunks, L] -> base (exclusive cumsum over chunks, in place), start [L], num_rows."""
+    rows_used = 0
+    for e0 in range(0, num_local, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        e_ok = experts < num_local
+        total = tl.zeros((BLOCK_E,), tl.int32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            chunks = c0 + tl.arange(0, BLOCK_C)
+            ptrs = count_ptr + chunks.to(tl.int64)[:, None] * num_local + experts[None, :]
+            ok = (chunks < num_chunks)[:, None] & e_ok[None, :]
+            counts = tl.load(ptrs, mask=ok, other=0)
+            tl.store(ptrs, total[None, :] + tl.cumsum(counts, 0) - counts, mask=ok)
+            total += tl.sum(counts, 0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(start_ptr + experts, rows_used + tl.cumsum(padded, 0) - padded, mask=e_ok)
+        rows_used += tl.sum(padded, 0)
+    tl.store(num_rows_ptr, rows_used)
+
+
+@triton.jit
+def moe_align_scatter_kernel(
+    sorted_slot_ptr, block_expert_ptr, count_ptr, start_ptr, key_ptr, in_run_ptr, num_local,
+    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Program c: sorted_slot[dest(i)] = i and block_expert[dest(i) // BLOCK_M] = e for chunk c's slots."""
+    c = tl.program_id(0).to(tl.int64)
+    c0 = c * CHUNK
+    offs = c0 + tl.arange(0, CHUNK)
+    key = tl.load(key_ptr + offs)
+    expert = key // CHUNK
+    mine = expert < num_local
+    dest = (tl.load(start_ptr + expert, mask=mine, other=0) + tl.load(count_ptr + c * num_local + expert, mask=mine,
+            other=0) + tl.load(in_run_ptr + offs, mask=mine, other=0))
+    tl.store(sorted_slot_ptr + dest, (c0 + key % CHUNK).to(tl.int32), mask=mine)
+    tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine)

@@ -96,8 +96,11 @@ def test_edge_cases(scheme):
     bad = ids.clone()
     bad[::3, 0] = 99
     out = fused_experts(x, q13, q2, w, bad, quant=params, backend="triton", validate=False)
-    keep = (bad < 16).float()
-    emulated = fused_experts(x, q13, q2, w * keep, bad.clamp(max=15), quant=params, backend="emulation")
+    # emulation drops the same slots when they go to a 17th global expert that lives nowhere (clamping
+    # them onto expert 15 with weight 0 would change a dynamic per-tensor scale: it sees the rows)
+    drop_map = torch.cat([torch.arange(16, device="cuda"), torch.tensor([-1], device="cuda")]).int()
+    emulated = fused_experts(x, q13, q2, w, bad.clamp(max=16), quant=params, backend="emulation",
+                             expert_map=drop_map, global_num_experts=17)
     assert rel_err(out, emulated) < TOL_EMULATION
 
 
@@ -166,6 +169,9 @@ def test_opcheck_on_gpu():
     from fusedmoe.backends.triton.quant import triton_quant_experts_op
 
     x, q13, q2, p, _, _, w, ids = make(9, 8, 2, 256, 128, "fp8_w8a8_block", seed=8)
+    # test_schema compares inputs before and after with elementwise math that torch 2.11 has no
+    # CUDA float8 kernels for ("mul_cuda" not implemented for 'Float8_e4m3fn'); the other checks run.
     torch.library.opcheck(triton_quant_experts_op, (x, q13, q2, w, ids, None, None, None, 8, "silu", False,
                                                     1.702, None, "fp8_w8a8_block", p.w13_scale, p.w2_scale,
-                                                    None, None))
+                                                    None, None),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -32,7 +32,6 @@ from fusedmoe.backends.triton.experts import (
     triton_next_pow2,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic
-from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES, triton_weight_only_experts
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
@@ -229,6 +228,8 @@ def triton_quant_experts(
 
     scheme = _triton_scheme(scheme)
     if scheme.weight_only:
+        from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
+
         if a13_scale is not None or a2_scale is not None:
             raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
         return triton_weight_only_experts(
@@ -305,6 +306,8 @@ def triton_quant_experts(
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:
+    from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
+
     resolved = get_scheme(scheme)
     if resolved is None or resolved.name not in W8A8_SCHEMES | WEIGHT_ONLY_SCHEMES:
         raise NotImplementedError(

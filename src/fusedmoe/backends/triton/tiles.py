@@ -100,8 +100,8 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
         return f"num_stages={tile.num_stages} must be in [1, 7]"
     if quant in WEIGHT_ONLY_MODES:
         if quant == "w4":
-            if group is None or not _pow2(group):
-                return f"quant='w4' needs its scale group size (a power of two), got group={group}"
+            if group is None or group <= 0 or group % 2:
+                return f"quant='w4' needs its scale group size (even: whole bytes), got group={group}"
             if tile.block_k < 32:
                 return (f"block_k={tile.block_k}: 4-bit weights run two dots of block_k / 2 columns "
                         "(even and odd k), which need block_k >= 32")

@@ -24,7 +24,9 @@ registers after their load and never written back; each byte is read once per (r
     Q_W4  a byte holds k = 2j (low nibble) and 2j + 1 (high): x is read as its even and odd
           columns, so   acc += x[:, 0::2] @ (lo * s) + x[:, 1::2] @ (hi * s)   with two K/2 dots
           and no nibble interleave in registers; s = the group scale of each element (int4 any
-          float, mxfp4 e8m0, nvfp4 e4m3), nvfp4's per-expert global scale on the accumulator.
+          float, mxfp4 e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in
+          registers (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global
+          scale on the accumulator.
 Host side: weight_only.py.
 """
 
@@ -131,14 +133,24 @@ def _w4_scale(s, FMT: tl.constexpr):
 
 
 @triton.jit
-def _w4_tiles(w_ptrs, s_ptrs, mask, FMT: tl.constexpr, DTYPE: tl.constexpr):
-    """(low, high) dequantized [BLOCK_K / 2, BLOCK_N] tiles of one packed tile, in DTYPE.
+def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """(low, high) dequantized [BLOCK_K / 2, BLOCK_N] tiles of one packed K step, in DTYPE.
 
-    w_ptrs: the bytes (k = 2j, 2j + 1) x n; s_ptrs: the group scale of each (j, n) (repeated
-    addresses within a group: served by L1, one HBM read per scale).
+    w_ptrs: the bytes (k = 2j, 2j + 1) x n; s_cols: [1, BLOCK_N] pointers to the n columns' first
+    group scale. A step covers BLOCK_K / GROUP whole groups (their scales are loaded once and
+    repeated over the group's GROUP / 2 bytes) or lies in one group (one scale per column).
     """
     b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    s = _w4_scale(tl.load(s_ptrs, mask=mask, other=0.0), FMT)
+    if BLOCK_K > GROUP:
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_cols + groups[:, None] * stride_sg,
+                    mask=(groups * GROUP < k_end)[:, None] & n_ok[None, :], other=0.0)
+        s = _w4_scale(s, FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
+                       (BLOCK_K // 2, BLOCK_N))
+    else:
+        s = _w4_scale(tl.load(s_cols + (k0 // GROUP) * stride_sg, mask=n_ok[None, :], other=0.0), FMT)
     lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
     hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
     return lo, hi
@@ -260,12 +272,12 @@ def moe_gemm1_kernel(
             x_odd = tl.load(x_rows + (kk + 1)[None, :] * stride_xh, mask=x_mask, other=0.0)
             w_mask = kk_ok[:, None] & n_ok[None, :]
             w_off = (kk // 2)[:, None] * stride_wh
-            s_off = (kk // W_GROUP)[:, None] * stride_ws2
-            lo, hi = _w4_tiles(wq_cols + w_off, sq_cols + s_off, w_mask, W4_FMT, x_ptr.dtype.element_ty)
+            lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
+                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
             acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE), IEEE)
             if GATED:
-                lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1 + s_off,
-                                   w_mask, W4_FMT, x_ptr.dtype.element_ty)
+                lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
+                                   k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
         else:
             k_ok = offs_k < k_end - k0
@@ -435,8 +447,8 @@ def moe_gemm2_kernel(
             a_mask = row_ok[:, None] & kk_ok[None, :]
             a_even = tl.load(a_rows + kk[None, :] * stride_ai, mask=a_mask, other=0.0)
             a_odd = tl.load(a_rows + (kk + 1)[None, :] * stride_ai, mask=a_mask, other=0.0)
-            lo, hi = _w4_tiles(wq_cols + (kk // 2)[:, None] * stride_wi, sq_cols + (kk // W_GROUP)[:, None] * stride_ws2,
-                               kk_ok[:, None] & n_ok[None, :], W4_FMT, a_ptr.dtype.element_ty)
+            lo, hi = _w4_tiles(wq_cols + (kk // 2)[:, None] * stride_wi, sq_cols, kk_ok[:, None] & n_ok[None, :],
+                               n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
         else:
             k_ok = offs_k < inter - k0

@@ -81,8 +81,12 @@ def test_bench_quant_bytes_and_refusals(capsys):
     assert quant_bytes(None) == (2.0, 2.0)
     assert quant_bytes("fp8_w8a8_channel") == (1.0, 1.0) == quant_bytes("int8_w8a8")
     assert quant_bytes("fp8_w8a8_block") == (1.0 + 4 / 16384, 1.0)
-    assert main(["bench", "--quant", "int4_w4a16_g128"]) == 2
-    assert "takes a W8A8 scheme" in capsys.readouterr().err
+    assert quant_bytes("int4_w4a16_g32") == (0.5 + 2 / 32, 2.0)
+    assert quant_bytes("mxfp4_w4a16") == (0.5 + 1 / 32, 2.0)
+    assert quant_bytes("nvfp4_w4a16") == (0.5 + 1 / 16, 2.0)
+    assert quant_bytes("fp8_w8a16") == (1.0, 2.0) == quant_bytes("int8_w8a16")
+    assert main(["bench", "--quant", "nvfp4"]) == 2
+    assert "takes a scheme the triton backend runs" in capsys.readouterr().err
     assert main(["bench", "--quant", "fp9"]) == 2
     assert "not a known quantization scheme" in capsys.readouterr().err
 

@@ -254,6 +254,8 @@ CASES = [
          B200_FI_CUTLASS, None, BackendRequestError, "NVFP4 path needs ep_size == 1"),
     Case("nvfp4-cpu", cfg(quant="nvfp4"), CPU, "emulation"),
     Case("nvfp4-emulation-on-gpu", cfg(quant="nvfp4"), V100, "emulation"),
+    Case("nvfp4-w4a16-hopper-triton", cfg(quant="nvfp4_w4a16"), H100_FI, "triton"),
+    Case("nvfp4-w4a16-b200-triton", cfg(quant="nvfp4_w4a16"), B200_FI, "triton"),
     # --- MXFP4 / INT4 ---------------------------------------------------------------------------------------
     Case("mxfp4-hopper", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), H100_FI, "triton"),
     Case("mxfp4-b200-trtllm", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), B200_FI,
@@ -261,6 +263,9 @@ CASES = [
     Case("mxfp4-marlin-batched", cfg(quant="mxfp4_w4a16", activation_format="batched", backend="marlin"), A100,
          "batched_marlin"),
     Case("int4-marlin", cfg(quant="int4_w4a16_g32"), H100, "marlin"),
+    Case("int4-request-triton", cfg(quant="int4_w4a16_g64", backend="triton"), H100, "triton"),
+    Case("fp8-w8a16-hopper-triton", cfg(quant="fp8_w8a16"), H100_FI_DG, "triton"),
+    Case("fp8-w8a16-ampere-marlin", cfg(quant="fp8_w8a16"), A100, "marlin"),
     Case("int4-cpu", cfg(quant="int4_w4a16_g128"), CPU, "emulation"),
 ]
 
@@ -305,8 +310,14 @@ def test_current_gpu_kernels_reported_missing():
     assert select_backend(cfg(quant="fp8_w8a8_block", backend="triton"), H100_DG).name == "triton"
     with pytest.raises(NoBackendError, match="triton: fp8_w8a8_channel needs device capability >= 8.9"):
         select_backend(cfg(quant="fp8_w8a8_channel"), A100)
-    with pytest.raises(NoBackendError, match="triton: fusedmoe's implementation does not cover the int4_w4a16_g128"):
-        select_backend(cfg(quant="int4_w4a16_g128"), H100)
+    # weight-only: marlin's rows (ahead for int4) have no kernel yet, so the Triton one runs
+    for scheme in ("int4_w4a16_g128", "int8_w8a16", "fp8_w8a16", "mxfp4_w4a16", "nvfp4_w4a16"):
+        assert select_backend(cfg(quant=scheme), H100).name == "triton", scheme
+    with pytest.raises(NoBackendError, match="triton: fp8_w8a16 needs device capability >= 8.9"):
+        select_backend(cfg(quant="fp8_w8a16"), A100)
+    # NVFP4 W4A4 fake-quantizes activations, which the weight-only kernel does not: emulation
+    assert select_backend(cfg(quant="nvfp4"), H100).name == "emulation"
+    assert "it does not support the nvfp4 scheme" in REGISTRY["triton"].check(cfg(quant="nvfp4"), H100)
     assert select_backend(cfg(activation_format="batched"), H100).name == "batched_triton"
     with pytest.raises(NoBackendError, match="batched_triton: fusedmoe's implementation does not cover"):
         select_backend(cfg(activation_format="batched", quant="fp8_w8a8_block"), H100)

@@ -7,9 +7,10 @@
     t_roof = max(bytes / BW, flops / PEAK), BW and PEAK measured in the same run
     % roof = t_roof / t
 Routing is excluded: ids and weights are drawn once (uniform random logits) before timing.
-With `quant` (a W8A8 scheme) `triton` runs the rotated copies quantized by `quantize_weights`
-and bytes count the quantized width plus scales (`quant_bytes`); other backends (`grouped_mm`,
-`torch`) run the bf16 copies as the baseline, measured against the same (quantized) roof.
+With `quant` (a W8A8 or weight-only scheme) `triton` runs the rotated copies quantized by
+`quantize_weights` (int4 scales stored in bf16, as Kimi-K2 ships them) and bytes count the
+quantized width plus scales (`quant_bytes`); other backends (`grouped_mm`, `torch`) run the bf16
+copies as the baseline, measured against the same (quantized) roof.
 """
 
 from __future__ import annotations
@@ -128,18 +129,34 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
+# Bytes of one stored group scale: int4 bf16 (as benchmarked, `_quantized_copy`), mxfp4 e8m0,
+# nvfp4 e4m3 (its fp32 global scale per expert is negligible).
+_GROUP_SCALE_BYTES = {"int4": 2, "mxfp4": 1, "nvfp4": 1}
+
+
 def quant_bytes(scheme: str | None) -> tuple[float, float]:
     """(bytes per weight, bytes per activation element) for the roofline: bf16 2 and 2; W8A8
     1 and 1, plus fp32 block scales for fp8 block (4 bytes per 128 x 128 = 16384 weights);
-    per-tensor and per-channel scales are negligible (<= 4 / H per weight)."""
+    weight-only 1 (fp8, int8) or 0.5 + scale bytes / group (int4 g32 with bf16 scales 0.5625,
+    mxfp4 0.53125, nvfp4 0.5625) and 2; per-tensor and per-channel scales are negligible
+    (<= 4 / H per weight)."""
+    from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
     from fusedmoe.quant.scheme import get_scheme
 
     resolved = get_scheme(scheme)
     if resolved is None:
         return 2.0, 2.0
-    if resolved.weight_only or resolved.weight.dtype not in ("fp8", "int8"):
-        raise ValueError(f"bench --quant takes a W8A8 scheme (fp8_w8a8_*, int8_w8a8), not {resolved.name}")
-    w_bytes = 1.0 + (4 / 16384 if resolved.weight.granularity == "block" else 0.0)
+    key = resolved.weight
+    if resolved.name in WEIGHT_ONLY_SCHEMES:
+        if key.dtype in ("fp8", "int8"):
+            return 1.0, 2.0
+        return 0.5 + _GROUP_SCALE_BYTES[key.dtype] / key.group, 2.0
+    if resolved.weight_only or key.dtype not in ("fp8", "int8"):
+        raise ValueError(
+            f"bench --quant takes a scheme the triton backend runs (W8A8: fp8_w8a8_*, int8_w8a8; "
+            f"weight-only: {', '.join(sorted(WEIGHT_ONLY_SCHEMES))}), not {resolved.name}"
+        )
+    w_bytes = 1.0 + (4 / 16384 if key.granularity == "block" else 0.0)
     return w_bytes, 1.0
 
 
@@ -168,7 +185,8 @@ def bench_preset(
 ) -> list[Row]:
     """Time each backend on one preset (its benchmark TP split) at each token count.
 
-    quant: a W8A8 scheme for `triton` (the other backends keep bf16 weights: the baseline).
+    quant: a W8A8 or weight-only scheme for `triton` (the other backends keep bf16 weights: the
+    baseline).
     """
     from fusedmoe.api import fused_experts
     from fusedmoe.routing import select_experts
@@ -236,6 +254,9 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
     static = scheme.endswith("_static")
     amax = (torch.tensor(6.0), torch.tensor(10.0)) if static else None  # |x| ~ 5 sigma, |a| ~ 8
     q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
+        params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
+                                     w2_scale=params.w2_scale.to(torch.bfloat16))
     return q13, q2, b13, b2, params
 
 

@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated backends, or 'all' for every one that runs here")
     bench.add_argument("--copies", type=int, default=4, help="weight copies rotated per replay (>= 4)")
     bench.add_argument("--quant", default=None,
-                       help="a W8A8 scheme for triton (fp8_w8a8_block, int8_w8a8, ...): bytes at the "
-                            "quantized width; other backends stay bf16 as the baseline")
+                       help="a W8A8 or weight-only scheme for triton (fp8_w8a8_block, int8_w8a8, "
+                            "int4_w4a16_g32, mxfp4_w4a16, ...): bytes at the quantized width; other "
+                            "backends stay bf16 as the baseline")
     bench.add_argument("--csv", default=None, help="write rows as CSV")
     bench.add_argument("--json", default=None, help="write rows and metadata as JSON")
     bench.add_argument("--plot", default=None, help="write a PNG of %% of roofline per preset")
@@ -263,7 +264,7 @@ def cmd_bench(args) -> int:
     from fusedmoe import bench
     from fusedmoe.presets import get_preset
 
-    bench.quant_bytes(args.quant)  # an unknown or non-W8A8 scheme fails before any GPU work
+    bench.quant_bytes(args.quant)  # a scheme triton cannot run fails before any GPU work
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
     if args.copies < 4:

@@ -128,13 +128,15 @@ BUILTIN: tuple[Backend, ...] = (
     Backend(
         "triton", "fusedmoe Triton kernels, contiguous (sorted-token) layout",
         kinds=GPU,
-        schemes=frozenset(("unquantized", "int8_w8a8", "int8_w8a16")) | FP8_W8A8 | INT4 | {"mxfp4_w4a16"},
-        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8))
+        # Weight-only: activations unquantized, weights dequantized in registers. NVFP4 W4A4
+        # is not here: emulation fake-quantizes its activations to nvfp4, which this kernel
+        # does not (on Hopper it stays on marlin's row, else emulation).
+        schemes=frozenset(("unquantized", "int8_w8a8")) | FP8_W8A8 | WEIGHT_ONLY,
+        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8 | {"fp8_w8a16"}))
         + (("int8_w8a8", (7, 5)),),
         features=ALL_FEATURES - {"routed_scaling"}, dtypes=ALL_DTYPES, needs_triton=True,
         twin="batched_triton", deterministic=True,
         impl="fusedmoe.backends.triton.experts:TritonExperts",
-        pending_schemes=frozenset(("int8_w8a16", "mxfp4_w4a16")) | INT4,
     ),
     Backend(
         "batched_triton", "fusedmoe Triton kernels, batched [E, max_tokens, H] layout",
@@ -305,7 +307,8 @@ PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
     "nvfp4": (
         ("flashinfer_trtllm", None), ("flashinfer_cutedsl", None),
         ("flashinfer_cutedsl_batched", None), ("flashinfer_cutlass", None), ("cutlass", None),
-        ("marlin", None), ("batched_marlin", None), ("oot", None), ("emulation", None),
+        ("triton", None), ("marlin", None), ("batched_marlin", None), ("oot", None),
+        ("emulation", None),
     ),
     "mxfp4": (
         ("flashinfer_trtllm", None), ("aiter", None), ("triton", None),

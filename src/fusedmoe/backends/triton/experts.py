@@ -271,7 +271,9 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
                   not apply_router_weight_on_input, swiglu_alpha, swiglu_limit, block_m)
 
 
-def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig) -> None:
+def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
+                 quant_args: dict | None = None) -> None:
+    """GEMM1 (+ the split-K finish); quant_args: the kernel's weight-only arguments (weight_only.py)."""
     from fusedmoe.backends.triton import kernels
 
     x, a = L.x, L.a
@@ -298,6 +300,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
         IEEE=x.dtype == torch.float32, SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
+        **(quant_args or {}),
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -309,7 +312,8 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         )
 
 
-def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig) -> None:
+def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
+                 quant_args: dict | None = None) -> None:
     from fusedmoe.backends.triton import kernels
 
     a, y = L.a, L.y
@@ -324,7 +328,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=a.dtype == torch.float32, GROUP_M=GROUP_M, **tile.as_kwargs(),
+        IEEE=a.dtype == torch.float32, GROUP_M=GROUP_M, **tile.as_kwargs(), **(quant_args or {}),
     )
 
 
@@ -449,8 +453,9 @@ def triton_experts_out_op(
 
 
 class TritonExperts(Experts):
-    """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8
-    schemes through quant.py."""
+    """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
+    weight-only schemes through quant.py. Every layout is read as stored: process_weights is the
+    identity (the 4-bit kernels take the checkpoints' packing, even k in the low nibble)."""
 
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
               out_TH=None) -> torch.Tensor:

@@ -13,6 +13,17 @@ W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int3
 per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
 each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
 load (Q_TENSOR: one scale per expert). Host side: quant.py.
+
+Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
+registers after their load and never written back; each byte is read once per (row block, N tile):
+    Q_W8  fp8 / int8 codes -> activation dtype -> dot; per-channel scale on the fp32 accumulator
+    Q_W4  a byte holds k = 2j (low nibble) and 2j + 1 (high): x is read as its even and odd
+          columns, so   acc += x[:, 0::2] @ (lo * s) + x[:, 1::2] @ (hi * s)   with two K/2 dots
+          and no nibble interleave in registers; s = the group scale of each element (int4 any
+          float, mxfp4 e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in
+          registers (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global
+          scale on the accumulator.
+Host side: weight_only.py.
 """
 
 from __future__ import annotations
@@ -36,6 +47,13 @@ Q_NONE = tl.constexpr(0)
 Q_TENSOR = tl.constexpr(1)  # A quantized on load with one scale per expert; w one scale per expert
 Q_CHANNEL = tl.constexpr(2)  # A codes with a scale per row (token); w a scale per output channel
 Q_BLOCK = tl.constexpr(3)  # A codes with a scale per row and 128 columns; w per 128x128 block
+Q_W8 = tl.constexpr(4)  # weight-only: fp8 / int8 w, a scale per output channel; A unquantized
+Q_W4 = tl.constexpr(5)  # weight-only: 4-bit codes two per byte, a scale per group of W_GROUP k
+
+# 4-bit weight formats of Q_W4 (constexpr): keep in sync with weight_only.W4_FORMATS.
+W4_INT4 = tl.constexpr(0)  # two's complement nibble in [-8, 7], float scale
+W4_MXFP4 = tl.constexpr(1)  # e2m1, e8m0 scale (uint8 exponent, 2^(s - 127))
+W4_NVFP4 = tl.constexpr(2)  # e2m1, e4m3 scale, fp32 global scale per expert
 
 
 @triton.jit
@@ -88,6 +106,55 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     else:  # out_dtype follows the accumulator: int32 for int8 operands (Triton 3.6 needs it named)
         acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
     return acc
+
+
+@triton.jit
+def _w4_value(code, FMT: tl.constexpr):
+    """fp32 value of 4-bit codes (int32 in [0, 15]): int4 two's complement or e2m1."""
+    if FMT == W4_INT4:
+        v = ((code ^ 8) - 8).to(tl.float32)
+    else:
+        # e2m1 -> fp16 bits: exponent bits 1-2 land on fp16's 10-11, the mantissa bit on 9, the
+        # sign on 15. That fp16 is the e2m1 value * 2^-14 (code 1, 0.5, is fp16's subnormal
+        # 2^-15), so the exact value is it * 2^14. 4 integer ops, no table.
+        bits = ((code & 7) << 9) | ((code & 8) << 12)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return v
+
+
+@triton.jit
+def _w4_scale(s, FMT: tl.constexpr):
+    """fp32 multiplier of stored group scales: float (int4), e8m0 uint8 (mxfp4), e4m3 (nvfp4)."""
+    if FMT == W4_MXFP4:  # 2^(s - 127) from the fp32 bit pattern; s = 0 is the subnormal 2^-127
+        e = s.to(tl.int32)
+        v = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+    else:
+        v = s.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """(low, high) dequantized [BLOCK_K / 2, BLOCK_N] tiles of one packed K step, in DTYPE.
+
+    w_ptrs: the bytes (k = 2j, 2j + 1) x n; s_cols: [1, BLOCK_N] pointers to the n columns' first
+    group scale. A step covers BLOCK_K / GROUP whole groups (their scales are loaded once and
+    repeated over the group's GROUP / 2 bytes) or lies in one group (one scale per column).
+    """
+    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    if BLOCK_K > GROUP:
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_cols + groups[:, None] * stride_sg,
+                    mask=(groups * GROUP < k_end)[:, None] & n_ok[None, :], other=0.0)
+        s = _w4_scale(s, FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
+                       (BLOCK_K // 2, BLOCK_N))
+    else:
+        s = _w4_scale(tl.load(s_cols + (k0 // GROUP) * stride_sg, mask=n_ok[None, :], other=0.0), FMT)
+    lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
+    hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
+    return lo, hi
 
 
 @triton.jit
@@ -146,17 +213,20 @@ def moe_gemm1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     # W8A8: x scales (Q_TENSOR [L] amax or static, Q_CHANNEL [T], Q_BLOCK [T, H/128]), w13 scales
     # ([L], [L, G], [L, G/128, H/128]); FUSE_AQ also quantizes the output per 1x128 (aq, a_s).
+    # Weight-only: Q_W8 ws [L, G]; Q_W4 ws [L, G, H / W_GROUP], w13 bytes [L, G, H / 2], nvfp4
+    # global scales wgs [L].
     xs_ptr=None, ws_ptr=None, aq_ptr=None, as_ptr=None,
     stride_xs0=0, stride_xs1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
     QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
     SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
-    W8A8: the partials / outputs are dequantized (scales applied) before either path.
+    Quantized: the partials / outputs are dequantized (scales applied) before either path.
     """
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
@@ -189,33 +259,58 @@ def moe_gemm1_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == Q_W4:  # pointers of byte j (k = 2j, 2j + 1) and of its group scale, from k0
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        x_rows = x_ptr + token[:, None] * stride_xt
+        wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
+        sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = offs_k < k_end - k0
-        xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANT == Q_TENSOR:
-            xf = xa.to(tl.float32)
-            if X_ROW_W:
-                xf = xf * row_w[:, None]
-            xa = _quantize(xf, x_scale, False, SOFT_FP8).to(w13_ptr.dtype.element_ty)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
-            kb = k0 // 128
-            sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
-            sg = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
-            acc_g += tl.dot(xa, wg) * (sx[:, None] * sg.to(tl.float32)[None, :])
+        if QUANT == Q_W4:
+            kk = k0 + 2 * offs_j
+            kk_ok = kk < k_end
+            x_mask = row_ok[:, None] & kk_ok[None, :]
+            x_even = tl.load(x_rows + kk[None, :] * stride_xh, mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + (kk + 1)[None, :] * stride_xh, mask=x_mask, other=0.0)
+            w_mask = kk_ok[:, None] & n_ok[None, :]
+            w_off = (kk // 2)[:, None] * stride_wh
+            lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
+                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+            acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE), IEEE)
+            if GATED:
+                lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
+                                   k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+                acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
         else:
-            acc_g = _dot(xa, wg, acc_g, IEEE)
-        if GATED:
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if QUANT == Q_BLOCK:
-                su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
-                             mask=n_ok, other=0.0)
-                acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if QUANT == Q_TENSOR:
+                xf = xa.to(tl.float32)
+                if X_ROW_W:
+                    xf = xf * row_w[:, None]
+                xa = _quantize(xf, x_scale, False, SOFT_FP8).to(w13_ptr.dtype.element_ty)
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
+                wg = wg.to(x_ptr.dtype.element_ty)
+            if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
+                kb = k0 // 128
+                sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
+                sg = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
+                acc_g += tl.dot(xa, wg) * (sx[:, None] * sg.to(tl.float32)[None, :])
             else:
-                acc_u = _dot(xa, wu, acc_u, IEEE)
-        x_ptrs += BLOCK_K * stride_xh
-        wg_ptrs += BLOCK_K * stride_wh
-        wu_ptrs += BLOCK_K * stride_wh
+                acc_g = _dot(xa, wg, acc_g, IEEE)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if QUANT == Q_W8:
+                    wu = wu.to(x_ptr.dtype.element_ty)
+                if QUANT == Q_BLOCK:
+                    su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
+                                 mask=n_ok, other=0.0)
+                    acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
+                else:
+                    acc_u = _dot(xa, wu, acc_u, IEEE)
+            x_ptrs += BLOCK_K * stride_xh
+            wg_ptrs += BLOCK_K * stride_wh
+            wu_ptrs += BLOCK_K * stride_wh
 
     if QUANT == Q_TENSOR:
         scale = x_scale * tl.load(ws_base).to(tl.float32)
@@ -230,6 +325,15 @@ def moe_gemm1_kernel(
             acc_u = acc_u.to(tl.float32) * sx * su
         else:
             acc_u = acc_u.to(tl.float32)
+    elif QUANT == Q_W8:
+        acc_g = acc_g * tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u = acc_u * tl.load(ws_base + (offs_n + inter) * stride_ws1, mask=n_ok,
+                                    other=0.0).to(tl.float32)[None, :]
+    elif QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
+        global_scale = tl.load(wgs_ptr + expert).to(tl.float32)
+        acc_g = acc_g * global_scale
+        acc_u = acc_u * global_scale
 
     if SPLIT_K > 1:
         h_ptrs = hpart_ptr + pid_s * stride_hs + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
@@ -301,10 +405,12 @@ def moe_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     # W8A8: a scales (Q_TENSOR [L] amax or static, Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted
     # rows), w2 scales ([L], [L, H], [L, H/128, I/128]). Q_TENSOR reads a in fp32 and quantizes it.
+    # Weight-only: as in moe_gemm1_kernel (ws [L, H] or [L, H, I / W_GROUP], w2 bytes [L, H, I / 2]).
     as_ptr=None, ws_ptr=None,
     stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     QUANT: tl.constexpr = 0, A_STATIC: tl.constexpr = False, ACC_INT: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -330,21 +436,38 @@ def moe_gemm2_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == Q_W4:  # as in moe_gemm1_kernel
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_ar
+        wq_cols = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
+        sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(0, inter, BLOCK_K):
-        k_ok = offs_k < inter - k0
-        aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANT == Q_TENSOR:
-            aa = _quantize(aa.to(tl.float32), a_scale, False, SOFT_FP8).to(w2_ptr.dtype.element_ty)
-        ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
-            kb = k0 // 128
-            sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
-            sw = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
-            acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
+        if QUANT == Q_W4:
+            kk = k0 + 2 * offs_j
+            kk_ok = kk < inter
+            a_mask = row_ok[:, None] & kk_ok[None, :]
+            a_even = tl.load(a_rows + kk[None, :] * stride_ai, mask=a_mask, other=0.0)
+            a_odd = tl.load(a_rows + (kk + 1)[None, :] * stride_ai, mask=a_mask, other=0.0)
+            lo, hi = _w4_tiles(wq_cols + (kk // 2)[:, None] * stride_wi, sq_cols, kk_ok[:, None] & n_ok[None, :],
+                               n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty)
+            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
         else:
-            acc = _dot(aa, ww, acc, IEEE)
-        a_ptrs += BLOCK_K * stride_ai
-        w_ptrs += BLOCK_K * stride_wi
+            k_ok = offs_k < inter - k0
+            aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if QUANT == Q_TENSOR:
+                aa = _quantize(aa.to(tl.float32), a_scale, False, SOFT_FP8).to(w2_ptr.dtype.element_ty)
+            ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
+                ww = ww.to(a_ptr.dtype.element_ty)
+            if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
+                kb = k0 // 128
+                sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
+                sw = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
+                acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
+            else:
+                acc = _dot(aa, ww, acc, IEEE)
+            a_ptrs += BLOCK_K * stride_ai
+            w_ptrs += BLOCK_K * stride_wi
 
     if QUANT == Q_TENSOR:
         acc = acc * (a_scale * tl.load(ws_base).to(tl.float32))
@@ -352,6 +475,10 @@ def moe_gemm2_kernel(
         sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
         sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc.to(tl.float32) * sa[:, None] * sw[None, :]
+    elif QUANT == Q_W8:
+        acc = acc * tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    elif QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
+        acc = acc * tl.load(wgs_ptr + expert).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SCALE_ROWS:  # the routed weight, unless it was applied to the input (or by a combine)

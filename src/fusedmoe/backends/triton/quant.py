@@ -1,4 +1,5 @@
-"""Host side of the `triton` backend's W8A8 schemes: quantize activations, launch the 8-bit GEMMs.
+"""Host side of the `triton` backend's quantized schemes: W8A8 here (quantize activations,
+launch the 8-bit GEMMs), weight-only in weight_only.py; one pair of custom ops for both.
 
     codes, scales = quantize_activation(x, key)          # vs quantize_activation_ref (torch)
     x -> [quantize x] -> gemm1 (8-bit dot, scales) -> [quantize a] -> gemm2 -> reduce
@@ -214,15 +215,29 @@ def triton_quant_experts(
     a2_scale: torch.Tensor | None = None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2q[e] @ fq(act(w13q[e] @ fq(x) + b13[e])) + b2[e]) on 8-bit GEMMs.
 
     w13q / w2q: the fp8 / int8 payloads times their scales; fq: the scheme's activation
-    quantization (module docstring). `out` may be x itself.
+    quantization (module docstring). Weight-only schemes (fq = identity) run
+    `weight_only.triton_weight_only_experts`, with NVFP4's global scales. `out` may be x itself.
     """
     from fusedmoe.backends.triton import kernels
 
-    scheme = _w8a8_scheme(scheme)
+    scheme = _triton_scheme(scheme)
+    if scheme.weight_only:
+        from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
+
+        if a13_scale is not None or a2_scale is not None:
+            raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
+        return triton_weight_only_experts(
+            x_TH, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, expert_map,
+            num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
+            swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
+            tiles=tiles, out=out,
+        )
     wkey, akey = scheme.weight, scheme.activation
     gran = wkey.granularity
     num_tokens, hidden = x_TH.shape
@@ -290,12 +305,14 @@ def triton_quant_experts(
     return out
 
 
-def _w8a8_scheme(scheme: str | QuantScheme) -> QuantScheme:
+def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:
+    from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
+
     resolved = get_scheme(scheme)
-    if resolved is None or resolved.name not in W8A8_SCHEMES:
+    if resolved is None or resolved.name not in W8A8_SCHEMES | WEIGHT_ONLY_SCHEMES:
         raise NotImplementedError(
-            f"the triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not "
-            f"{getattr(resolved, 'name', resolved)}"
+            f"the triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)} and the weight-only "
+            f"schemes {sorted(WEIGHT_ONLY_SCHEMES)}, not {getattr(resolved, 'name', resolved)}"
         )
     return resolved
 
@@ -416,18 +433,21 @@ def triton_quant_experts_op(
     w2_scale: torch.Tensor,
     a13_scale: torch.Tensor | None,
     a2_scale: torch.Tensor | None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_quant_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
-        w2_scale, a13_scale, a2_scale,
+        w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
+        w2_global_scale=w2_global_scale,
     )
 
 
 @triton_quant_experts_op.register_fake
 def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
       activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
-      w2_scale, a13_scale, a2_scale):
+      w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None):
     return torch.empty_like(x)
 
 
@@ -452,12 +472,15 @@ def triton_quant_experts_out_op(
     a13_scale: torch.Tensor | None,
     a2_scale: torch.Tensor | None,
     out: torch.Tensor,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
 ) -> None:
     """`triton_quant_experts` writing into `out` (which may be x)."""
     triton_quant_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
-        w2_scale, a13_scale, a2_scale, out=out,
+        w2_scale, a13_scale, a2_scale, out=out, w13_global_scale=w13_global_scale,
+        w2_global_scale=w2_global_scale,
     )
 
 
@@ -466,7 +489,7 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
     from fusedmoe.quant.weights import check_quant_weights
 
     quant: QuantParams = weights.quant
-    scheme = _w8a8_scheme(quant.scheme)
+    scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
     check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1])
@@ -474,7 +497,8 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
+    global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale)
     if out_TH is not None:
-        triton_quant_experts_out_op(*args, out_TH)
+        triton_quant_experts_out_op(*args, out_TH, **global_scales)
         return out_TH
-    return triton_quant_experts_op(*args)
+    return triton_quant_experts_op(*args, **global_scales)

@@ -12,6 +12,9 @@ import torch
 
 SMEM_BYTES = 227 * 1024  # per-block shared memory on H100/H200 (sm_90)
 QUANT_GRANULARITIES = ("tensor", "channel", "block")  # W8A8 weight scale layouts
+# Weight-only modes: "w8" fp8 / int8 codes with per-channel scales, "w4" 4-bit codes packed two
+# per byte along K with a scale per `group` inputs (activations stay 16/32-bit).
+WEIGHT_ONLY_MODES = ("w8", "w4")
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,17 @@ def _pow2(n: int) -> bool:
 
 
 def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow_split: bool = False,
-               quant: str | None = None) -> str | None:
+               quant: str | None = None, group: int | None = None) -> str | None:
     """The reason `tile` cannot run, or None. `operands` = B tiles per K step (2 for gate+up);
     split-K exists for GEMM1 only (its partials are finished by the activation kernel).
 
-    quant = the W8A8 weight granularity ("tensor", "channel", "block") or None. 8-bit operands
-    take K >= 32 per MMA; block scales need BLOCK_K and BLOCK_N to divide 128 (one scale block
-    per K step and N tile). Shared memory counts weights at 1 byte and activations at 1 byte, or
-    4 for "tensor" (quantized on load from the fp32 intermediate).
+    quant = the W8A8 weight granularity ("tensor", "channel", "block"), a weight-only mode
+    ("w8", "w4" with its scale `group`) or None. 8-bit operands take K >= 32 per MMA; block
+    scales need BLOCK_K and BLOCK_N to divide 128 (one scale block per K step and N tile). "w4"
+    feeds the even and odd columns of a K step to two dots of BLOCK_K / 2 >= 16, and a K step
+    covers whole groups or lies in one (BLOCK_K a multiple or a divisor of the group), so a split
+    K share starts on a group. Shared memory counts weights at their stored width (1 byte, 1/2
+    for "w4") and activations at 1 byte for W8A8 (4 for "tensor": the fp32 intermediate).
     """
     if tile.split_k not in (1, 2, 4, 8, 16):
         return f"split_k={tile.split_k} must be one of 1, 2, 4, 8, 16"
@@ -54,9 +60,18 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
         return f"num_warps={tile.num_warps} must be one of 1, 2, 4, 8, 16"
     if not 1 <= tile.num_stages <= 7:
         return f"num_stages={tile.num_stages} must be in [1, 7]"
-    if quant is not None:
+    if quant in WEIGHT_ONLY_MODES:
+        if quant == "w4":
+            if group is None or group <= 0 or group % 2:
+                return f"quant='w4' needs its scale group size (even: whole bytes), got group={group}"
+            if tile.block_k < 32:
+                return (f"block_k={tile.block_k}: 4-bit weights run two dots of block_k / 2 columns "
+                        "(even and odd k), which need block_k >= 32")
+            if tile.block_k % group and group % tile.block_k:
+                return f"block_k={tile.block_k} must be a multiple or a divisor of the scale group {group}"
+    elif quant is not None:
         if quant not in QUANT_GRANULARITIES:
-            return f"quant={quant!r} must be one of {QUANT_GRANULARITIES}"
+            return f"quant={quant!r} must be one of {QUANT_GRANULARITIES + WEIGHT_ONLY_MODES}"
         if tile.block_k < 32:
             return f"block_k={tile.block_k}: 8-bit tl.dot needs block_k >= 32"
         if quant == "block" and (tile.block_k > 128 or tile.block_n > 128):
@@ -66,9 +81,11 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             )
     size = torch.empty((), dtype=dtype).element_size()
     a_size, b_size = size, size
-    if quant is not None:
+    if quant in WEIGHT_ONLY_MODES:
+        b_size = 1 if quant == "w8" else 0.5
+    elif quant is not None:
         a_size, b_size = (4 if quant == "tensor" else 1), 1
-    per_stage = tile.block_m * tile.block_k * a_size + operands * tile.block_k * tile.block_n * b_size
+    per_stage = int(tile.block_m * tile.block_k * a_size + operands * tile.block_k * tile.block_n * b_size)
     if per_stage * tile.num_stages > SMEM_BYTES:
         return (
             f"{tile.num_stages} stages x {per_stage} B = {per_stage * tile.num_stages} B of shared "
@@ -88,14 +105,15 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
-    num_sms: int = 132, quant: str | None = None,
+    num_sms: int = 132, quant: str | None = None, group: int | None = None,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
     Few rows per expert (decode) make the GEMM a weight stream: narrow N tiles give enough
     programs to keep every SM busy (>= 2 per SM) and long K tiles keep bytes in flight.
     quant (W8A8 weight granularity): 1-byte operands take BLOCK_K 128 (the bytes of bf16's 64);
-    block scales cap BLOCK_K and BLOCK_N at 128.
+    block scales cap BLOCK_K and BLOCK_N at 128. Weight-only ("w8", "w4"): the bf16 tiles, with
+    BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
     """
     block_m = block_m_for(num_slots, num_local_experts, dtype)
     operands = 2 if gated else 1
@@ -114,12 +132,12 @@ def heuristic(
         block_k = 32 if dtype == torch.float32 else 64
         block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    if quant is not None:
+    if quant in QUANT_GRANULARITIES:
         block_k = 128 if block_m > 16 else block_k
         if quant == "block":
             block_k, block_n = min(block_k, 128), min(block_n, 128)
     tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
-    while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant):
+    while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:
             tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1, split)
         elif tile.block_k > 32:

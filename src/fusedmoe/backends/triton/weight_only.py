@@ -1,0 +1,127 @@
+"""Host side of the `triton` backend's weight-only schemes: activations stay bf16 / fp16 / fp32.
+
+    align -> gemm1 (dequantize w13 in registers, dot) -> gemm2 (the same for w2) -> reduce
+The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
+4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); nothing
+dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels
+are the unquantized ones with QUANT = Q_W8 (per-channel scales on the accumulator) or Q_W4
+(group scales per element inside the K loop, nvfp4's global scale on the accumulator): see
+kernels.py. The intermediate is stored in the activation dtype, as the unquantized path does.
+Results match the `emulation` backend (dequantize, then the reference) up to the rounding of the
+dequantized weights to the activation dtype (exact for 8-bit codes and e2m1 * e8m0; 2^-9
+relative in bf16 for scaled int4 / nvfp4) and the summation order.
+Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.activations import is_gated
+from fusedmoe.backends.triton.experts import (
+    GemmProblem,
+    _num_sms,
+    launch_gemm1,
+    launch_gemm2,
+    launch_reduce,
+    prepare_launch,
+)
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic
+from fusedmoe.quant.scheme import QuantScheme
+
+WEIGHT_ONLY_SCHEMES = frozenset((
+    "fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
+    "mxfp4_w4a16", "nvfp4_w4a16",
+))
+# Q_W4 weight formats: keep in sync with kernels.W4_*.
+W4_FORMATS = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
+Q_W8, Q_W4 = 4, 5  # kernels.Q_W8 / Q_W4
+
+
+def weight_only_mode(scheme: QuantScheme) -> tuple[str, int | None]:
+    """(tile mode "w8" | "w4", scale group size or None) of a weight-only scheme."""
+    key = scheme.weight
+    if key.dtype in ("fp8", "int8"):
+        return "w8", None
+    return "w4", key.group
+
+
+def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
+                             device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """The heuristic with the weight-only constraints (tuned tables hold bf16 tiles: not used)."""
+    p, sms = problem, _num_sms(device)
+    mode, group = weight_only_mode(scheme)
+    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
+                   num_sms=sms, quant=mode, group=group)
+    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
+                   num_sms=sms, quant=mode, group=group)
+    return t1, t2
+
+
+def triton_weight_only_experts(
+    x_TH: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    num_global_experts: int,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: QuantScheme,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+    tiles: tuple[TileConfig, TileConfig] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H] = sum_k w * (deq(w2)[e] @ act(deq(w13)[e] @ x + b13[e]) + b2[e]), x unquantized.
+
+    deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
+    computed in registers. `out` may be x itself.
+    """
+    if scheme.name not in WEIGHT_ONLY_SCHEMES:
+        raise NotImplementedError(
+            f"the triton weight-only path runs {sorted(WEIGHT_ONLY_SCHEMES)}, not {scheme.name}"
+        )
+    num_tokens, hidden = x_TH.shape
+    num_local, inter = w13.shape[0], w2.shape[2] * (2 if scheme.weight.dtype in W4_FORMATS else 1)
+    device = x_TH.device
+    out = torch.empty_like(x_TH) if out is None else out
+    if num_tokens == 0:
+        return out
+    gated = is_gated(activation)
+    problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
+                          x_TH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, device)
+    mode, group = weight_only_mode(scheme)
+    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, False)):
+        reason = check_tile(tile, dtype=x_TH.dtype, operands=operands, allow_split=split, quant=mode,
+                            group=group)
+        if reason:
+            raise ValueError(f"{name} tile {tile} cannot run {scheme.name}: {reason}")
+    if t1.block_m != t2.block_m:
+        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+    launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                            num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                            swiglu_limit, t1.block_m)
+    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale))
+    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale))
+    launch_reduce(launch, out)
+    return out
+
+
+def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None) -> dict:
+    """The GEMM kernels' weight-only keyword arguments for one weight's scales."""
+    key = scheme.weight
+    strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
+    args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
+    if key.dtype in ("fp8", "int8"):
+        return dict(args, QUANT=Q_W8)
+    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group,
+                wgs_ptr=global_scale if global_scale is not None else scale)

@@ -1,0 +1,186 @@
+"""GPU tests of the triton backend's weight-only schemes: against `emulation` and the reference on
+dequantized weights, on preset-like shapes, edge cases, CUDA graphs, torch.compile and opcheck.
+
+Skipped without CUDA. Run on the device machine: `pytest -m gpu tests/test_gpu_wo.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
+from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
+               "mxfp4_w4a16", "nvfp4_w4a16"]
+# Weight-only: emulation is the reference on dequantized weights (fp32). The kernels round the
+# dequantized weights to bf16 (exact for 8-bit codes and e2m1 * 2^s, 2^-9 relative for scaled
+# int4 / nvfp4), the intermediate and y per slot to bf16, and sum in another order: the bf16
+# tolerance of the unquantized path (tests/test_gpu.py).
+TOL = 2e-2
+# E, K, H, I, activation, bias: Mixtral-like, and gpt-oss-120b (H = I = 2880, not a multiple of 128)
+SHAPES = {"mixtral-like": (8, 2, 4096, 1792, "silu", False),
+          "gpt-oss-like": (128, 4, 2880, 2880, "swigluoai", True)}
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
+
+
+def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(E, (2 if gated else 1) * I, H, device="cuda", generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5
+    b13 = torch.randn(E, w13.shape[1], device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
+    q13, q2, params = quantize_weights(w13, w2, scheme)
+    del w13, w2
+    return q13, q2, params, b13, b2
+
+
+def make_tokens(T, E, K, H, *, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1000)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    w, ids = select_experts(x, torch.randn(T, E, device="cuda", generator=gen), K)
+    return x, w, ids
+
+
+def check(x, q13, q2, params, b13, b2, w, ids, **kw):
+    poison_allocator()
+    out = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
+    emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2,
+                             backend="emulation", **kw)
+    assert rel_err(out, emulated) < TOL
+    d13, d2 = dequantize_weights(q13, q2, params)
+    if "expert_map" in kw:
+        kw["expert_map_E"] = kw.pop("expert_map")
+    exact = fused_experts_ref(x.float(), d13, d2, w, ids, w13_bias_LG=b13, w2_bias_LH=b2, **kw)
+    assert rel_err(out, exact) < TOL
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY)
+def test_presets(scheme, shape):
+    E, K, H, I, activation, bias = SHAPES[shape]
+    if scheme == "int4_w4a16_g128" and H % 128:
+        pytest.skip(f"H = {H} is not a multiple of the group 128 (quantize_weights refuses it)")
+    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=E, bias=bias)
+    for tokens in (1, 33, 512):
+        x, w, ids = make_tokens(tokens, E, K, H, seed=tokens)
+        check(x, q13, q2, params, b13, b2, w, ids, activation=activation)
+
+
+def _slice_params(params, n):
+    sliced = dict(w13_scale=params.w13_scale[:n], w2_scale=params.w2_scale[:n])
+    if params.w13_global_scale is not None:
+        sliced.update(w13_global_scale=params.w13_global_scale[:n], w2_global_scale=params.w2_global_scale[:n])
+    return dataclasses.replace(params, **sliced)
+
+
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY)
+def test_edge_cases(scheme):
+    q13, q2, params, b13, b2 = make_weights(8, 256, 128, scheme, seed=1, bias=True)
+    x, w, ids = make_tokens(0, 8, 2, 256)
+    assert fused_experts(x, q13, q2, w, ids, quant=params, backend="triton").shape == (0, 256)
+    check(*(lambda t: (t[0], q13, q2, params, b13, b2, t[1], t[2]))(make_tokens(1, 8, 2, 256, seed=1)))
+    # all tokens to expert 5: the other experts are empty; one token per expert (decode-like)
+    x, w, ids = make_tokens(300, 8, 1, 256, seed=2)
+    check(x, q13, q2, params, None, None, w, torch.full_like(ids, 5))
+    # odd sizes: N not a multiple of any tile, K a multiple of the group only
+    q13o, q2o, po, b13o, b2o = make_weights(6, 384, 128 + 64 * ("g128" not in scheme), scheme, seed=3, bias=True)
+    x, w, ids = make_tokens(37, 6, 3, 384, seed=3)
+    check(x, q13o, q2o, po, b13o, b2o, w, ids)
+    # expert_map: the odd global experts live here; ids out of range with validation off
+    q13, q2, params, _, _ = make_weights(16, 256, 128, scheme, seed=4)
+    x, w, ids = make_tokens(64, 16, 4, 256, seed=4)
+    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    expert_map[1::2] = torch.arange(8, dtype=torch.int32, device="cuda")
+    check(x, q13[:8].contiguous(), q2[:8].contiguous(), _slice_params(params, 8), None, None, w, ids,
+          expert_map=expert_map, global_num_experts=16)
+    bad = ids.clone()
+    bad[::3, 0] = 99
+    out = fused_experts(x, q13, q2, w, bad, quant=params, backend="triton", validate=False)
+    keep = (bad < 16).float()
+    emulated = fused_experts(x, q13, q2, w * keep, bad.clamp(max=15), quant=params, backend="emulation")
+    assert rel_err(out, emulated) < TOL
+    # router weight on input (top-1), a non-gated activation
+    q13, q2, params, _, _ = make_weights(8, 256, 128, scheme, seed=5, gated=False)
+    x, w, ids = make_tokens(40, 8, 1, 256, seed=5)
+    check(x, q13, q2, params, None, None, w, ids, activation="relu2_no_mul", apply_router_weight_on_input=True)
+
+
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY)
+def test_deterministic_and_cuda_graph(scheme):
+    q13, q2, params, _, _ = make_weights(32, 1024, 512, scheme, seed=6)
+    x, w, ids = make_tokens(200, 32, 4, 1024, seed=6)
+    first = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    assert torch.equal(first, fused_experts(x, q13, q2, w, ids, quant=params, backend="triton"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        static_out = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first)
+    new_w, new_ids = select_experts(x, torch.randn(200, 32, device="cuda"), 4)
+    w.copy_(new_w)
+    ids.copy_(new_ids)
+    x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    emulated = fused_experts(x, q13, q2, w, ids, quant=params, backend="emulation")
+    assert rel_err(static_out, emulated) < TOL
+
+
+@pytest.mark.parametrize("scheme,activation,bias", [("int4_w4a16_g32", "silu", False),
+                                                    ("mxfp4_w4a16", "swigluoai", True),
+                                                    ("nvfp4_w4a16", "silu", False)])
+def test_layer_selects_triton_and_compiles(scheme, activation, bias):
+    E, K, H, I = 16, 4, 512, 256
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", quant=scheme,
+                     activation=activation, has_bias=bias)
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, H**-0.5)
+        layer.w2_weight.normal_(0, I**-0.5)
+        if bias:
+            layer.w13_bias.normal_(0, 0.1)
+            layer.w2_bias.normal_(0, 0.1)
+    assert layer.process_weights_after_loading().name == "triton"
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(37, E, device="cuda")
+    eager = layer(x, logits)
+    out = torch.compile(layer, fullgraph=True)(x, logits)
+    assert rel_err(out, eager) < 1e-2
+    w, ids = layer.route(x, logits)
+    emulated = fused_experts(x, layer.w13_weight, layer.w2_weight, w, ids, quant=layer.quant_params,
+                             w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, activation=activation,
+                             backend="emulation")
+    assert rel_err(eager, emulated) < TOL
+
+
+def test_opcheck_on_gpu():
+    from fusedmoe.backends.triton.quant import triton_quant_experts_op
+
+    q13, q2, p, _, _ = make_weights(8, 256, 128, "nvfp4_w4a16", seed=8)
+    x, w, ids = make_tokens(9, 8, 2, 256, seed=8)
+    torch.library.opcheck(triton_quant_experts_op, (x, q13, q2, w, ids, None, None, None, 8, "silu", False,
+                                                    1.702, None, "nvfp4_w4a16", p.w13_scale, p.w2_scale,
+                                                    None, None, p.w13_global_scale, p.w2_global_scale))

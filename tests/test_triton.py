@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
     ALIGN_CHUNKED_MAX_SLOTS,
+    ALIGN_SMALL_MAX_SLOTS,
     _align_chunked,
     _align_multi,
     _align_small,
@@ -99,7 +100,8 @@ def test_align_is_deterministic(align):
 
 
 @pytest.mark.parametrize("n,num_local,path", [
-    (256, 8, "small"), (257, 8, "chunked"), (ALIGN_CHUNKED_MAX_SLOTS, 4095, "chunked"),
+    (ALIGN_SMALL_MAX_SLOTS, 8, "small"), (ALIGN_SMALL_MAX_SLOTS + 1, 8, "chunked"),
+    (ALIGN_CHUNKED_MAX_SLOTS, 4095, "chunked"),
     (ALIGN_CHUNKED_MAX_SLOTS + 1, 8, "multi"), (2**20, 4096, "multi"), (100, 4096, "chunked"),
     (100, 4097, "torch"), (2**20, 4097, "torch"),
 ])

@@ -27,15 +27,20 @@ assert set(ACT_CODES) == set(ACTIVATIONS)
 
 
 GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
-ALIGN_SMALL_MAX_SLOTS = 256  # one-program alignment up to here: a [N, N] rank compare in registers
-# Chunked one-program alignment up to here, three launches of the multi-program one beyond. One
-# program sorts ~1k slots per 5.5 us (H100, 16 warps, E=8..256, CUDA graph): N=2048 15 us vs torch
-# 84 us, 16384 87-92 vs 99-102, 32768 175-185 vs 102-104. Chunks of 512/2048 and 4/8 warps: 183-234 us
-# at N=32768. The crossover with the multi-program path is a placeholder until measured on an H200.
-ALIGN_CHUNKED_MAX_SLOTS = 4096
+# Which alignment, from benchmarks/bench_align.py on an H200 (us per call, CUDA graph, E = 8..256):
+#   N      small      chunked    multi      torch
+#   256    9.3-14.8   8.0-9.5    -          69-72
+#   1024   -          8.3-9.9    10.6-11.6  77-80
+#   2048   -          13.5-15.6  10.3-11.7  79-82
+#   32768  -          173-183    10.7-16.1  99-104
+#   131072 -          -          11.5-31.1  119-136
+# The small kernel's [N, N] compare grows with N^2: it wins at 64 (3.5-6 vs ~9 on an H100) and
+# loses at 256, so it keeps N <= 128.
+ALIGN_SMALL_MAX_SLOTS = 128  # one-program alignment up to here: a [N, N] rank compare in registers
+ALIGN_CHUNKED_MAX_SLOTS = 1024  # one program sorting ALIGN_CHUNK slots at a time up to here
 ALIGN_MAX_LOCAL_EXPERTS = 4096  # the Triton alignments; sort keys expert*chunk stay far below 2^31
 ALIGN_CHUNK = 1024  # slots sorted at once by the chunked alignment
-ALIGN_MULTI_CHUNK = 1024  # slots per program of the multi-program alignment (not yet tuned)
+ALIGN_MULTI_CHUNK = 1024  # slots per program of the multi-program alignment
 ALIGN_OFFSETS_TILE = 8192  # counts [chunks, L] summed per step by the one-program offsets kernel
 
 
@@ -53,7 +58,7 @@ def align(
     int8 (1 = the slot runs here).
     R = N + min(L, N)*(block_m - 1) rounded up to block_m: the worst case, known on the host, so
     nothing waits on the device. The sort is stable: the same ids give the same order, bit for bit.
-    Four paths, one result: N <= 256 (decode) one Triton program ranking all slots at once;
+    Four paths, one result: N <= 128 (decode) one Triton program ranking all slots at once;
     N <= ALIGN_CHUNKED_MAX_SLOTS one Triton program sorting ALIGN_CHUNK slots at a time; beyond, three
     launches with one program per ALIGN_MULTI_CHUNK slots; more than 4096 local experts, torch ops.
     """

@@ -133,9 +133,21 @@ def heuristic(
         block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     if quant in QUANT_GRANULARITIES:
-        block_k = 128 if block_m > 16 else block_k
+        if block_m > 16:
+            # H200, fp8 block at 1024 tokens (benchmarks/bench_quant_tiles.py): BLOCK_N 64 with
+            # BLOCK_K 128 (8 warps at BLOCK_M 128) ran Mixtral in 1960 us against 4868 us for the
+            # bf16-shaped tile (BLOCK_N 128, 4 warps) and Qwen3-30B in 308 us against 686 us.
+            block_k, block_n = 128, 64
+            num_warps = 8 if block_m >= 128 else 4
         if quant == "block":
             block_k, block_n = min(block_k, 128), min(block_n, 128)
+    elif quant == "w4" and block_m == 16:
+        # In-register 4-bit decode at few rows per expert (H200, mxfp4 and int4 g32): BLOCK_N 32-64
+        # and BLOCK_K 128 (64 past ~2 slots per expert) ran 2-8x faster than the bf16 decode tile
+        # (BLOCK_N up to 128, BLOCK_K 256), e.g. Mixtral M=1 467 us against 1005 us.
+        block_n = max(32, min(block_n, 64))
+        block_k = 128 if num_slots <= 2 * num_local_experts else 64
+        split = 1
     tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:

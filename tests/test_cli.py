@@ -95,3 +95,20 @@ def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "fusedmoe", "explain", "--model", "qwen3-30b-a3b",
                           "--platform", "cpu"], capture_output=True, text=True, check=True).stdout
     assert "chosen cpu" in out
+
+
+def test_bench_roofline_takes_the_8bit_ceiling_for_w8a8():
+    from fusedmoe.bench import Ceilings, quant_operand, roofline
+    from fusedmoe.presets import get_preset
+
+    assert quant_operand(None) is None and quant_operand("mxfp4_w4a16") is None
+    assert quant_operand("fp8_w8a16") is None  # weight-only: bf16 math
+    assert quant_operand("fp8_w8a8_block") == "fp8" and quant_operand("int8_w8a8") == "int8"
+    p = get_preset("mixtral-8x7b")
+    ceil = Ceilings("test", bandwidth=4e12, bf16_flops=8e14, fp8_flops=1.6e15, int8_flops=1.5e15)
+    _, flops, t_bf16, bound = roofline(p, 4096, 8, 14336, ceil)
+    assert bound == "compute" and t_bf16 == flops / 8e14
+    _, _, t_fp8, _ = roofline(p, 4096, 8, 14336, ceil, 1.0, 1.0, "fp8")
+    assert t_fp8 == flops / 1.6e15
+    unmeasured = Ceilings("test", bandwidth=4e12, bf16_flops=8e14)
+    assert unmeasured.peak("int8") == 8e14  # no 8-bit rate measured: bf16's

@@ -33,6 +33,14 @@ class Ceilings:
     device: str
     bandwidth: float  # bytes/s: the largest of a D2D copy (read + write) and two read-only streams
     bf16_flops: float  # FLOP/s of an 8192^3 bf16 matmul
+    fp8_flops: float | None = None  # FLOP/s of an 8192^3 e4m3 torch._scaled_mm (W8A8 fp8 roofline)
+    int8_flops: float | None = None  # OP/s of an 8192^3 torch._int_mm (W8A8 int8 roofline)
+
+    def peak(self, operand: str | None = None) -> float:
+        """The compute ceiling for 8-bit ("fp8", "int8") or bf16 (None) operands; bf16's when the
+        8-bit rate was not measured."""
+        rate = {"fp8": self.fp8_flops, "int8": self.int8_flops}.get(operand or "")
+        return rate or self.bf16_flops
 
     @property
     def ridge(self) -> float:
@@ -98,10 +106,35 @@ def _matmul_rate(device: torch.device) -> float:
     return 2 * 8192**3 / _events_median(lambda: a @ b, 10)
 
 
-def measure_ceilings(device: torch.device | str = "cuda", gib: float = 2.0) -> Ceilings:
-    """Bandwidth (copy or read, whichever is faster) and dense bf16 rate, on random data."""
+def _matmul_rate_8bit(device: torch.device, kind: str) -> float | None:
+    """Rate of an 8192^3 fp8 (e4m3, unit scales, bf16 out) or int8 (int32 out) matmul on random
+    data; None where torch has no such kernel for this GPU."""
+    n = 8192
+    try:
+        if kind == "fp8":
+            a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major B
+            one = torch.ones((), device=device)
+            def mm():
+                return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        else:
+            a = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8)
+            b = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8).t().contiguous().t()
+            def mm():
+                return torch._int_mm(a, b)
+        mm()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    return 2 * n**3 / _events_median(mm, 10)
+
+
+def measure_ceilings(device: torch.device | str = "cuda", gib: float = 2.0, *, eight_bit: bool = False) -> Ceilings:
+    """Bandwidth (copy or read, whichever is faster) and dense bf16 rate, on random data; with
+    `eight_bit`, also the fp8 and int8 matmul rates (the W8A8 rooflines)."""
     device = torch.device(device)
-    return Ceilings(torch.cuda.get_device_name(device), _bandwidth(device, gib), _matmul_rate(device))
+    fp8 = _matmul_rate_8bit(device, "fp8") if eight_bit else None
+    int8 = _matmul_rate_8bit(device, "int8") if eight_bit else None
+    return Ceilings(torch.cuda.get_device_name(device), _bandwidth(device, gib), _matmul_rate(device), fp8, int8)
 
 
 def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, iters: int = 30) -> float:
@@ -160,14 +193,26 @@ def quant_bytes(scheme: str | None) -> tuple[float, float]:
     return w_bytes, 1.0
 
 
+def quant_operand(scheme: str | None) -> str | None:
+    """The tensor-core operand type of a scheme's GEMMs: "fp8"/"int8" for W8A8, None (bf16/fp16
+    math) for unquantized and weight-only schemes."""
+    from fusedmoe.quant.scheme import get_scheme
+
+    resolved = get_scheme(scheme)
+    if resolved is None or resolved.weight_only:
+        return None
+    return resolved.weight.dtype if resolved.weight.dtype in ("fp8", "int8") else None
+
+
 def roofline(preset: Preset, tokens: int, experts_touched: int, inter: int, ceilings: Ceilings,
-             w_bytes: float = 2.0, a_bytes: float = 2) -> tuple[float, float, float, str]:
-    """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call."""
+             w_bytes: float = 2.0, a_bytes: float = 2, operand: str | None = None) -> tuple[float, float, float, str]:
+    """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call; `operand` "fp8"/"int8"
+    takes that matmul rate as the compute ceiling (W8A8), None bf16's."""
     gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
     g = 2 * inter if gated else inter
     bytes_ = experts_touched * (g + inter) * preset.hidden_size * w_bytes + tokens * preset.hidden_size * 2 * a_bytes
     flops = 2 * tokens * preset.top_k * preset.hidden_size * (g + inter)
-    t_mem, t_cmp = bytes_ / ceilings.bandwidth, flops / ceilings.bf16_flops
+    t_mem, t_cmp = bytes_ / ceilings.bandwidth, flops / ceilings.peak(operand)
     return bytes_, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute"
 
 
@@ -216,7 +261,8 @@ def bench_preset(
         topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
                                           scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
         touched = int(torch.unique(topk_ids).numel())
-        nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes)
+        nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes,
+                                                quant_operand(quant))
         results: dict[str, float] = {}
         for backend in backends:
             if progress:

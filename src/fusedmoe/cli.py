@@ -272,11 +272,17 @@ def cmd_bench(args) -> int:
     presets = [get_preset(p) for p in (args.presets.split(",") if args.presets else bench.TARGET_PRESETS)]
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(bench.DEFAULT_TOKENS)
     backends = _bench_backends(args.backends)
-    ceilings = bench.measure_ceilings()
+    operand = bench.quant_operand(args.quant)
+    ceilings = bench.measure_ceilings(eight_bit=operand is not None)
     meta = _bench_meta(ceilings, args.commit)
     meta["quant"] = args.quant
-    print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s "
-          f"(measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
+    eight = ""
+    if operand is not None:
+        rate = ceilings.peak(operand)
+        meta[f"{operand}_TFLOPs"] = rate / 1e12
+        eight = f", {rate / 1e12:.0f} {operand} TFLOP/s (the compute ceiling of this run)"
+    print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
+          f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
           + (f"; triton runs {args.quant}" if args.quant else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)

@@ -1,6 +1,6 @@
 """GPU tests of the triton backend's W8A8 schemes: against `emulation` (the same fake-quantized
 math) and the reference on dequantized weights, on preset-like shapes, edge cases, CUDA graphs,
-torch.compile and opcheck.
+torch.compile and opcheck; the batched layout (`batched_triton`) against the contiguous path.
 
 Skipped without CUDA. Run on the device machine: `pytest -m gpu tests/test_gpu_quant.py`.
 """
@@ -136,6 +136,69 @@ def test_deterministic_and_cuda_graph(scheme):
     assert rel_err(static_out, emulated) < TOL_EMULATION
 
 
+@pytest.mark.parametrize("scheme", W8A8)
+def test_batched_layout_and_cuda_graph(scheme):
+    """dispatch -> batched_triton -> combine on a Qwen3-30B-like shape: equal to the contiguous
+    Triton path up to summation order, close to emulation; captured and replayed in a CUDA graph."""
+    E, K, H, I = SHAPES["qwen3-30b-like"]
+    x, q13, q2, params, _, _, w, ids = make(64, E, K, H, I, scheme, seed=11)
+    kw = dict(quant=params, backend="triton", activation_format="batched")
+    poison_allocator()
+    out = fused_experts(x, q13, q2, w, ids, **kw)
+    contiguous = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    assert rel_err(out, contiguous) < TOL_EMULATION
+    emulated = fused_experts(x, q13, q2, w, ids, quant=params, backend="emulation")
+    assert rel_err(out, emulated) < TOL_EMULATION
+    d13, d2 = dequantize_weights(q13, q2, params)
+    exact = fused_experts_ref(x.float(), d13, d2, w, ids)
+    assert rel_err(out, exact) < TOL_EXACT[SCHEMES[scheme].activation.dtype]
+    # all tokens on one expert (the others empty), and a single token
+    check_ids = torch.full_like(ids[:, :1], 5)
+    one = fused_experts(x, q13, q2, w[:, :1], check_ids, **kw)
+    assert rel_err(one, fused_experts(x, q13, q2, w[:, :1], check_ids, quant=params, backend="emulation")) < TOL_EMULATION
+    single = fused_experts(x[:1], q13, q2, w[:1], ids[:1], **kw)
+    assert rel_err(single, fused_experts(x[:1], q13, q2, w[:1], ids[:1], quant=params,
+                                         backend="emulation")) < TOL_EMULATION
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_experts(x, q13, q2, w, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        static_out = fused_experts(x, q13, q2, w, ids, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out)
+    new_w, new_ids = select_experts(x, torch.randn(64, E, device="cuda"), K)
+    w.copy_(new_w)
+    ids.copy_(new_ids)
+    x.mul_(2.0)  # dynamic scales follow the data inside the graph
+    graph.replay()
+    torch.cuda.synchronize()
+    emulated = fused_experts(x, q13, q2, w, ids, quant=params, backend="emulation")
+    assert rel_err(static_out, emulated) < TOL_EMULATION
+
+
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "fp8_w8a8_tensor"])
+def test_batched_layer_selects_batched_triton_and_compiles(scheme):
+    E, K, H, I = 16, 4, 512, 256
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", quant=scheme,
+                     activation_format="batched")
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, H**-0.5)
+        layer.w2_weight.normal_(0, I**-0.5)
+    assert layer.process_weights_after_loading().name == "batched_triton"
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(37, E, device="cuda")
+    eager = layer(x, logits)
+    out = torch.compile(layer, fullgraph=True)(x, logits)
+    assert rel_err(out, eager) < 1e-2
+    w, ids = layer.route(x, logits)
+    emulated = fused_experts(x, layer.w13_weight, layer.w2_weight, w, ids, quant=layer.quant_params,
+                             backend="emulation")
+    assert rel_err(eager, emulated) < TOL_EMULATION
+
+
 def test_int32_offset_overflow():
     """T*K*H = 100000 * 6 * 4096 > 2^31 with 1-byte codes: offsets must be 64-bit."""
     T, E, K, H, I = 100_000, 8, 6, 4096, 128
@@ -166,7 +229,10 @@ def test_layer_selects_triton_and_compiles(scheme):
 
 
 def test_opcheck_on_gpu():
-    from fusedmoe.backends.triton.quant import triton_quant_experts_op
+    from fusedmoe.backends.triton.quant import (
+        triton_batched_quant_experts_op,
+        triton_quant_experts_op,
+    )
 
     x, q13, q2, p, _, _, w, ids = make(9, 8, 2, 256, 128, "fp8_w8a8_block", seed=8)
     # test_schema compares inputs before and after with elementwise math that torch 2.11 has no
@@ -174,4 +240,9 @@ def test_opcheck_on_gpu():
     torch.library.opcheck(triton_quant_experts_op, (x, q13, q2, w, ids, None, None, None, 8, "silu", False,
                                                     1.702, None, "fp8_w8a8_block", p.w13_scale, p.w2_scale,
                                                     None, None),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    counts = torch.tensor([9, 0, 3, 1, 0, 2, 9, 4], dtype=torch.int32, device="cuda")
+    x_b = torch.randn(8, 9, 256, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(triton_batched_quant_experts_op, (x_b, counts, q13, q2, None, None, "silu", 1.702, None,
+                                                            "fp8_w8a8_block", p.w13_scale, p.w2_scale, None, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

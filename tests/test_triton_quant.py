@@ -25,15 +25,17 @@ triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
-from fusedmoe.backends.triton.experts import TritonExperts  # noqa: E402
+from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import (  # noqa: E402
     quantize_activation,
     quantize_activation_ref,
+    triton_batched_quant_experts,
+    triton_batched_quant_experts_op,
     triton_quant_experts,
     triton_quant_experts_op,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
-from fusedmoe.modular import ExpertWeights  # noqa: E402
+from fusedmoe.modular import BatchedLocalPrepareFinalize, ExpertWeights, make_modular  # noqa: E402
 from fusedmoe.quant import SCHEMES, QuantKey, fake_quantize_activation  # noqa: E402
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights  # noqa: E402
 
@@ -267,6 +269,104 @@ def test_opcheck():
     args = (x, w.w13, w.w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None,
             "int8_w8a8", p.w13_scale, p.w2_scale, None, None)
     torch.library.opcheck(triton_quant_experts_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# The batched layout [L, max_tokens, H] ------------------------------------------------------
+def _run_batched(config, x_LMH, counts, w, tiles=Case.tiles):
+    p = w.quant
+    return triton_batched_quant_experts(
+        x_LMH, counts, w.w13, w.w2, w.w13_bias, w.w2_bias, config.activation, config.swiglu_alpha,
+        config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
+        tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("scheme", W8A8)
+def test_batched_matches_contiguous_and_emulation(scheme, dtype):
+    """dispatch -> batched W8A8 -> combine equals the contiguous Triton path on the same tokens:
+    the same codes and scales per expert (max_tokens 7: one partial BLOCK_M block per expert)."""
+    case = Case("batched", T=7, E=4, K=2, bias=True)
+    config, x, w, weights, ids, _ = _problem(case, scheme, dtype)
+    pf = BatchedLocalPrepareFinalize(case.E, weight_on_input=False)
+    x_b, counts, handle = pf.dispatch(x, weights, ids, None, case.E)
+    out = pf.combine(_run_batched(config, x_b, counts, w), handle)
+    contiguous = _run(config, x, w, weights, ids, None, case.tiles)
+    assert rel_err(out, contiguous) < TOL[dtype]
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, emulated) < TOL[dtype]
+
+
+@pytest.mark.parametrize("scheme", W8A8)
+def test_batched_counts_and_rows_past_the_count(scheme):
+    """Per expert: an empty one, a full one (max_tokens 20, not a multiple of BLOCK_M 16), and
+    rows past each count holding huge values and NaN that must change nothing (dynamic per-tensor
+    scales included): y[e, :n] equals emulation on the expert's n rows, y[e, n:] is zero."""
+    gen = torch.Generator().manual_seed(zlib.crc32(scheme.encode()))
+    L, M, H, I = 4, 20, 128, 64
+    counts = torch.tensor([0, M, 3, 17], dtype=torch.int32)
+    x = torch.randn(L, M, H, generator=gen)
+    for e, n in enumerate(counts.tolist()):
+        x[e, n:] = 1e4
+        x[e, n + 1:n + 2] = float("nan")
+    amax = (torch.tensor(4.0), torch.full((L,), 2.0)) if scheme.endswith("static") else None
+    q13, q2, params = quantize_weights(torch.randn(L, 2 * I, H, generator=gen) / H**0.5,
+                                       torch.randn(L, H, I, generator=gen) / I**0.5, scheme,
+                                       activation_amax=amax)
+    w = ExpertWeights(q13, q2, None, None, params)
+    config = MoEConfig(L, 1, H, I, dtype=torch.float32, quant=scheme)
+    y = _run_batched(config, x, counts, w)
+    assert y.shape == (L, M, H)
+    for e, n in enumerate(counts.tolist()):
+        assert (y[e, n:] == 0).all()
+        if n:
+            ids = torch.full((n, 1), e, dtype=torch.int32)
+            want = EmulationExperts(config).apply(x[e, :n], w, torch.ones(n, 1), ids, expert_map_E=None)
+            assert rel_err(y[e, :n], want) < TOL[torch.float32]
+    assert torch.equal(y, _run_batched(config, x, counts, w))  # deterministic
+    assert _run_batched(config, x[:, :0], counts * 0, w).shape == (L, 0, H)
+
+
+def test_batched_experts_class_through_modular_and_errors():
+    # heuristic tiles, router weight on input (top-1): the dispatch scales x before quantization
+    case = Case("batched-class", T=5, H=64, I=32, K=1, on_input=True)
+    config, x, w, weights, ids, _ = _problem(case, "int8_w8a8", torch.float32)
+    config = MoEConfig(case.E, 1, case.H, case.I, dtype=torch.float32, quant="int8_w8a8",
+                       apply_router_weight_on_input=True, activation_format="batched")
+    out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    x_b = torch.randn(case.E, 3, case.H)
+    counts = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    other = BatchedTritonExperts(MoEConfig(4, 1, 64, 32, dtype=torch.float32, quant="fp8_w8a8_channel",
+                                           activation_format="batched"))
+    with pytest.raises(ValueError, match="weights.quant has scheme int8_w8a8 but the config says fp8_w8a8_channel"):
+        other.apply_batched(x_b, counts, w)
+    q13, q2, p = quantize_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32), "int8_w8a16")
+    with pytest.raises(NotImplementedError, match="batched_triton backend runs the W8A8 schemes .* not int8_w8a16"):
+        BatchedTritonExperts(config).apply_batched(x_b, counts, ExpertWeights(q13, q2, quant=p))
+
+
+def test_batched_traces_fullgraph():
+    """The dispatch, the custom op (its fake) and the combine trace without graph breaks."""
+    case = Case("batched-compile", T=5, H=128, I=64)
+    config, x, w, weights, ids, _ = _problem(case, "fp8_w8a8_block", torch.float32)
+    config = MoEConfig(case.E, case.K, case.H, case.I, dtype=torch.float32, quant="fp8_w8a8_block",
+                       activation_format="batched")
+    kernel = make_modular(config, BatchedTritonExperts(config))
+    eager = kernel(x, w, weights, ids)
+    compiled = torch.compile(lambda x, weights, ids: kernel(x, w, weights, ids), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, weights, ids), eager)
+
+
+def test_batched_opcheck():
+    # int8: the schema check multiplies inputs, which CPU torch lacks for float8
+    gen = torch.Generator().manual_seed(45)
+    q13, q2, p = quantize_weights(torch.randn(3, 64, 64, generator=gen) / 8, torch.randn(3, 64, 32, generator=gen) / 6,
+                                  "int8_w8a8")
+    args = (torch.randn(3, 5, 64, generator=gen), torch.tensor([5, 0, 2], dtype=torch.int32), q13, q2, None,
+            None, "silu", 1.702, None, "int8_w8a8", p.w13_scale, p.w2_scale, None, None)
+    torch.library.opcheck(triton_batched_quant_experts_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 # Tiles ---------------------------------------------------------------------------------------

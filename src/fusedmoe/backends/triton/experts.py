@@ -498,14 +498,26 @@ def triton_batched_experts(
     """
     num_local, max_tokens, hidden = x_LMH.shape
     inter = w2.shape[2]
-    gated = is_gated(activation)
-    y = torch.zeros_like(x_LMH)
     if num_local == 0 or max_tokens == 0:
-        return y
-    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
+        return torch.zeros_like(x_LMH)
+    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation), x_LMH.dtype)
     t1, t2 = choose_tiles(problem, x_LMH.device)
-    bm = t1.block_m
-    padded = triton_cdiv(max_tokens, bm) * bm
+    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+                                           swiglu_alpha, swiglu_limit, t1.block_m)
+    launch_gemm1(launch, w13, w13_bias, t1)
+    launch_gemm2(launch, w2, w2_bias, t2)
+    return batched_output(launch, valid, num_local, max_tokens)
+
+
+def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swiglu_alpha, swiglu_limit,
+                           block_m) -> tuple[Launch, torch.Tensor]:
+    """The batched buffers as aligned rows: (Launch with top_k = 1 and no routed weight, valid [R]).
+
+    Each expert's max_tokens rows are padded to P = whole BLOCK_M blocks (R = L * P rows); row r
+    is "slot" r when r % P < num_tokens[r // P], else padding (slot R), so the kernels skip it.
+    """
+    num_local, max_tokens, hidden = x_LMH.shape
+    padded = triton_cdiv(max_tokens, block_m) * block_m
     device = x_LMH.device
     if padded != max_tokens:
         x_pad = torch.zeros(num_local, padded, hidden, dtype=x_LMH.dtype, device=device)
@@ -516,18 +528,22 @@ def triton_batched_experts(
     r = torch.arange(rows, device=device)
     valid = (r % padded) < num_tokens_L.to(device).long().clamp(max=max_tokens).repeat_interleave(padded)
     sorted_slot = torch.where(valid, r, rows).to(torch.int32)
-    block_expert = (torch.arange(rows // bm, device=device) * bm // padded).to(torch.int32)
+    block_expert = (torch.arange(rows // block_m, device=device) * block_m // padded).to(torch.int32)
     num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
     y_pad = torch.empty(rows, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
         x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert, num_rows,
-        valid.to(torch.int8), torch.empty(rows, inter, dtype=x_LMH.dtype, device=device), y_pad,
-        1, activation, False, False, swiglu_alpha, swiglu_limit, bm,
+        valid.to(torch.int8), torch.empty(rows, inter, dtype=a_dtype, device=device), y_pad,
+        1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
-    launch_gemm1(launch, w13, w13_bias, t1)
-    launch_gemm2(launch, w2, w2_bias, t2)
-    y_pad = torch.where(valid.unsqueeze(-1), y_pad, torch.zeros((), dtype=y_pad.dtype, device=device))
-    return y_pad.view(num_local, padded, hidden)[:, :max_tokens]
+    return launch, valid
+
+
+def batched_output(launch: Launch, valid: torch.Tensor, num_local: int, max_tokens: int) -> torch.Tensor:
+    """y [L, max_tokens, H] from the aligned rows, zero past each expert's count."""
+    y = launch.y
+    y = torch.where(valid.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return y.view(num_local, -1, y.shape[1])[:, :max_tokens]
 
 
 @torch.library.custom_op("fusedmoe::triton_batched_experts", mutates_args=())
@@ -552,12 +568,15 @@ def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swigl
 
 
 class BatchedTritonExperts(BatchedExperts):
-    """Unquantized experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch)."""
+    """Experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch): unquantized,
+    and the W8A8 schemes through quant.py (weight-only schemes: not in this layout yet)."""
 
     def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         if weights.quant is not None:
-            raise NotImplementedError("quantized schemes are not in the batched_triton backend yet")
+            from fusedmoe.backends.triton.quant import apply_batched_quant
+
+            return apply_batched_quant(c, x_LMH, num_tokens_L, weights)
         return triton_batched_experts_op(x_LMH, num_tokens_L, weights.w13, weights.w2,
                                          weights.w13_bias, weights.w2_bias, c.activation,
                                          c.swiglu_alpha, c.swiglu_limit)

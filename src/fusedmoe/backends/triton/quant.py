@@ -1,5 +1,6 @@
 """Host side of the `triton` backend's quantized schemes: W8A8 here (quantize activations,
-launch the 8-bit GEMMs), weight-only in weight_only.py; one pair of custom ops for both.
+launch the 8-bit GEMMs), weight-only in weight_only.py; one pair of custom ops for both, and
+one for the W8A8 schemes in the batched layout.
 
     codes, scales = quantize_activation(x, key)          # vs quantize_activation_ref (torch)
     x -> [quantize x] -> gemm1 (8-bit dot, scales) -> [quantize a] -> gemm2 -> reduce
@@ -11,6 +12,9 @@ The activations are quantized exactly where and how the `emulation` backend fake
                               N tile is one group (BLOCK_N 128, no split-K), else a separate pass
 Router weight on input scales x before quantization. The intermediate is kept in fp32 between
 GEMM1 and its quantization, as the reference computes it. No host sync: CUDA-graph safe.
+Batched layout [L, max_tokens, H]: the same launches with buffer rows as slots (top_k 1, no
+routed weight); an expert's rows are exactly its routed tokens, so the per-expert scales equal
+the contiguous layout's (the dispatch has already applied a router weight on input).
 Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts, K top-k,
 N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
 """
@@ -224,8 +228,6 @@ def triton_quant_experts(
     quantization (module docstring). Weight-only schemes (fq = identity) run
     `weight_only.triton_weight_only_experts`, with NVFP4's global scales. `out` may be x itself.
     """
-    from fusedmoe.backends.triton import kernels
-
     scheme = _triton_scheme(scheme)
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
@@ -238,8 +240,7 @@ def triton_quant_experts(
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
             tiles=tiles, out=out,
         )
-    wkey, akey = scheme.weight, scheme.activation
-    gran = wkey.granularity
+    gran = scheme.weight.granularity
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     device = x_TH.device
@@ -257,13 +258,31 @@ def triton_quant_experts(
     if not weights_N.is_contiguous():
         weights_N = weights_N.contiguous()
     n_slots, rows = topk_ids_TK.numel(), sorted_slot.numel()
-    soft = _soft_fp8(device)
     y = torch.empty(n_slots, hidden, dtype=x_TH.dtype, device=device)
     a = torch.empty(rows, inter, dtype=torch.float32, device=device)
     L = Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
+    _w8a8_gemms(L, scheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale, a13_scale, a2_scale,
+                (t1, t2), row_w)
+    launch_reduce(L, out)
+    return out
+
+
+def _w8a8_gemms(L: Launch, scheme: QuantScheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale,
+                a13_scale, a2_scale, tiles: tuple[TileConfig, TileConfig], row_w) -> None:
+    """Quantize L.x, GEMM1 into L.a (fp32), quantize L.a, GEMM2 into L.y: the rows of L.y for
+    real slots are written, nothing else. Shared by the contiguous and batched layouts."""
+    from fusedmoe.backends.triton import kernels
+
+    wkey, akey = scheme.weight, scheme.activation
+    gran = wkey.granularity
+    t1, t2 = tiles
+    x_TH, a = L.x, L.a
+    num_local, rows, inter = w13.shape[0], a.shape[0], a.shape[1]
+    device = x_TH.device
+    soft = _soft_fp8(device)
 
     # x: codes per token / group, or (tensor) one scale per expert, quantized in GEMM1's loads
     code_dtype = _CODE_DTYPE[akey.dtype]
@@ -296,13 +315,59 @@ def triton_quant_experts(
         a_static = False
         if not fuse:
             group = inter if gran == "channel" else ACT_GROUP
-            _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=num_rows)
+            _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=L.num_rows)
         a_in, as_strides = a_codes, (a_scales.stride(0), a_scales.stride(1))
 
     _launch_gemm2(L, a_in, w2, w2_bias, w2_scale, a_scales, as_strides, t2, gran, a_static,
                   wkey.dtype == "int8", soft, kernels)
-    launch_reduce(L, out)
-    return out
+
+
+def triton_batched_quant_experts(
+    x_LMH: torch.Tensor,
+    num_tokens_L: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: str | QuantScheme,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    tiles: tuple[TileConfig, TileConfig] | None = None,
+) -> torch.Tensor:
+    """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
+    zero past the count; the W8A8 schemes only (weight-only: not in the batched layout yet).
+
+    The contiguous path's kernels on the batched rows (experts.prepare_batched_launch), so fq is
+    the same: a dynamic per-tensor scale is the amax of expert e's first num_tokens[e] rows (the
+    tokens routed to it, as `emulation` computes it per expert); rows past the count are never
+    read by the amax, the GEMMs or the per-row quantization's consumers.
+    """
+    from fusedmoe.backends.triton.experts import batched_output, prepare_batched_launch
+
+    scheme = _triton_scheme(scheme)
+    if scheme.name not in W8A8_SCHEMES:
+        raise NotImplementedError(
+            f"the batched_triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not {scheme.name}"
+        )
+    gran = scheme.weight.granularity
+    num_local, max_tokens, hidden = x_LMH.shape
+    inter = w2.shape[2]
+    if num_local == 0 or max_tokens == 0:
+        return torch.zeros_like(x_LMH)
+    gated = is_gated(activation)
+    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, gran, x_LMH.device)
+    _check_tiles(t1, t2, gated, gran, x_LMH.dtype)
+    L, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, torch.float32, activation,
+                                      swiglu_alpha, swiglu_limit, t1.block_m)
+    _w8a8_gemms(L, scheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale, a13_scale, a2_scale,
+                (t1, t2), None)
+    return batched_output(L, valid, num_local, max_tokens)
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:
@@ -502,3 +567,52 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
         triton_quant_experts_out_op(*args, out_TH, **global_scales)
         return out_TH
     return triton_quant_experts_op(*args, **global_scales)
+
+
+@torch.library.custom_op("fusedmoe::triton_batched_quant_experts", mutates_args=())
+def triton_batched_quant_experts_op(
+    x: torch.Tensor,
+    num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: str,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return triton_batched_quant_experts(
+        x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
+        w13_scale, w2_scale, a13_scale, a2_scale,
+    ).contiguous()
+
+
+@triton_batched_quant_experts_op.register_fake
+def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
+      w13_scale, w2_scale, a13_scale, a2_scale):
+    return torch.empty_like(x)
+
+
+def apply_batched_quant(config, x_LMH, num_tokens_L, weights):
+    """`BatchedTritonExperts.apply_batched` for quantized weights: validate, then run the custom op."""
+    from fusedmoe.quant.weights import check_quant_weights
+
+    quant: QuantParams = weights.quant
+    scheme = _triton_scheme(quant.scheme)
+    if scheme.name not in W8A8_SCHEMES:
+        raise NotImplementedError(
+            f"the batched_triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not {scheme.name}"
+        )
+    if config.quant is not None and scheme != config.quant:
+        raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
+    check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1])
+    return triton_batched_quant_experts_op(
+        x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
+        config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
+        quant.w2_scale, quant.a13_scale, quant.a2_scale,
+    )

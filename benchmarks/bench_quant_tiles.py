@@ -67,7 +67,7 @@ def main() -> None:
                 if sch.weight_only:
                     h1, h2 = choose_weight_only_tiles(prob, sch, x.device)
                 else:
-                    h1, h2 = choose_quant_tiles(prob, sch.weight.granularity, x.device)
+                    h1, h2 = choose_quant_tiles(prob, sch, x.device)
                 best = (float("inf"), None)
                 for bn, bk, nw in grid:
                     t1 = TileConfig(h1.block_m, bn, bk, nw, 3, 1)

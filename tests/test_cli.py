@@ -73,6 +73,17 @@ def test_bench_and_tune_need_a_gpu(capsys):
     assert main(["bench"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert main(["tune", "--model", "qwen3-30b-a3b"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert main(["tune", "--model", "qwen3-30b-a3b", "--quant", "fp8_w8a8_block"]) == 2
+    assert "fusedmoe tune: error: fusedmoe tune times GPU kernels and needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["fp9", "nvfp4", "mxfp4_w4a8"])
+def test_tune_quant_refuses_schemes_triton_does_not_run(capsys, scheme):
+    assert main(["tune", "--model", "qwen3-30b-a3b", "--quant", scheme]) == 2
+    err = capsys.readouterr().err
+    assert f"fusedmoe tune: error: --quant '{scheme}': tune takes a scheme the triton backend runs (" in err
+    assert "fp8_w8a8_block" in err and "mxfp4_w4a16" in err
 
 
 def test_bench_quant_bytes_and_refusals(capsys):

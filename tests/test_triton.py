@@ -391,7 +391,7 @@ def test_tuned_table_parse_and_nearest():
 
     table = parse_table(_table([_entry(1), _entry(16, g1=(32, 64, 64, 4, 3), g2=(32, 64, 64, 4, 3)),
                                 _entry(256, g1=(64, 64, 64, 4, 3), g2=(64, 128, 64, 8, 3))]), "t.json")
-    key = ("bfloat16", 128, 2048, 768, 8, True)
+    key = ("bfloat16", 128, 2048, 768, 8, True, None)
     assert nearest(table, key, 1)[0].block_m == 16
     assert nearest(table, key, 2)[0].block_m == 16
     assert nearest(table, key, 12)[0].block_m == 32   # log2 distance: 16 is nearer than 1
@@ -399,7 +399,7 @@ def test_tuned_table_parse_and_nearest():
     assert nearest(table, key, 4) is None              # two octaves from 1 and 16: the heuristic
     assert nearest(table, key, 100) is None
     assert nearest(table, key, 10**6) is None
-    assert nearest(table, ("bfloat16", 64, 2048, 768, 8, True), 16) is None
+    assert nearest(table, ("bfloat16", 64, 2048, 768, 8, True, None), 16) is None
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -408,6 +408,15 @@ def test_tuned_table_parse_and_nearest():
     (_entry(1, g2=(32, 64, 64, 4, 4)), "different block_m"),
     ({"dtype": "bfloat16"}, "malformed"),
     (_entry(1, dtype="float99"), "malformed|unknown dtype"),
+    (_entry(0), "tokens=0"),
+    (_entry(1, quant="fp9"), "quant='fp9': .* not a known quantization scheme"),
+    (_entry(1, quant=8), "quant=8 .*a scheme name"),
+    (_entry(1, quant="nvfp4"), "no Triton tiles for nvfp4"),
+    # the predicates of the schemes (tiles.check_tile with the scheme's tile_mode)
+    (_entry(1, g1=(16, 64, 256, 4, 3), quant="fp8_w8a8_block"),
+     r"gemm1 tile .* is invalid for fp8_w8a8_block: block_k=256, block_n=64: 128x128 block scales"),
+    (_entry(1, g2=(16, 64, 16, 4, 3), quant="int8_w8a8"), "gemm2 .* for int8_w8a8: block_k=16: 8-bit tl.dot"),
+    (_entry(1, g1=(16, 64, 16, 4, 3), quant="mxfp4_w4a16"), "for mxfp4_w4a16: block_k=16: 4-bit weights"),
 ])
 def test_tuned_table_rejects_invalid(bad, match):
     from fusedmoe.backends.triton.tuning import parse_table
@@ -416,6 +425,71 @@ def test_tuned_table_rejects_invalid(bad, match):
         parse_table(_table([bad]), "t.json")
     with pytest.raises(ValueError, match="not a fusedmoe tuned table"):
         parse_table({"entries": []}, "t.json")
+
+
+def test_tuned_table_quant_entries_serve_their_scheme_only():
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    block = dict(g1=(16, 128, 128, 4, 3), g2=(16, 64, 128, 4, 3))
+    table = parse_table(_table([
+        _entry(1), _entry(1, quant="fp8_w8a8_block", **block), _entry(64, quant="fp8_w8a8_block",
+                                                                      g1=(32, 64, 128, 4, 3), g2=(32, 64, 128, 4, 3)),
+        _entry(1, quant="int4_w4a16_g32", g1=(16, 64, 64, 4, 3), g2=(16, 32, 128, 4, 3)),
+        _entry(1, quant=None, g1=(16, 64, 64, 4, 3)),  # "quant": null = unquantized, as absent
+    ]), "t.json")
+    shape = ("bfloat16", 128, 2048, 768, 8, True)
+    assert nearest(table, (*shape, None), 1)[0].block_k in (128, 64)
+    assert len(table[(*shape, None)]) == 2
+    assert nearest(table, (*shape, "fp8_w8a8_block"), 1) == (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 64, 128, 4, 3))
+    assert nearest(table, (*shape, "fp8_w8a8_block"), 48)[0].block_m == 32  # nearest token count
+    assert nearest(table, (*shape, "fp8_w8a8_block"), 8) is None
+    assert nearest(table, (*shape, "int4_w4a16_g32"), 2)[1].block_n == 32
+    assert nearest(table, (*shape, "fp8_w8a8_channel"), 1) is None  # no entry of its own
+    assert nearest(table, (*shape, None), 64) is None  # fp8's M=64 entry never serves bf16
+
+
+def test_tuned_table_lookup_by_scheme(tmp_path, monkeypatch, caplog):
+    """choose_tiles / choose_quant_tiles / choose_weight_only_tiles each read their scheme's
+    entries, else fall back to the heuristic; invalid entries are skipped, the rest serve."""
+    import json
+    import logging
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import quant as quant_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton import weight_only as wo_mod
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_tiles
+    from fusedmoe.backends.triton.quant import choose_quant_tiles
+    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
+    from fusedmoe.quant.scheme import SCHEMES
+
+    bf16 = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
+    fp8 = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 64, 128, 4, 3))
+    entries = [_entry(16, g1=tuple(bf16[0].__dict__.values()), g2=tuple(bf16[1].__dict__.values())),
+               _entry(16, g1=tuple(fp8[0].__dict__.values()), g2=tuple(fp8[1].__dict__.values()),
+                      quant="fp8_w8a8_block"),
+               _entry(16, g1=(16, 64, 256, 4, 3), quant="int8_w8a8"),  # valid for int8 ...
+               _entry(32, g1=(16, 64, 256, 4, 3), quant="fp8_w8a8_block")]  # ... not block
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps(_table(entries)))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    for mod in (experts_mod, quant_mod, wo_mod):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    problem = GemmProblem(16 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+    with knobs.override(TUNED_DIR=str(tmp_path)), caplog.at_level(logging.WARNING, logger="fusedmoe"):
+        assert choose_tiles(problem, cuda) == bf16
+        assert choose_quant_tiles(problem, SCHEMES["fp8_w8a8_block"], cuda) == fp8
+        assert choose_quant_tiles(problem, SCHEMES["int8_w8a8"], cuda)[0].block_k == 256
+        heuristic_fp8 = choose_quant_tiles(problem, SCHEMES["fp8_w8a8_channel"], cuda)
+        assert heuristic_fp8 != fp8 and heuristic_fp8 != bf16
+        assert choose_weight_only_tiles(problem, SCHEMES["mxfp4_w4a16"], cuda) not in (bf16, fp8)
+        at32 = GemmProblem(32 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+        assert choose_quant_tiles(at32, SCHEMES["fp8_w8a8_block"], cuda) == fp8  # the invalid M=32 entry: skipped
+        assert choose_quant_tiles(problem, SCHEMES["fp8_w8a8_block"], torch.device("cpu")) != fp8
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) == 1 and "ignoring entry 3" in reports[0], reports  # once, with the reason
+    assert "invalid for fp8_w8a8_block: block_k=256" in reports[0]
 
 
 def test_tuned_table_files_corrupt_or_stale_are_ignored(tmp_path, caplog):

@@ -5,7 +5,7 @@
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
                    [--quant fp8_w8a8_block]
-    fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR]
+    fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
     fusedmoe env [--json]
 """
 
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--activation", default=None)
     tune.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     tune.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    tune.add_argument("--quant", default=None,
+                      help="tune the triton GEMMs of a W8A8 or weight-only scheme (fp8_w8a8_block, "
+                           "int8_w8a8, int4_w4a16_g32, mxfp4_w4a16, ...) on quantized weights")
     tune.add_argument("--out", default=None, help="folder (default: FUSEDMOE_TUNED_DIR, else the packaged tables)")
     args = parser.parse_args(argv)
     try:
@@ -384,10 +387,15 @@ def _plot(path: str, rows, meta: dict) -> None:
 # tune --------------------------------------------------------------------------------------------
 def cmd_tune(args) -> int:
     from fusedmoe import knobs
+    from fusedmoe.backends.triton.quant import W8A8_SCHEMES
     from fusedmoe.backends.triton.tuning import PACKAGED
+    from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
     from fusedmoe.presets import get_preset
     from fusedmoe.tune import progress_printer, tune_shape, write_table
 
+    runs = sorted(W8A8_SCHEMES | WEIGHT_ONLY_SCHEMES)
+    if args.quant is not None and args.quant not in runs:  # fails before any GPU work
+        raise ValueError(f"--quant {args.quant!r}: tune takes a scheme the triton backend runs ({', '.join(runs)})")
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
     if args.model:
@@ -406,7 +414,8 @@ def cmd_tune(args) -> int:
     progress = progress_printer(3 * len(tokens))
     written = 0
     for count in tokens:  # written after each token count, so an interrupted run keeps its work
-        entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], progress=progress)
+        entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
+                             progress=progress)
         print(file=sys.stderr)
         if not entries:
             print(f"M={count:>5}: the heuristic is within 3% of the best config found; nothing written")

@@ -6,10 +6,14 @@ num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what
 two GEMMs sum fastest. An entry is written only when it beats the heuristic by more than 3%
 (tuned tables age: a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies
 from a CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for.
+With a quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the
+tiles its predicate accepts, and the entries carry the scheme.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile
-from fusedmoe.backends.triton.tuning import FORMAT, device_file_name
+from fusedmoe.backends.triton.tuning import FORMAT, READ_FORMATS, device_file_name
 
 BLOCK_N = (16, 32, 64, 128, 256)
 BLOCK_K = (32, 64, 128, 256)
@@ -74,13 +78,15 @@ def _neighbours(tile: TileConfig, allow_split: bool) -> list[TileConfig]:
     return out
 
 
-def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig, dtype, operands: int,
-             rounds: int = 2, allow_split: bool = False) -> tuple[TileConfig, float]:
+def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
+             reason: Callable[[TileConfig], str | None], rounds: int = 2,
+             allow_split: bool = False) -> tuple[TileConfig, float]:
+    """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts."""
     best, best_t = start, time_tile(start)
     for _ in range(rounds):
         improved = False
         for cand in _neighbours(best, allow_split):
-            if check_tile(cand, dtype=dtype, operands=operands, allow_split=allow_split):
+            if reason(cand):
                 continue
             try:
                 t = time_tile(cand)
@@ -95,74 +101,132 @@ def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig, dtype,
 
 def tune_shape(
     *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
-    tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, copies: int = 4,
-    progress: Callable[[str], None] | None = None,
+    tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
+    copies: int = 4, progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Tuned entries (dicts for the JSON table) for one shape at each token count."""
+    """Tuned entries (dicts for the JSON table) for one shape at each token count.
+
+    quant: a scheme the triton backend runs (W8A8 or weight-only); its GEMMs run on the rotated
+    copies quantized by `quantize_weights` (as `fusedmoe bench --quant` runs them), descending
+    over the tiles the scheme's predicate accepts. None: the unquantized GEMMs in `dtype`.
+    """
     from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton.experts import (
-        GemmProblem,
-        _num_sms,
-        launch_gemm1,
-        launch_gemm2,
-        prepare_launch,
-    )
-    from fusedmoe.backends.triton.tiles import heuristic
+    from fusedmoe.backends.triton.experts import GemmProblem, _num_sms
+    from fusedmoe.backends.triton.tiles import heuristic, tile_mode
+    from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
 
+    scheme = get_scheme(quant)
+    mode, group = tile_mode(scheme)
     device = torch.device("cuda")
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = 2 * inter if gated else inter
-    weights = [((torch.randn(experts, rows, hidden, device=device, generator=gen) / hidden**0.5).to(dtype),
-                (torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype))
-               for _ in range(copies)]
+    weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen) for _ in range(copies)]
     sms = _num_sms(device)
+    operands = 2 if gated else 1
+    ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)
+    ok2 = functools.partial(check_tile, dtype=dtype, quant=mode, group=group)
     entries = []
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
-        h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms)
-        h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms)
+        h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
+                       quant=mode, group=group)
+        h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
+                       quant=mode, group=group)
 
-        def timers(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids):
-            launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation,
-                                    False, 1.702, None, block_m)
-            launch_gemm1(launch, weights[0][0], None, TileConfig(block_m, 32, 64))  # fill `a`
+        def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
+            gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)
+            return (lambda tile: _median_us(lambda i: gemm1(i, tile), copies),
+                    lambda tile: _median_us(lambda i: gemm2(i, tile), copies))
 
-            def gemm1_us(tile: TileConfig) -> float:
-                return _median_us(lambda i: launch_gemm1(launch, weights[i][0], None, tile), copies)
-
-            def gemm2_us(tile: TileConfig) -> float:
-                return _median_us(lambda i: launch_gemm2(launch, weights[i][1], None, tile), copies)
-
-            return gemm1_us, gemm2_us
-
-        time1, time2 = timers(h1.block_m)
+        time1, time2 = timers(h1)
         heuristic_us = time1(h1) + time2(h2)
         best = None
         for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
             if progress:
-                progress(f"E={experts} H={hidden} I={inter} k={top_k} M={tokens} block_m={block_m}")
-            time1, time2 = timers(block_m)
-            s1 = TileConfig(block_m, h1.block_n, h1.block_k, h1.num_warps, h1.num_stages, h1.split_k)
-            s2 = TileConfig(block_m, h2.block_n, h2.block_k, h2.num_warps, h2.num_stages)
-            if check_tile(s1, dtype=dtype, operands=2 if gated else 1, allow_split=True) or check_tile(s2, dtype=dtype):
+                progress(f"{scheme or str(dtype).replace('torch.', '')} E={experts} H={hidden} I={inter} "
+                         f"k={top_k} M={tokens} block_m={block_m}")
+            s1 = dataclasses.replace(h1, block_m=block_m)
+            s2 = dataclasses.replace(h2, block_m=block_m)
+            if ok1(s1) or ok2(s2):
                 continue
-            b1, u1 = _descend(time1, s1, dtype, 2 if gated else 1, allow_split=True)
-            b2, u2 = _descend(time2, s2, dtype, 1)
+            time1, time2 = timers(s1)
+            b1, u1 = _descend(time1, s1, ok1, allow_split=True)
+            b2, u2 = _descend(time2, s2, ok2)
             if best is None or u1 + u2 < best[0]:
                 best = (u1 + u2, b1, b2)
         if best is None or best[0] > 0.97 * heuristic_us:
             continue
+        entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
+                 "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
+        if scheme is not None:
+            entry["quant"] = scheme.name
         entries.append({
-            "dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
-            "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens,
-            "gemm1": list(best[1].__dict__.values()), "gemm2": list(best[2].__dict__.values()),
+            **entry, "gemm1": list(best[1].__dict__.values()), "gemm2": list(best[2].__dict__.values()),
             "us": round(best[0], 2), "heuristic_us": round(heuristic_us, 2),
         })
     return entries
+
+
+def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen) -> tuple:
+    """(w13, w2, QuantParams or None): random weights, quantized as the bench quantizes them."""
+    from fusedmoe.bench import _quantized_copy
+
+    device = gen.device
+    rows = 2 * inter if gated else inter
+    w13 = (torch.randn(experts, rows, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+    if scheme is None:
+        return w13, w2, None
+    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name)
+    return q13, q2, params
+
+
+def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill: TileConfig):
+    """(gemm1(i, tile), gemm2(i, tile), the Launch) launching one GEMM of the scheme's path on
+    weight copy i, at fill.block_m. GEMM1 runs once with `fill` on copy 0 to make the
+    intermediate GEMM2 reads; timed GEMM1 calls write their own, so GEMM2's input stays that one.
+    A W8A8 GEMM1 includes the intermediate's quantization (fused into it or not, by the tile)."""
+    from fusedmoe.backends.triton.experts import launch_gemm1, launch_gemm2, prepare_launch
+
+    if scheme is not None and not scheme.weight_only:
+        from fusedmoe.backends.triton.quant import (
+            launch_quant_gemm1,
+            launch_quant_gemm2,
+            prepare_quant_launch,
+        )
+
+        q = prepare_quant_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
+                                 1.702, None, scheme, weights[0][2].a13_scale, fill.block_m)
+        timed = dataclasses.replace(q, L=dataclasses.replace(q.L, a=torch.empty_like(q.L.a)))
+
+        def gemm1(i: int, tile: TileConfig, q=timed) -> None:
+            params = weights[i][2]
+            launch_quant_gemm1(q, weights[i][0], None, params.w13_scale, tile, params.a2_scale)
+
+        def gemm2(i: int, tile: TileConfig) -> None:
+            launch_quant_gemm2(q, weights[i][1], None, weights[i][2].w2_scale, tile)
+
+        gemm1(0, fill, q)
+        return gemm1, gemm2, q.L
+
+    launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False, 1.702,
+                            None, fill.block_m)
+    timed = dataclasses.replace(launch, a=torch.empty_like(launch.a))
+    args13, args2 = [None] * len(weights), [None] * len(weights)
+    if scheme is not None:
+        from fusedmoe.backends.triton.weight_only import _kernel_args
+
+        args13 = [_kernel_args(scheme, p.w13_scale, p.w13_global_scale) for _, _, p in weights]
+        args2 = [_kernel_args(scheme, p.w2_scale, p.w2_global_scale) for _, _, p in weights]
+
+    def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
+        launch_gemm1(launch, weights[i][0], None, tile, args13[i])
+
+    gemm1(0, fill, launch)
+    return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], None, tile, args2[i]), launch
 
 
 def write_table(entries: list[dict], folder: str | Path) -> Path:
@@ -176,11 +240,12 @@ def write_table(entries: list[dict], folder: str | Path) -> Path:
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-            if data.get("format") == FORMAT and data.get("triton", "").split(".")[:2] == triton.__version__.split(".")[:2]:
+            if data.get("format") in READ_FORMATS and data.get("triton", "").split(".")[:2] == triton.__version__.split(".")[:2]:
                 old = data["entries"]
         except (OSError, ValueError):
             pass
-    key = lambda e: (e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"], e["gated"], e["tokens"])  # noqa: E731
+    key = lambda e: (e.get("quant") or "", e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"],  # noqa: E731
+                     e["gated"], e["tokens"])
     merged = {key(e): e for e in old}
     merged.update({key(e): e for e in entries})
     data = {"format": FORMAT, "device": torch.cuda.get_device_name(), "triton": triton.__version__,

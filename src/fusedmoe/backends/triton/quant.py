@@ -4,6 +4,7 @@ one for the W8A8 schemes in the batched layout.
 
     codes, scales = quantize_activation(x, key)          # vs quantize_activation_ref (torch)
     x -> [quantize x] -> gemm1 (8-bit dot, scales) -> [quantize a] -> gemm2 -> reduce
+    (prepare_quant_launch -> launch_quant_gemm1 -> launch_quant_gemm2: the tuner times them apart)
 The activations are quantized exactly where and how the `emulation` backend fake-quantizes them:
     fp8_w8a8_tensor(_static)  one scale per local expert: amax of its rows (an atomic max over the
                               aligned rows) or the static a13/a2 scale; GEMMs quantize on load
@@ -20,6 +21,8 @@ N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -178,13 +181,20 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
 
 
 # Tiles ---------------------------------------------------------------------------------------
-def choose_quant_tiles(problem: GemmProblem, granularity: str, device: torch.device) -> tuple[TileConfig, TileConfig]:
-    """The heuristic with W8A8 constraints (tuned tables hold unquantized tiles: not used)."""
-    p, sms = problem, _num_sms(device)
+def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
+                       device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """The tuned entry for this W8A8 scheme, device and shape when one exists, else the
+    heuristic with the scheme's constraints."""
+    from fusedmoe.backends.triton.tuning import lookup
+
+    tuned = lookup(problem, device, scheme)
+    if tuned is not None:
+        return tuned
+    p, sms, gran = problem, _num_sms(device), scheme.weight.granularity
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
-                   num_sms=sms, quant=granularity)
+                   num_sms=sms, quant=gran)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
-                   num_sms=sms, quant=granularity)
+                   num_sms=sms, quant=gran)
     return t1, t2
 
 
@@ -240,86 +250,111 @@ def triton_quant_experts(
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
             tiles=tiles, out=out,
         )
-    gran = scheme.weight.granularity
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
-    device = x_TH.device
     out = torch.empty_like(x_TH) if out is None else out
     if num_tokens == 0:
         return out
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated, x_TH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, gran, device)
-    _check_tiles(t1, t2, gated, gran, x_TH.dtype)
-    block_m = t1.block_m
+    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_TH.device)
+    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype)
+    q = prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                             swiglu_limit, scheme, a13_scale, t1.block_m)
+    launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
+    launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
+    launch_reduce(q.L, out)
+    return out
+
+
+@dataclass
+class QuantLaunch:
+    """A W8A8 call between its stages: the shared Launch (fp32 intermediate `a`), x quantized,
+    and (after GEMM1) the intermediate's codes and scales for GEMM2."""
+
+    L: Launch
+    scheme: QuantScheme
+    num_local: int
+    x_in: torch.Tensor  # codes, or (tensor) x itself, quantized in GEMM1's loads
+    x_scales: torch.Tensor
+    x_static: bool
+    x_row_w: bool  # (tensor) GEMM1 scales x rows by the routed weight before quantizing
+    a_in: torch.Tensor | None = None
+    a_scales: torch.Tensor | None = None
+    a_static: bool = False
+
+
+def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                         num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                         swiglu_limit, scheme: QuantScheme, a13_scale, block_m) -> QuantLaunch:
+    """Align the slots and quantize x: per token / group, or (tensor) one scale per expert."""
+    device = x_TH.device
     sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
                                                          num_local, block_m)
     weights_N = topk_weights_TK.reshape(-1)
     if not weights_N.is_contiguous():
         weights_N = weights_N.contiguous()
     n_slots, rows = topk_ids_TK.numel(), sorted_slot.numel()
-    y = torch.empty(n_slots, hidden, dtype=x_TH.dtype, device=device)
+    y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=device)
     a = torch.empty(rows, inter, dtype=torch.float32, device=device)
     L = Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-    _w8a8_gemms(L, scheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale, a13_scale, a2_scale,
-                (t1, t2), row_w)
-    launch_reduce(L, out)
-    return out
+    return _quantize_input(L, scheme, a13_scale, row_w, num_local)
 
 
-def _w8a8_gemms(L: Launch, scheme: QuantScheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale,
-                a13_scale, a2_scale, tiles: tuple[TileConfig, TileConfig], row_w) -> None:
-    """Quantize L.x, GEMM1 into L.a (fp32), quantize L.a, GEMM2 into L.y: the rows of L.y for
-    real slots are written, nothing else. Shared by the contiguous and batched layouts."""
+def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:
+    """x's codes per token / group, or (tensor) one scale per expert (GEMM1 quantizes on load).
+    Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
+    x_TH = L.x
+    if scheme.weight.granularity == "tensor":
+        x_static = a13_scale is not None
+        x_scales = _per_expert(a13_scale, num_local) if x_static else _expert_amax(L, x_TH, row_w, num_local, gather=True)
+        return QuantLaunch(L, scheme, num_local, x_TH, x_scales, x_static, row_w is not None)
+    x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, False, False)
+
+
+def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfig, a2_scale=None) -> None:
+    """GEMM1 (-> fp32 a, or the 1x128 codes directly), then the intermediate's quantization:
+    the same as x's, per aligned row (padding rows are harmless)."""
     from fusedmoe.backends.triton import kernels
 
-    wkey, akey = scheme.weight, scheme.activation
-    gran = wkey.granularity
-    t1, t2 = tiles
-    x_TH, a = L.x, L.a
-    num_local, rows, inter = w13.shape[0], a.shape[0], a.shape[1]
-    device = x_TH.device
+    L, gran, akey = q.L, q.scheme.weight.granularity, q.scheme.activation
+    a, device = L.a, L.a.device
+    rows, inter = a.shape
     soft = _soft_fp8(device)
-
-    # x: codes per token / group, or (tensor) one scale per expert, quantized in GEMM1's loads
-    code_dtype = _CODE_DTYPE[akey.dtype]
-    if gran == "tensor":
-        x_in, x_static = x_TH, a13_scale is not None
-        x_scales = _per_expert(a13_scale, num_local) if x_static else _expert_amax(L, x_TH, row_w, num_local, gather=True)
-        xs_strides = (x_scales.stride(0), 0)
-    else:
-        x_in, x_scales = quantize_activation(x_TH, akey, row_weight_M=row_w)
-        x_static = False
-        xs_strides = (x_scales.stride(0), x_scales.stride(1))
-
-    # GEMM1 (-> fp32 a, or the 1x128 codes directly)
-    fuse = gran == "block" and t1.block_n == ACT_GROUP and t1.split_k == 1
+    xs_strides = (q.x_scales.stride(0), 0 if gran == "tensor" else q.x_scales.stride(1))
+    fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1
     a_codes = a_scales = None
     if gran != "tensor":
-        a_codes = torch.empty(rows, inter, dtype=code_dtype, device=device)
+        a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
-    _launch_gemm1(L, x_in, w13, w13_bias, w13_scale, x_scales, xs_strides, t1, gran, x_static,
-                  row_w is not None and gran == "tensor", wkey.dtype == "int8", soft,
+    _launch_gemm1(L, q.x_in, w13, w13_bias, w13_scale, q.x_scales, xs_strides, tile, gran, q.x_static,
+                  q.x_row_w, q.scheme.weight.dtype == "int8", soft,
                   a_codes if fuse else None, a_scales if fuse else None, kernels)
-
-    # the intermediate: the same quantization, per aligned row (padding rows are harmless)
     if gran == "tensor":
-        a_static = a2_scale is not None
-        a_in, a_scales = a, (_per_expert(a2_scale, num_local) if a_static else _expert_amax(L, a, None, num_local, gather=False))
-        as_strides = (a_scales.stride(0), 0)
-    else:
-        a_static = False
-        if not fuse:
-            group = inter if gran == "channel" else ACT_GROUP
-            _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=L.num_rows)
-        a_in, as_strides = a_codes, (a_scales.stride(0), a_scales.stride(1))
+        q.a_static = a2_scale is not None
+        q.a_in = a
+        q.a_scales = (_per_expert(a2_scale, q.num_local) if q.a_static
+                      else _expert_amax(L, a, None, q.num_local, gather=False))
+        return
+    if not fuse:
+        group = inter if gran == "channel" else ACT_GROUP
+        _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=L.num_rows)
+    q.a_in, q.a_scales = a_codes, a_scales
 
-    _launch_gemm2(L, a_in, w2, w2_bias, w2_scale, a_scales, as_strides, t2, gran, a_static,
-                  wkey.dtype == "int8", soft, kernels)
+
+def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig) -> None:
+    from fusedmoe.backends.triton import kernels
+
+    gran = q.scheme.weight.granularity
+    as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
+    _launch_gemm2(q.L, q.a_in, w2, w2_bias, w2_scale, q.a_scales, as_strides, tile, gran, q.a_static,
+                  q.scheme.weight.dtype == "int8", _soft_fp8(q.a_in.device), kernels)
 
 
 def triton_batched_quant_experts(
@@ -342,7 +377,7 @@ def triton_batched_quant_experts(
     """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
     zero past the count; the W8A8 schemes only (weight-only: not in the batched layout yet).
 
-    The contiguous path's kernels on the batched rows (experts.prepare_batched_launch), so fq is
+    The contiguous path's stages on the batched rows (experts.prepare_batched_launch), so fq is
     the same: a dynamic per-tensor scale is the amax of expert e's first num_tokens[e] rows (the
     tokens routed to it, as `emulation` computes it per expert); rows past the count are never
     read by the amax, the GEMMs or the per-row quantization's consumers.
@@ -354,19 +389,19 @@ def triton_batched_quant_experts(
         raise NotImplementedError(
             f"the batched_triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not {scheme.name}"
         )
-    gran = scheme.weight.granularity
     num_local, max_tokens, hidden = x_LMH.shape
     inter = w2.shape[2]
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
     gated = is_gated(activation)
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, gran, x_LMH.device)
-    _check_tiles(t1, t2, gated, gran, x_LMH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
+    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_LMH.dtype)
     L, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, torch.float32, activation,
                                       swiglu_alpha, swiglu_limit, t1.block_m)
-    _w8a8_gemms(L, scheme, w13, w2, w13_bias, w2_bias, w13_scale, w2_scale, a13_scale, a2_scale,
-                (t1, t2), None)
+    q = _quantize_input(L, scheme, a13_scale, None, num_local)
+    launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
+    launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
     return batched_output(L, valid, num_local, max_tokens)
 
 

@@ -2,6 +2,7 @@
 
     tile = heuristic(problem)           # always valid (asserted by tests over many shapes)
     check_tile(tile, ...) -> reason     # the one predicate; tuned tables are held to it too
+    tile_mode(scheme) -> (quant, group) # what the predicate and the heuristic take for a scheme
 """
 
 from __future__ import annotations
@@ -29,6 +30,25 @@ class TileConfig:
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
                     num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def tile_mode(scheme) -> tuple[str | None, int | None]:
+    """(quant, group) of check_tile / heuristic for a scheme (a `QuantScheme` or None).
+
+    W8A8 fp8 / int8: the weight granularity; weight-only: "w8" (fp8, int8 codes) or "w4" with
+    its scale group; None: unquantized. Raises ValueError for a scheme no Triton GEMM runs.
+    """
+    if scheme is None:
+        return None, None
+    key = scheme.weight
+    if scheme.weight_only:
+        return ("w8", None) if key.dtype in ("fp8", "int8") else ("w4", key.group)
+    if key.dtype in ("fp8", "int8") and key.granularity in QUANT_GRANULARITIES:
+        return key.granularity, None
+    raise ValueError(
+        f"no Triton tiles for {scheme.name}: the triton GEMMs run W8A8 fp8 / int8 (tensor, channel "
+        "or block weight scales) and weight-only schemes"
+    )
 
 
 def _pow2(n: int) -> bool:

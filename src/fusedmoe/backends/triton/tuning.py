@@ -1,12 +1,15 @@
 """Tuned tile tables: JSON files per device, written by `fusedmoe tune`, read as overrides.
 
-    lookup(problem, device) -> (gemm1 tile, gemm2 tile) | None     (None: use the heuristic)
+    lookup(problem, device, scheme) -> (gemm1 tile, gemm2 tile) | None   (None: the heuristic)
 
 Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first) and in the packaged
-`tuned/` folder. They are data only (json.load, never executed). Every entry is held to the same
-validity predicate as the heuristic (`tiles.check_tile`); a file that does not parse, or was tuned
-with another Triton major.minor, is reported once and ignored. Among the entries for a shape the
-one with the nearest token count (in log2) wins, if it is within a factor of two.
+`tuned/` folder. They are data only (json.load, never executed). An entry names its shape, its
+activation dtype and its quantization scheme ("quant", absent = unquantized; format 1 tables
+have none), and serves that scheme only. Every entry is held to the same validity predicate as
+the heuristic (`tiles.check_tile` with the scheme's `tile_mode`): an invalid entry is reported
+once and ignored; a file that does not parse, or was tuned with another Triton major.minor, is
+reported once and ignored whole. Among the entries for a shape the one with the nearest token
+count (in log2) wins, if it is within a factor of two.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from pathlib import Path
 import torch
 
 from fusedmoe import knobs
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, tile_mode
+from fusedmoe.quant.scheme import get_scheme
 
 logger = logging.getLogger("fusedmoe")
 PACKAGED = Path(__file__).parent / "tuned"
-FORMAT = 1
+FORMAT = 2  # 2: entries may carry "quant" (a reader of format 1 would take them for bf16 tiles)
+READ_FORMATS = (1, 2)
 
 
 def device_file_name(device_name: str) -> str:
@@ -45,33 +50,62 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def parse_table(data: object, source: str) -> dict[tuple, list[tuple[int, TileConfig, TileConfig]]]:
-    """Validate a loaded table; returns {shape key: [(tokens, tile1, tile2), ...]}. Raises ValueError."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{source}: not a fusedmoe tuned table (format {FORMAT})")
+def parse_table(data: object, source: str, *, strict: bool = True
+                ) -> dict[tuple, list[tuple[int, TileConfig, TileConfig]]]:
+    """Validate a loaded table; returns {shape key: [(tokens, tile1, tile2), ...]}.
+
+    Shape key: (dtype, experts, hidden, inter, top_k, gated, scheme name or None). Raises
+    ValueError for a file that is not a table; for an invalid entry too when `strict`, else logs
+    a warning and skips it.
+    """
+    if not isinstance(data, dict) or data.get("format") not in READ_FORMATS:
+        raise ValueError(f"{source}: not a fusedmoe tuned table (format {' or '.join(map(str, READ_FORMATS))})")
     entries = data.get("entries")
     if not isinstance(entries, list):
         raise ValueError(f"{source}: 'entries' must be a list")
     table: dict[tuple, list] = {}
     for i, e in enumerate(entries):
         try:
-            dtype = getattr(torch, e["dtype"])
-            key = (e["dtype"], int(e["experts"]), int(e["hidden"]), int(e["inter"]), int(e["top_k"]),
-                   bool(e["gated"]))
-            t1, t2 = TileConfig(*map(int, e["gemm1"])), TileConfig(*map(int, e["gemm2"]))
-            tokens = int(e["tokens"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{source}: entry {i} is malformed ({exc!r})") from None
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{source}: entry {i} has unknown dtype {e['dtype']!r}")
-        for name, tile, operands, split in (("gemm1", t1, 2 if key[-1] else 1, True), ("gemm2", t2, 1, False)):
-            reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split)
-            if reason:
-                raise ValueError(f"{source}: entry {i} {name} tile {tile} is invalid: {reason}")
-        if t1.block_m != t2.block_m:
-            raise ValueError(f"{source}: entry {i} has different block_m for the two GEMMs")
+            key, tokens, t1, t2 = _parse_entry(e)
+        except ValueError as exc:
+            if strict:
+                raise ValueError(f"{source}: entry {i} {exc}") from None
+            logger.warning("fusedmoe: ignoring entry %d of tuned table %s: %s", i, source, exc)
+            continue
         table.setdefault(key, []).append((tokens, t1, t2))
     return table
+
+
+def _parse_entry(e: object) -> tuple[tuple, int, TileConfig, TileConfig]:
+    try:
+        dtype = getattr(torch, e["dtype"])
+        quant = e.get("quant")
+        key = (e["dtype"], int(e["experts"]), int(e["hidden"]), int(e["inter"]), int(e["top_k"]),
+               bool(e["gated"]))
+        t1, t2 = TileConfig(*map(int, e["gemm1"])), TileConfig(*map(int, e["gemm2"]))
+        tokens = int(e["tokens"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"is malformed ({exc!r})") from None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"has unknown dtype {e['dtype']!r}")
+    if tokens < 1:
+        raise ValueError(f"has tokens={tokens} (must be >= 1)")
+    if not isinstance(quant, str | None):
+        raise ValueError(f"has quant={quant!r} (a scheme name, or absent for unquantized)")
+    try:
+        scheme = get_scheme(quant)
+        mode, group = tile_mode(scheme)
+    except ValueError as exc:
+        raise ValueError(f"has quant={quant!r}: {exc}") from None
+    key += (None if scheme is None else scheme.name,)
+    for name, tile, operands, split in (("gemm1", t1, 2 if key[5] else 1, True), ("gemm2", t2, 1, False)):
+        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=mode, group=group)
+        if reason:
+            under = "" if scheme is None else f" for {scheme.name}"
+            raise ValueError(f"{name} tile {tile} is invalid{under}: {reason}")
+    if t1.block_m != t2.block_m:
+        raise ValueError("has different block_m for the two GEMMs")
+    return key, tokens, t1, t2
 
 
 @functools.cache
@@ -84,8 +118,8 @@ def _load(path: str, mtime: float) -> dict:
             logger.info("fusedmoe: ignoring %s: tuned with Triton %s, running %s (re-run fusedmoe tune)",
                         path, data.get("triton"), _triton_version())
             return {}
-        return parse_table(data, path)
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        return parse_table(data, path, strict=False)
+    except (OSError, ValueError, AttributeError, json.JSONDecodeError) as exc:
         logger.warning("fusedmoe: ignoring tuned table %s: %s", path, exc)
         return {}
 
@@ -108,11 +142,12 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def lookup(problem, device: torch.device) -> tuple[TileConfig, TileConfig] | None:
+def lookup(problem, device: torch.device, scheme=None) -> tuple[TileConfig, TileConfig] | None:
+    """The tuned tiles of `scheme` (a `QuantScheme`, None = unquantized) for this shape."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
     key = (str(problem.dtype).replace("torch.", ""), problem.num_local_experts, problem.hidden,
-           problem.inter, problem.top_k, problem.gated)
+           problem.inter, problem.top_k, problem.gated, None if scheme is None else scheme.name)
     tokens = max(1, problem.num_slots // max(1, problem.top_k))
     for table in _tables(_device_name(device)):
         found = nearest(table, key, tokens)

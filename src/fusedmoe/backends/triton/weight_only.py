@@ -26,7 +26,7 @@ from fusedmoe.backends.triton.experts import (
     launch_reduce,
     prepare_launch,
 )
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic
+from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic, tile_mode
 from fusedmoe.quant.scheme import QuantScheme
 
 WEIGHT_ONLY_SCHEMES = frozenset((
@@ -40,15 +40,18 @@ Q_W8, Q_W4 = 4, 5  # kernels.Q_W8 / Q_W4
 
 def weight_only_mode(scheme: QuantScheme) -> tuple[str, int | None]:
     """(tile mode "w8" | "w4", scale group size or None) of a weight-only scheme."""
-    key = scheme.weight
-    if key.dtype in ("fp8", "int8"):
-        return "w8", None
-    return "w4", key.group
+    return tile_mode(scheme)
 
 
 def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
                              device: torch.device) -> tuple[TileConfig, TileConfig]:
-    """The heuristic with the weight-only constraints (tuned tables hold bf16 tiles: not used)."""
+    """The tuned entry for this scheme, device and shape when one exists, else the heuristic
+    with the weight-only constraints."""
+    from fusedmoe.backends.triton.tuning import lookup
+
+    tuned = lookup(problem, device, scheme)
+    if tuned is not None:
+        return tuned
     p, sms = problem, _num_sms(device)
     mode, group = weight_only_mode(scheme)
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,

@@ -1,8 +1,8 @@
-"""The Triton backend's W8A8 schemes on the CPU, through the Triton interpreter (fp32/fp16).
+"""The Triton backend's quantized schemes on the CPU, through the Triton interpreter (fp32/fp16).
 
 Activation quantization kernels against their torch reference (bit-exact codes and scales);
-the experts against the `emulation` backend (the same fake-quantized math) and the reference
-on dequantized weights. Tiles are given explicitly where the heuristic's would make many small
+the W8A8 and weight-only experts against the `emulation` backend (the same quantized math) and
+the reference on dequantized weights (tests/test_triton_wo.py: what is weight-only's alone). Tiles are given explicitly where the heuristic's would make many small
 programs: the interpreter's cost is per program and op.
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
-from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
+from fusedmoe import MoEConfig  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
 from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import (  # noqa: E402
@@ -31,18 +30,22 @@ from fusedmoe.backends.triton.quant import (  # noqa: E402
     quantize_activation_ref,
     triton_batched_quant_experts,
     triton_batched_quant_experts_op,
-    triton_quant_experts,
     triton_quant_experts_op,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import BatchedLocalPrepareFinalize, ExpertWeights, make_modular  # noqa: E402
 from fusedmoe.quant import SCHEMES, QuantKey, fake_quantize_activation  # noqa: E402
-from fusedmoe.quant.weights import dequantize_weights, quantize_weights  # noqa: E402
+from fusedmoe.quant.weights import quantize_weights  # noqa: E402
+from quant_problems import Case, dequantized_reference, problem, rel_err, run  # noqa: E402
 
 W8A8 = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]
+WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
+               "mxfp4_w4a16", "nvfp4_w4a16"]
 # Triton vs emulation: the same quantized operands; only the summation order differs (and, for
 # fp16, the per-slot rounding of y before the fp32 top-k sum: ~2^-11 relative, measured 3.5e-4).
 # An intermediate value within an fp32 rounding of a code boundary may still flip one code.
+# Weight-only in fp16: the dequantized weights are rounded to fp16 (exact for 8-bit codes and
+# e2m1 * 2^s; 2^-11 relative for scaled int4 / nvfp4): measured 3.9e-4 to 5.7e-4.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 # Triton vs the reference on dequantized weights without activation quantization: the
 # activations' round trip, through silu(g) * u and GEMM2: RMS <= sqrt(3) * r_a. fp8: r_a = 0.036
@@ -52,6 +55,13 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 ACT_RMS = {"fp8": 0.036, "int8": 0.016}
 
 
+def exact_tol(scheme: str) -> float:
+    """Against the reference on dequantized weights: W8A8 adds its activations' round trip;
+    weight-only is the same float math (fp32: only the summation order differs)."""
+    activation = SCHEMES[scheme].activation
+    return TOL[torch.float32] if activation is None else math.sqrt(3) * ACT_RMS[activation.dtype]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     # Small tensors on 2 busy cores: intra-op threading only adds overhead (see test_quant.py).
@@ -59,11 +69,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def rel_err(out, ref):
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 # Activation quantization ---------------------------------------------------------------------
@@ -113,21 +118,6 @@ def test_quantize_activation_errors():
 
 
 # The experts ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    id: str
-    T: int = 6
-    E: int = 4
-    K: int = 2
-    H: int = 128
-    I: int = 64
-    activation: str = "silu"
-    bias: bool = False
-    on_input: bool = False
-    expert_map: bool = False
-    tiles: tuple[tuple, tuple] | None = ((16, 64, 64, 4, 1), (16, 128, 64, 4, 1))
-
-
 MODES = ["fp8_w8a8_tensor", "fp8_w8a8_channel", "fp8_w8a8_block"]  # one scheme per scale mode
 CASES = [  # (case, schemes): the paths each case exercises differently
     (Case("basic"), W8A8),
@@ -138,111 +128,64 @@ CASES = [  # (case, schemes): the paths each case exercises differently
     (Case("k-not-multiple-of-128", H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))), MODES),
     (Case("fused-group-epilogue", I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
     (Case("split-k", H=256, tiles=((16, 64, 64, 4, 1, 2), (16, 128, 64, 4, 1))), MODES + ["int8_w8a8"]),
+    # weight-only: 4-bit groups across and inside K steps, 8-bit codes cast in registers
+    (Case("wo-basic", I=128), WEIGHT_ONLY),
+    (Case("wo-gelu-bias", activation="gelu", bias=True, I=128), ["int8_w8a16", "int4_w4a16_g32", "nvfp4_w4a16"]),
+    (Case("wo-swigluoai-bias", activation="swigluoai", bias=True, I=128), ["mxfp4_w4a16", "fp8_w8a16"]),
+    (Case("wo-top1-weight-on-input", K=1, T=8, bias=True, on_input=True, I=128), ["int4_w4a16_g64", "nvfp4_w4a16"]),
+    (Case("wo-expert-map", T=7, E=6, K=3, bias=True, expert_map=True, I=128),
+     ["fp8_w8a16", "int4_w4a16_g32", "mxfp4_w4a16"]),
+    # N not a multiple of BLOCK_N, K not of BLOCK_K (partial K steps of whole groups)
+    (Case("wo-relu2-partial-tiles", activation="relu2_no_mul", H=80, I=48), ["nvfp4_w4a16"]),
+    (Case("wo-partial-tiles", H=96, I=160), ["int4_w4a16_g32", "mxfp4_w4a16"]),
+    (Case("wo-odd-n", H=100, I=37, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1))), ["int8_w8a16", "fp8_w8a16"]),
+    # a K step inside one group (BLOCK_K 32 < 128) and a split that starts mid-group
+    (Case("wo-split-k", H=256, I=128, tiles=((16, 64, 32, 4, 1, 4), (16, 128, 32, 4, 1))),
+     ["int4_w4a16_g128", "nvfp4_w4a16", "fp8_w8a16"]),
 ]
-
-
-def _problem(case: Case, scheme: str, dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}{scheme}".encode()))
-    rows = case.I if case.activation.endswith("no_mul") else 2 * case.I
-    num_local, expert_map = case.E, None
-    if case.expert_map:  # this rank holds experts 0, 2, 4, ...; others contribute zero
-        local = list(range(0, case.E, 2))
-        num_local = len(local)
-        expert_map = torch.full((case.E,), -1, dtype=torch.int32)
-        expert_map[local] = torch.arange(num_local, dtype=torch.int32)
-    x = torch.randn(case.T, case.H, generator=gen).to(dtype)
-    w13 = torch.randn(num_local, rows, case.H, generator=gen) / case.H**0.5
-    w2 = torch.randn(num_local, case.H, case.I, generator=gen) / case.I**0.5
-    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) * 0.1 if case.bias else None
-    b2 = torch.randn(num_local, case.H, generator=gen).to(dtype) * 0.1 if case.bias else None
-    weights, ids = select_experts(x, torch.randn(case.T, case.E, generator=gen), case.K,
-                                  renormalize=not case.on_input)
-    amax = None
-    if scheme.endswith("static"):  # calibrate: x's amax over all experts, a's per expert
-        amax = (torch.zeros(()), torch.ones(num_local))
-
-        def record(name):
-            def hook(t, e):
-                if name == "x":
-                    amax[0].copy_(torch.maximum(amax[0], t.abs().amax()))
-                else:
-                    amax[1][e] = t.abs().amax()
-                return t
-            return hook
-
-        fused_experts_ref(x, w13, w2, weights, ids, activation=case.activation,
-                          apply_router_weight_on_input=case.on_input, expert_map_E=expert_map,
-                          global_num_experts=case.E, w13_bias_LG=b13, w2_bias_LH=b2,
-                          input_transform=record("x"), intermediate_transform=record("a"))
-    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
-    config = MoEConfig(case.E, case.K, case.H, case.I, dtype=dtype, activation=case.activation,
-                       has_bias=case.bias, quant=scheme, apply_router_weight_on_input=case.on_input,
-                       has_expert_map=case.expert_map)
-    return config, x, ExpertWeights(q13, q2, b13, b2, params), weights, ids, expert_map
-
-
-def _run(config, x, w, weights, ids, expert_map, tiles=None, out=None):
-    p = w.quant
-    return triton_quant_experts(
-        x, w.w13, w.w2, weights, ids, w.w13_bias, w.w2_bias, expert_map, config.num_experts,
-        config.activation, config.apply_router_weight_on_input, config.swiglu_alpha,
-        config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
-        tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles), out=out,
-    )
-
-
-def _dequantized_reference(config, x, w, weights, ids, expert_map):
-    d13, d2 = dequantize_weights(w.w13, w.w2, w.quant)
-    return fused_experts_ref(
-        x.double(), d13.double(), d2.double(), weights, ids, activation=config.activation,
-        apply_router_weight_on_input=config.apply_router_weight_on_input, expert_map_E=expert_map,
-        global_num_experts=config.num_experts,
-        w13_bias_LG=None if w.w13_bias is None else w.w13_bias.double(),
-        w2_bias_LH=None if w.w2_bias is None else w.w2_bias.double(),
-    )
 
 
 @pytest.mark.parametrize("case,scheme", [(c, s) for c, schemes in CASES for s in schemes],
                          ids=[f"{c.id}-{s}" for c, schemes in CASES for s in schemes])
 def test_schemes_match_emulation_and_reference(case, scheme):
-    config, x, w, weights, ids, expert_map = _problem(case, scheme, torch.float32)
-    out = _run(config, x, w, weights, ids, expert_map, case.tiles)
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    out = run(config, x, w, weights, ids, expert_map, case.tiles)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
     assert rel_err(out, emulated) < TOL[torch.float32]
-    exact = _dequantized_reference(config, x, w, weights, ids, expert_map)
-    assert rel_err(out, exact) < math.sqrt(3) * ACT_RMS[SCHEMES[scheme].activation.dtype]
+    exact = dequantized_reference(config, x, w, weights, ids, expert_map)
+    assert rel_err(out, exact) < exact_tol(scheme)
     if expert_map is not None:  # tokens whose slots are all remote get exactly zero
         remote = (expert_map[ids.long()] < 0).all(-1)
         assert (out[remote] == 0).all()
 
 
-@pytest.mark.parametrize("scheme", W8A8)
+@pytest.mark.parametrize("scheme", W8A8 + WEIGHT_ONLY)
 def test_fp16_matches_emulation(scheme):
-    config, x, w, weights, ids, expert_map = _problem(Case("fp16", bias=True), scheme, torch.float16)
-    out = _run(config, x, w, weights, ids, expert_map, Case.tiles)
+    config, x, w, weights, ids, expert_map = problem(Case("fp16", bias=True, I=128 if scheme in WEIGHT_ONLY else 64), scheme, torch.float16)
+    out = run(config, x, w, weights, ids, expert_map, Case.tiles)
     assert out.dtype == torch.float16
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
     assert rel_err(out, emulated) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("scheme", ["fp8_w8a8_tensor", "fp8_w8a8_block"])
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_tensor", "fp8_w8a8_block", "int4_w4a16_g32", "mxfp4_w4a16"])
 def test_empty_experts_out_of_range_ids_and_determinism(scheme):
     case = Case("edges", T=5)
-    config, x, w, weights, _, _ = _problem(case, scheme, torch.float32)
+    config, x, w, weights, _, _ = problem(case, scheme, torch.float32)
     # expert 3 gets nothing, expert 1 most; -1 and E are out of range and contribute zero
     ids = torch.tensor([[1, 0], [1, -1], [1, 4], [2, 1], [7, -5]], dtype=torch.int32)
-    out = _run(config, x, w, weights, ids, None, case.tiles)
+    out = run(config, x, w, weights, ids, None, case.tiles)
     keep = (ids >= 0) & (ids < 4)
     emulated = EmulationExperts(config).apply(x, w, weights * keep, ids.clamp(0, 3), expert_map_E=None)
     assert rel_err(out, emulated) < TOL[torch.float32]
     assert (out[4] == 0).all()
-    assert torch.equal(out, _run(config, x, w, weights, ids, None, case.tiles))
-    empty = _run(config, x[:0], w, weights[:0], ids[:0], None)
+    assert torch.equal(out, run(config, x, w, weights, ids, None, case.tiles))
+    empty = run(config, x[:0], w, weights[:0], ids[:0], None)
     assert empty.shape == (0, case.H)
 
 
 def test_experts_class_heuristic_tiles_in_place_and_errors():
-    config, x, w, weights, ids, _ = _problem(Case("class", T=3, H=64, I=32), "int8_w8a8", torch.float32)
+    config, x, w, weights, ids, _ = problem(Case("class", T=3, H=64, I=32), "int8_w8a8", torch.float32)
     experts = TritonExperts(config)
     out = experts.apply(x, w, weights, ids, expert_map_E=None)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
@@ -258,13 +201,13 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
         TritonExperts(MoEConfig(4, 2, 64, 32, dtype=torch.float32)).apply(
             x, ExpertWeights(q13, q2, quant=p), weights, ids, expert_map_E=None)
     with pytest.raises(ValueError, match=r"gemm1 tile .* cannot run block W8A8: block_k=256"):
-        _run(*_problem(Case("bad-tile"), "fp8_w8a8_block", torch.float32),
+        run(*problem(Case("bad-tile"), "fp8_w8a8_block", torch.float32),
              tiles=((16, 64, 256, 4, 1), (16, 64, 64, 4, 1)))
 
 
 def test_opcheck():
     # int8: the schema check multiplies inputs, which CPU torch lacks for float8
-    config, x, w, weights, ids, _ = _problem(Case("opcheck", T=3, H=64, I=32), "int8_w8a8", torch.float32)
+    config, x, w, weights, ids, _ = problem(Case("opcheck", T=3, H=64, I=32), "int8_w8a8", torch.float32)
     p = w.quant
     args = (x, w.w13, w.w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None,
             "int8_w8a8", p.w13_scale, p.w2_scale, None, None)
@@ -287,11 +230,11 @@ def test_batched_matches_contiguous_and_emulation(scheme, dtype):
     """dispatch -> batched W8A8 -> combine equals the contiguous Triton path on the same tokens:
     the same codes and scales per expert (max_tokens 7: one partial BLOCK_M block per expert)."""
     case = Case("batched", T=7, E=4, K=2, bias=True)
-    config, x, w, weights, ids, _ = _problem(case, scheme, dtype)
+    config, x, w, weights, ids, _ = problem(case, scheme, dtype)
     pf = BatchedLocalPrepareFinalize(case.E, weight_on_input=False)
     x_b, counts, handle = pf.dispatch(x, weights, ids, None, case.E)
     out = pf.combine(_run_batched(config, x_b, counts, w), handle)
-    contiguous = _run(config, x, w, weights, ids, None, case.tiles)
+    contiguous = run(config, x, w, weights, ids, None, case.tiles)
     assert rel_err(out, contiguous) < TOL[dtype]
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(out, emulated) < TOL[dtype]
@@ -330,7 +273,7 @@ def test_batched_counts_and_rows_past_the_count(scheme):
 def test_batched_experts_class_through_modular_and_errors():
     # heuristic tiles, router weight on input (top-1): the dispatch scales x before quantization
     case = Case("batched-class", T=5, H=64, I=32, K=1, on_input=True)
-    config, x, w, weights, ids, _ = _problem(case, "int8_w8a8", torch.float32)
+    config, x, w, weights, ids, _ = problem(case, "int8_w8a8", torch.float32)
     config = MoEConfig(case.E, 1, case.H, case.I, dtype=torch.float32, quant="int8_w8a8",
                        apply_router_weight_on_input=True, activation_format="batched")
     out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
@@ -350,7 +293,7 @@ def test_batched_experts_class_through_modular_and_errors():
 def test_batched_traces_fullgraph():
     """The dispatch, the custom op (its fake) and the combine trace without graph breaks."""
     case = Case("batched-compile", T=5, H=128, I=64)
-    config, x, w, weights, ids, _ = _problem(case, "fp8_w8a8_block", torch.float32)
+    config, x, w, weights, ids, _ = problem(case, "fp8_w8a8_block", torch.float32)
     config = MoEConfig(case.E, case.K, case.H, case.I, dtype=torch.float32, quant="fp8_w8a8_block",
                        activation_format="batched")
     kernel = make_modular(config, BatchedTritonExperts(config))

@@ -1,0 +1,105 @@
+"""Quantized experts problems shared by the Triton W8A8 and weight-only interpreter tests.
+
+    config, x, weights, topk_w, ids, expert_map = problem(Case(...), scheme, dtype)
+    out = run(config, x, weights, topk_w, ids, expert_map, tiles)        # triton_quant_experts
+    ref = dequantized_reference(config, x, weights, topk_w, ids, expert_map)
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe import MoEConfig, fused_experts_ref, select_experts
+from fusedmoe.backends.triton.quant import triton_quant_experts
+from fusedmoe.backends.triton.tiles import TileConfig
+from fusedmoe.modular import ExpertWeights
+from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    T: int = 6
+    E: int = 4
+    K: int = 2
+    H: int = 128
+    I: int = 64
+    activation: str = "silu"
+    bias: bool = False
+    on_input: bool = False
+    expert_map: bool = False
+    tiles: tuple[tuple, tuple] | None = ((16, 64, 64, 4, 1), (16, 128, 64, 4, 1))
+
+
+def problem(case: Case, scheme: str, dtype: torch.dtype):
+    """Random weights quantized with `scheme` (static activation scales calibrated on the
+    problem itself), routed tokens; expert_map keeps experts 0, 2, 4, ... on this rank."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}{scheme}".encode()))
+    rows = case.I if case.activation.endswith("no_mul") else 2 * case.I
+    num_local, expert_map = case.E, None
+    if case.expert_map:
+        local = list(range(0, case.E, 2))
+        num_local = len(local)
+        expert_map = torch.full((case.E,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(num_local, dtype=torch.int32)
+    x = torch.randn(case.T, case.H, generator=gen).to(dtype)
+    w13 = torch.randn(num_local, rows, case.H, generator=gen) / case.H**0.5
+    w2 = torch.randn(num_local, case.H, case.I, generator=gen) / case.I**0.5
+    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) * 0.1 if case.bias else None
+    b2 = torch.randn(num_local, case.H, generator=gen).to(dtype) * 0.1 if case.bias else None
+    weights, ids = select_experts(x, torch.randn(case.T, case.E, generator=gen), case.K,
+                                  renormalize=not case.on_input)
+    amax = None
+    if scheme.endswith("static"):  # calibrate: x's amax over all experts, a's per expert
+        amax = (torch.zeros(()), torch.ones(num_local))
+
+        def record(name):
+            def hook(t, e):
+                if name == "x":
+                    amax[0].copy_(torch.maximum(amax[0], t.abs().amax()))
+                else:
+                    amax[1][e] = t.abs().amax()
+                return t
+            return hook
+
+        fused_experts_ref(x, w13, w2, weights, ids, activation=case.activation,
+                          apply_router_weight_on_input=case.on_input, expert_map_E=expert_map,
+                          global_num_experts=case.E, w13_bias_LG=b13, w2_bias_LH=b2,
+                          input_transform=record("x"), intermediate_transform=record("a"))
+    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    config = MoEConfig(case.E, case.K, case.H, case.I, dtype=dtype, activation=case.activation,
+                       has_bias=case.bias, quant=scheme, apply_router_weight_on_input=case.on_input,
+                       has_expert_map=case.expert_map)
+    return config, x, ExpertWeights(q13, q2, b13, b2, params), weights, ids, expert_map
+
+
+def run(config, x, w, weights, ids, expert_map, tiles=None, out=None):
+    p = w.quant
+    return triton_quant_experts(
+        x, w.w13, w.w2, weights, ids, w.w13_bias, w.w2_bias, expert_map, config.num_experts,
+        config.activation, config.apply_router_weight_on_input, config.swiglu_alpha,
+        config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
+        tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles), out=out,
+        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
+    )
+
+
+def dequantized_reference(config, x, w, weights, ids, expert_map):
+    d13, d2 = dequantize_weights(w.w13, w.w2, w.quant)
+    return fused_experts_ref(
+        x.double(), d13.double(), d2.double(), weights, ids, activation=config.activation,
+        apply_router_weight_on_input=config.apply_router_weight_on_input, expert_map_E=expert_map,
+        global_num_experts=config.num_experts, swiglu_alpha=config.swiglu_alpha,
+        swiglu_limit=config.swiglu_limit,
+        w13_bias_LG=None if w.w13_bias is None else w.w13_bias.double(),
+        w2_bias_LH=None if w.w2_bias is None else w.w2_bias.double(),
+    )

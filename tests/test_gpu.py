@@ -11,23 +11,13 @@ import torch
 import fusedmoe
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.presets import PRESETS
+from gpu_checks import poison_allocator, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # fp32: TF32-free (ieee) dots
-
-
-def rel_err(out, ref):
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    """Fill freed cache blocks with NaN so an output element the kernel never writes shows up."""
-    torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
 
 
 def make(T, E, K, H, I, dtype, *, act="silu", bias=False, seed=0, on_input=False):

@@ -15,6 +15,7 @@ import torch
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.quant import SCHEMES
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+from gpu_checks import poison_allocator, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,16 +30,6 @@ TOL_EMULATION = 1e-2
 # plus bf16's 2^-9.
 TOL_EXACT = {"fp8": math.sqrt(3) * 0.036 + 4e-3, "int8": math.sqrt(3) * 0.016 + 4e-3}
 SHAPES = {"mixtral-like": (8, 2, 4096, 1792), "qwen3-30b-like": (128, 8, 2048, 768)}  # E, K, H, I
-
-
-def rel_err(out, ref):
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
 
 
 def make(T, E, K, H, I, scheme, *, seed=0, bias=False):

@@ -13,6 +13,7 @@ import torch
 
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+from gpu_checks import poison_allocator, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,16 +29,6 @@ TOL = 2e-2
 # E, K, H, I, activation, bias: Mixtral-like, and gpt-oss-120b (H = I = 2880, not a multiple of 128)
 SHAPES = {"mixtral-like": (8, 2, 4096, 1792, "silu", False),
           "gpt-oss-like": (32, 4, 2880, 2880, "swigluoai", True)}  # E=128 ran out of memory in fp32 quantization temporaries
-
-
-def rel_err(out, ref):
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
 
 
 def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):

@@ -39,6 +39,12 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
+def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (fp8 included, which torch.equal may not compare)."""
+    return actual.dtype == expected.dtype and actual.shape == expected.shape and torch.equal(
+        actual.contiguous().flatten().view(torch.uint8), expected.contiguous().flatten().view(torch.uint8))
+
+
 def float_weights(seed: int) -> dict[str, torch.Tensor]:
     """gate/up [E, I, H], down [E, H, I]; up is 3x gate so per-tensor scales differ."""
     g = torch.Generator().manual_seed(seed)
@@ -171,10 +177,60 @@ def nvfp4_weight_only(w, seed):  # W4A16 ignores the checkpoint's input_scale
     return ckpt
 
 
+def _nvfp4_compressed_tensors(w, scheme, shared_w13, seed) -> Checkpoint:
+    """compressed-tensors nvfp4-pack-quantized from bf16 weights: weight_packed, weight_scale,
+    and global scales stored as divisors, g = 448 * 6 / amax (weight_global_scale [1],
+    input_global_scale [1]); W = e2m1(code) * weight_scale / g."""
+    per, deq = {}, {}
+    w = {p: wp.bfloat16() for p, wp in w.items()}
+    joint_amax = torch.cat((w["gate"], w["up"]), 1).float().abs().amax((1, 2))
+    for p, wp in w.items():
+        amax = joint_amax if shared_w13 and p != "down" else wp.float().abs().amax((1, 2))
+        divisor = (448 * 6) / amax
+        q, block = nvfp4_quantize(wp, torch.reciprocal(divisor).view(-1, 1, 1))
+        per[p] = {"weight_packed": q, "weight_scale": block, "weight_global_scale": divisor.view(E, 1)}
+        values = nvfp4_unpack_by_hand(q).unflatten(-1, (-1, 16))
+        deq[p] = (values * (block.float() / divisor.view(-1, 1, 1)).unsqueeze(-1)).flatten(-2)
+    g = torch.Generator().manual_seed(seed)
+    ins = {p: (1 + torch.rand(E, generator=g)) / (448 * 6) for p in w}
+    for p in w:
+        per[p]["input_global_scale"] = torch.reciprocal(ins[p]).view(E, 1)
+    a13 = torch.maximum(torch.reciprocal(per["gate"]["input_global_scale"]),
+                        torch.reciprocal(per["up"]["input_global_scale"])).view(E)
+    a2 = torch.reciprocal(per["down"]["input_global_scale"]).view(E)
+    if scheme == "nvfp4_w4a16":
+        a13 = a2 = None
+    return _assemble(scheme, per, deq, a13, a2)
+
+
+def nvfp4_compressed_tensors(w, seed):
+    return _nvfp4_compressed_tensors(w, "nvfp4", True, seed)
+
+
+def nvfp4_compressed_tensors_weight_only(w, seed):
+    return _nvfp4_compressed_tensors(w, "nvfp4_w4a16", True, seed)
+
+
+# compressed-tensors name -> (ModelOpt name, stored value -> ModelOpt's multiplier)
+CT_TO_MODELOPT = {"weight_packed": ("weight", None), "weight_scale": ("weight_scale", None),
+                  "weight_global_scale": ("weight_scale_2", torch.reciprocal),
+                  "input_global_scale": ("input_scale", torch.reciprocal)}
+
+
+def as_modelopt(ckpt: Checkpoint) -> Checkpoint:
+    """The same checkpoint under ModelOpt's names: global scales as multipliers 1 / g, scalar."""
+    tensors = {}
+    for (e, p, n), t in ckpt.tensors.items():
+        name, convert = CT_TO_MODELOPT[n]
+        tensors[(e, p, name)] = convert(t).reshape(()) if convert else t
+    return Checkpoint(ckpt.scheme, tensors, ckpt.w13, ckpt.w2, ckpt.a13, ckpt.a2)
+
+
 FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
     f.__name__: f for f in (fp8_block, fp8_tensor, fp8_tensor_scale_inv_0d, fp8_tensor_static,
                             fp8_channel, int8_channel_bf16_scales, nvfp4, nvfp4_dynamic_input,
-                            nvfp4_weight_only)
+                            nvfp4_weight_only, nvfp4_compressed_tensors,
+                            nvfp4_compressed_tensors_weight_only)
 }
 
 
@@ -354,6 +410,32 @@ def test_nvfp4_unifies_global_scales_to_max() -> None:
     assert rel_error(out, exact) < FLOAT_RTOL["nvfp4"]
 
 
+@pytest.mark.parametrize("scheme", ("nvfp4", "nvfp4_w4a16"))
+def test_nvfp4_compressed_tensors_loads_like_modelopt(scheme: str) -> None:
+    """Mixtral names, gate and up with different global scales: every processed tensor equals the
+    ModelOpt-named load of the same checkpoint bit for bit."""
+    ckpt = _nvfp4_compressed_tensors(float_weights(17), scheme, False, 18)
+    g_gate = ckpt.tensors[(1, "gate", "weight_global_scale")]
+    g_up = ckpt.tensors[(1, "up", "weight_global_scale")]
+    assert g_gate > 2 * g_up  # divisors: the up half has the larger multiplier
+    ct = layer_for(scheme)
+    mixtral = {"gate": "w1", "up": "w3", "down": "w2"}
+    named = [(f"model.layers.0.block_sparse_moe.experts.{e}.{mixtral[p]}.{n}", t)
+             for (e, p, n), t in ckpt.tensors.items()]
+    assert ct.load_weights(named) == {n for n, _ in named}
+    ct.process_weights_after_loading()
+    modelopt = layer_for(scheme)
+    load(modelopt, as_modelopt(ckpt), "names")
+    assert ct.w13_global_scale[1] == torch.reciprocal(g_up)
+    loaded = dict(ct.named_buffers()) | dict(ct.named_parameters())
+    expected = dict(modelopt.named_buffers()) | dict(modelopt.named_parameters())
+    assert loaded.keys() == expected.keys()
+    for name, t in expected.items():
+        assert same_bits(loaded[name], t), name
+    x, logits = batch()
+    assert torch.equal(ct(x, logits), modelopt(x, logits))
+
+
 # Tensor and expert parallelism -----------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss"))
 def test_tp2_ranks_sum_to_tp1(fmt: str) -> None:
@@ -465,6 +547,15 @@ BAD = [
         lambda m: m.load_fused_experts_weight("down_proj_scales", torch.zeros(E, H, I // 32)),
         r"down_proj_scales: checkpoint tensor has dtype torch.float32, expected torch.uint8",
         (("activation", "swigluoai"), ("has_bias", True))),
+    Bad("ct_global_zero", "nvfp4",
+        lambda m: m.load_expert_weight(2, "down_proj.weight_global_scale", torch.zeros(1)),
+        r"expert 2 down_proj.weight_global_scale: compressed-tensors stores this global scale as a "
+        r"divisor \(448 \* 6 / amax\), so it must be positive; got \[0.0\]"),
+    Bad("ct_and_modelopt_names", "nvfp4",
+        lambda m: (m.load_expert_weight(0, "w1.weight_scale_2", torch.ones(())),
+                   m.load_expert_weight(1, "w1.weight_global_scale", torch.ones(1))),
+        r"expert 1 w1.weight_global_scale: this layer already loaded weight_scale_2 tensors named "
+        r"'weight_scale_2'; one checkpoint uses one naming"),
     Bad("gpt_oss_on_fp8", "fp8_w8a8_block",
         lambda m: m.load_weights([("mlp.experts.down_proj_blocks", torch.zeros(1))]),
         r"down_proj_blocks: gpt-oss MXFP4 tensors need quant='mxfp4_w4a16' .* this layer has "
@@ -511,6 +602,17 @@ def test_missing_scale_detected() -> None:
             layer.load_expert_weight(e, f"{p}.{n}", t)
     with pytest.raises(RuntimeError, match=r"never loaded \(expert, shard\): "
                                            r"\[\(2, 'up.weight_scale_2'\), \(3, 'down.input_scale'\)\]"):
+        layer.process_weights_after_loading()
+
+
+def test_missing_compressed_tensors_global_scale_named() -> None:
+    ckpt = make_checkpoint("nvfp4_compressed_tensors")
+    layer = layer_for("nvfp4")
+    load_now = [(f"mlp.experts.{e}.{HF[p]}.{n}", t) for (e, p, n), t in ckpt.tensors.items()
+                if (e, p, n) != (1, "up", "weight_global_scale")]
+    layer.load_weights(load_now)
+    with pytest.raises(RuntimeError, match=r"never loaded \(expert, shard\): "
+                                           r"\[\(1, 'up.weight_global_scale'\)\]"):
         layer.process_weights_after_loading()
 
 

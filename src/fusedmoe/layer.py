@@ -33,6 +33,7 @@ from fusedmoe.quant.checkpoint import (
     GPT_OSS_TENSORS,
     ROLES,
     TENSOR_ROLES,
+    as_multiplier,
     check_checkpoint_tensor,
     check_partition,
     fuse_fp8_tensor_scales,
@@ -54,8 +55,7 @@ SHARD_ALIASES = {
     "down_proj": "down", "w2": "down", "down": "down",
 }
 _EXPERT_NAME = re.compile(
-    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(weight|bias|weight_scale|weight_scale_inv|weight_scale_2|"
-    r"input_scale)$"
+    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join(TENSOR_ROLES) + r")$"
 )
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
@@ -183,6 +183,7 @@ class FusedMoE(nn.Module):
         self._global_to_local = {int(g): i for i, g in enumerate(local_to_global.tolist())}
         # [L, projection (gate, up, down), role (ROLES: weight, weight_scale, ...)]
         self._loaded = torch.zeros(num_local, len(_PROJECTIONS), len(ROLES), dtype=torch.bool)
+        self._role_names: dict[str, str] = {}  # role -> the checkpoint's name for it
         self.selection: Selection | None = None
         self._kernel: ModularMoE | None = None
 
@@ -221,7 +222,8 @@ class FusedMoE(nn.Module):
         or the same with a "_bias" suffix. Full (unsharded) tensors: gate/up [I, H], down [H, I],
         gate/up bias [I], down bias [H]; this rank's TP slice is taken here.
         Pre-quantized layers also take "<projection>.<tensor>" with tensor one of weight,
-        weight_scale, weight_scale_inv, weight_scale_2, input_scale, shaped as stored on disk
+        weight_scale, weight_scale_inv, weight_scale_2, input_scale (or compressed-tensors'
+        weight_packed, weight_global_scale, input_global_scale), shaped as stored on disk
         (`fusedmoe.quant.checkpoint`).
         """
         if self._kernel is not None:
@@ -309,6 +311,13 @@ class FusedMoE(nn.Module):
                 f"({scheme.activation}); a checkpoint with static input scales loads as "
                 "fp8_w8a8_tensor_static"
             )
+        seen = self._role_names.setdefault(role, name)
+        if seen != name:
+            raise ValueError(
+                f"{where}.{name}: this layer already loaded {role} tensors named {seen!r}; "
+                "one checkpoint uses one naming (ModelOpt or compressed-tensors)"
+            )
+        tensor = as_multiplier(where, name, tensor)
         local = self._global_to_local.get(expert_id)
         if local is None:  # checked like a local one, so a bad checkpoint fails on every rank
             return False
@@ -384,8 +393,9 @@ class FusedMoE(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load `...experts.{e}.{gate_proj,up_proj,down_proj,w1,w3,w2}.{weight,bias}` tensors,
         their quantized companions (`.weight_scale`, `.weight_scale_inv`, `.weight_scale_2`,
-        `.input_scale`) and gpt-oss's fused `...experts.{gate_up_proj,down_proj}_{blocks,scales,
-        bias}`.
+        `.input_scale`; compressed-tensors NVFP4: `.weight_packed`, `.weight_scale`,
+        `.weight_global_scale`, `.input_global_scale`) and gpt-oss's fused
+        `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
         Returns the names consumed (those of experts on other EP ranks included); other names
         are left for the caller.
@@ -448,9 +458,10 @@ class FusedMoE(nn.Module):
         needed = loaded[..., [ROLES.index(r) for r in roles]]
         if needed.all():
             return
+        names = [self._role_names.get(role, role) for role in roles]  # as the checkpoint says
         missing = [
             (int(self.local_to_global[e]),
-             _PROJECTIONS[projs[p]] + ("" if roles[r] == "weight" else f".{roles[r]}"))
+             _PROJECTIONS[projs[p]] + ("" if names[r] == "weight" else f".{names[r]}"))
             for e, p, r in (~needed).nonzero().tolist()
         ]
         raise RuntimeError(f"checkpoint tensors never loaded (expert, shard): {missing[:8]}")

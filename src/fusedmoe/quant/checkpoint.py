@@ -10,7 +10,11 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
     int8 channel  weight int8 [N, K] + weight_scale [N, 1] (fp32 or bf16)    (compressed-tensors)
     nvfp4         weight uint8 [N, K/2] + weight_scale e4m3 [N, K/16] + weight_scale_2 fp32 []
                   + input_scale fp32 []                                                 (ModelOpt)
-Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2].
+    nvfp4         weight_packed + weight_scale + weight_global_scale fp32 [1]
+                  + input_global_scale fp32 [1]              (compressed-tensors nvfp4-pack-quantized)
+Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2]. The flavour is told
+by the names: compressed-tensors' NVFP4 global scales are stored as divisors (448 * 6 / amax)
+and load as their reciprocals, into the same buffers as ModelOpt's.
 """
 
 from __future__ import annotations
@@ -24,15 +28,25 @@ from fusedmoe.quant.formats import FP8_DTYPE, FP8_MAX, MX_GROUP, fp8_quantize
 from fusedmoe.quant.scheme import QuantKey, QuantScheme
 
 # Checkpoint tensor name -> its role; DeepSeek's `weight_scale_inv` is a multiplier like
-# `weight_scale` (the 0-d Mistral variant too), so both fill the weight scale.
+# `weight_scale` (the 0-d Mistral variant too), so both fill the weight scale. compressed-tensors
+# NVFP4 renames the payload and the two global scales.
 ROLES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 TENSOR_ROLES = {
     "weight": "weight",
+    "weight_packed": "weight",
     "weight_scale": "weight_scale",
     "weight_scale_inv": "weight_scale",
     "weight_scale_2": "weight_scale_2",
+    "weight_global_scale": "weight_scale_2",
     "input_scale": "input_scale",
+    "input_global_scale": "input_scale",
 }
+# compressed-tensors stores NVFP4 global scales as divisors, g = 448 * 6 / amax (x * g lands in
+# e4m3 x e2m1 range); vLLM loads them as 1 / g (vllm-project/vllm,
+# vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe.py,
+# CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading: w13_scale_2 =
+# 1.0 / w13_weight_global_scale, a13_scale = 1.0 / w13_input_global_scale).
+RECIPROCAL_TENSORS = ("weight_global_scale", "input_global_scale")
 GPT_OSS_TENSORS = (
     "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
     "down_proj_blocks", "down_proj_scales", "down_proj_bias",
@@ -132,6 +146,22 @@ def check_checkpoint_tensor(
         raise ValueError(
             f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}"
         )
+
+
+def as_multiplier(where: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checked tensor as the multiplier its role holds: 1 / t (fp32) for compressed-tensors'
+    global scales (`RECIPROCAL_TENSORS`), t otherwise.
+
+    A divisor must be positive: 1 / 0 would scale the projection by inf.
+    """
+    if name not in RECIPROCAL_TENSORS:
+        return tensor
+    if not (tensor > 0).all():
+        raise ValueError(
+            f"{where}.{name}: compressed-tensors stores this global scale as a divisor "
+            f"(448 * 6 / amax), so it must be positive; got {tensor.flatten().tolist()}"
+        )
+    return torch.reciprocal(tensor.float())
 
 
 def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inter: int,

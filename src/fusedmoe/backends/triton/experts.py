@@ -26,6 +26,8 @@ ACT_CODES = {name: i for i, name in enumerate(
 assert set(ACT_CODES) == set(ACTIVATIONS)
 
 
+# W8A8 scale modes of the GEMM kernels, keyed by the weight granularity: keep in sync with kernels.Q_*.
+W8A8_QUANT_CODES = {"tensor": 1, "channel": 2, "block": 3}
 GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
 # Which alignment, from benchmarks/bench_align.py on an H200 (us per call, CUDA graph, E = 8..256):
 #   N      small      chunked    multi      torch
@@ -277,11 +279,12 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
 
 
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
-                 quant_args: dict | None = None) -> None:
-    """GEMM1 (+ the split-K finish); quant_args: the kernel's weight-only arguments (weight_only.py)."""
+                 quant_args: dict | None = None, *, x: torch.Tensor | None = None) -> None:
+    """GEMM1 (+ the split-K finish). quant_args: the kernel's quantization arguments (W8A8 in
+    quant.py, weight-only in weight_only.py); x: GEMM1's input when it is not L.x (W8A8 codes)."""
     from fusedmoe.backends.triton import kernels
 
-    x, a = L.x, L.a
+    x, a = (L.x if x is None else x), L.a
     inter, hidden = a.shape[1], x.shape[1]
     gated = is_gated(L.activation)
     bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
@@ -304,7 +307,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
-        IEEE=x.dtype == torch.float32, SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
+        IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
         **(quant_args or {}),
     )
     if splits > 1:
@@ -318,10 +321,11 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
 
 
 def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
-                 quant_args: dict | None = None) -> None:
+                 quant_args: dict | None = None, *, a: torch.Tensor | None = None) -> None:
+    """GEMM2; a: its input when it is not L.a (the W8A8 intermediate's codes)."""
     from fusedmoe.backends.triton import kernels
 
-    a, y = L.a, L.y
+    a, y = (L.a if a is None else a), L.y
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
@@ -333,8 +337,14 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=a.dtype == torch.float32, GROUP_M=GROUP_M, **tile.as_kwargs(), **(quant_args or {}),
+        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, **tile.as_kwargs(), **(quant_args or {}),
     )
+
+
+def _ieee(operand: torch.Tensor, quant_args: dict | None) -> bool:
+    """fp32 operands take exact fp32 products (not TF32), unless a W8A8 mode feeds 8-bit codes to
+    tl.dot (also when a per-tensor mode quantizes fp32 x on load)."""
+    return operand.dtype == torch.float32 and (quant_args or {}).get("QUANT", 0) not in W8A8_QUANT_CODES.values()
 
 
 def launch_reduce(L: Launch, out: torch.Tensor) -> None:

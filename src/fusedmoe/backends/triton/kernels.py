@@ -42,7 +42,7 @@ ACT_SILU_NO_MUL = tl.constexpr(4)
 ACT_GELU_NO_MUL = tl.constexpr(5)
 ACT_RELU2_NO_MUL = tl.constexpr(6)
 
-# W8A8 scale modes (constexpr): keep in sync with quant.QUANT_CODES.
+# W8A8 scale modes (constexpr): keep in sync with experts.W8A8_QUANT_CODES.
 Q_NONE = tl.constexpr(0)
 Q_TENSOR = tl.constexpr(1)  # A quantized on load with one scale per expert; w one scale per expert
 Q_CHANNEL = tl.constexpr(2)  # A codes with a scale per row (token); w a scale per output channel

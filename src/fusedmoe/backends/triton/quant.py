@@ -28,12 +28,13 @@ import torch
 
 from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
-    ACT_CODES,
-    GROUP_M,
+    W8A8_QUANT_CODES,
     GemmProblem,
     Launch,
     _num_sms,
     align,
+    launch_gemm1,
+    launch_gemm2,
     launch_reduce,
     triton_cdiv,
     triton_next_pow2,
@@ -43,8 +44,6 @@ from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
 
-# Scale modes of the GEMM kernels, keyed by the weight granularity: keep in sync with kernels.Q_*.
-QUANT_CODES = {"tensor": 1, "channel": 2, "block": 3}
 W8A8_SCHEMES = frozenset(
     ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
 )
@@ -320,7 +319,6 @@ def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local:
 def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfig, a2_scale=None) -> None:
     """GEMM1 (-> fp32 a, or the 1x128 codes directly), then the intermediate's quantization:
     the same as x's, per aligned row (padding rows are harmless)."""
-    from fusedmoe.backends.triton import kernels
 
     L, gran, akey = q.L, q.scheme.weight.granularity, q.scheme.activation
     a, device = L.a, L.a.device
@@ -333,9 +331,13 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
-    _launch_gemm1(L, q.x_in, w13, w13_bias, w13_scale, q.x_scales, xs_strides, tile, gran, q.x_static,
-                  q.x_row_w, q.scheme.weight.dtype == "int8", soft,
-                  a_codes if fuse else None, a_scales if fuse else None, kernels)
+    fused = dict(aq_ptr=a_codes, as_ptr=a_scales, stride_aqr=a_codes.stride(0), stride_aqi=a_codes.stride(1),
+                 stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
+    launch_gemm1(L, w13, w13_bias, tile, dict(
+        xs_ptr=q.x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
+        **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_STATIC=q.x_static,
+        X_ROW_W=q.x_row_w, ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=soft, FUSE_AQ=fuse, **fused,
+    ), x=q.x_in)
     if gran == "tensor":
         q.a_static = a2_scale is not None
         q.a_in = a
@@ -349,12 +351,14 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
 
 
 def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig) -> None:
-    from fusedmoe.backends.triton import kernels
 
     gran = q.scheme.weight.granularity
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
-    _launch_gemm2(q.L, q.a_in, w2, w2_bias, w2_scale, q.a_scales, as_strides, tile, gran, q.a_static,
-                  q.scheme.weight.dtype == "int8", _soft_fp8(q.a_in.device), kernels)
+    launch_gemm2(q.L, w2, w2_bias, tile, dict(
+        as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
+        **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], A_STATIC=q.a_static,
+        ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device),
+    ), a=q.a_in)
 
 
 def triton_batched_quant_experts(
@@ -440,76 +444,12 @@ def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, num_loc
     return amax
 
 
-def _scale_strides(scale: torch.Tensor, granularity: str) -> tuple[int, int, int]:
-    """(expert, row, column) strides of weight scales [L], [L, N] or [L, N/128, K/128]."""
+def _weight_scale_strides(scale: torch.Tensor, granularity: str) -> dict:
+    """The kernels' (expert, row, column) strides of weight scales [L], [L, N] or [L, N/128, K/128]."""
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
-    return strides if granularity != "tensor" else (strides[0], 0, 0)
-
-
-def _launch_gemm1(L, x, w13, w13_bias, w13_scale, x_scales, xs_strides, tile, gran, x_static, x_row_w,
-                  acc_int, soft, a_codes, a_scales, kernels) -> None:
-    a = L.a
-    inter, hidden = a.shape[1], x.shape[1]
-    bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
-    limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
-    blocks = L.sorted_slot.numel() // L.block_m
-    k_per_split = triton_cdiv(triton_cdiv(hidden, tile.split_k), tile.block_k) * tile.block_k
-    splits = triton_cdiv(hidden, k_per_split)
-    hpart = a  # never written unless SPLIT_K > 1
-    if splits > 1:
-        hpart = torch.empty(splits, a.shape[0], w13.shape[1], dtype=torch.float32, device=x.device)
-    flags = dict(GATED=is_gated(L.activation), ACT=ACT_CODES[L.activation],
-                 HAS_LIMIT=L.swiglu_limit is not None and L.activation != "swigluoai",
-                 HAS_BIAS=w13_bias is not None, SCALE_ROWS=False)
-    b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
-    h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
-    fuse = a_codes is not None
-    aq, a_s = (a_codes, a_scales) if fuse else (None, None)
-    kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
-        x, w13, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
-        L.y.shape[0], L.top_k, hidden, inter, k_per_split,
-        x.stride(0), x.stride(1),
-        w13.stride(0), w13.stride(1), w13.stride(2),
-        *b_strides, a.stride(0), a.stride(1), *h_strides,
-        float(L.swiglu_alpha), float(limit),
-        IEEE=False, SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
-        xs_ptr=x_scales, ws_ptr=w13_scale, aq_ptr=aq, as_ptr=a_s,
-        stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
-        **dict(zip(("stride_ws0", "stride_ws1", "stride_ws2"), _scale_strides(w13_scale, gran), strict=True)),
-        stride_aqr=aq.stride(0) if fuse else 0, stride_aqi=aq.stride(1) if fuse else 0,
-        stride_asr=a_s.stride(0) if fuse else 0, stride_asg=a_s.stride(1) if fuse else 0,
-        QUANT=QUANT_CODES[gran], X_STATIC=x_static, X_ROW_W=x_row_w, ACC_INT=acc_int,
-        SOFT_FP8=soft, FUSE_AQ=fuse,
-    )
-    if splits > 1:
-        block_n = min(128, triton_next_pow2(inter))
-        kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
-            hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
-            L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
-            float(L.swiglu_alpha), float(limit),
-            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags,
-        )
-
-
-def _launch_gemm2(L, a, w2, w2_bias, w2_scale, a_scales, as_strides, tile, gran, a_static, acc_int,
-                  soft, kernels) -> None:
-    y = L.y
-    hidden, inter = y.shape[1], a.shape[1]
-    bias = w2_bias if w2_bias is not None else y
-    blocks = L.sorted_slot.numel() // L.block_m
-    kernels.moe_gemm2_kernel[(blocks * triton_cdiv(hidden, tile.block_n),)](
-        a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
-        y.shape[0], hidden, inter,
-        a.stride(0), a.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
-        y.stride(0), y.stride(1),
-        HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=False, GROUP_M=GROUP_M, **tile.as_kwargs(),
-        as_ptr=a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-        **dict(zip(("stride_ws0", "stride_ws1", "stride_ws2"), _scale_strides(w2_scale, gran), strict=True)),
-        QUANT=QUANT_CODES[gran], A_STATIC=a_static, ACC_INT=acc_int, SOFT_FP8=soft,
-    )
+    if granularity == "tensor":
+        strides = (strides[0], 0, 0)
+    return dict(zip(("stride_ws0", "stride_ws1", "stride_ws2"), strides, strict=True))
 
 
 # Custom ops (torch.compile(fullgraph=True), CUDA graphs) -------------------------------------

@@ -29,7 +29,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,64,1024")
     args = ap.parse_args()
     ceil = bench.measure_ceilings()
-    grid = [(bn, bk, nw) for bn, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 128), (64, 256))
+    grid = [(bn, bk, nw) for bn, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 128), (64, 256), (32, 256),
+                                        (128, 256))
             for nw in (4, 8)]
     for name in args.presets.split(","):
         p = PRESETS[name]

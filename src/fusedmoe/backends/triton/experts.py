@@ -307,7 +307,8 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
-        IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, **flags, **tile.as_kwargs(),
+        IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
+        **flags, **tile.as_kwargs(),
         **(quant_args or {}),
     )
     if splits > 1:
@@ -337,7 +338,8 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, **tile.as_kwargs(), **(quant_args or {}),
+        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
+        **(quant_args or {}),
     )
 
 

@@ -17,12 +17,15 @@ load (Q_TENSOR: one scale per expert). Host side: quant.py.
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
     Q_W8  fp8 / int8 codes -> activation dtype -> dot; per-channel scale on the fp32 accumulator
-    Q_W4  a byte holds k = 2j (low nibble) and 2j + 1 (high): x is read as its even and odd
-          columns, so   acc += x[:, 0::2] @ (lo * s) + x[:, 1::2] @ (hi * s)   with two K/2 dots
-          and no nibble interleave in registers; s = the group scale of each element (int4 any
-          float, mxfp4 e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in
-          registers (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global
-          scale on the accumulator.
+    Q_W4  a byte holds k = 2j (low nibble) and 2j + 1 (high): x is read contiguously and split
+          into its even and odd columns in registers, so
+              acc += x[:, 0::2] @ (lo * s) + x[:, 1::2] @ (hi * s)   with two K/2 dots
+          and no nibble interleave; s = the group scale of each element (int4 any float, mxfp4
+          e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in registers
+          (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global scale on the
+          accumulator. bf16 on a GPU (W4_PTX): the codes are decoded and scaled by inline PTX
+          (`_w4_ptx_decode`: prmt / lop3 / fma.bf16x2, ~2-3 instructions per weight, no
+          conversion instructions); elsewhere (fp16, fp32, the interpreter) in fp32.
 Host side: weight_only.py.
 """
 
@@ -133,27 +136,114 @@ def _w4_scale(s, FMT: tl.constexpr):
     return v
 
 
+# 4-bit codes -> bf16 in registers with integer and packed-bf16 instructions (no conversion
+# unit: its int -> float and float -> bf16 casts run at 16 per SM cycle, a quarter of the rate
+# the quantized byte roof needs). One asm block takes 4 bytes (b0..b3 in $4) and their bf16
+# scales ($5 = s0 | s1 << 16, $6 = s2 | s3 << 16) and returns the low nibbles' values ($0, $1)
+# and the high nibbles' ($2, $3) as bf16 pairs. prmt spreads bytes b0, b1 (b2, b3) over the two
+# 16-bit lanes of t0 (t1); lop3 (a & b) ^ c = 0x6A, (a & b) | c = 0xEA.
+#   int4: (c & 15) ^ 0x4308 is the bf16 of 128 + (c ^ 8); minus 136 (fma x * 1 - 136, exact)
+#         is the two's complement nibble.
+#   e2m1: (c & 7) << 6 | (c & 8) << 12 is the bf16 of value * 2^-126 (code 1 = 0.5 lands on the
+#         subnormal 2^-127); times 2^126 (0x7E80) is exact.
+# Then one fma.rn.bf16x2 by the scale (+ -0.0): value * s rounded once, as the fp32 path.
+_W4_PTX_HEAD = """
+{
+.reg .b32 t0, t1, u0, u1, u2, u3, w0, w1, w2, w3, one, neg0, k;
+mov.b32 neg0, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+"""
+_W4_PTX_TAIL = """
+fma.rn.bf16x2 $0, u0, $5, neg0;
+fma.rn.bf16x2 $1, u1, $6, neg0;
+fma.rn.bf16x2 $2, u2, $5, neg0;
+fma.rn.bf16x2 $3, u3, $6, neg0;
+}
+"""
+W4_PTX_INT4 = tl.constexpr(_W4_PTX_HEAD + """
+mov.b32 one, 0x3F803F80;
+mov.b32 k, 0xC308C308;
+lop3.b32 u0, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 u1, t1, 0x000F000F, 0x43084308, 0x6A;
+shr.u32 t0, t0, 4;
+shr.u32 t1, t1, 4;
+lop3.b32 u2, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 u3, t1, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 u0, u0, one, k;
+fma.rn.bf16x2 u1, u1, one, k;
+fma.rn.bf16x2 u2, u2, one, k;
+fma.rn.bf16x2 u3, u3, one, k;
+""" + _W4_PTX_TAIL)
+W4_PTX_E2M1 = tl.constexpr(_W4_PTX_HEAD + """
+mov.b32 k, 0x7E807E80;
+shl.b32 u0, t0, 6;
+shl.b32 u1, t1, 6;
+shl.b32 u2, t0, 2;
+shl.b32 u3, t1, 2;
+shl.b32 w0, t0, 12;
+shl.b32 w1, t1, 12;
+shl.b32 w2, t0, 8;
+shl.b32 w3, t1, 8;
+and.b32 w0, w0, 0x80008000;
+and.b32 w1, w1, 0x80008000;
+and.b32 w2, w2, 0x80008000;
+and.b32 w3, w3, 0x80008000;
+lop3.b32 u0, u0, 0x01C001C0, w0, 0xEA;
+lop3.b32 u1, u1, 0x01C001C0, w1, 0xEA;
+lop3.b32 u2, u2, 0x01C001C0, w2, 0xEA;
+lop3.b32 u3, u3, 0x01C001C0, w3, 0xEA;
+fma.rn.bf16x2 u0, u0, k, neg0;
+fma.rn.bf16x2 u1, u1, k, neg0;
+fma.rn.bf16x2 u2, u2, k, neg0;
+fma.rn.bf16x2 u3, u3, k, neg0;
+""" + _W4_PTX_TAIL)
+
+
+@triton.jit
+def _w4_ptx_decode(b, s, FMT: tl.constexpr):
+    """(low, high) nibbles of uint8 `b` decoded and times bf16 `s` (broadcast to b's shape), bf16."""
+    if FMT == W4_INT4:
+        lo, hi = tl.inline_asm_elementwise(W4_PTX_INT4, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(W4_PTX_E2M1, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
 @triton.jit
 def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
     """(low, high) dequantized [BLOCK_K / 2, BLOCK_N] tiles of one packed K step, in DTYPE.
 
     w_ptrs: the bytes (k = 2j, 2j + 1) x n; s_cols: [1, BLOCK_N] pointers to the n columns' first
     group scale. A step covers BLOCK_K / GROUP whole groups (their scales are loaded once and
     repeated over the group's GROUP / 2 bytes) or lies in one group (one scale per column).
+    PTX (bf16 on a GPU): the scales are rounded to bf16 (exact for e8m0 and e4m3; int4's float
+    scales gain a 2^-9 relative rounding) and the decode runs as `_w4_ptx_decode`; otherwise
+    fp32 values * fp32 scales, cast to DTYPE.
     """
-    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    b = tl.load(w_ptrs, mask=mask, other=0)
     if BLOCK_K > GROUP:
         groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         s = tl.load(s_cols + groups[:, None] * stride_sg,
                     mask=(groups * GROUP < k_end)[:, None] & n_ok[None, :], other=0.0)
         s = _w4_scale(s, FMT)
+        if PTX:  # round before the broadcast: one conversion per group, not per weight
+            s = s.to(tl.bfloat16)
         s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
                        (BLOCK_K // 2, BLOCK_N))
     else:
         s = _w4_scale(tl.load(s_cols + (k0 // GROUP) * stride_sg, mask=n_ok[None, :], other=0.0), FMT)
-    lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
-    hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
+        if PTX:
+            s = s.to(tl.bfloat16)
+    if PTX:
+        lo, hi = _w4_ptx_decode(b, s, FMT)
+    else:
+        b = b.to(tl.int32)
+        lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
+        hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
     return lo, hi
 
 
@@ -220,7 +310,8 @@ def moe_gemm1_kernel(
     stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
     QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -266,19 +357,23 @@ def moe_gemm1_kernel(
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
         if QUANT == Q_W4:
-            kk = k0 + 2 * offs_j
-            kk_ok = kk < k_end
-            x_mask = row_ok[:, None] & kk_ok[None, :]
-            x_even = tl.load(x_rows + kk[None, :] * stride_xh, mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows + (kk + 1)[None, :] * stride_xh, mask=x_mask, other=0.0)
-            w_mask = kk_ok[:, None] & n_ok[None, :]
-            w_off = (kk // 2)[:, None] * stride_wh
+            # x read contiguously and split into its even / odd columns in registers (two
+            # stride-2 loads cost more than the whole decode: H200, benchmarks/bench_w4_decode.py)
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+            # whole K steps (EVEN_K) need no K mask; else the mask in byte indices (k_end is
+            # even), constant over 8 bytes, so the loads still vectorize
+            w_mask = n_ok[None, :] if EVEN_K else (offs_j < (k_end - k0) // 2)[:, None] & n_ok[None, :]
+            j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)  # K shares start on BLOCK_K multiples: 16 B aligned
+            w_off = (j0 + offs_j)[:, None] * stride_wh
             lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
-                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, W4_PTX)
             acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE), IEEE)
             if GATED:
                 lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
-                                   k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                   k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty,
+                                   W4_PTX)
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
         else:
             k_ok = offs_k < k_end - k0
@@ -410,7 +505,8 @@ def moe_gemm2_kernel(
     stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     QUANT: tl.constexpr = 0, A_STATIC: tl.constexpr = False, ACC_INT: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -442,14 +538,15 @@ def moe_gemm2_kernel(
         wq_cols = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(0, inter, BLOCK_K):
-        if QUANT == Q_W4:
-            kk = k0 + 2 * offs_j
-            kk_ok = kk < inter
-            a_mask = row_ok[:, None] & kk_ok[None, :]
-            a_even = tl.load(a_rows + kk[None, :] * stride_ai, mask=a_mask, other=0.0)
-            a_odd = tl.load(a_rows + (kk + 1)[None, :] * stride_ai, mask=a_mask, other=0.0)
-            lo, hi = _w4_tiles(wq_cols + (kk // 2)[:, None] * stride_wi, sq_cols, kk_ok[:, None] & n_ok[None, :],
-                               n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty)
+        if QUANT == Q_W4:  # as in moe_gemm1_kernel
+            k_ok = offs_k < inter - k0
+            aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
+            w_mask = n_ok[None, :] if EVEN_K else (offs_j < (inter - k0) // 2)[:, None] & n_ok[None, :]
+            j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
+            lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
+                               n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty,
+                               W4_PTX)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
         else:
             k_ok = offs_k < inter - k0

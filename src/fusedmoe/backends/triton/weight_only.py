@@ -113,18 +113,21 @@ def triton_weight_only_experts(
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                             swiglu_limit, t1.block_m)
-    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale))
-    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale))
+    ptx = x_TH.is_cuda and x_TH.dtype == torch.bfloat16
+    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, ptx))
+    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, ptx))
     launch_reduce(launch, out)
     return out
 
 
-def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None) -> dict:
-    """The GEMM kernels' weight-only keyword arguments for one weight's scales."""
+def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                 ptx: bool) -> dict:
+    """The GEMM kernels' weight-only keyword arguments for one weight's scales; ptx: 4-bit codes
+    decoded by inline PTX (bf16 activations on a GPU; the interpreter cannot run it)."""
     key = scheme.weight
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):
         return dict(args, QUANT=Q_W8)
-    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group,
+    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, W4_PTX=ptx,
                 wgs_ptr=global_scale if global_scale is not None else scale)

@@ -161,13 +161,20 @@ def heuristic(
             num_warps = 8 if block_m >= 128 else 4
         if quant == "block":
             block_k, block_n = min(block_k, 128), min(block_n, 128)
-    elif quant == "w4" and block_m == 16:
-        # In-register 4-bit decode at few rows per expert (H200, mxfp4 and int4 g32): BLOCK_N 32-64
-        # and BLOCK_K 128 (64 past ~2 slots per expert) ran 2-8x faster than the bf16 decode tile
-        # (BLOCK_N up to 128, BLOCK_K 256), e.g. Mixtral M=1 467 us against 1005 us.
-        block_n = max(32, min(block_n, 64))
-        block_k = 128 if num_slots <= 2 * num_local_experts else 64
+    elif quant == "w4":
+        # 4-bit decode in registers (H200 grid, benchmarks/bench_quant_tiles.py at 28f7f8f, int4 g32
+        # and mxfp4 on Mixtral / Qwen3-30B / DeepSeek-V3): at 16-row blocks BLOCK_N 32-64 with
+        # BLOCK_K 256 on long K at decode (Mixtral M=1 119 us against 159 with 128), 128 past
+        # ~2 slots per expert; larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us
+        # against 1184 for the bf16 tile 128 x 64). No split-K: its partials cost more than the
+        # few programs lose.
         split = 1
+        if block_m == 16:
+            block_n = max(32, min(block_n, 64))
+            block_k = 256 if num_slots <= 2 * num_local_experts and k >= 4096 else 128
+        else:
+            block_n, block_k = 64, 128
+            num_warps = 8 if block_m >= 128 else 4
     tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:

@@ -76,6 +76,9 @@ KNOBS: dict[str, Knob] = {
              "Run input checks that need a device-to-host sync (id ranges, NaN logits) on GPU tensors."),
         Knob("TUNED_DIR", _text, None,
              "Folder searched for tuned tile tables before the packaged ones."),
+        Knob("PDL", _tristate, None,
+             "Programmatic dependent launch of the Triton MoE kernels (sm90+: each launch overlaps "
+             "the previous kernel's tail): unset/1 = on where the GPU and Triton support it, 0 = off."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
              "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
     )

@@ -80,6 +80,26 @@ def _rows(n: int, num_local: int, block_m: int) -> int:
     return (rows + block_m - 1) // block_m * block_m
 
 
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    import triton.language as tl
+
+    return (torch.cuda.get_device_capability(device_index) >= (9, 0)
+            and hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch keywords for programmatic dependent launch (kernels._pdl_enter) on this device:
+    sm90+ GPUs whose Triton has grid dependency control, unless FUSEDMOE_PDL=0. The interpreter
+    (CPU tensors) launches plainly."""
+    from fusedmoe import knobs
+
+    if device.type != "cuda" or knobs.get("PDL") is False:
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return dict(PDL=True, launch_pdl=True) if _pdl_supported(index) else {}
+
+
 def _align_outputs(n: int, num_local: int, block_m: int, device: torch.device):
     rows = _rows(n, num_local, block_m)
     return (torch.empty(rows, dtype=torch.int32, device=device),
@@ -102,7 +122,7 @@ def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, scratch, n, num_global_experts, num_local_experts, rows,
         HAS_MAP=expert_map_E is not None, BLOCK_N=max(16, triton_next_pow2(n)), BLOCK_E=block_e,
-        BLOCK_M=block_m, BLOCK_R=1024, num_warps=4,
+        BLOCK_M=block_m, BLOCK_R=1024, num_warps=4, **pdl(device),
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
@@ -124,7 +144,7 @@ def _align_chunked(topk_ids_TK, expert_map_E, num_global_experts, num_local_expe
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, count, start, key, rank, n, num_global_experts, num_local, sorted_slot.numel(),
         HAS_MAP=expert_map_E is not None, CHUNK=chunk, BLOCK_E=min(1024, triton_next_pow2(num_local + 1)),
-        BLOCK_M=block_m, BLOCK_R=1024, num_warps=16,
+        BLOCK_M=block_m, BLOCK_R=1024, num_warps=16, **pdl(device),
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
@@ -154,16 +174,17 @@ def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
         n, num_global_experts, num_local, rows, triton_cdiv(rows, num_chunks),
         triton_cdiv(rows // block_m, num_chunks),
         HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_R=1024, num_warps=num_warps,
+        **pdl(device),
     )
     block_e = min(block_e, triton_next_pow2(offsets_tile))
     block_c = max(2, min(triton_next_pow2(num_chunks), offsets_tile // block_e))
     kernels.moe_align_offsets_kernel[(1,)](
         count, start, num_rows, num_chunks, num_local, BLOCK_C=block_c, BLOCK_E=block_e, BLOCK_M=block_m,
-        num_warps=16,
+        num_warps=16, **pdl(device),
     )
     kernels.moe_align_scatter_kernel[(num_chunks,)](
         sorted_slot, block_expert, count, start, key, in_run, num_local, CHUNK=chunk, BLOCK_M=block_m,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl(device),
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
@@ -309,7 +330,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         **flags, **tile.as_kwargs(),
-        **(quant_args or {}),
+        **(quant_args or {}), **pdl(x.device),
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -317,8 +338,8 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
             hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
             L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
             float(L.swiglu_alpha), float(limit),
-            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags,
-        )
+            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **pdl(x.device),
+    )
 
 
 def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
@@ -339,7 +360,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
-        **(quant_args or {}),
+        **(quant_args or {}), **pdl(a.device),
     )
 
 
@@ -358,7 +379,7 @@ def launch_reduce(L: Launch, out: torch.Tensor) -> None:
     kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
         y, out, L.slot_ok, hidden,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4,
+        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4, **pdl(y.device),
     )
 
 

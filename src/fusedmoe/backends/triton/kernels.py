@@ -248,6 +248,16 @@ def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexp
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm90+, `launch_pdl=True`): wait for the previous kernel in
+    the stream to finish (and its writes to be visible) before touching memory, then let the
+    next kernel's programs launch; the launch and prologue overlap the previous kernel's tail."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of this program, in groups of GROUP_M row blocks that sweep all N tiles
     together: a row block's activations and an expert's weight tiles are reused from L2."""
@@ -312,6 +322,7 @@ def moe_gemm1_kernel(
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -319,6 +330,7 @@ def moe_gemm1_kernel(
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
     Quantized: the partials / outputs are dequantized (scales applied) before either path.
     """
+    _pdl_enter(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -461,8 +473,10 @@ def moe_act_kernel(
     alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_s hpart[s, r, n] ...): the split-K GEMM1 partials, summed in split order."""
+    _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -507,8 +521,10 @@ def moe_gemm2_kernel(
     SOFT_FP8: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
+    _pdl_enter(PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -591,8 +607,10 @@ def moe_reduce_kernel(
     hidden,
     stride_ys, stride_yh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, h] = sum over valid k of y[t*K + k, h], accumulated in fp32 in slot order."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < hidden
@@ -635,11 +653,13 @@ def moe_align_small_kernel(
     num_slots, num_global, num_local, total_rows,
     HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The whole alignment in one program, for few slots (decode): same result as the torch path.
 
     rank(i) = #{j < i : expert(j) == expert(i)} (stable); dest(i) = padded_start[expert(i)] + rank(i)
     """
+    _pdl_enter(PDL)
     offs = tl.arange(0, BLOCK_N)
     in_range = offs < num_slots
     local, valid = _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local, HAS_MAP)
@@ -691,6 +711,7 @@ def moe_align_kernel(
     num_slots, num_global, num_local, total_rows,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The whole alignment in one program, CHUNK slots at a time (any count): same result as torch.
 
@@ -698,6 +719,7 @@ def moe_align_kernel(
         rank(i) = count[expert(i)] (earlier chunks) + position of i in its expert's run; count += run
     start = exclusive cumsum of count padded to BLOCK_M;  pass 2: dest(i) = start[expert(i)] + rank(i)
     """
+    _pdl_enter(PDL)
     _fill_unowned(sorted_slot_ptr, block_expert_ptr, 0, total_rows, 0, total_rows // BLOCK_M, num_slots, num_local,
                   BLOCK_R)
     for e0 in range(0, num_local + 1, BLOCK_E):
@@ -751,9 +773,11 @@ def moe_align_count_kernel(
     num_slots, num_global, num_local, total_rows, rows_per_program, blocks_per_program,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program c: slot_ok, sorted keys, in_run and count[c, :] of slots [c*CHUNK, (c+1)*CHUNK), and
     rows [c*rows_per_program, ...) / blocks [c*blocks_per_program, ...) set to padding / unowned."""
+    _pdl_enter(PDL)
     c = tl.program_id(0).to(tl.int64)
     row_lo = c * rows_per_program
     block_lo = c * blocks_per_program
@@ -780,8 +804,10 @@ def moe_align_count_kernel(
 def moe_align_offsets_kernel(
     count_ptr, start_ptr, num_rows_ptr, num_chunks, num_local,
     BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: count [chunks, L] -> base (exclusive cumsum over chunks, in place), start [L], num_rows."""
+    _pdl_enter(PDL)
     rows_used = 0
     for e0 in range(0, num_local, BLOCK_E):
         experts = e0 + tl.arange(0, BLOCK_E)
@@ -804,8 +830,10 @@ def moe_align_offsets_kernel(
 def moe_align_scatter_kernel(
     sorted_slot_ptr, block_expert_ptr, count_ptr, start_ptr, key_ptr, in_run_ptr, num_local,
     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program c: sorted_slot[dest(i)] = i and block_expert[dest(i) // BLOCK_M] = e for chunk c's slots."""
+    _pdl_enter(PDL)
     c = tl.program_id(0).to(tl.int64)
     c0 = c * CHUNK
     offs = c0 + tl.arange(0, CHUNK)

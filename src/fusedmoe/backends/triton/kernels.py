@@ -248,13 +248,26 @@ def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexp
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
+def _pdl_wait(PDL: tl.constexpr):
     """Programmatic dependent launch (sm90+, `launch_pdl=True`): wait for the previous kernel in
-    the stream to finish (and its writes to be visible) before touching memory, then let the
-    next kernel's programs launch; the launch and prologue overlap the previous kernel's tail."""
+    the stream to finish (and its writes to be visible) before touching memory."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_release(PDL: tl.constexpr):
+    """Let the next kernel's programs launch (they wait in `_pdl_wait` until this one finishes):
+    its launch and prologue overlap this kernel's tail."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """`_pdl_wait` then `_pdl_release`, for the short kernels (alignment, activation, reduce)."""
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
 
 
 @triton.jit
@@ -330,7 +343,7 @@ def moe_gemm1_kernel(
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
     Quantized: the partials / outputs are dequantized (scales applied) before either path.
     """
-    _pdl_enter(PDL)
+    _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -418,6 +431,7 @@ def moe_gemm1_kernel(
             x_ptrs += BLOCK_K * stride_xh
             wg_ptrs += BLOCK_K * stride_wh
             wu_ptrs += BLOCK_K * stride_wh
+    _pdl_release(PDL)  # the K loop is done: the next kernel may launch
 
     if QUANT == Q_TENSOR:
         scale = x_scale * tl.load(ws_base).to(tl.float32)
@@ -524,7 +538,7 @@ def moe_gemm2_kernel(
     PDL: tl.constexpr = False,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
-    _pdl_enter(PDL)
+    _pdl_wait(PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -581,6 +595,7 @@ def moe_gemm2_kernel(
                 acc = _dot(aa, ww, acc, IEEE)
             a_ptrs += BLOCK_K * stride_ai
             w_ptrs += BLOCK_K * stride_wi
+    _pdl_release(PDL)
 
     if QUANT == Q_TENSOR:
         acc = acc * (a_scale * tl.load(ws_base).to(tl.float32))

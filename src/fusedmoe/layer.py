@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.config import MoEConfig, ParallelConfig
+from fusedmoe.distributed import ExpertPlacement, MoEGroups, make_distributed
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, select_backend
 from fusedmoe.platform import Platform
@@ -48,6 +50,9 @@ from fusedmoe.quant.weights import scale_shape
 from fusedmoe.routing import CustomRouting, select_experts
 from fusedmoe.validation import check_experts_inputs
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 # Checkpoint names of the three projections (HF/Qwen/DeepSeek style and Mixtral style).
 SHARD_ALIASES = {
     "gate_proj": "gate", "w1": "gate", "gate": "gate",
@@ -68,17 +73,9 @@ def expert_placement(num_experts: int, parallel: ParallelConfig) -> tuple[torch.
 
     linear: rank r owns experts [r*L, (r+1)*L); round_robin: expert g lives on rank g % ep_size.
     """
-    ep, rank = parallel.ep_size, parallel.ep_rank
-    if num_experts % ep:
-        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep}")
-    local = num_experts // ep
-    if parallel.placement == "linear":
-        local_to_global = torch.arange(rank * local, (rank + 1) * local)
-    else:
-        local_to_global = torch.arange(rank, num_experts, ep)
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
-    expert_map[local_to_global] = torch.arange(local, dtype=torch.int32)
-    return expert_map, local_to_global
+    placement = ExpertPlacement.create(num_experts, parallel)
+    rank = parallel.ep_rank
+    return placement.expert_map(rank), placement.local_to_global(rank)
 
 
 class FusedMoE(nn.Module):
@@ -109,13 +106,17 @@ class FusedMoE(nn.Module):
         prequantized: bool = False,
         parallel: ParallelConfig | None = None,
         backend: str = "auto",
-        activation_format: str = "standard",
+        activation_format: str | None = None,
         device: torch.device | str | None = None,
         platform: Platform | None = None,
+        group: ProcessGroup | None = None,
+        max_num_tokens: int | None = None,
     ):
         super().__init__()
         params_dtype = params_dtype or torch.get_default_dtype()
         parallel = parallel or ParallelConfig()
+        if activation_format is None:
+            activation_format = "batched" if parallel.use_batched_activation_format else "standard"
         if use_grouped_topk:
             routing_method = "grouped_topk"
         elif custom_routing_function is not None:
@@ -131,7 +132,11 @@ class FusedMoE(nn.Module):
             activation_format=activation_format, backend=backend,
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,
+            max_num_tokens=max_num_tokens,
         )
+        # With a group, forward communicates and returns the full output on every rank; without
+        # one it returns this rank's partial sum (the caller reduces).
+        self.groups = None if group is None else MoEGroups(parallel, group)
         scheme = self.config.quant
         if prequantized and scheme is None:
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
@@ -175,7 +180,9 @@ class FusedMoE(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
-        expert_map, local_to_global = expert_placement(num_experts, parallel)
+        self.placement = ExpertPlacement.create(num_experts, parallel)
+        expert_map = self.placement.expert_map(parallel.ep_rank)
+        local_to_global = self.placement.local_to_global(parallel.ep_rank)
         self.register_buffer("local_to_global", local_to_global.to(device), persistent=False)
         self.register_buffer(
             "expert_map", expert_map.to(device) if parallel.use_ep else None, persistent=False
@@ -437,7 +444,10 @@ class FusedMoE(nn.Module):
                 param = getattr(self, f"{name}_weight")
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
-        self._kernel = make_modular(c, experts)
+        if self.groups is None:
+            self._kernel = make_modular(c, experts)
+        else:
+            self._kernel = make_distributed(c, experts, self.groups, self.placement)
         return self.selection
 
     def _check_all_loaded(self) -> None:
@@ -519,7 +529,9 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states [..., H], router_logits [..., E] -> [..., H] (this rank's partial sum)."""
+        """hidden_states [..., H], router_logits [..., E] -> [..., H]: the full output with a
+        process group (every rank must call forward, with its own tokens, possibly none), else
+        this rank's partial sum."""
         if self._kernel is None:
             self.process_weights_after_loading()
         lead = hidden_states.shape[:-1]
@@ -540,7 +552,7 @@ class FusedMoE(nn.Module):
             apply_router_weight_on_input=c.apply_router_weight_on_input, quantized=c.quant is not None,
             validate=False,
         )
-        if x.shape[0] == 0:
+        if x.shape[0] == 0 and self.groups is None:
             return hidden_states.new_empty(hidden_states.shape)
         out = self._kernel(x, self._expert_weights(), topk_weights, topk_ids, expert_map_E=self.expert_map)
         return out.reshape(*lead, out.shape[-1])

@@ -111,7 +111,15 @@ BUILTIN: tuple[Backend, ...] = (
         "torch", "PyTorch reference: fp32 accumulation, any device, every feature (explicit only)",
         kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
         features=ALL_FEATURES, auto=False, deterministic=True,
-        aliases=("reference", "ref"), impl="fusedmoe.backends.torch_ref:TorchExperts",
+        aliases=("reference", "ref"), twin="batched_torch",
+        impl="fusedmoe.backends.torch_ref:TorchExperts",
+    ),
+    Backend(
+        "batched_torch", "PyTorch reference on per-expert buffers (batched layout, explicit only)",
+        kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
+        layout="batched", features=frozenset(("bias", "clamp", "weight_on_input")), auto=False,
+        deterministic=True, twin="torch", aliases=("batched_reference",),
+        impl="fusedmoe.backends.torch_ref:BatchedTorchExperts",
     ),
     Backend(
         "cpu", "CPU path: slots sorted by expert, one matmul per expert segment",

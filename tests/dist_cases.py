@@ -1,0 +1,159 @@
+"""Multi-process cases for tests/test_distributed.py: data, and the function every rank runs.
+
+Each `DistCase` is one layer split over a process group; `run_cases` (run by every rank through
+`fusedmoe.launch.launch`) builds the same random checkpoint and batches on every rank from one
+seed, runs the split layer on this rank's tokens and reports its relative error against the
+single-process reference `fused_experts_ref` with the full weights, plus a bitwise rerun check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe import FusedMoE, ParallelConfig, fused_experts_ref
+
+
+@dataclass(frozen=True)
+class DistCase:
+    """tokens: tokens per DP rank (len == dp); routing "random" or "skewed" (every token to
+    experts of EP rank `hot_rank`)."""
+
+    name: str
+    world: int
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    placement: str = "linear"
+    dispatch: str = "alltoall"
+    tokens: tuple[int, ...] = (7,)
+    routing: str = "random"
+    hot_rank: int = 0
+    experts: int = 8
+    top_k: int = 2
+    hidden: int = 32
+    inter: int = 24
+    activation: str = "silu"
+    bias: bool = False
+    weight_on_input: bool = False
+    backend: str = "cpu"
+    max_num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.dp:
+            raise ValueError(f"{self.name}: tokens={self.tokens} needs one count per DP rank (dp={self.dp})")
+        if max(self.ep, self.dp) * self.tp != self.world:
+            raise ValueError(f"{self.name}: max(ep, dp) x tp != world={self.world}")
+
+    def parallel(self, rank: int) -> ParallelConfig:
+        return ParallelConfig.for_rank(rank, tp_size=self.tp, dp_size=self.dp, ep_size=self.ep,
+                                       placement=self.placement, dispatch=self.dispatch)
+
+
+def _checkpoint(case: DistCase, gen: torch.Generator):
+    gated = case.activation in ("silu", "gelu", "swigluoai")
+    rows = 2 * case.inter if gated else case.inter
+    w13 = torch.randn(case.experts, rows, case.hidden, generator=gen) / case.hidden**0.5
+    w2 = torch.randn(case.experts, case.hidden, case.inter, generator=gen) / case.inter**0.5
+    b13 = torch.randn(case.experts, rows, generator=gen) * 0.1 if case.bias else None
+    b2 = torch.randn(case.experts, case.hidden, generator=gen) * 0.1 if case.bias else None
+    return gated, w13, w2, b13, b2
+
+
+def _layer(case: DistCase, rank: int, w, group) -> FusedMoE:
+    gated, w13, w2, b13, b2 = w
+    layer = FusedMoE(
+        case.experts, case.top_k, case.hidden, case.inter, params_dtype=torch.float32,
+        activation=case.activation, has_bias=case.bias, parallel=case.parallel(rank),
+        apply_router_weight_on_input=case.weight_on_input,
+        scoring_func="sigmoid" if case.weight_on_input else "softmax",
+        renormalize=not case.weight_on_input, backend=case.backend, group=group,
+        max_num_tokens=case.max_num_tokens,
+    )
+    i = case.inter
+    for e in range(case.experts):
+        if gated:
+            layer.load_expert_weight(e, "gate", w13[e, :i])
+            layer.load_expert_weight(e, "up", w13[e, i:])
+        else:
+            layer.load_expert_weight(e, "up", w13[e])
+        layer.load_expert_weight(e, "down", w2[e])
+        if case.bias:
+            if gated:
+                layer.load_expert_weight(e, "gate_bias", b13[e, :i])
+                layer.load_expert_weight(e, "up_bias", b13[e, i:])
+            else:
+                layer.load_expert_weight(e, "up_bias", b13[e])
+            layer.load_expert_weight(e, "down_bias", b2[e])
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _batch(case: DistCase, gen: torch.Generator, rank: int):
+    total = sum(case.tokens)
+    x = torch.randn(total, case.hidden, generator=gen)
+    logits = torch.randn(total, case.experts, generator=gen)
+    if case.routing == "skewed":
+        from fusedmoe.distributed import ExpertPlacement
+
+        owner = ExpertPlacement.create(case.experts, case.parallel(0)).owner_E()
+        logits = logits + 20.0 * (owner == case.hot_rank).float()
+    dp_rank = case.parallel(rank).dp_rank
+    start = sum(case.tokens[:dp_rank])
+    rows = slice(start, start + case.tokens[dp_rank])
+    return x[rows], logits[rows]
+
+
+def run_cases(rank: int, world: int, cases: list[DistCase], seed: int) -> dict[str, dict]:
+    """Every rank: each case's {rel_err, rerun_equal, shape, local_experts, hot}."""
+    import torch.distributed as dist
+
+    results = {}
+    for i, case in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed + i)
+        weights = _checkpoint(case, gen)
+        layer = _layer(case, rank, weights, dist.group.WORLD)
+        x, logits = _batch(case, gen, rank)
+        out = layer(x, logits)
+        again = layer(x, logits)
+        _, w13, w2, b13, b2 = weights
+        topk_w, topk_ids = layer.route(x, logits)
+        ref = fused_experts_ref(x, w13, w2, topk_w, topk_ids, activation=case.activation,
+                                apply_router_weight_on_input=case.weight_on_input,
+                                w13_bias_LG=b13, w2_bias_LH=b2)
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        err = (out - ref).abs().max().item() if ref.numel() else 0.0
+        owner = layer.placement.owner_E()[topk_ids.long()] if topk_ids.numel() else topk_ids
+        results[case.name] = {
+            "rel_err": err / max(scale, 1e-30),
+            "rerun_equal": torch.equal(out, again),
+            "shape": tuple(out.shape),
+            "want_shape": tuple(x.shape),
+            "local_experts": layer.w13_weight.shape[0],
+            "routed_owners": sorted(set(owner.flatten().tolist())),
+        }
+    return results
+
+
+def run_errors(rank: int, world: int, seed: int) -> dict[str, str]:
+    """Every rank: the message of each misconfiguration it must refuse (before communicating)."""
+    import torch.distributed as dist
+
+    msgs = {}
+    attempts = {
+        "world_mismatch": lambda: FusedMoE(8, 2, 16, 16, parallel=ParallelConfig.for_rank(rank, ep_size=4),
+                                           group=dist.group.WORLD),
+        "rank_mismatch": lambda: FusedMoE(8, 2, 16, 16, parallel=ParallelConfig.for_rank(world - 1 - rank, ep_size=world),
+                                          group=dist.group.WORLD),
+        "experts_not_divisible": lambda: FusedMoE(6, 2, 16, 16, parallel=ParallelConfig.for_rank(rank, ep_size=4),
+                                                  group=dist.group.WORLD),
+    }
+    for name, make in attempts.items():
+        try:
+            make()
+        except ValueError as exc:
+            msgs[name] = str(exc)
+        else:
+            msgs[name] = "no error"
+    return msgs

@@ -1,0 +1,190 @@
+"""Expert, data and tensor parallelism on real process groups: 2 and 4 gloo ranks on the CPU.
+
+One launch per world size runs every case of that size (`dist_cases.py`) on fresh random
+weights and tokens; each case is then its own test. Launches are bounded (a hang fails, it
+does not block). Logic that needs no process group (configs, placement) is tested directly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist_cases import DistCase, run_cases, run_errors
+from fusedmoe import MoEConfig, ParallelConfig
+from fusedmoe.distributed import ExpertPlacement, MoEGroups
+from fusedmoe.launch import LaunchError, launch
+
+TIMEOUT_S = 90.0
+F32_TOL = 2e-5  # float32 end to end: ids are exact, sums differ only in order
+
+C = DistCase
+CASES_2 = [
+    C("ep2_dp2_a2a_random", 2, dp=2, ep=2, tokens=(7, 4)),
+    C("ep2_dp2_a2a_skewed", 2, dp=2, ep=2, tokens=(7, 4), routing="skewed", hot_rank=0),
+    C("ep2_dp2_a2a_rank_without_tokens", 2, dp=2, ep=2, tokens=(5, 0)),
+    C("ep2_dp2_a2a_no_tokens", 2, dp=2, ep=2, tokens=(0, 0)),
+    C("ep2_dp2_a2a_round_robin_bias", 2, dp=2, ep=2, tokens=(6, 3), placement="round_robin",
+      bias=True, activation="swigluoai"),
+    C("ep2_dp2_a2a_weight_on_input", 2, dp=2, ep=2, tokens=(5, 6), top_k=1, weight_on_input=True),
+    C("ep2_dp2_allgather_random", 2, dp=2, ep=2, tokens=(7, 4), dispatch="allgather"),
+    C("ep2_dp2_allgather_rank_without_tokens", 2, dp=2, ep=2, tokens=(0, 3), dispatch="allgather",
+      routing="skewed", hot_rank=1),
+    C("ep2_dp2_batched_random", 2, dp=2, ep=2, tokens=(7, 4), dispatch="alltoall_batched",
+      backend="torch"),
+    C("ep2_dp2_batched_skewed_round_robin", 2, dp=2, ep=2, tokens=(3, 8), routing="skewed",
+      hot_rank=1, dispatch="alltoall_batched", placement="round_robin", backend="torch"),
+    C("ep2_dp2_batched_weight_on_input_capped", 2, dp=2, ep=2, tokens=(5, 4), top_k=1,
+      weight_on_input=True, dispatch="alltoall_batched", backend="torch", max_num_tokens=8),
+    C("ep2_replicated_tokens_a2a", 2, ep=2, tokens=(7,)),
+    C("ep2_replicated_tokens_allgather", 2, ep=2, tokens=(7,), dispatch="allgather"),
+    C("ep2_replicated_one_token", 2, ep=2, tokens=(1,), routing="skewed", hot_rank=1),
+    C("tp2", 2, tp=2, tokens=(5,), bias=True),
+    C("dp2_no_ep", 2, dp=2, tokens=(3, 6)),
+    C("ep2_relu2_no_mul", 2, dp=2, ep=2, tokens=(4, 5), activation="relu2_no_mul", bias=True),
+]
+CASES_4 = [
+    C("ep4_dp4_a2a_random", 4, dp=4, ep=4, tokens=(5, 0, 3, 9)),
+    C("ep4_dp4_a2a_skewed", 4, dp=4, ep=4, tokens=(5, 2, 3, 9), routing="skewed", hot_rank=3),
+    C("ep4_dp4_a2a_no_tokens", 4, dp=4, ep=4, tokens=(0, 0, 0, 0)),
+    C("ep4_dp4_allgather_random", 4, dp=4, ep=4, tokens=(5, 0, 3, 9), dispatch="allgather"),
+    C("ep4_dp4_batched_round_robin", 4, dp=4, ep=4, tokens=(6, 1, 0, 3), placement="round_robin",
+      dispatch="alltoall_batched", backend="torch"),
+    C("ep4_dp2_a2a_replicas", 4, dp=2, ep=4, tokens=(7, 2)),
+    C("ep4_dp1_allgather", 4, ep=4, tokens=(9,), dispatch="allgather", routing="skewed", hot_rank=2),
+    C("ep2_tp2_dp2_a2a_bias", 4, tp=2, dp=2, ep=2, tokens=(5, 3), bias=True),
+    C("ep2_tp2_dp2_allgather", 4, tp=2, dp=2, ep=2, tokens=(4, 0), dispatch="allgather"),
+    C("ep2_tp2_batched", 4, tp=2, dp=2, ep=2, tokens=(3, 6), dispatch="alltoall_batched",
+      backend="torch"),
+    C("dp2_tp2_no_ep", 4, tp=2, dp=2, tokens=(4, 3), bias=True),
+    C("tp4", 4, tp=4, tokens=(5,)),
+]
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, tuple[int, list[dict]]]:
+    out = {}
+    for world, cases in ((2, CASES_2), (4, CASES_4)):
+        seed = _seed()
+        out[world] = (seed, launch(run_cases, world, args=(cases, seed), timeout_s=TIMEOUT_S))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_split_layer_equals_reference(case: DistCase, results) -> None:
+    seed, by_rank = results[case.world]
+    for rank, per_case in enumerate(by_rank):
+        r = per_case[case.name]
+        where = f"{case.name} rank {rank} (seed {seed})"
+        assert r["shape"] == r["want_shape"], where
+        assert r["rel_err"] < F32_TOL, f"{where}: relative error {r['rel_err']:.2e}"
+        assert r["rerun_equal"], f"{where}: a second forward differs bitwise"
+        assert r["local_experts"] == case.experts // case.ep, where
+        if case.routing == "skewed" and r["routed_owners"]:
+            assert r["routed_owners"] == [case.hot_rank], where
+
+
+def test_misconfigured_group_refused() -> None:
+    msgs = launch(run_errors, 2, args=(_seed(),), timeout_s=TIMEOUT_S)
+    for rank, m in enumerate(msgs):
+        assert "the process group has 2 ranks but" in m["world_mismatch"], m
+        assert "= 4" in m["world_mismatch"]
+        assert f"this process is rank {rank} of the group but the config says rank {1 - rank}" in m["rank_mismatch"]
+        assert "num_experts=6 is not divisible by ep_size=4 (6 % 4 = 2)" in m["experts_not_divisible"]
+
+
+def _hang(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:  # rank 1 never joins: the launch must time out, not block
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(600)
+
+
+def test_launch_times_out_on_a_hang() -> None:
+    with pytest.raises(LaunchError, match=r"timed out after 8 s"):
+        launch(_hang, 2, timeout_s=8)
+
+
+def _raise(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+
+
+def test_launch_reports_a_rank_error() -> None:
+    with pytest.raises(LaunchError, match=r"rank 1 refuses"):
+        launch(_raise, 2, timeout_s=30)
+
+
+# No process group needed ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(ep_size=4, dp_size=3), r"ep_size=4 is not a multiple of dp_size=3 \(4 % 3 = 1\)"),
+        (dict(ep_size=4, ep_rank=3, dp_size=2, dp_rank=0),
+         r"dp_rank=0 but ep_rank=3 belongs to DP rank 1 \(ep_rank // \(ep_size / dp_size\) = 3 // 2\)"),
+        (dict(dispatch="deepep"), r"dispatch='deepep'; expected one of \['alltoall', 'alltoall_batched', 'allgather'\]"),
+        (dict(tp_size=0), r"tp_size=0 must be >= 1"),
+        (dict(ep_size=2.0), r"ep_size=2.0 must be an int"),
+    ],
+    ids=("ep_not_multiple_of_dp", "dp_rank_mismatch", "dispatch", "tp0", "float_size"),
+)
+def test_parallel_config_rejects(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_for_rank_grid() -> None:
+    grid = [ParallelConfig.for_rank(r, tp_size=2, dp_size=2, ep_size=4) for r in range(8)]
+    assert [(p.ep_rank, p.tp_rank, p.dp_rank) for p in grid] == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (2, 0, 1), (2, 1, 1), (3, 0, 1), (3, 1, 1)]
+    assert all(p.rank == r and p.world_size == 8 and p.token_replicas == 2 for r, p in enumerate(grid))
+    with pytest.raises(ValueError, match=r"rank=8 must be in \[0, 8\) \(max\(ep_size=4, dp_size=2\) x tp_size=2 = 8 ranks\)"):
+        ParallelConfig.for_rank(8, tp_size=2, dp_size=2, ep_size=4)
+
+
+def test_batched_dispatch_needs_batched_format() -> None:
+    parallel = ParallelConfig(ep_size=2, dispatch="alltoall_batched")
+    assert parallel.use_batched_activation_format
+    assert not ParallelConfig(ep_size=1, dispatch="alltoall_batched").use_batched_activation_format
+    with pytest.raises(ValueError, match=r"dispatch='alltoall_batched' with ep_size=2 delivers per-expert "
+                                         r"buffers: activation_format must be 'batched', not 'standard'"):
+        MoEConfig(8, 2, 16, 16, parallel=parallel)
+    assert MoEConfig(8, 2, 16, 16, parallel=parallel, activation_format="batched").num_local_experts == 4
+
+
+@pytest.mark.parametrize("placement", ("linear", "round_robin"))
+@pytest.mark.parametrize("ep", (1, 2, 4, 8))
+def test_placement_owns_each_expert_once(placement: str, ep: int) -> None:
+    p = ExpertPlacement.create(8, ParallelConfig(ep_size=ep, placement=placement))
+    seen = torch.cat([p.local_to_global(r) for r in range(ep)])
+    assert sorted(seen.tolist()) == list(range(8))
+    for r in range(ep):
+        m = p.expert_map(r)
+        held = p.local_to_global(r)
+        assert torch.equal(m[held], torch.arange(8 // ep, dtype=torch.int32))
+        assert int((m >= 0).sum()) == 8 // ep
+        want = [g for g in range(8) if (g // (8 // ep) if placement == "linear" else g % ep) == r]
+        assert held.tolist() == want
+
+
+def test_placement_rejects() -> None:
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by ep_size=4 \(6 % 4 = 2\)"):
+        ExpertPlacement.create(6, ParallelConfig(ep_size=4))
+    with pytest.raises(ValueError, match=r"every EP rank must hold 4 / 2 = 2 experts; .*\{0: 3, 1: 1\}"):
+        ExpertPlacement(2, (0, 0, 0, 1))
+    with pytest.raises(ValueError, match=r"expert owners must be in \[0, ep_size=2\); got \(expert, owner\) \[\(1, 2\)\]"):
+        ExpertPlacement(2, (0, 2, 1, 1))
+
+
+def test_groups_need_an_initialized_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
+        MoEGroups(ParallelConfig(ep_size=2))

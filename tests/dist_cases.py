@@ -39,6 +39,7 @@ class DistCase:
     weight_on_input: bool = False
     backend: str = "cpu"
     max_num_tokens: int | None = None
+    dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.dp:
@@ -61,10 +62,10 @@ def _checkpoint(case: DistCase, gen: torch.Generator):
     return gated, w13, w2, b13, b2
 
 
-def _layer(case: DistCase, rank: int, w, group) -> FusedMoE:
-    gated, w13, w2, b13, b2 = w
+def _layer(case: DistCase, rank: int, w, group, device: torch.device) -> FusedMoE:
+    gated, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(device, case.dtype) for t in w)
     layer = FusedMoE(
-        case.experts, case.top_k, case.hidden, case.inter, params_dtype=torch.float32,
+        case.experts, case.top_k, case.hidden, case.inter, params_dtype=case.dtype, device=device,
         activation=case.activation, has_bias=case.bias, parallel=case.parallel(rank),
         apply_router_weight_on_input=case.weight_on_input,
         scoring_func="sigmoid" if case.weight_on_input else "softmax",
@@ -105,23 +106,33 @@ def _batch(case: DistCase, gen: torch.Generator, rank: int):
     return x[rows], logits[rows]
 
 
-def run_cases(rank: int, world: int, cases: list[DistCase], seed: int) -> dict[str, dict]:
-    """Every rank: each case's {rel_err, rerun_equal, shape, local_experts, hot}."""
+def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
+              device: str = "cpu") -> dict[str, dict]:
+    """Every rank: each case's {rel_err, rerun_equal, shape, local_experts, routed_owners}.
+
+    device "cuda": rank r runs on cuda:r (nccl). The reference runs in fp32 on the CPU, on the
+    inputs rounded to the case's dtype.
+    """
     import torch.distributed as dist
 
+    dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     results = {}
     for i, case in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + i)
         weights = _checkpoint(case, gen)
-        layer = _layer(case, rank, weights, dist.group.WORLD)
+        layer = _layer(case, rank, weights, dist.group.WORLD, dev)
         x, logits = _batch(case, gen, rank)
+        x = x.to(dev, case.dtype)
+        logits = logits.to(dev)
         out = layer(x, logits)
         again = layer(x, logits)
-        _, w13, w2, b13, b2 = weights
-        topk_w, topk_ids = layer.route(x, logits)
-        ref = fused_experts_ref(x, w13, w2, topk_w, topk_ids, activation=case.activation,
+        _, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(case.dtype).float()
+                               for t in weights)
+        topk_w, topk_ids = (t.cpu() for t in layer.route(x, logits))
+        ref = fused_experts_ref(x.cpu().float(), w13, w2, topk_w, topk_ids, activation=case.activation,
                                 apply_router_weight_on_input=case.weight_on_input,
                                 w13_bias_LG=b13, w2_bias_LH=b2)
+        out, again = out.cpu().float(), again.cpu().float()
         scale = ref.abs().max().item() if ref.numel() else 0.0
         err = (out - ref).abs().max().item() if ref.numel() else 0.0
         owner = layer.placement.owner_E()[topk_ids.long()] if topk_ids.numel() else topk_ids

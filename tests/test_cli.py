@@ -16,7 +16,7 @@ def test_explain_preset_on_described_platform(capsys):
                "--packages", "deep_gemm"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert out.startswith("FP8 MoE on cuda sm90 +deep_gemm: chosen deepgemm (via auto)")
+    assert out.startswith("FP8 MoE on cuda sm90 +deep_gemm, tp=8 (standard layout): chosen deepgemm (via auto)")
     assert "flashinfer_cutlass" in out and "the flashinfer package is not installed" in out
 
 
@@ -28,6 +28,26 @@ def test_explain_json_with_parallel_config(capsys):
     assert data["config"]["parallel"]["ep_size"] == 2 and data["config"]["parallel"]["dp_size"] == 2
     verdicts = {v["name"]: v for v in data["verdicts"]}
     assert "not available with data parallelism" in verdicts["flashinfer_cutlass"]["reason"]
+
+
+def test_explain_shows_the_split_and_batched_dispatch(capsys):
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--ep", "4", "--dp", "2", "--dispatch",
+               "alltoall_batched", "--platform", "cuda:9.0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("Unquantized MoE on cuda sm90, ep=4 dp=2 (alltoall_batched dispatch, batched layout): "
+                          "chosen batched_triton (via auto)")
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--ep", "2", "--platform", "cuda:9.0",
+               "--packages", "flashinfer", "--json"])
+    assert rc == 0
+    env_cutlass = {v["name"]: v for v in json.loads(capsys.readouterr().out)["verdicts"]}["flashinfer_cutlass"]
+    assert "opt-in" in env_cutlass["reason"]  # EP without DP: only the opt-in stands in its way
+
+
+def test_explain_ep_not_dividing_experts(capsys):
+    rc = main(["explain", "--model", "mixtral-8x7b", "--ep", "3"])
+    assert rc == 2
+    assert "num_experts=8 is not divisible by ep_size=3 (8 % 3 = 2)" in capsys.readouterr().err
 
 
 def test_explain_nothing_qualifies_exits_1(capsys):

@@ -64,6 +64,17 @@ CASES_4 = [
 ]
 
 
+# NCCL on two GPUs: bf16 through the auto-selected Triton backends (contiguous and batched).
+BF16_TOL = 3e-2
+GPU_CASES = [
+    C(f"gpu_{c.name}", 2, tp=c.tp, dp=c.dp, ep=c.ep, placement=c.placement, dispatch=c.dispatch,
+      tokens=tuple(t * 37 for t in c.tokens), routing=c.routing, hot_rank=c.hot_rank, experts=16,
+      top_k=c.top_k, hidden=256, inter=128, activation=c.activation, bias=c.bias,
+      weight_on_input=c.weight_on_input, backend="auto", dtype=torch.bfloat16)
+    for c in CASES_2 if c.max_num_tokens is None
+]
+
+
 def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
@@ -188,3 +199,17 @@ def test_placement_rejects() -> None:
 def test_groups_need_an_initialized_process_group() -> None:
     with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
         MoEGroups(ParallelConfig(ep_size=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_split_layer_equals_reference() -> None:
+    seed = _seed()
+    by_rank = launch(run_cases, 2, args=(GPU_CASES, seed, "cuda"), backend="nccl", timeout_s=300)
+    bad = []
+    for rank, per_case in enumerate(by_rank):
+        for case in GPU_CASES:
+            r = per_case[case.name]
+            if r["shape"] != r["want_shape"] or r["rel_err"] >= BF16_TOL or not r["rerun_equal"]:
+                bad.append((case.name, rank, r))
+    assert not bad, f"seed {seed}: {bad}"

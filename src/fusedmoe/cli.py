@@ -1,6 +1,6 @@
 """`fusedmoe` command line: explain | demo | bench | tune | env.
 
-    fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8
+    fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8 [--dp 8] [--dispatch alltoall_batched]
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
@@ -90,11 +90,15 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias", action="store_true", default=None)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--swiglu-limit", type=float, default=None)
-    p.add_argument("--format", choices=("standard", "batched"), default="standard",
-                   help="activation format (batched = per-expert buffers, e.g. DeepEP low-latency)")
+    p.add_argument("--format", choices=("standard", "batched"), default=None,
+                   help="activation format (batched = per-expert buffers, e.g. DeepEP low-latency); "
+                        "default: batched for --dispatch alltoall_batched with --ep > 1, else standard")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--dispatch", choices=("alltoall", "alltoall_batched", "allgather"), default="alltoall",
+                   help="how tokens reach the experts' ranks under EP (default alltoall)")
+    p.add_argument("--placement", choices=("linear", "round_robin"), default="linear")
     p.add_argument("--backend", default="auto")
     p.add_argument("--platform", default=None,
                    help="describe another machine: KIND[:MAJOR.MINOR], e.g. cuda:9.0, rocm:9.4, cpu")
@@ -126,10 +130,13 @@ def _config_from_args(args):
     from fusedmoe.config import MoEConfig, ParallelConfig
     from fusedmoe.presets import get_preset
 
-    parallel = dict(dp_size=args.dp, ep_size=args.ep)
+    parallel = dict(dp_size=args.dp, ep_size=args.ep, dispatch=args.dispatch, placement=args.placement)
+    fmt = args.format
+    if fmt is None:
+        fmt = "batched" if args.ep > 1 and args.dispatch == "alltoall_batched" else "standard"
     common = dict(
         dtype=DTYPES[args.dtype], quant=args.quant, lora=args.lora, swiglu_limit=args.swiglu_limit,
-        activation_format=args.format, backend=args.backend,
+        activation_format=fmt, backend=args.backend,
     )
     if args.activation:
         common["activation"] = args.activation

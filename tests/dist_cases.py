@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe import FusedMoE, ParallelConfig, fused_experts_ref
+from fusedmoe.shared import SharedExperts
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class DistCase:
     backend: str = "cpu"
     max_num_tokens: int | None = None
     dtype: torch.dtype = torch.float32
+    shared: bool = False  # a Qwen2-MoE-style shared expert with its sigmoid gate
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.dp:
@@ -62,7 +64,7 @@ def _checkpoint(case: DistCase, gen: torch.Generator):
     return gated, w13, w2, b13, b2
 
 
-def _layer(case: DistCase, rank: int, w, group, device: torch.device) -> FusedMoE:
+def _layer(case: DistCase, rank: int, w, group, device: torch.device, seed: int) -> FusedMoE:
     gated, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(device, case.dtype) for t in w)
     layer = FusedMoE(
         case.experts, case.top_k, case.hidden, case.inter, params_dtype=case.dtype, device=device,
@@ -71,6 +73,8 @@ def _layer(case: DistCase, rank: int, w, group, device: torch.device) -> FusedMo
         scoring_func="sigmoid" if case.weight_on_input else "softmax",
         renormalize=not case.weight_on_input, backend=case.backend, group=group,
         max_num_tokens=case.max_num_tokens,
+        shared_experts=SharedExperts(case.hidden, 40, gate=True, params_dtype=case.dtype, device=device)
+        if case.shared else None,
     )
     i = case.inter
     for e in range(case.experts):
@@ -87,8 +91,24 @@ def _layer(case: DistCase, rank: int, w, group, device: torch.device) -> FusedMo
             else:
                 layer.load_expert_weight(e, "up_bias", b13[e])
             layer.load_expert_weight(e, "down_bias", b2[e])
+    if case.shared:
+        gen = torch.Generator().manual_seed(seed)
+        named = [(f"mlp.shared_expert.{n}.weight", torch.randn(*shape, generator=gen) / shape[1] ** 0.5)
+                 for n, shape in (("gate_proj", (40, case.hidden)), ("up_proj", (40, case.hidden)),
+                                  ("down_proj", (case.hidden, 40)))]
+        named.append(("mlp.shared_expert_gate.weight", torch.randn(1, case.hidden, generator=gen)))
+        assert len(layer.load_weights([(n, t.to(case.dtype)) for n, t in named])) == 4
     layer.process_weights_after_loading()
     return layer
+
+
+def shared_ref(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """s(x) = down(silu(gate(x)) * up(x)) * sigmoid(x @ g), fp32, from the layer's own tensors."""
+    se = layer.shared_experts
+    w = se.gate_up.detach().cpu().float()
+    i = se.intermediate_size
+    h = torch.nn.functional.silu(x @ w[:i].T) * (x @ w[i:].T)
+    return (h @ se.down.detach().cpu().float().T) * torch.sigmoid(x @ se.gate.detach().cpu().float().T)
 
 
 def _batch(case: DistCase, gen: torch.Generator, rank: int):
@@ -120,7 +140,7 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
     for i, case in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + i)
         weights = _checkpoint(case, gen)
-        layer = _layer(case, rank, weights, dist.group.WORLD, dev)
+        layer = _layer(case, rank, weights, dist.group.WORLD, dev, seed + i)
         x, logits = _batch(case, gen, rank)
         x = x.to(dev, case.dtype)
         logits = logits.to(dev)
@@ -132,6 +152,8 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
         ref = fused_experts_ref(x.cpu().float(), w13, w2, topk_w, topk_ids, activation=case.activation,
                                 apply_router_weight_on_input=case.weight_on_input,
                                 w13_bias_LG=b13, w2_bias_LH=b2)
+        if case.shared:
+            ref = ref + shared_ref(layer, x.cpu().float())
         out, again = out.cpu().float(), again.cpu().float()
         scale = ref.abs().max().item() if ref.numel() else 0.0
         err = (out - ref).abs().max().item() if ref.numel() else 0.0

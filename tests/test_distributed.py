@@ -45,6 +45,9 @@ CASES_2 = [
     C("tp2", 2, tp=2, tokens=(5,), bias=True),
     C("dp2_no_ep", 2, dp=2, tokens=(3, 6)),
     C("ep2_relu2_no_mul", 2, dp=2, ep=2, tokens=(4, 5), activation="relu2_no_mul", bias=True),
+    C("ep2_dp2_a2a_shared_expert", 2, dp=2, ep=2, tokens=(6, 0), shared=True),
+    C("ep2_replicated_batched_shared_expert", 2, ep=2, tokens=(5,), shared=True,
+      dispatch="alltoall_batched", backend="torch"),
 ]
 CASES_4 = [
     C("ep4_dp4_a2a_random", 4, dp=4, ep=4, tokens=(5, 0, 3, 9)),
@@ -61,6 +64,7 @@ CASES_4 = [
       backend="torch"),
     C("dp2_tp2_no_ep", 4, tp=2, dp=2, tokens=(4, 3), bias=True),
     C("tp4", 4, tp=4, tokens=(5,)),
+    C("ep2_tp2_allgather_shared_expert", 4, tp=2, ep=2, tokens=(7,), dispatch="allgather", shared=True),
 ]
 
 
@@ -70,7 +74,7 @@ GPU_CASES = [
     C(f"gpu_{c.name}", 2, tp=c.tp, dp=c.dp, ep=c.ep, placement=c.placement, dispatch=c.dispatch,
       tokens=tuple(t * 37 for t in c.tokens), routing=c.routing, hot_rank=c.hot_rank, experts=16,
       top_k=c.top_k, hidden=256, inter=128, activation=c.activation, bias=c.bias,
-      weight_on_input=c.weight_on_input, backend="auto", dtype=torch.bfloat16)
+      weight_on_input=c.weight_on_input, backend="auto", dtype=torch.bfloat16, shared=c.shared)
     for c in CASES_2 if c.max_num_tokens is None
 ]
 

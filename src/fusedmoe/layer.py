@@ -48,6 +48,7 @@ from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.weights import scale_shape
 from fusedmoe.routing import CustomRouting, select_experts
+from fusedmoe.shared import SharedExperts, run_overlapped
 from fusedmoe.validation import check_experts_inputs
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class FusedMoE(nn.Module):
         platform: Platform | None = None,
         group: ProcessGroup | None = None,
         max_num_tokens: int | None = None,
+        shared_experts: nn.Module | None = None,
     ):
         super().__init__()
         params_dtype = params_dtype or torch.get_default_dtype()
@@ -137,6 +139,7 @@ class FusedMoE(nn.Module):
         # With a group, forward communicates and returns the full output on every rank; without
         # one it returns this rank's partial sum (the caller reduces).
         self.groups = None if group is None else MoEGroups(parallel, group)
+        self.shared_experts = shared_experts
         scheme = self.config.quant
         if prequantized and scheme is None:
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
@@ -404,10 +407,14 @@ class FusedMoE(nn.Module):
         `.weight_global_scale`, `.input_global_scale`) and gpt-oss's fused
         `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
-        Returns the names consumed (those of experts on other EP ranks included); other names
-        are left for the caller.
+        With `SharedExperts` attached, also `...shared_experts.*` / `...shared_expert.*` /
+        `...shared_expert_gate.weight`. Returns the names consumed (those of experts on other EP
+        ranks included); other names are left for the caller.
         """
         used = set()
+        named_tensors = list(named_tensors)
+        if isinstance(self.shared_experts, SharedExperts):
+            used |= self.shared_experts.load_weights(named_tensors)
         for name, tensor in named_tensors:
             fused = _GPT_OSS_NAME.search(name)
             if fused is not None:
@@ -554,8 +561,24 @@ class FusedMoE(nn.Module):
         )
         if x.shape[0] == 0 and self.groups is None:
             return hidden_states.new_empty(hidden_states.shape)
-        out = self._kernel(x, self._expert_weights(), topk_weights, topk_ids, expert_map_E=self.expert_map)
+
+        def routed() -> torch.Tensor:
+            return self._kernel(x, self._expert_weights(), topk_weights, topk_ids,
+                                expert_map_E=self.expert_map)
+
+        if self.shared_experts is None or not self._adds_shared:
+            out = routed()
+        else:
+            out, shared = run_overlapped(self.shared_experts, x, routed)
+            out = (out.float() + shared.float()).to(out.dtype)
         return out.reshape(*lead, out.shape[-1])
+
+    @property
+    def _adds_shared(self) -> bool:
+        """With a group every rank's output is whole: each adds the shared MLP. Without one the
+        caller sums partial outputs, so only one rank per token group adds it (as the down bias)."""
+        p = self.config.parallel
+        return self.groups is not None or (p.tp_rank == 0 and p.ep_rank % p.token_replicas == 0)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -42,6 +42,7 @@ class DistCase:
     max_num_tokens: int | None = None
     dtype: torch.dtype = torch.float32
     shared: bool = False  # a Qwen2-MoE-style shared expert with its sigmoid gate
+    redundant: int = 0  # > 0: EPLB with this many redundant slots, rebalanced after one forward
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.dp:
@@ -75,6 +76,7 @@ def _layer(case: DistCase, rank: int, w, group, device: torch.device, seed: int)
         max_num_tokens=case.max_num_tokens,
         shared_experts=SharedExperts(case.hidden, 40, gate=True, params_dtype=case.dtype, device=device)
         if case.shared else None,
+        enable_eplb=case.redundant > 0, num_redundant_experts=case.redundant,
     )
     i = case.inter
     for e in range(case.experts):
@@ -155,10 +157,20 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
         if case.shared:
             ref = ref + shared_ref(layer, x.cpu().float())
         out, again = out.cpu().float(), again.cpu().float()
+        after = {}
+        if case.redundant:
+            before = layer.eplb
+            placement = layer.rebalance_experts()
+            moved = layer(x, logits).cpu().float()
+            after = {
+                "rel_err_after_rebalance": _rel(moved, ref),
+                "physical_to_logical": placement.physical_to_logical,
+                "changed": placement != before,
+            }
         scale = ref.abs().max().item() if ref.numel() else 0.0
         err = (out - ref).abs().max().item() if ref.numel() else 0.0
         owner = layer.placement.owner_E()[topk_ids.long()] if topk_ids.numel() else topk_ids
-        results[case.name] = {
+        results[case.name] = after | {
             "rel_err": err / max(scale, 1e-30),
             "rerun_equal": torch.equal(out, again),
             "shape": tuple(out.shape),
@@ -167,6 +179,12 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
             "routed_owners": sorted(set(owner.flatten().tolist())),
         }
     return results
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    return (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
 
 
 def run_errors(rank: int, world: int, seed: int) -> dict[str, str]:

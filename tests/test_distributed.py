@@ -48,6 +48,10 @@ CASES_2 = [
     C("ep2_dp2_a2a_shared_expert", 2, dp=2, ep=2, tokens=(6, 0), shared=True),
     C("ep2_replicated_batched_shared_expert", 2, ep=2, tokens=(5,), shared=True,
       dispatch="alltoall_batched", backend="torch"),
+    C("ep2_dp2_a2a_eplb_skewed", 2, dp=2, ep=2, tokens=(9, 6), routing="skewed", hot_rank=1,
+      redundant=2),
+    C("ep2_dp2_batched_eplb", 2, dp=2, ep=2, tokens=(5, 8), routing="skewed", hot_rank=0,
+      redundant=4, dispatch="alltoall_batched", backend="torch"),
 ]
 CASES_4 = [
     C("ep4_dp4_a2a_random", 4, dp=4, ep=4, tokens=(5, 0, 3, 9)),
@@ -65,6 +69,10 @@ CASES_4 = [
     C("dp2_tp2_no_ep", 4, tp=2, dp=2, tokens=(4, 3), bias=True),
     C("tp4", 4, tp=4, tokens=(5,)),
     C("ep2_tp2_allgather_shared_expert", 4, tp=2, ep=2, tokens=(7,), dispatch="allgather", shared=True),
+    C("ep4_dp4_a2a_eplb_skewed_bias", 4, dp=4, ep=4, tokens=(3, 8, 0, 6), routing="skewed",
+      hot_rank=2, redundant=4, bias=True),
+    C("ep2_tp2_allgather_eplb", 4, tp=2, dp=2, ep=2, tokens=(6, 5), routing="skewed", hot_rank=0,
+      redundant=2, dispatch="allgather"),
 ]
 
 
@@ -101,9 +109,28 @@ def test_split_layer_equals_reference(case: DistCase, results) -> None:
         assert r["shape"] == r["want_shape"], where
         assert r["rel_err"] < F32_TOL, f"{where}: relative error {r['rel_err']:.2e}"
         assert r["rerun_equal"], f"{where}: a second forward differs bitwise"
-        assert r["local_experts"] == case.experts // case.ep, where
-        if case.routing == "skewed" and r["routed_owners"]:
+        assert r["local_experts"] == (case.experts + case.redundant) // case.ep, where
+        if case.routing == "skewed" and r["routed_owners"] and not case.redundant:
             assert r["routed_owners"] == [case.hot_rank], where
+        if case.redundant:
+            assert r["rel_err_after_rebalance"] < F32_TOL, f"{where}: after rebalancing {r['rel_err_after_rebalance']:.2e}"
+            assert r["physical_to_logical"] == by_rank[0][case.name]["physical_to_logical"], where
+            assert r["changed"], where
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_2 + CASES_4 if c.redundant], ids=lambda c: c.name)
+def test_eplb_replicates_the_hot_rank_experts_across_ranks(case: DistCase, results) -> None:
+    """Skewed routing sends every token to the hot rank's experts: after rebalancing, the
+    redundant slots hold replicas of them, spread over more than one rank."""
+    from fusedmoe.eplb import PhysicalPlacement
+
+    _, by_rank = results[case.world]
+    p2l = by_rank[0][case.name]["physical_to_logical"]
+    placement = PhysicalPlacement(case.experts, case.ep, p2l)
+    hot = set(range(case.hot_rank * case.experts // case.ep, (case.hot_rank + 1) * case.experts // case.ep))
+    counts = placement.replica_counts()
+    assert sum(counts[e] for e in hot) >= len(hot) + case.redundant - 1, counts
+    assert all(any(e in hot for e in placement.local_logical(r)) for r in range(case.ep)), p2l
 
 
 def test_misconfigured_group_refused() -> None:

@@ -167,6 +167,7 @@ class MoEConfig:
     max_num_tokens: int | None = None
     allow_cutlass: bool = False
     batch_invariant: bool = False
+    enable_eplb: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant", get_scheme(self.quant))

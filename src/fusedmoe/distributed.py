@@ -164,6 +164,11 @@ class MoEGroups:
 
 
 # Collectives with unequal sizes ------------------------------------------------------------------
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def exchange_counts(send_counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
     """(send, recv) split sizes of an all-to-all: rank r's send_counts[j] is j's recv[r]."""
     recv = torch.empty_like(send_counts)
@@ -181,7 +186,7 @@ def all_to_all_v(x: torch.Tensor, send: list[int], recv: list[int], group) -> to
 def gather_sizes(n: int, group, device: torch.device) -> list[int]:
     size = dist.get_world_size(group)
     out = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    _all_gather(out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
     return out.tolist()
 
 
@@ -192,7 +197,7 @@ def all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((len(sizes) * width, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    _all_gather(out, padded, group=group)
     return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
 
@@ -206,7 +211,7 @@ def reduce_scatter_v(x: torch.Tensor, sizes: list[int], rank: int, group) -> tor
         padded[r * width : r * width + n] = x[start : start + n]
         start += n
     out = x.new_empty((width, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded, group=group)
+    _reduce_scatter(out, padded, group=group)
     return out[: sizes[rank]]
 
 

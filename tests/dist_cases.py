@@ -8,6 +8,7 @@ single-process reference `fused_experts_ref` with the full weights, plus a bitwi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ class DistCase:
     dtype: torch.dtype = torch.float32
     shared: bool = False  # a Qwen2-MoE-style shared expert with its sigmoid gate
     redundant: int = 0  # > 0: EPLB with this many redundant slots, rebalanced after one forward
+    quant: str | None = None  # online-quantized weights; the reference is the unsplit layer
+    quantize_dispatch: bool = True
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.dp:
@@ -51,8 +54,10 @@ class DistCase:
             raise ValueError(f"{self.name}: max(ep, dp) x tp != world={self.world}")
 
     def parallel(self, rank: int) -> ParallelConfig:
-        return ParallelConfig.for_rank(rank, tp_size=self.tp, dp_size=self.dp, ep_size=self.ep,
-                                       placement=self.placement, dispatch=self.dispatch)
+        return dataclasses.replace(
+            ParallelConfig.for_rank(rank, tp_size=self.tp, dp_size=self.dp, ep_size=self.ep,
+                                    placement=self.placement, dispatch=self.dispatch),
+            quantize_dispatch=self.quantize_dispatch)
 
 
 def _checkpoint(case: DistCase, gen: torch.Generator):
@@ -65,18 +70,21 @@ def _checkpoint(case: DistCase, gen: torch.Generator):
     return gated, w13, w2, b13, b2
 
 
-def _layer(case: DistCase, rank: int, w, group, device: torch.device, seed: int) -> FusedMoE:
+def _layer(case: DistCase, rank: int | None, w, group, device: torch.device, seed: int) -> FusedMoE:
+    """rank None: the unsplit layer."""
     gated, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(device, case.dtype) for t in w)
     layer = FusedMoE(
         case.experts, case.top_k, case.hidden, case.inter, params_dtype=case.dtype, device=device,
-        activation=case.activation, has_bias=case.bias, parallel=case.parallel(rank),
+        activation=case.activation, has_bias=case.bias, quant=case.quant,
+        parallel=None if rank is None else case.parallel(rank),
         apply_router_weight_on_input=case.weight_on_input,
         scoring_func="sigmoid" if case.weight_on_input else "softmax",
         renormalize=not case.weight_on_input, backend=case.backend, group=group,
         max_num_tokens=case.max_num_tokens,
         shared_experts=SharedExperts(case.hidden, 40, gate=True, params_dtype=case.dtype, device=device)
         if case.shared else None,
-        enable_eplb=case.redundant > 0, num_redundant_experts=case.redundant,
+        enable_eplb=case.redundant > 0 and rank is not None,
+        num_redundant_experts=case.redundant if rank is not None else 0,
     )
     i = case.inter
     for e in range(case.experts):
@@ -156,6 +164,8 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
                                 w13_bias_LG=b13, w2_bias_LH=b2)
         if case.shared:
             ref = ref + shared_ref(layer, x.cpu().float())
+        if case.quant:  # quantized numerics: the reference is the same layer unsplit
+            ref = _layer(case, None, weights, None, dev, seed + i)(x, logits).cpu().float()
         out, again = out.cpu().float(), again.cpu().float()
         after = {}
         if case.redundant:

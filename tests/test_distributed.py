@@ -50,6 +50,14 @@ CASES_2 = [
       dispatch="alltoall_batched", backend="torch"),
     C("ep2_dp2_a2a_eplb_skewed", 2, dp=2, ep=2, tokens=(9, 6), routing="skewed", hot_rank=1,
       redundant=2),
+    C("ep2_dp2_a2a_fp8_channel_on_wire", 2, dp=2, ep=2, tokens=(7, 4), quant="fp8_w8a8_channel",
+      backend="auto"),
+    C("ep2_dp2_a2a_fp8_block_on_wire", 2, dp=2, ep=2, tokens=(5, 6), quant="fp8_w8a8_block",
+      hidden=160, inter=128, backend="auto"),
+    C("ep2_dp2_allgather_int8_on_wire", 2, dp=2, ep=2, tokens=(3, 8), quant="int8_w8a8",
+      dispatch="allgather", backend="auto"),
+    C("ep2_dp2_a2a_int8_not_on_wire", 2, dp=2, ep=2, tokens=(3, 8), quant="int8_w8a8",
+      quantize_dispatch=False, backend="auto"),
     C("ep2_dp2_batched_eplb", 2, dp=2, ep=2, tokens=(5, 8), routing="skewed", hot_rank=0,
       redundant=4, dispatch="alltoall_batched", backend="torch"),
 ]
@@ -244,3 +252,36 @@ def test_nccl_split_layer_equals_reference() -> None:
             if r["shape"] != r["want_shape"] or r["rel_err"] >= BF16_TOL or not r["rerun_equal"]:
                 bad.append((case.name, rank, r))
     assert not bad, f"seed {seed}: {bad}"
+
+
+@pytest.mark.parametrize("scheme", ("fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"))
+def test_rows_on_the_wire_dequantize_to_what_the_experts_see(scheme: str) -> None:
+    """Codes + scales sent instead of rows: dequantized, they are the experts' own fake-quantized
+    input, and quantizing that again gives the same values (the receiver's experts do)."""
+    from fusedmoe.distributed import dequantize_rows, quantize_rows, wire_key
+    from fusedmoe.quant.activations import fake_quantize_activation
+
+    config = MoEConfig(8, 2, 200, 64, dtype=torch.float32, quant=scheme, parallel=ParallelConfig(ep_size=2))
+    key = wire_key(config)
+    assert key is config.quant.activation
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(9, 200, generator=gen) * torch.rand(9, 1, generator=gen) * 10
+    x[3] = 0.0  # an all-zero row
+    codes, scale = quantize_rows(x, key)
+    assert codes.dtype == torch.uint8 and codes.shape == (9, 200)
+    assert scale.shape == (9, 2 if key.granularity == "group" else 1)
+    got = dequantize_rows(codes, scale, key, torch.float32)
+    want = fake_quantize_activation(x, key)
+    assert torch.equal(got, want)
+    assert torch.equal(fake_quantize_activation(got, key), want)
+
+
+def test_wire_stays_in_the_activation_dtype_otherwise() -> None:
+    from fusedmoe.distributed import wire_key
+
+    ep2 = ParallelConfig(ep_size=2)
+    assert wire_key(MoEConfig(8, 2, 64, 64, parallel=ep2)) is None  # unquantized
+    assert wire_key(MoEConfig(8, 2, 64, 64, quant="fp8_w8a8_tensor", parallel=ep2)) is None  # batch-wide scale
+    assert wire_key(MoEConfig(8, 2, 64, 64, quant="int4_w4a16_g32", parallel=ep2)) is None  # weight-only
+    off = ParallelConfig(ep_size=2, quantize_dispatch=False)
+    assert wire_key(MoEConfig(8, 2, 64, 64, quant="fp8_w8a8_channel", parallel=off)) is None

@@ -37,7 +37,9 @@ class ParallelConfig:
     `dispatch` says how tokens reach the experts' ranks under EP: "alltoall" (each (token, k)
     copy to its expert's rank, standard layout), "alltoall_batched" (the same, received as
     per-local-expert buffers: batched layout) or "allgather" (every rank sees every token,
-    partial outputs reduce-scattered back).
+    partial outputs reduce-scattered back). `quantize_dispatch`: under a W8A8 scheme with
+    per-row dynamic activation scales (fp8 per-token or 1x128 groups, int8 per-token) rows
+    cross the wire quantized (1 byte an element plus fp32 scales).
     """
 
     tp_size: int = 1
@@ -48,6 +50,7 @@ class ParallelConfig:
     ep_rank: int = 0
     placement: Placement = "linear"
     dispatch: Dispatch = "alltoall"
+    quantize_dispatch: bool = True
 
     def __post_init__(self) -> None:
         for kind in ("tp", "dp", "ep"):

@@ -215,6 +215,62 @@ def reduce_scatter_v(x: torch.Tensor, sizes: list[int], rank: int, group) -> tor
     return out[: sizes[rank]]
 
 
+# Activations on the wire ------------------------------------------------------------------------
+# Schemes whose experts quantize x with per-row dynamic scales: rows may cross the wire already
+# quantized (1 byte an element plus fp32 scales instead of 2 or 4). The receiver dequantizes to
+# the activation dtype; the experts' own quantization of those rows finds the same scales and
+# codes, up to one rounding of the dequantized value to that dtype.
+WIRE_KEYS = (("fp8", "token"), ("fp8", "group"), ("int8", "token"))
+
+
+def wire_key(config: MoEConfig):
+    """The activation QuantKey rows are sent in, or None (sent in the activation dtype)."""
+    scheme = config.quant
+    if not config.parallel.quantize_dispatch or scheme is None or scheme.activation is None:
+        return None
+    key = scheme.activation
+    if not key.dynamic or (key.dtype, key.granularity) not in WIRE_KEYS:
+        return None
+    return key
+
+
+def quantize_rows(x_SH: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [S, H] uint8 (fp8 bits or int8 two's complement), scales [S, groups] fp32)."""
+    from fusedmoe.quant.formats import FP8_MAX, INT_RANGE, absmax_scale, fp8_quantize, int_quantize
+
+    x = x_SH.float()
+    hidden = x.shape[1]
+    group = key.group if key.granularity == "group" else hidden
+    padded = torch.nn.functional.pad(x, (0, -hidden % group)).view(x.shape[0], -1, group)
+    fmt_max = FP8_MAX if key.dtype == "fp8" else INT_RANGE[8][1]
+    scale = absmax_scale(padded.abs().amax(-1, keepdim=True), fmt_max)
+    if key.dtype == "fp8":
+        q = fp8_quantize(padded, scale)
+    else:
+        q = int_quantize(padded, scale, 8).to(torch.int8)
+    codes = q.flatten(1)[:, :hidden].contiguous().view(torch.uint8)
+    return codes, scale.squeeze(-1).contiguous()
+
+
+def dequantize_rows(codes_SH: torch.Tensor, scale_SG: torch.Tensor, key, dtype: torch.dtype) -> torch.Tensor:
+    from fusedmoe.quant.formats import FP8_DTYPE
+
+    hidden = codes_SH.shape[1]
+    group = key.group if key.granularity == "group" else hidden
+    q = codes_SH.view(FP8_DTYPE if key.dtype == "fp8" else torch.int8).float()
+    q = torch.nn.functional.pad(q, (0, -hidden % group)).view(q.shape[0], -1, group)
+    return (q * scale_SG.unsqueeze(-1)).flatten(1)[:, :hidden].to(dtype)
+
+
+def send_rows(rows_SH: torch.Tensor, key, move) -> torch.Tensor:
+    """move(tensor) -> tensor (an all_to_all_v or all_gather_v), applied to the rows as they
+    travel: quantized codes and scales under `key`, else as they are."""
+    if key is None:
+        return move(rows_SH)
+    codes, scale = quantize_rows(rows_SH, key)
+    return dequantize_rows(move(codes), move(scale), key, rows_SH.dtype)
+
+
 # Prepare / finalize ------------------------------------------------------------------------------
 class _Distributed(PrepareFinalize):
     """Shared steps: take this rank's share of replicated tokens, reduce TP partials, rebuild."""
@@ -224,6 +280,7 @@ class _Distributed(PrepareFinalize):
         self.parallel = config.parallel
         self.groups = groups
         self.placement = placement
+        self.wire = wire_key(config)
         self._owner: torch.Tensor | None = None
 
     def owner_E(self, device: torch.device) -> torch.Tensor:
@@ -298,7 +355,7 @@ class AllToAllPrepareFinalize(_Distributed):
         rows = x[slots_S // top_k]
         if c.apply_router_weight_on_input:
             rows = (rows.float() * w.flatten()[slots_S].float().unsqueeze(-1)).to(x.dtype)
-        x_RH = all_to_all_v(rows, send, recv, groups.outer)
+        x_RH = send_rows(rows, self.wire, lambda t: all_to_all_v(t, send, recv, groups.outer))
         ids_R = all_to_all_v(ids_N[slots_S].to(torch.int32), send, recv, groups.outer)
         return x_RH, ids_R, AllToAllHandle(slots_S, send, recv, w, num_tokens, share)
 
@@ -380,6 +437,11 @@ class AllGatherPrepareFinalize(_Distributed):
         combine:  reduce_scatter the partial outputs (fp32) back to the tokens' ranks
     """
 
+    def __init__(self, config: MoEConfig, groups: MoEGroups, placement: ExpertPlacement):
+        super().__init__(config, groups, placement)
+        if config.apply_router_weight_on_input:
+            self.wire = None  # the experts quantize x * w, and w is applied after the gather
+
     def dispatch(self, x_TH, topk_weights_TK, topk_ids_TK, expert_map_E) -> StandardDispatch:
         if expert_map_E is None:
             raise ValueError("expert-parallel dispatch needs this rank's expert_map")
@@ -387,7 +449,7 @@ class AllGatherPrepareFinalize(_Distributed):
         x, w, ids = x_TH[share], topk_weights_TK[share].float(), topk_ids_TK[share].to(torch.int32)
         group = self.groups.outer
         sizes = gather_sizes(x.shape[0], group, x.device)
-        x_all = all_gather_v(x, sizes, group)
+        x_all = send_rows(x, self.wire, lambda t: all_gather_v(t, sizes, group))
         w_all = all_gather_v(w, sizes, group)
         ids_all = all_gather_v(ids, sizes, group)
         return StandardDispatch(x_all, w_all, ids_all, expert_map_E, AllGatherHandle(sizes, x_TH.shape[0]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_cases import DistCase, run_cases, run_errors
-from fusedmoe import MoEConfig, ParallelConfig
+from fusedmoe import MoEConfig, ParallelConfig, Platform, select_backend
 from fusedmoe.distributed import ExpertPlacement, MoEGroups
 from fusedmoe.launch import LaunchError, launch
 
@@ -67,7 +67,7 @@ CASES_4 = [
     C("ep4_dp4_a2a_no_tokens", 4, dp=4, ep=4, tokens=(0, 0, 0, 0)),
     C("ep4_dp4_allgather_random", 4, dp=4, ep=4, tokens=(5, 0, 3, 9), dispatch="allgather"),
     C("ep4_dp4_batched_round_robin", 4, dp=4, ep=4, tokens=(6, 1, 0, 3), placement="round_robin",
-      dispatch="alltoall_batched", backend="torch"),
+      dispatch="alltoall_batched", backend="auto"),
     C("ep4_dp2_a2a_replicas", 4, dp=2, ep=4, tokens=(7, 2)),
     C("ep4_dp1_allgather", 4, ep=4, tokens=(9,), dispatch="allgather", routing="skewed", hot_rank=2),
     C("ep2_tp2_dp2_a2a_bias", 4, tp=2, dp=2, ep=2, tokens=(5, 3), bias=True),
@@ -208,7 +208,10 @@ def test_batched_dispatch_needs_batched_format() -> None:
     with pytest.raises(ValueError, match=r"dispatch='alltoall_batched' with ep_size=2 delivers per-expert "
                                          r"buffers: activation_format must be 'batched', not 'standard'"):
         MoEConfig(8, 2, 16, 16, parallel=parallel)
-    assert MoEConfig(8, 2, 16, 16, parallel=parallel, activation_format="batched").num_local_experts == 4
+    config = MoEConfig(8, 2, 16, 16, parallel=parallel, activation_format="batched")
+    assert config.num_local_experts == 4
+    assert select_backend(config, Platform("cpu")).name == "batched_torch"
+    assert select_backend(config.replace(dtype=torch.bfloat16), Platform("cuda", (9, 0))).name == "batched_triton"
 
 
 @pytest.mark.parametrize("placement", ("linear", "round_robin"))

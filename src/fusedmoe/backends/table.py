@@ -115,9 +115,9 @@ BUILTIN: tuple[Backend, ...] = (
         impl="fusedmoe.backends.torch_ref:TorchExperts",
     ),
     Backend(
-        "batched_torch", "PyTorch reference on per-expert buffers (batched layout, explicit only)",
+        "batched_torch", "PyTorch reference on per-expert buffers (batched layout; auto off-GPU)",
         kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
-        layout="batched", features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), auto=False,
+        layout="batched", features=frozenset(("bias", "clamp", "weight_on_input", "eplb")),
         deterministic=True, twin="torch", aliases=("batched_reference",),
         impl="fusedmoe.backends.torch_ref:BatchedTorchExperts",
     ),
@@ -303,6 +303,7 @@ PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
     "unquantized": (
         ("flashinfer_trtllm", None), ("flashinfer_cutlass", None), ("aiter", None),
         ("triton", None), ("batched_triton", None), *_PLATFORM_TAIL, ("grouped_mm", None),
+        ("batched_torch", OFF_GPU),  # the CPU's batched layout (EP with alltoall_batched)
     ),
     "fp8": (
         ("aiter", None), ("flashinfer_trtllm", None), ("flashinfer_cutlass", None),

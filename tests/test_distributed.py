@@ -7,6 +7,7 @@ does not block). Logic that needs no process group (configs, placement) is teste
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -87,10 +88,8 @@ CASES_4 = [
 # NCCL on two GPUs: bf16 through the auto-selected Triton backends (contiguous and batched).
 BF16_TOL = 3e-2
 GPU_CASES = [
-    C(f"gpu_{c.name}", 2, tp=c.tp, dp=c.dp, ep=c.ep, placement=c.placement, dispatch=c.dispatch,
-      tokens=tuple(t * 37 for t in c.tokens), routing=c.routing, hot_rank=c.hot_rank, experts=16,
-      top_k=c.top_k, hidden=256, inter=128, activation=c.activation, bias=c.bias,
-      weight_on_input=c.weight_on_input, backend="auto", dtype=torch.bfloat16, shared=c.shared)
+    dataclasses.replace(c, name=f"gpu_{c.name}", tokens=tuple(t * 37 for t in c.tokens), experts=16,
+                        hidden=256, inter=128, backend="auto", dtype=torch.bfloat16)
     for c in CASES_2 if c.max_num_tokens is None
 ]
 
@@ -252,7 +251,8 @@ def test_nccl_split_layer_equals_reference() -> None:
     for rank, per_case in enumerate(by_rank):
         for case in GPU_CASES:
             r = per_case[case.name]
-            if r["shape"] != r["want_shape"] or r["rel_err"] >= BF16_TOL or not r["rerun_equal"]:
+            after = r.get("rel_err_after_rebalance", 0.0)
+            if r["shape"] != r["want_shape"] or max(r["rel_err"], after) >= BF16_TOL or not r["rerun_equal"]:
                 bad.append((case.name, rank, r))
     assert not bad, f"seed {seed}: {bad}"
 
@@ -288,3 +288,9 @@ def test_wire_stays_in_the_activation_dtype_otherwise() -> None:
     assert wire_key(MoEConfig(8, 2, 64, 64, quant="int4_w4a16_g32", parallel=ep2)) is None  # weight-only
     off = ParallelConfig(ep_size=2, quantize_dispatch=False)
     assert wire_key(MoEConfig(8, 2, 64, 64, quant="fp8_w8a8_channel", parallel=off)) is None
+
+
+def test_parallel_config_repr_round_trips() -> None:
+    p = ParallelConfig.for_rank(5, tp_size=2, dp_size=2, ep_size=4, dispatch="allgather")
+    p = dataclasses.replace(p, quantize_dispatch=False)
+    assert eval(repr(p), {"ParallelConfig": ParallelConfig}) == p

@@ -171,3 +171,30 @@ def test_backends_say_whether_they_balance() -> None:
     with pytest.raises(NoBackendError, match=r"xpu: it does not apply expert load balancing"):
         select_backend(config, Platform("xpu", packages=("intel_extension_for_pytorch",)))
     assert select_backend(config, Platform("cpu")).name == "cpu"
+
+
+@pytest.mark.parametrize("scheme", ("fp8_w8a8_block", "int4_w4a16_g32"))
+def test_quantized_experts_move_with_their_scales(scheme: str) -> None:
+    """Rebalancing moves payloads and every scale buffer together: outputs equal the unbalanced
+    quantized layer before and after (emulation backend on the CPU)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, i = 128, 128
+    w13 = torch.randn(E, 2 * i, h, generator=gen) / h**0.5
+    w2 = torch.randn(E, h, i, generator=gen) / i**0.5
+
+    def build(**kw) -> FusedMoE:
+        layer = FusedMoE(E, K, h, i, params_dtype=torch.float32, quant=scheme, **kw)
+        for e in range(E):
+            layer.load_expert_weight(e, "gate", w13[e, :i])
+            layer.load_expert_weight(e, "up", w13[e, i:])
+            layer.load_expert_weight(e, "down", w2[e])
+        return layer
+
+    plain, balanced = build(), build(enable_eplb=True, num_redundant_experts=2)
+    x, logits = torch.randn(24, h, generator=gen), torch.randn(24, E, generator=gen)
+    want = plain(x, logits)
+    torch.testing.assert_close(balanced(x, logits), want, rtol=1e-5, atol=1e-5)
+    load = torch.tensor([1, 1, 1, 50, 1, 1, 30, 1])
+    new = balanced.rebalance_experts(load)
+    assert new.replica_counts()[3] >= 2 and new != PhysicalPlacement.initial(E, 2, 1)
+    torch.testing.assert_close(balanced(x, logits), want, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ from fusedmoe.launch import LaunchError, launch
 
 TIMEOUT_S = 90.0
 F32_TOL = 2e-5  # float32 end to end: ids are exact, sums differ only in order
+BF16_TOL = 3e-2  # bf16 output and intermediates against the fp32 reference (8 mantissa bits)
 
 C = DistCase
 CASES_2 = [
@@ -59,6 +60,9 @@ CASES_2 = [
       dispatch="allgather", backend="auto"),
     C("ep2_dp2_a2a_int8_not_on_wire", 2, dp=2, ep=2, tokens=(3, 8), quant="int8_w8a8",
       quantize_dispatch=False, backend="auto"),
+    C("ep2_dp2_a2a_bf16", 2, dp=2, ep=2, tokens=(9, 5), dtype=torch.bfloat16),
+    C("ep2_dp2_batched_bf16_shared", 2, dp=2, ep=2, tokens=(4, 7), dtype=torch.bfloat16,
+      dispatch="alltoall_batched", backend="auto", shared=True),
     C("ep2_dp2_batched_eplb", 2, dp=2, ep=2, tokens=(5, 8), routing="skewed", hot_rank=0,
       redundant=4, dispatch="alltoall_batched", backend="torch"),
 ]
@@ -86,7 +90,6 @@ CASES_4 = [
 
 
 # NCCL on two GPUs: bf16 through the auto-selected Triton backends (contiguous and batched).
-BF16_TOL = 3e-2
 GPU_CASES = [
     dataclasses.replace(c, name=f"gpu_{c.name}", tokens=tuple(t * 37 for t in c.tokens), experts=16,
                         hidden=256, inter=128, backend="auto", dtype=torch.bfloat16)
@@ -114,7 +117,8 @@ def test_split_layer_equals_reference(case: DistCase, results) -> None:
         r = per_case[case.name]
         where = f"{case.name} rank {rank} (seed {seed})"
         assert r["shape"] == r["want_shape"], where
-        assert r["rel_err"] < F32_TOL, f"{where}: relative error {r['rel_err']:.2e}"
+        tol = F32_TOL if case.dtype == torch.float32 else BF16_TOL
+        assert r["rel_err"] < tol, f"{where}: relative error {r['rel_err']:.2e}"
         assert r["rerun_equal"], f"{where}: a second forward differs bitwise"
         assert r["local_experts"] == (case.experts + case.redundant) // case.ep, where
         if case.routing == "skewed" and r["routed_owners"] and not case.redundant:

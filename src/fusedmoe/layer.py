@@ -72,16 +72,6 @@ _PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8, "m
 _SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32
 
 
-def expert_placement(num_experts: int, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert_map [E] int32: global -> local or -1, local_to_global [L] int64) for this EP rank.
-
-    linear: rank r owns experts [r*L, (r+1)*L); round_robin: expert g lives on rank g % ep_size.
-    """
-    placement = ExpertPlacement.create(num_experts, parallel)
-    rank = parallel.ep_rank
-    return placement.expert_map(rank), placement.local_to_global(rank)
-
-
 class FusedMoE(nn.Module):
     """A Mixture-of-Experts layer: routing + experts, with the backend chosen by the oracle."""
 

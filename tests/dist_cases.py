@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe import FusedMoE, ParallelConfig, fused_experts_ref
+from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.shared import SharedExperts
 
 
@@ -61,7 +62,7 @@ class DistCase:
 
 
 def _checkpoint(case: DistCase, gen: torch.Generator):
-    gated = case.activation in ("silu", "gelu", "swigluoai")
+    gated = is_gated(case.activation)
     rows = 2 * case.inter if gated else case.inter
     w13 = torch.randn(case.experts, rows, case.hidden, generator=gen) / case.hidden**0.5
     w2 = torch.randn(case.experts, case.hidden, case.inter, generator=gen) / case.inter**0.5
@@ -218,3 +219,36 @@ def run_errors(rank: int, world: int, seed: int) -> dict[str, str]:
         else:
             msgs[name] = "no error"
     return msgs
+
+
+GRIDS = {  # world -> (tp, dp, ep) splits of that many ranks
+    2: ((1, 2, 2), (1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1)),
+    4: ((1, 4, 4), (1, 2, 4), (1, 1, 4), (2, 2, 2), (2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 4, 1)),
+}
+
+
+def random_cases(world: int, count: int, seed: int) -> list[DistCase]:
+    """`count` random valid splits of `world` ranks: sizes, routing, features, dispatch."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for n in range(count):
+        tp, dp, ep = rng.choice([g for g in GRIDS[world] if max(g[1], g[2]) * g[0] == world])
+        experts = ep * rng.choice((2, 3, 4)) if ep > 1 else rng.choice((3, 5, 8))
+        top_k = rng.randint(1, min(4, experts))
+        placement = rng.choice(("linear", "round_robin"))
+        redundant = rng.choice((0, 0, ep, 2 * ep)) if ep > 1 and placement == "linear" else 0
+        on_input = top_k == 1 and rng.random() < 0.3
+        dispatch = rng.choice(("alltoall", "alltoall_batched", "allgather"))
+        out.append(DistCase(
+            f"fuzz{world}_{n}", world, tp=tp, dp=dp, ep=ep, placement=placement, dispatch=dispatch,
+            tokens=tuple(rng.choice((0, 1, 2, 5, 7, 13)) for _ in range(dp)),
+            # skewed: all top-k on one rank's experts, so k must fit in them
+            routing=rng.choice(("random", "skewed")) if ep > 1 and top_k <= experts // ep else "random",
+            hot_rank=rng.randrange(ep), experts=experts, top_k=top_k,
+            hidden=rng.choice((16, 24, 40)), inter=8 * tp * rng.choice((1, 2, 3)),
+            activation=rng.choice(ACTIVATIONS), bias=rng.random() < 0.5, weight_on_input=on_input,
+            backend="auto", shared=rng.random() < 0.3, redundant=redundant,
+        ))
+    return out

@@ -6,8 +6,12 @@
 Parameters follow the seeds' `create_weights`: `w13_weight` [L, 2I/tp, H] (gate rows first, then
 up; [L, I/tp, H] for non-gated activations), `w2_weight` [L, H, I/tp], optional `w13_bias`
 [L, G], `w2_bias` [L, H]. L = num_experts / ep_size local experts; TP shards the intermediate.
-With TP > 1 the output is this rank's partial sum (the caller all-reduces), and the down
-projection's bias is added on tp_rank 0 only so that the sum counts it once.
+Without a process group, a split layer's output is this rank's partial sum (the caller
+all-reduces), and the down projection's bias is added on tp_rank 0 only so that the sum counts
+it once. With `group=` it dispatches/combines over torch.distributed and returns the full output
+of this rank's tokens (`fusedmoe.distributed`, docs/parallel.md). `enable_eplb` makes the local
+experts physical slots, (num_experts + num_redundant_experts) / ep_size of them, rebalanced by
+`rebalance_experts()` (`fusedmoe.eplb`); `shared_experts` adds a dense MLP (`fusedmoe.shared`).
 With `quant=<scheme>` the layer loads full-precision checkpoints and quantizes them in
 `process_weights_after_loading` (online quantization; scales become buffers `w13_scale`, ...).
 With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and scales instead

@@ -304,3 +304,24 @@ def test_parallel_config_repr_round_trips() -> None:
     p = ParallelConfig.for_rank(5, tp_size=2, dp_size=2, ep_size=4, dispatch="allgather")
     p = dataclasses.replace(p, quantize_dispatch=False)
     assert eval(repr(p), {"ParallelConfig": ParallelConfig}) == p
+
+
+CASES_8 = [
+    C("tp2_ep4_dp2_a2a_bias", 8, tp=2, dp=2, ep=4, tokens=(7, 4), bias=True),
+    C("tp2_ep4_dp2_allgather", 8, tp=2, dp=2, ep=4, tokens=(5, 0), dispatch="allgather"),
+    C("tp2_ep4_dp2_batched_eplb", 8, tp=2, dp=2, ep=4, tokens=(6, 9), dispatch="alltoall_batched",
+      backend="auto", redundant=4, routing="skewed", hot_rank=1),
+]
+
+
+@pytest.mark.slow
+def test_eight_ranks_tp_and_replica_subgroups() -> None:
+    """tp 2 x ep 4 with dp 2: TP, EP and token-replica sub-groups all at once (~15 s on 2 cores)."""
+    seed = _seed()
+    by_rank = launch(run_cases, 8, args=(CASES_8, seed), timeout_s=180)
+    for rank, per_case in enumerate(by_rank):
+        for case in CASES_8:
+            r = per_case[case.name]
+            where = f"{case} rank {rank} (seed {seed})"
+            assert r["shape"] == r["want_shape"] and r["rerun_equal"], where
+            assert max(r["rel_err"], r.get("rel_err_after_rebalance", 0.0)) < F32_TOL, where

@@ -116,9 +116,10 @@ class MoEGroups:
     """The groups one layer talks over, from the (outer x tp) grid of `parallel`.
 
     outer: the ranks with this tp_rank (EP, or DP without EP); tp: the ranks with this outer
-    rank. Either is None when that axis has size 1. With both > 1, sub-groups are created with
-    `dist.new_group`, a collective of the default group: every process must build the layer
-    (the groups are created once per grid and shared by every layer on it).
+    rank; replicas: the outer ranks of this DP rank (same tokens). Each is None when it would
+    hold one rank. Groups that are not the whole group are created with `dist.new_group`, a
+    collective of the default group: every process must build the layer (the groups are
+    created once per grid and shared by every layer on it).
     """
 
     def __init__(self, parallel: ParallelConfig, group: dist.ProcessGroup | None = None):
@@ -143,24 +144,41 @@ class MoEGroups:
             )
         self.parallel = parallel
         self.group = group
-        outer, tp = parallel.outer_size, parallel.tp_size
+        outer, tp, reps = parallel.outer_size, parallel.tp_size, parallel.token_replicas
         self.outer: dist.ProcessGroup | None = None
         self.tp: dist.ProcessGroup | None = None
+        # replicas: the outer ranks holding this rank's tokens (same tp_rank), when they are
+        # neither one rank nor the whole outer axis.
+        self.replicas: dist.ProcessGroup | None = None
         if tp == 1:
             self.outer = group if outer > 1 else None
         elif outer == 1:
             self.tp = group
-        else:
-            key = (id(group), outer, tp)
+        needs_outer_tp = tp > 1 and outer > 1
+        needs_replicas = 1 < reps < outer
+        if needs_outer_tp or needs_replicas:
+            key = (id(group), outer, tp, reps)
             if key not in _SUBGROUPS:
                 ranks = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
                          for r in range(world)]
-                tp_groups = [dist.new_group([ranks[o * tp + t] for t in range(tp)]) for o in range(outer)]
-                outer_groups = [dist.new_group([ranks[o * tp + t] for o in range(outer)]) for t in range(tp)]
-                _SUBGROUPS[key] = (outer_groups, tp_groups)
-            outer_groups, tp_groups = _SUBGROUPS[key]
-            self.outer = outer_groups[parallel.tp_rank]
-            self.tp = tp_groups[parallel.outer_rank]
+                tp_groups = outer_groups = replica_groups = None
+                if needs_outer_tp:
+                    tp_groups = [dist.new_group([ranks[o * tp + t] for t in range(tp)])
+                                 for o in range(outer)]
+                    outer_groups = [dist.new_group([ranks[o * tp + t] for o in range(outer)])
+                                    for t in range(tp)]
+                if needs_replicas:
+                    replica_groups = [[dist.new_group([ranks[(d * reps + c) * tp + t] for c in range(reps)])
+                                       for d in range(outer // reps)] for t in range(tp)]
+                _SUBGROUPS[key] = (outer_groups, tp_groups, replica_groups)
+            outer_groups, tp_groups, replica_groups = _SUBGROUPS[key]
+            if needs_outer_tp:
+                self.outer = outer_groups[parallel.tp_rank]
+                self.tp = tp_groups[parallel.outer_rank]
+            if needs_replicas:
+                self.replicas = replica_groups[parallel.tp_rank][parallel.outer_rank // reps]
+        if reps > 1 and reps == outer:
+            self.replicas = self.outer  # dp_size 1: the whole outer axis holds the same tokens
 
 
 # Collectives with unequal sizes ------------------------------------------------------------------
@@ -296,16 +314,13 @@ class _Distributed(PrepareFinalize):
         return slice(c * num_tokens // r, (c + 1) * num_tokens // r)
 
     def _rebuild(self, out_TH: torch.Tensor) -> torch.Tensor:
-        """Each replica's share of the output -> the whole of it on every replica."""
-        r = self.parallel.token_replicas
-        if r == 1:
+        """Each replica's share of the output -> the whole of it on every replica (an all-gather
+        over the replica group, in share order)."""
+        if self.parallel.token_replicas == 1:
             return out_TH
-        group = self.groups.outer
+        group = self.groups.replicas
         sizes = gather_sizes(out_TH.shape[0], group, out_TH.device)
-        every = all_gather_v(out_TH, sizes, group)
-        first = (self.parallel.outer_rank // r) * r
-        start = sum(sizes[:first])
-        return every[start : start + sum(sizes[first : first + r])]
+        return all_gather_v(out_TH, sizes, group)
 
     def _reduce_tp(self, out_TH: torch.Tensor) -> torch.Tensor:
         if self.groups.tp is not None:

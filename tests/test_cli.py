@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def test_explain_preset_on_described_platform(capsys):
                "--packages", "deep_gemm"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert out.startswith("FP8 MoE on cuda sm90 +deep_gemm: chosen deepgemm (via auto)")
+    assert out.startswith("FP8 MoE on cuda sm90 +deep_gemm, tp=8 (standard layout): chosen deepgemm (via auto)")
     assert "flashinfer_cutlass" in out and "the flashinfer package is not installed" in out
 
 
@@ -28,6 +29,26 @@ def test_explain_json_with_parallel_config(capsys):
     assert data["config"]["parallel"]["ep_size"] == 2 and data["config"]["parallel"]["dp_size"] == 2
     verdicts = {v["name"]: v for v in data["verdicts"]}
     assert "not available with data parallelism" in verdicts["flashinfer_cutlass"]["reason"]
+
+
+def test_explain_shows_the_split_and_batched_dispatch(capsys):
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--ep", "4", "--dp", "2", "--dispatch",
+               "alltoall_batched", "--platform", "cuda:9.0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("Unquantized MoE on cuda sm90, ep=4 dp=2 (alltoall_batched dispatch, batched layout): "
+                          "chosen batched_triton (via auto)")
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--ep", "2", "--platform", "cuda:9.0",
+               "--packages", "flashinfer", "--json"])
+    assert rc == 0
+    env_cutlass = {v["name"]: v for v in json.loads(capsys.readouterr().out)["verdicts"]}["flashinfer_cutlass"]
+    assert "opt-in" in env_cutlass["reason"]  # EP without DP: only the opt-in stands in its way
+
+
+def test_explain_ep_not_dividing_experts(capsys):
+    rc = main(["explain", "--model", "mixtral-8x7b", "--ep", "3"])
+    assert rc == 2
+    assert "num_experts=8 is not divisible by ep_size=3 (8 % 3 = 2)" in capsys.readouterr().err
 
 
 def test_explain_nothing_qualifies_exits_1(capsys):
@@ -123,3 +144,34 @@ def test_bench_roofline_takes_the_8bit_ceiling_for_w8a8():
     assert t_fp8 == flops / 1.6e15
     unmeasured = Ceilings("test", bandwidth=4e12, bf16_flops=8e14)
     assert unmeasured.peak("int8") == 8e14  # no 8-bit rate measured: bf16's
+
+
+def test_bench_ep_gloo_smoke(tmp_path, capsys):
+    """fusedmoe bench --ep 2 on the CPU: two gloo ranks started by the command itself."""
+    out = tmp_path / "ep.json"
+    rc = main(["bench", "--ep", "2", "--device", "cpu", "--scale", "64", "--tokens", "0,5",
+               "--presets", "qwen3-30b-a3b", "--iters", "2", "--dispatch", "allgather", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "qwen3-30b-a3b/64" in text and "allgather" in text
+    data = json.loads(out.read_text())
+    assert data["meta"]["ep"] == 2
+    rows = data["rows"]
+    assert [r["tokens_per_rank"] for r in rows] == [0, 5]
+    assert all(r["backend"] == "cpu" and r["us"] > 0 for r in rows)
+    assert rows[0]["speedup"] is None and rows[1]["us_one_device"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--ep", "2", "--backends", "triton,torch"], r"--ep runs one backend \(or auto\), got --backends triton,torch"),
+        (["--ep", "2", "--quant", "fp8_w8a8_block"], r"--ep benchmarks unquantized layers"),
+        (["--ep", "2", "--presets", "nope"], r"nope"),
+        (["--ep", "0"], r"--ep 0 must be >= 1"),
+    ],
+    ids=("two_backends", "quant", "preset", "ep0"),
+)
+def test_bench_ep_bad_arguments(argv, match, capsys):
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    assert re.search(match, capsys.readouterr().err)

@@ -6,7 +6,8 @@
 
 Map of the package: `oracle` (selection), `backends/table.py` (every backend's requirements),
 `reference.py` (the math), `routing.py`, `api.py` (functional), `layer.py` (nn.Module),
-`modular.py` (prepare/finalize + experts interface), `quant/` (schemes, quantize/dequantize).
+`modular.py` (prepare/finalize + experts interface), `quant/` (schemes, quantize/dequantize),
+`distributed.py` / `eplb.py` / `shared.py` (expert, data and tensor parallelism; docs/parallel.md).
 """
 
 from fusedmoe.api import fused_experts, fused_moe
@@ -19,6 +20,7 @@ from fusedmoe.platform import Platform
 from fusedmoe.quant import QuantParams, QuantScheme
 from fusedmoe.reference import fused_experts_ref
 from fusedmoe.routing import select_experts
+from fusedmoe.shared import SharedExperts
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "QuantParams",
     "QuantScheme",
     "Selection",
+    "SharedExperts",
     "Verdict",
     "explain",
     "fused_experts",

@@ -1,10 +1,12 @@
 """`fusedmoe` command line: explain | demo | bench | tune | env.
 
-    fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8
+    fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8 [--dp 8] [--dispatch alltoall_batched]
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
                    [--quant fp8_w8a8_block]
+    torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather]   (or without torchrun)
+    fusedmoe bench --ep 2 --device cpu --scale 32 --tokens 4                     (gloo smoke test)
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
     fusedmoe env [--json]
 """
@@ -42,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time backends on model presets (CUDA graphs, rotated weights)")
     bench.add_argument("--presets", default=None, help="comma-separated preset names (default: the 5 targets)")
     bench.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,1024,4096)")
-    bench.add_argument("--backends", default="triton,grouped_mm,torch",
-                       help="comma-separated backends, or 'all' for every one that runs here")
+    bench.add_argument("--backends", default=None,
+                       help="comma-separated backends, or 'all' for every one that runs here (default "
+                            "triton,grouped_mm,torch; with --ep: one backend, default auto)")
     bench.add_argument("--copies", type=int, default=4, help="weight copies rotated per replay (>= 4)")
     bench.add_argument("--quant", default=None,
                        help="a W8A8 or weight-only scheme for triton (fp8_w8a8_block, int8_w8a8, "
@@ -53,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", default=None, help="write rows and metadata as JSON")
     bench.add_argument("--plot", default=None, help="write a PNG of %% of roofline per preset")
     bench.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
+    bench.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks: time the layer split over N ranks (tokens per rank) "
+                            "against one device; under torchrun N must equal its world size, else the "
+                            "ranks are started here")
+    bench.add_argument("--dispatch", choices=("alltoall", "alltoall_batched", "allgather"), default="alltoall",
+                       help="with --ep: how tokens reach the experts' ranks")
+    bench.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="with --ep: cuda (nccl) or cpu (gloo smoke test, fp32)")
+    bench.add_argument("--scale", type=int, default=1,
+                       help="with --ep: divide hidden/intermediate sizes by this (smoke tests)")
+    bench.add_argument("--iters", type=int, default=20, help="with --ep: timed iterations per shape")
     tune = sub.add_parser("tune", help="search Triton tiles for a shape on this GPU, write the table")
     tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split)")
     tune.add_argument("--experts", type=int)
@@ -90,11 +104,15 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias", action="store_true", default=None)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--swiglu-limit", type=float, default=None)
-    p.add_argument("--format", choices=("standard", "batched"), default="standard",
-                   help="activation format (batched = per-expert buffers, e.g. DeepEP low-latency)")
+    p.add_argument("--format", choices=("standard", "batched"), default=None,
+                   help="activation format (batched = per-expert buffers, e.g. DeepEP low-latency); "
+                        "default: batched for --dispatch alltoall_batched with --ep > 1, else standard")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--dispatch", choices=("alltoall", "alltoall_batched", "allgather"), default="alltoall",
+                   help="how tokens reach the experts' ranks under EP (default alltoall)")
+    p.add_argument("--placement", choices=("linear", "round_robin"), default="linear")
     p.add_argument("--backend", default="auto")
     p.add_argument("--platform", default=None,
                    help="describe another machine: KIND[:MAJOR.MINOR], e.g. cuda:9.0, rocm:9.4, cpu")
@@ -126,10 +144,13 @@ def _config_from_args(args):
     from fusedmoe.config import MoEConfig, ParallelConfig
     from fusedmoe.presets import get_preset
 
-    parallel = dict(dp_size=args.dp, ep_size=args.ep)
+    parallel = dict(dp_size=args.dp, ep_size=args.ep, dispatch=args.dispatch, placement=args.placement)
+    fmt = args.format
+    if fmt is None:
+        fmt = "batched" if args.ep > 1 and args.dispatch == "alltoall_batched" else "standard"
     common = dict(
         dtype=DTYPES[args.dtype], quant=args.quant, lora=args.lora, swiglu_limit=args.swiglu_limit,
-        activation_format=args.format, backend=args.backend,
+        activation_format=fmt, backend=args.backend,
     )
     if args.activation:
         common["activation"] = args.activation
@@ -267,6 +288,12 @@ def cmd_bench(args) -> int:
     from fusedmoe import bench
     from fusedmoe.presets import get_preset
 
+    if args.ep > 1:
+        return cmd_bench_ep(args)
+    if args.ep < 1:
+        raise ValueError(f"--ep {args.ep} must be >= 1")
+    if args.backends is None:
+        args.backends = "triton,grouped_mm,torch"
     bench.quant_bytes(args.quant)  # a scheme triton cannot run fails before any GPU work
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
@@ -307,6 +334,59 @@ def cmd_bench(args) -> int:
     if args.plot:
         _plot(args.plot, rows, meta)
     return 0
+
+
+def cmd_bench_ep(args) -> int:
+    from fusedmoe import bench, bench_ep
+    from fusedmoe.presets import get_preset
+
+    if args.quant:
+        raise ValueError("--ep benchmarks unquantized layers; drop --quant")
+    backend = args.backends or "auto"
+    if "," in backend:
+        raise ValueError(f"--ep runs one backend (or auto), got --backends {backend}")
+    presets = tuple(args.presets.split(",")) if args.presets else bench.TARGET_PRESETS
+    for name in presets:
+        get_preset(name)  # unknown names fail before any rank starts
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (1, 16, 256, 1024)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    spec = bench_ep.EpBenchSpec(presets, tokens, args.dispatch, args.device, dtype, args.scale,
+                                args.iters, backend)
+    rows = bench_ep.run(spec, args.ep)
+    launched = bench_ep._torchrun_rank()
+    if launched is not None and launched[0] != 0:
+        return 0  # under torchrun only rank 0 reports
+    print(bench_ep.format_rows(rows))
+    meta = {"ep": args.ep, "dispatch": args.dispatch, "device": _device_name(args.device),
+            "torch": torch.__version__, "commit": args.commit or _commit(), "date": time.strftime("%Y-%m-%d")}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            f.write("# " + " ".join(f"{k}={v}" for k, v in meta.items()) + "\n")
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["preset"])
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+def _device_name(kind: str) -> str:
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return pyplatform.processor() or pyplatform.machine()
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _bench_backends(spec: str) -> list[str]:

@@ -17,6 +17,8 @@ from fusedmoe.quant.scheme import Family, QuantScheme, family_of, get_scheme
 
 ActivationFormat = Literal["standard", "batched"]
 Placement = Literal["linear", "round_robin"]
+Dispatch = Literal["alltoall", "alltoall_batched", "allgather"]
+DISPATCHES = ("alltoall", "alltoall_batched", "allgather")
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Routing methods a monolithic backend (one that fuses the router) may have to reproduce.
@@ -28,7 +30,16 @@ class ParallelConfig:
     """How the layer is split: tensor (intermediate), data (tokens) and expert parallelism.
 
     With EP each rank owns whole experts (`num_experts / ep_size` of them); with TP each rank
-    owns `intermediate_size / tp_size` columns of every expert it holds.
+    owns `intermediate_size / tp_size` columns of every expert it holds. The process group is
+    an (outer x tp) grid, rank = outer_rank * tp_size + tp_rank, where the outer ranks are the
+    EP ranks (or the DP ranks when ep_size == 1). DP ranks hold different tokens; the
+    ep_size / dp_size EP ranks of one DP rank hold the same ones (dp_size 1: every rank does).
+    `dispatch` says how tokens reach the experts' ranks under EP: "alltoall" (each (token, k)
+    copy to its expert's rank, standard layout), "alltoall_batched" (the same, received as
+    per-local-expert buffers: batched layout) or "allgather" (every rank sees every token,
+    partial outputs reduce-scattered back). `quantize_dispatch`: under a W8A8 scheme with
+    per-row dynamic activation scales (fp8 per-token or 1x128 groups, int8 per-token) rows
+    cross the wire quantized (1 byte an element plus fp32 scales).
     """
 
     tp_size: int = 1
@@ -38,16 +49,55 @@ class ParallelConfig:
     ep_size: int = 1
     ep_rank: int = 0
     placement: Placement = "linear"
+    dispatch: Dispatch = "alltoall"
+    quantize_dispatch: bool = True
 
     def __post_init__(self) -> None:
         for kind in ("tp", "dp", "ep"):
             size, rank = getattr(self, f"{kind}_size"), getattr(self, f"{kind}_rank")
+            for name, value in ((f"{kind}_size", size), (f"{kind}_rank", rank)):
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{name}={value!r} must be an int")
             if size < 1:
                 raise ValueError(f"{kind}_size={size} must be >= 1")
             if not 0 <= rank < size:
                 raise ValueError(f"{kind}_rank={rank} must be in [0, {kind}_size={size})")
         if self.placement not in ("linear", "round_robin"):
             raise ValueError(f"placement={self.placement!r}; expected 'linear' or 'round_robin'")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch={self.dispatch!r}; expected one of {list(DISPATCHES)}")
+        ep, dp = self.ep_size, self.dp_size
+        if ep > 1 and dp > 1:
+            if ep % dp:
+                raise ValueError(
+                    f"ep_size={ep} is not a multiple of dp_size={dp} ({ep} % {dp} = {ep % dp}): "
+                    "each DP rank spans ep_size / dp_size EP ranks"
+                )
+            if self.dp_rank != self.ep_rank // (ep // dp):
+                raise ValueError(
+                    f"dp_rank={self.dp_rank} but ep_rank={self.ep_rank} belongs to DP rank "
+                    f"{self.ep_rank // (ep // dp)} (ep_rank // (ep_size / dp_size) = "
+                    f"{self.ep_rank} // {ep // dp})"
+                )
+
+    @classmethod
+    def for_rank(cls, rank: int, *, tp_size: int = 1, dp_size: int = 1, ep_size: int = 1,
+                 placement: Placement = "linear", dispatch: Dispatch = "alltoall") -> ParallelConfig:
+        """The config of process `rank` in a group of (max(ep, dp) * tp) ranks."""
+        outer = max(ep_size, dp_size)
+        world = outer * tp_size
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(
+                f"rank={rank!r} must be in [0, {world}) (max(ep_size={ep_size}, dp_size={dp_size}) "
+                f"x tp_size={tp_size} = {world} ranks)"
+            )
+        outer_rank, tp_rank = divmod(rank, tp_size)
+        if ep_size > 1:
+            ep_rank = outer_rank
+            dp_rank = outer_rank // (ep_size // dp_size) if ep_size % dp_size == 0 else 0
+        else:
+            ep_rank, dp_rank = 0, outer_rank
+        return cls(tp_size, tp_rank, dp_size, dp_rank, ep_size, ep_rank, placement, dispatch)
 
     @property
     def use_ep(self) -> bool:
@@ -60,6 +110,34 @@ class ParallelConfig:
     @property
     def use_tp(self) -> bool:
         return self.tp_size > 1
+
+    @property
+    def use_batched_activation_format(self) -> bool:
+        """Experts receive per-local-expert buffers (the batched all-to-all's layout)."""
+        return self.use_ep and self.dispatch == "alltoall_batched"
+
+    @property
+    def outer_size(self) -> int:
+        """Ranks along the expert (or, without EP, data) axis of the grid."""
+        return max(self.ep_size, self.dp_size)
+
+    @property
+    def outer_rank(self) -> int:
+        return self.ep_rank if self.ep_size > 1 else self.dp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.outer_size * self.tp_size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the MoE process group."""
+        return self.outer_rank * self.tp_size + self.tp_rank
+
+    @property
+    def token_replicas(self) -> int:
+        """How many outer ranks hold the same tokens (ep_size / dp_size under EP, else 1)."""
+        return self.ep_size // self.dp_size if self.use_ep else 1
 
 
 @dataclass(frozen=True)
@@ -92,6 +170,7 @@ class MoEConfig:
     max_num_tokens: int | None = None
     allow_cutlass: bool = False
     batch_invariant: bool = False
+    enable_eplb: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant", get_scheme(self.quant))
@@ -136,6 +215,11 @@ class MoEConfig:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by ep_size={ep} "
                 f"({self.num_experts} % {ep} = {self.num_experts % ep})"
+            )
+        if self.parallel.use_batched_activation_format and self.activation_format != "batched":
+            raise ValueError(
+                f"dispatch={self.parallel.dispatch!r} with ep_size={ep} delivers per-expert "
+                f"buffers: activation_format must be 'batched', not {self.activation_format!r}"
             )
         if self.max_num_tokens is not None and self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= 1")

@@ -6,8 +6,12 @@
 Parameters follow the seeds' `create_weights`: `w13_weight` [L, 2I/tp, H] (gate rows first, then
 up; [L, I/tp, H] for non-gated activations), `w2_weight` [L, H, I/tp], optional `w13_bias`
 [L, G], `w2_bias` [L, H]. L = num_experts / ep_size local experts; TP shards the intermediate.
-With TP > 1 the output is this rank's partial sum (the caller all-reduces), and the down
-projection's bias is added on tp_rank 0 only so that the sum counts it once.
+Without a process group, a split layer's output is this rank's partial sum (the caller
+all-reduces), and the down projection's bias is added on tp_rank 0 only so that the sum counts
+it once. With `group=` it dispatches/combines over torch.distributed and returns the full output
+of this rank's tokens (`fusedmoe.distributed`, docs/parallel.md). `enable_eplb` makes the local
+experts physical slots, (num_experts + num_redundant_experts) / ep_size of them, rebalanced by
+`rebalance_experts()` (`fusedmoe.eplb`); `shared_experts` adds a dense MLP (`fusedmoe.shared`).
 With `quant=<scheme>` the layer loads full-precision checkpoints and quantizes them in
 `process_weights_after_loading` (online quantization; scales become buffers `w13_scale`, ...).
 With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and scales instead
@@ -20,12 +24,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.config import MoEConfig, ParallelConfig
+from fusedmoe.distributed import ExpertPlacement, MoEGroups, make_distributed
+from fusedmoe.eplb import PhysicalPlacement, move_rows, rebalance, record_load, to_physical
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, select_backend
 from fusedmoe.platform import Platform
@@ -46,7 +53,11 @@ from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.weights import scale_shape
 from fusedmoe.routing import CustomRouting, select_experts
+from fusedmoe.shared import SharedExperts, run_overlapped
 from fusedmoe.validation import check_experts_inputs
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # Checkpoint names of the three projections (HF/Qwen/DeepSeek style and Mixtral style).
 SHARD_ALIASES = {
@@ -59,26 +70,10 @@ _EXPERT_NAME = re.compile(
 )
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
+_PER_EXPERT = ("w13_weight", "w2_weight", "w13_bias", "w2_bias", "w13_scale", "w2_scale",
+               "w13_global_scale", "w2_global_scale", "a13_scale", "a2_scale")
 _PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8, "mxfp4": torch.uint8}
 _SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32
-
-
-def expert_placement(num_experts: int, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert_map [E] int32: global -> local or -1, local_to_global [L] int64) for this EP rank.
-
-    linear: rank r owns experts [r*L, (r+1)*L); round_robin: expert g lives on rank g % ep_size.
-    """
-    ep, rank = parallel.ep_size, parallel.ep_rank
-    if num_experts % ep:
-        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep}")
-    local = num_experts // ep
-    if parallel.placement == "linear":
-        local_to_global = torch.arange(rank * local, (rank + 1) * local)
-    else:
-        local_to_global = torch.arange(rank, num_experts, ep)
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
-    expert_map[local_to_global] = torch.arange(local, dtype=torch.int32)
-    return expert_map, local_to_global
 
 
 class FusedMoE(nn.Module):
@@ -109,13 +104,20 @@ class FusedMoE(nn.Module):
         prequantized: bool = False,
         parallel: ParallelConfig | None = None,
         backend: str = "auto",
-        activation_format: str = "standard",
+        activation_format: str | None = None,
         device: torch.device | str | None = None,
         platform: Platform | None = None,
+        group: ProcessGroup | None = None,
+        max_num_tokens: int | None = None,
+        shared_experts: nn.Module | None = None,
+        enable_eplb: bool = False,
+        num_redundant_experts: int = 0,
     ):
         super().__init__()
         params_dtype = params_dtype or torch.get_default_dtype()
         parallel = parallel or ParallelConfig()
+        if activation_format is None:
+            activation_format = "batched" if parallel.use_batched_activation_format else "standard"
         if use_grouped_topk:
             routing_method = "grouped_topk"
         elif custom_routing_function is not None:
@@ -124,14 +126,34 @@ class FusedMoE(nn.Module):
             routing_method = "llama4"
         else:
             routing_method = f"{scoring_func}_topk"
+        if num_redundant_experts and not enable_eplb:
+            raise ValueError(
+                f"num_redundant_experts={num_redundant_experts} needs enable_eplb=True: replicas "
+                "only receive tokens when routing spreads over them"
+            )
+        if enable_eplb and parallel.placement != "linear":
+            raise ValueError(
+                f"enable_eplb=True places experts itself (physical slots split linearly, "
+                f"rebalanced by load); placement={parallel.placement!r} must be 'linear'"
+            )
+        self.num_logical_experts = num_experts
+        self.eplb: PhysicalPlacement | None = None
+        if enable_eplb:
+            self.eplb = PhysicalPlacement.initial(num_experts, num_redundant_experts, parallel.ep_size)
+        num_slots = num_experts + num_redundant_experts  # physical experts: what the kernel sees
         self.config = MoEConfig(
-            num_experts, top_k, hidden_size, intermediate_size,
+            num_slots, top_k, hidden_size, intermediate_size, enable_eplb=enable_eplb,
             dtype=params_dtype, activation=activation, has_bias=has_bias, quant=quant,
             parallel=parallel, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
             activation_format=activation_format, backend=backend,
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,
+            max_num_tokens=max_num_tokens,
         )
+        # With a group, forward communicates and returns the full output on every rank; without
+        # one it returns this rank's partial sum (the caller reduces).
+        self.groups = None if group is None else MoEGroups(parallel, group)
+        self.shared_experts = shared_experts
         scheme = self.config.quant
         if prequantized and scheme is None:
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
@@ -175,17 +197,118 @@ class FusedMoE(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
-        expert_map, local_to_global = expert_placement(num_experts, parallel)
+        if self.eplb is None:
+            self.placement = ExpertPlacement.create(num_experts, parallel)
+            local_to_global = self.placement.local_to_global(parallel.ep_rank)
+        else:  # kernel ids are physical slots; local_to_global names each slot's logical expert
+            self.placement = self.eplb.slot_placement()
+            local_to_global = torch.tensor(self.eplb.local_logical(parallel.ep_rank), dtype=torch.int64)
+        expert_map = self.placement.expert_map(parallel.ep_rank)
         self.register_buffer("local_to_global", local_to_global.to(device), persistent=False)
         self.register_buffer(
             "expert_map", expert_map.to(device) if parallel.use_ep else None, persistent=False
         )
-        self._global_to_local = {int(g): i for i, g in enumerate(local_to_global.tolist())}
+        self._set_local_experts()
+        self._init_eplb_state(device)
         # [L, projection (gate, up, down), role (ROLES: weight, weight_scale, ...)]
         self._loaded = torch.zeros(num_local, len(_PROJECTIONS), len(ROLES), dtype=torch.bool)
         self._role_names: dict[str, str] = {}  # role -> the checkpoint's name for it
         self.selection: Selection | None = None
         self._kernel: ModularMoE | None = None
+
+    # Expert-parallel load balancing ------------------------------------------------------------
+    def _set_local_experts(self) -> None:
+        """Loading writes a logical expert into its first local slot; replicas copy it later."""
+        self._global_to_local: dict[int, int] = {}
+        self._replica_slots: list[tuple[int, int]] = []  # (slot, first slot of the same expert)
+        for slot, g in enumerate(self.local_to_global.tolist()):
+            if g in self._global_to_local:
+                self._replica_slots.append((slot, self._global_to_local[g]))
+            else:
+                self._global_to_local[g] = slot
+
+    def _init_eplb_state(self, device) -> None:
+        """The seeds' EPLB attributes: None without EPLB; else `expert_load_view` [P] (slots routed
+        to each physical expert by this rank since the last rebalance), `logical_to_physical_map`
+        [E, R+1] (-1 padded) and `logical_replica_count` [E]."""
+        if self.eplb is None:
+            self.expert_load_view = self.logical_to_physical_map = self.logical_replica_count = None
+            return
+        width = self.eplb.num_physical - self.eplb.num_logical + 1
+        self.register_buffer("expert_load_view",
+                             torch.zeros(self.eplb.num_physical, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("logical_to_physical_map",
+                             self.eplb.logical_to_physical(width).to(device), persistent=False)
+        self.register_buffer("logical_replica_count",
+                             torch.tensor(self.eplb.replica_counts(), dtype=torch.int64, device=device),
+                             persistent=False)
+
+    @property
+    def enable_eplb(self) -> bool:
+        return self.eplb is not None
+
+    def _fill_replicas(self) -> None:
+        """Copy each replica slot from the slot its logical expert was loaded into."""
+        if not self._replica_slots:
+            return
+        dst = torch.tensor([d for d, _ in self._replica_slots])
+        src = torch.tensor([s for _, s in self._replica_slots])
+        with torch.no_grad():
+            for t in self._per_expert_tensors():
+                t[dst.to(t.device)] = t[src.to(t.device)]
+            self._loaded[dst] = self._loaded[src]
+
+    def _per_expert_tensors(self) -> list[torch.Tensor]:
+        """Every parameter and buffer indexed by local expert slot first."""
+        num_local = self.config.num_local_experts
+        out = []
+        for name in _PER_EXPERT:
+            t = getattr(self, name, None)
+            if t is None:
+                continue
+            if t.dim() == 0 or t.shape[0] != num_local:
+                raise NotImplementedError(
+                    f"{name} has shape {tuple(t.shape)}: the backend re-laid it without a leading "
+                    f"per-expert dimension of {num_local}, so its experts cannot be moved"
+                )
+            out.append(t)
+        return out
+
+    def rebalance_experts(self, load_E: torch.Tensor | None = None) -> PhysicalPlacement:
+        """Recompute the placement from the recorded loads and move the weights (a collective
+        over the layer's group under EP: every rank calls it). Loads are summed over all ranks
+        first; `load_E` [E] replaces the recorded statistics. Resets `expert_load_view`."""
+        if self.eplb is None:
+            raise RuntimeError("rebalance_experts() needs a layer built with enable_eplb=True")
+        if self._kernel is None:
+            self.process_weights_after_loading()
+        old = self.eplb
+        if load_E is None:
+            load_P = self.expert_load_view.clone()
+            if self.groups is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(load_P, group=self.groups.group)
+            load_E = torch.zeros(old.num_logical, dtype=torch.int64, device=load_P.device)
+            load_E.scatter_add_(0, torch.tensor(old.physical_to_logical, device=load_P.device), load_P)
+        if tuple(load_E.shape) != (old.num_logical,):
+            raise ValueError(f"load_E has shape {tuple(load_E.shape)}, expected ({old.num_logical},)")
+        new = rebalance([float(x) for x in load_E.tolist()], old.num_physical, old.ep_size)
+        rank = self.config.parallel.ep_rank
+        if old.ep_size > 1 and self.groups is None:
+            raise RuntimeError("rebalancing moves experts between EP ranks: build the layer with group=...")
+        outer = None if self.groups is None else self.groups.outer
+        move_rows(self._per_expert_tensors(), old, new, rank, outer)
+        width = self.logical_to_physical_map.shape[1]
+        with torch.no_grad():
+            self.logical_to_physical_map.copy_(new.logical_to_physical(width))
+            self.logical_replica_count.copy_(torch.tensor(new.replica_counts()))
+            self.local_to_global.copy_(torch.tensor(new.local_logical(rank)))
+            self.expert_load_view.zero_()
+        self.eplb = new
+        self._set_local_experts()
+        return new
 
     def _create_quantized_storage(self, num_local: int, rows: int, hidden: int, inter: int,
                                   device: torch.device | str | None) -> None:
@@ -250,8 +373,8 @@ class FusedMoE(nn.Module):
                 "quant=<the checkpoint's scheme>, prequantized=True"
             )
         c = self.config
-        if not 0 <= expert_id < c.num_experts:
-            raise ValueError(f"expert_id={expert_id} outside [0, {c.num_experts})")
+        if not 0 <= expert_id < self.num_logical_experts:
+            raise ValueError(f"expert_id={expert_id} outside [0, {self.num_logical_experts})")
         if kind == "gate" and not c.gated:
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
@@ -363,7 +486,7 @@ class FusedMoE(nn.Module):
         if name.endswith("_bias") and not c.has_bias:
             raise ValueError(f"{name!r}: the layer was built with has_bias=False")
         part = gpt_oss_mxfp4_tensor(
-            name, tensor, num_experts=c.num_experts, hidden=c.hidden_size,
+            name, tensor, num_experts=self.num_logical_experts, hidden=c.hidden_size,
             intermediate=c.intermediate_size, tp_size=c.parallel.tp_size, tp_rank=c.parallel.tp_rank,
         )
         part = part[self.local_to_global.to(part.device)]
@@ -397,10 +520,14 @@ class FusedMoE(nn.Module):
         `.weight_global_scale`, `.input_global_scale`) and gpt-oss's fused
         `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
-        Returns the names consumed (those of experts on other EP ranks included); other names
-        are left for the caller.
+        With `SharedExperts` attached, also `...shared_experts.*` / `...shared_expert.*` /
+        `...shared_expert_gate.weight`. Returns the names consumed (those of experts on other EP
+        ranks included); other names are left for the caller.
         """
         used = set()
+        named_tensors = list(named_tensors)
+        if isinstance(self.shared_experts, SharedExperts):
+            used |= self.shared_experts.load_weights(named_tensors)
         for name, tensor in named_tensors:
             fused = _GPT_OSS_NAME.search(name)
             if fused is not None:
@@ -422,6 +549,7 @@ class FusedMoE(nn.Module):
         if self._kernel is not None:
             return self.selection
         c = self.config
+        self._fill_replicas()
         self._check_all_loaded()
         platform = self.platform or Platform.for_device(self.w13_weight.device)
         self.selection = select_backend(c, platform)
@@ -437,7 +565,10 @@ class FusedMoE(nn.Module):
                 param = getattr(self, f"{name}_weight")
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
-        self._kernel = make_modular(c, experts)
+        if self.groups is None:
+            self._kernel = make_modular(c, experts)
+        else:
+            self._kernel = make_distributed(c, experts, self.groups, self.placement)
         return self.selection
 
     def _check_all_loaded(self) -> None:
@@ -519,20 +650,26 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states [..., H], router_logits [..., E] -> [..., H] (this rank's partial sum)."""
+        """hidden_states [..., H], router_logits [..., E] -> [..., H]: the full output with a
+        process group (every rank must call forward, with its own tokens, possibly none), else
+        this rank's partial sum."""
         if self._kernel is None:
             self.process_weights_after_loading()
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = router_logits.reshape(-1, router_logits.shape[-1])
-        if logits.shape[-1] != self.config.num_experts:
+        if logits.shape[-1] != self.num_logical_experts:
             raise ValueError(
-                f"router_logits have {logits.shape[-1]} experts, the layer has {self.config.num_experts}"
+                f"router_logits have {logits.shape[-1]} experts, the layer has {self.num_logical_experts}"
             )
         if x.dtype != self.config.dtype:
             raise ValueError(f"hidden_states dtype {x.dtype} differs from the layer's {self.config.dtype}")
         topk_weights, topk_ids = self.route(x, logits)
         c = self.config
+        if self.eplb is not None:  # logical ids -> physical slots, replicas in turn; count them
+            topk_ids = to_physical(topk_ids, self.logical_to_physical_map, self.logical_replica_count,
+                                   c.num_experts)
+            record_load(self.expert_load_view, topk_ids)
         check_experts_inputs(
             x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
             activation=c.activation, expert_map=self.expert_map, global_num_experts=c.num_experts,
@@ -540,16 +677,34 @@ class FusedMoE(nn.Module):
             apply_router_weight_on_input=c.apply_router_weight_on_input, quantized=c.quant is not None,
             validate=False,
         )
-        if x.shape[0] == 0:
+        if x.shape[0] == 0 and self.groups is None:
             return hidden_states.new_empty(hidden_states.shape)
-        out = self._kernel(x, self._expert_weights(), topk_weights, topk_ids, expert_map_E=self.expert_map)
+
+        def routed() -> torch.Tensor:
+            return self._kernel(x, self._expert_weights(), topk_weights, topk_ids,
+                                expert_map_E=self.expert_map)
+
+        if self.shared_experts is None or not self._adds_shared:
+            out = routed()
+        else:
+            out, shared = run_overlapped(self.shared_experts, x, routed)
+            out = (out.float() + shared.float()).to(out.dtype)
         return out.reshape(*lead, out.shape[-1])
+
+    @property
+    def _adds_shared(self) -> bool:
+        """With a group every rank's output is whole: each adds the shared MLP. Without one the
+        caller sums partial outputs, so only one rank per token group adds it (as the down bias)."""
+        p = self.config.parallel
+        return self.groups is not None or (p.tp_rank == 0 and p.ep_rank % p.token_replicas == 0)
 
     def extra_repr(self) -> str:
         c = self.config
         backend = self.selection.name if self.selection else f"{c.backend} (not selected yet)"
         return (
-            f"experts={c.num_experts} (local {c.num_local_experts}), top_k={c.top_k}, "
+            f"experts={self.num_logical_experts}"
+            + (f" (+{c.num_experts - self.num_logical_experts} redundant)" if self.eplb else "")
+            + f" (local {c.num_local_experts}), top_k={c.top_k}, "
             f"hidden={c.hidden_size}, intermediate={c.intermediate_size_per_partition}, "
             f"activation={c.activation}, dtype={c.dtype}, backend={backend}"
         )

@@ -92,8 +92,26 @@ class BatchedExperts(Experts):
         )
 
 
+@dataclass
+class StandardDispatch:
+    """What a standard-layout dispatch hands the experts (rows, their routing, the expert_map to
+    read the ids with) and `handle`, which only the same prepare/finalize's combine reads."""
+
+    x_TH: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    expert_map_E: torch.Tensor | None
+    handle: object = None
+
+
 class PrepareFinalize:
-    """Token movement around the experts. The base class is one rank: nothing moves."""
+    """Token movement around the experts. The base class is one rank: nothing moves.
+
+    dispatch -> StandardDispatch; combine(experts' output, its handle) -> [T, H]. Subclasses
+    that move tokens override dispatch/combine; one-rank ones may override prepare/finalize.
+    """
+
+    layout: ClassVar[str] = "standard"
 
     def prepare(
         self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor
@@ -102,6 +120,13 @@ class PrepareFinalize:
 
     def finalize(self, out_TH: torch.Tensor) -> torch.Tensor:
         return out_TH
+
+    def dispatch(self, x_TH, topk_weights_TK, topk_ids_TK, expert_map_E) -> StandardDispatch:
+        x, w, ids = self.prepare(x_TH, topk_weights_TK, topk_ids_TK)
+        return StandardDispatch(x, w, ids, expert_map_E)
+
+    def combine(self, y_TH: torch.Tensor, handle: object) -> torch.Tensor:
+        return self.finalize(y_TH)
 
 
 LocalPrepareFinalize = PrepareFinalize
@@ -202,11 +227,16 @@ class ModularMoE:
                                               weights.w13.shape[0])
             out = pf.combine(self.experts.apply_batched(x_b, counts, weights), handle)
             return x_TH.copy_(out) if inplace else out
-        x, w, ids = self.prepare_finalize.prepare(x_TH, topk_weights_TK, topk_ids_TK)
-        out = x_TH if inplace and self.experts.supports_inplace else None
-        y = self.experts.apply(x, weights, w, ids, expert_map_E=expert_map_E, out_TH=out)
-        y = self.prepare_finalize.finalize(y)
-        return x_TH.copy_(y) if inplace and out is None else y
+        pf = self.prepare_finalize
+        d = pf.dispatch(x_TH, topk_weights_TK, topk_ids_TK, expert_map_E)
+        out = x_TH if inplace and self.experts.supports_inplace and d.x_TH is x_TH else None
+        if d.x_TH.shape[0] == 0:  # a rank may receive no rows; kernels are not launched on none
+            y = d.x_TH.new_zeros(0, x_TH.shape[1])
+        else:
+            y = self.experts.apply(d.x_TH, weights, d.topk_weights_TK, d.topk_ids_TK,
+                                   expert_map_E=d.expert_map_E, out_TH=out)
+        y = pf.combine(y, d.handle)
+        return x_TH.copy_(y) if inplace and y is not x_TH else y
 
 
 def make_modular(config: MoEConfig, experts: Experts) -> ModularMoE:

@@ -88,7 +88,7 @@ class Explanation:
             for r in rows
         ]
         lines.insert(1, "-" * max(len(line) for line in lines))
-        head = f"{_label(self.config)} MoE on {self.platform}: "
+        head = f"{_label(self.config)} MoE on {self.platform}{_split(self.config)}: "
         if self.chosen:
             head += f"chosen {self.chosen} (via {self.via})"
         else:
@@ -356,8 +356,18 @@ def _describe(config: MoEConfig) -> str:
         f"E={config.num_experts} top_k={config.top_k} H={config.hidden_size} "
         f"I={config.intermediate_size_per_partition} {str(config.dtype).replace('torch.', '')} "
         f"{quant} {config.activation} {config.activation_format} tp={p.tp_size} dp={p.dp_size} "
-        f"ep={p.ep_size}"
+        f"ep={p.ep_size}" + (f" dispatch={p.dispatch}" if p.use_ep else "")
     )
+
+
+def _split(config: MoEConfig) -> str:
+    """", tp=2 ep=4 dp=2 (alltoall dispatch, standard layout)" for a split config, else ""."""
+    p = config.parallel
+    sizes = [f"{k}={v}" for k, v in (("tp", p.tp_size), ("ep", p.ep_size), ("dp", p.dp_size)) if v > 1]
+    if not sizes:
+        return ""
+    how = f"{p.dispatch} dispatch, " if p.use_ep else ""
+    return f", {' '.join(sizes)} ({how}{config.activation_format} layout)"
 
 
 def _winner_message(config: MoEConfig, sel: Selection) -> str:

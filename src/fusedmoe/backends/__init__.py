@@ -27,7 +27,7 @@ from fusedmoe.quant.scheme import SCHEMES
 logger = logging.getLogger("fusedmoe")
 
 # Numerics features a backend may apply. A config that needs one the backend lacks is rejected.
-FEATURES = ("bias", "clamp", "weight_on_input", "expert_map", "lora", "routed_scaling")
+FEATURES = ("bias", "clamp", "weight_on_input", "expert_map", "lora", "routed_scaling", "eplb")
 FEATURE_TEXT = {
     "bias": "expert biases (has_bias=True)",
     "clamp": "the SwiGLU clamp (swiglu_limit)",
@@ -35,6 +35,7 @@ FEATURE_TEXT = {
     "expert_map": "an expert_map (expert parallelism)",
     "lora": "LoRA",
     "routed_scaling": "routed_scaling_factor != 1 in its fused router",
+    "eplb": "expert load balancing (enable_eplb=True: replicated physical experts)",
 }
 ALL_SCHEMES = frozenset(("unquantized", *SCHEMES))
 QUANTIZED_SCHEMES = frozenset(SCHEMES)
@@ -177,6 +178,11 @@ class Backend:
             return "it is not batch-invariant (batch_invariant requested)"
         return None
 
+    @property
+    def supports_eplb(self) -> bool:
+        """Runs on physical expert slots with replicas (the router's ids mapped before it)."""
+        return "eplb" in self.features
+
     def load_impl(self) -> type:
         """Import and return the experts implementation class."""
         if self.impl is None:
@@ -199,6 +205,8 @@ def needed_features(config: MoEConfig, *, monolithic: bool = False) -> frozenset
         needed.add("lora")
     if monolithic and config.routed_scaling_factor != 1.0:
         needed.add("routed_scaling")
+    if config.enable_eplb:
+        needed.add("eplb")
     return frozenset(needed)
 
 

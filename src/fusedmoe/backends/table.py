@@ -111,7 +111,15 @@ BUILTIN: tuple[Backend, ...] = (
         "torch", "PyTorch reference: fp32 accumulation, any device, every feature (explicit only)",
         kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
         features=ALL_FEATURES, auto=False, deterministic=True,
-        aliases=("reference", "ref"), impl="fusedmoe.backends.torch_ref:TorchExperts",
+        aliases=("reference", "ref"), twin="batched_torch",
+        impl="fusedmoe.backends.torch_ref:TorchExperts",
+    ),
+    Backend(
+        "batched_torch", "PyTorch reference on per-expert buffers (batched layout; auto off-GPU)",
+        kinds=frozenset(KINDS), schemes=frozenset(("unquantized",)), dtypes=ALL_DTYPES,
+        layout="batched", features=frozenset(("bias", "clamp", "weight_on_input", "eplb")),
+        deterministic=True, twin="torch", aliases=("batched_reference",),
+        impl="fusedmoe.backends.torch_ref:BatchedTorchExperts",
     ),
     Backend(
         "cpu", "CPU path: slots sorted by expert, one matmul per expert segment",
@@ -143,7 +151,7 @@ BUILTIN: tuple[Backend, ...] = (
         # int8_w8a8 runs here too, but the seeds' INT8 order has no batched row: explicit only.
         kinds=GPU, schemes=frozenset(("unquantized", "int8_w8a8")) | FP8_W8A8, layout="batched",
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8)) + (("int8_w8a8", (7, 5)),),
-        features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=ALL_DTYPES,
+        features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=ALL_DTYPES,
         needs_triton=True, twin="triton", deterministic=True,
         impl="fusedmoe.backends.triton.experts:BatchedTritonExperts",
     ),
@@ -155,6 +163,9 @@ BUILTIN: tuple[Backend, ...] = (
         impl="fusedmoe.backends.grouped_mm:GroupedMMExperts",
     ),
     # FlashInfer -------------------------------------------------------------------------------
+    # EPLB ("eplb" feature): every backend that takes router ids from outside runs on physical
+    # slots. Not: fused routers (flashinfer_trtllm: ids never leave the kernel) and the seeds'
+    # XPU path (NotImplementedError upstream), nor TPU.
     Backend(
         "flashinfer_trtllm", "FlashInfer TensorRT-LLM MoE (fused router; SM100)",
         kinds=frozenset(("cuda",)), min_capability=(10, 0), max_capability=(11, 0),
@@ -171,7 +182,7 @@ BUILTIN: tuple[Backend, ...] = (
         kinds=frozenset(("cuda",)), min_capability=(9, 0),
         schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a8_tensor_static",
                            "fp8_w8a8_block", "nvfp4", "mxfp4_w4a16", "mxfp4_w4a8")),
-        activations=FI_ACTS, dtypes=HALF, features=frozenset(("bias", "expert_map")),
+        activations=FI_ACTS, dtypes=HALF, features=frozenset(("bias", "expert_map", "eplb")),
         packages=("flashinfer",), group="flashinfer",
         extra_checks=(_fi_cutlass_scheme_capability, _unquantized_needs_ep_without_dp, _linear_ep_only),
         impl=EXT + "FlashInferCutlassExperts",
@@ -180,7 +191,7 @@ BUILTIN: tuple[Backend, ...] = (
         "flashinfer_cutedsl", "FlashInfer CuteDSL masked grouped GEMM (NVFP4, SM100)",
         kinds=frozenset(("cuda",)), min_capability=(10, 0), max_capability=(11, 0),
         schemes=frozenset(("nvfp4",)), activations=frozenset(("silu",)), dtypes=HALF,
-        features=frozenset(("expert_map",)), packages=("flashinfer",), group="flashinfer",
+        features=frozenset(("expert_map", "eplb")), packages=("flashinfer",), group="flashinfer",
         twin="flashinfer_cutedsl_batched", impl=EXT + "FlashInferCuteDslExperts",
     ),
     Backend(
@@ -204,7 +215,7 @@ BUILTIN: tuple[Backend, ...] = (
         schemes=frozenset(("unquantized", "fp8_w8a8_tensor", "fp8_w8a8_tensor_static",
                            "fp8_w8a8_channel", "fp8_w8a8_block", "mxfp4_w4a16")),
         activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
-        features=frozenset(("bias", "expert_map", "weight_on_input")),
+        features=frozenset(("bias", "expert_map", "weight_on_input", "eplb")),
         packages=("aiter",), group="aiter", impl=EXT + "AiterExperts",
     ),
     # DeepGEMM ---------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ BUILTIN: tuple[Backend, ...] = (
         "deepgemm", "DeepGEMM FP8 block-scaled grouped GEMM (contiguous)",
         kinds=frozenset(("cuda",)), min_capability=(9, 0), max_capability=(11, 0),
         schemes=frozenset(("fp8_w8a8_block",)), activations=frozenset(("silu",)),
-        dtypes=frozenset((torch.bfloat16,)), features=frozenset(("expert_map",)),
+        dtypes=frozenset((torch.bfloat16,)), features=frozenset(("expert_map", "eplb")),
         packages=("deep_gemm",), group="deep_gemm", twin="batched_deepgemm",
         aliases=("deep_gemm",), extra_checks=(_gated_only_hidden_multiple(128),),
         impl=EXT + "DeepGemmExperts",
@@ -232,7 +243,7 @@ BUILTIN: tuple[Backend, ...] = (
         schemes=frozenset(("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "nvfp4")),
         scheme_capability=(("nvfp4", (10, 0)),),
         activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
-        features=frozenset(("expert_map",)), packages=("cutlass",), group="cutlass",
+        features=frozenset(("expert_map", "eplb")), packages=("cutlass",), group="cutlass",
         twin="batched_cutlass", aliases=("vllm_cutlass",), extra_checks=(_fp4_cutlass_ep,),
     ),
     Backend(
@@ -247,14 +258,14 @@ BUILTIN: tuple[Backend, ...] = (
         "marlin", "Weight-only kernels: quantized weights dequantized in registers, bf16 math",
         kinds=frozenset(("cuda",)), min_capability=(7, 5),
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
-        features=frozenset(("bias", "clamp", "expert_map", "lora", "weight_on_input")),
+        features=frozenset(("bias", "clamp", "expert_map", "lora", "weight_on_input", "eplb")),
         dtypes=HALF, needs_triton=True, twin="batched_marlin", deterministic=True,
     ),
     Backend(
         "batched_marlin", "Weight-only kernels, batched layout",
         kinds=frozenset(("cuda",)), min_capability=(7, 5), layout="batched",
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
-        features=frozenset(("bias", "clamp", "weight_on_input")), dtypes=HALF,
+        features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=HALF,
         needs_triton=True, twin="marlin", deterministic=True,
     ),
     # Platform backends ------------------------------------------------------------------------
@@ -292,6 +303,7 @@ PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
     "unquantized": (
         ("flashinfer_trtllm", None), ("flashinfer_cutlass", None), ("aiter", None),
         ("triton", None), ("batched_triton", None), *_PLATFORM_TAIL, ("grouped_mm", None),
+        ("batched_torch", OFF_GPU),  # the CPU's batched layout (EP with alltoall_batched)
     ),
     "fp8": (
         ("aiter", None), ("flashinfer_trtllm", None), ("flashinfer_cutlass", None),

@@ -1,11 +1,12 @@
-"""`torch` backend: the reference math (`fusedmoe.reference`) as an experts implementation."""
+"""`torch` / `batched_torch` backends: the reference math (`fusedmoe.reference`) as experts
+implementations, on token rows (standard layout) or per-expert buffers (batched layout)."""
 
 from __future__ import annotations
 
 import torch
 
 from fusedmoe.config import MoEConfig
-from fusedmoe.modular import Experts, ExpertWeights
+from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights
 from fusedmoe.reference import Transform, fused_experts_ref
 
 
@@ -38,3 +39,25 @@ class TorchExperts(Experts):
         if out_TH is not None:
             return out_TH.copy_(y)
         return y
+
+
+class BatchedTorchExperts(BatchedExperts):
+    """y[e, j] = expert_e(x[e, j]) for j < num_tokens[e], zero past it (no routed weight)."""
+
+    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
+        num_local, max_tokens, _ = x_LMH.shape
+        out = torch.zeros_like(x_LMH)
+        for e, count in enumerate(num_tokens_L.tolist()[:num_local]):
+            rows = min(int(count), max_tokens)
+            if rows == 0:
+                continue
+            one = ExpertWeights(
+                weights.w13[e : e + 1], weights.w2[e : e + 1],
+                None if weights.w13_bias is None else weights.w13_bias[e : e + 1],
+                None if weights.w2_bias is None else weights.w2_bias[e : e + 1],
+            )
+            ones = torch.ones(rows, 1, dtype=torch.float32, device=x_LMH.device)
+            ids = torch.zeros(rows, 1, dtype=torch.int32, device=x_LMH.device)
+            out[e, :rows] = reference_for(self.config, x_LMH[e, :rows], one.w13, one.w2, one, ones,
+                                          ids, None)
+        return out

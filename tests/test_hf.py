@@ -1,0 +1,228 @@
+"""transformers integration: patched and hooked models against the models' own outputs (CPU, fp32).
+
+Each family: a small random model (MoE tensors redrawn so that they move the logits), prefill
+logits and greedy decode (ids and per-step logits) within 1e-5 relative error of transformers,
+unpatch restores the model bit for bit, and the checkpoint format survives patching.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fusedmoe.hf as fh  # noqa: E402
+from fusedmoe.hf import families as fam_table  # noqa: E402
+from fusedmoe.hf.models import build, tiny_config  # noqa: E402
+from fusedmoe.reference import fused_experts_ref  # noqa: E402
+
+RTOL = 1e-5  # fp32: ours and transformers' differ by summation order only (~3e-7 seen)
+SUPPORTED = [f.model_type for f in fh.FAMILIES if not f.refused]
+# Families whose experts class is @use_experts_implementation with fusedmoe's layout.
+HOOKED = [t for t in SUPPORTED if t not in ("gpt_oss", "llama4_text", "dbrx")]
+NEW_TOKENS = 4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def prompt(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids):
+    """(prefill logits, generated ids, per-step decode logits) with greedy decoding."""
+    with torch.no_grad():
+        logits = model(ids).logits
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    return logits, gen.sequences, torch.stack(gen.logits)
+
+
+def assert_same_outputs(got, want):
+    (logits, seq, steps), (ref_logits, ref_seq, ref_steps) = got, want
+    assert rel_err(logits, ref_logits) < RTOL
+    assert torch.equal(seq, ref_seq)
+    for step in range(NEW_TOKENS):
+        assert rel_err(steps[step], ref_steps[step]) < RTOL, f"decode step {step}"
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_patch_matches_transformers_and_unpatch_restores(model_type):
+    model = build(model_type)
+    ids = prompt()
+    ref = run(model, ids)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    patched = fh.patch(model)
+    assert patched and all(name == fh.family(model_type).name for _, name in patched)
+    assert fh.is_patched(model)
+    assert_same_outputs(run(model, ids), ref)
+    # Checkpoint format unchanged while patched: same keys, order, shapes and values.
+    now = model.state_dict()
+    assert list(now) == list(state)
+    assert all(torch.equal(now[k], state[k]) for k in state)
+
+    assert fh.unpatch(model) == len(patched)
+    assert not fh.is_patched(model)
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref[0])
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_routing_and_experts_matter(model_type):
+    """The comparison above has teeth: the logits move when the experts of one block change."""
+    model = build(model_type)
+    ids = prompt()
+    fh.patch(model)
+    with torch.no_grad():
+        good = model(ids).logits
+        block = next(m for m in model.modules() if fh.is_patched(m) and hasattr(m, "_fusedmoe_patch"))
+        w13 = block._fusedmoe_patch.layout.tensors(getattr(block, block._fusedmoe_patch.family.experts))[0]
+        w13.mul_(-1)  # in fusedmoe's layout: flips gates (and relu2's input)
+        assert rel_err(model(ids).logits, good) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx", "qwen2_moe"])
+def test_patched_model_loads_transformers_checkpoints(model_type):
+    """load_state_dict of a checkpoint in transformers' layout into a patched (re-laid-out) model."""
+    source = build(model_type, seed=1)
+    ids = prompt()
+    with torch.no_grad():
+        want = source(ids).logits
+    target = build(model_type, seed=2)
+    fh.patch(target)
+    target.load_state_dict(source.state_dict())
+    with torch.no_grad():
+        assert rel_err(target(ids).logits, want) < RTOL
+
+
+@pytest.mark.parametrize("model_type", HOOKED)
+def test_experts_implementation_fusedmoe(model_type):
+    ids = prompt()
+    model = build(model_type)
+    ref = run(model, ids)
+    model.set_experts_implementation("fusedmoe")
+    assert model.config._experts_implementation == "fusedmoe"
+    assert_same_outputs(run(model, ids), ref)
+
+
+def test_from_config_with_experts_implementation():
+    config = tiny_config("qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="fusedmoe")
+    assert model.config._experts_implementation == "fusedmoe"
+    ids = prompt()
+    with torch.no_grad():
+        got = model(ids).logits
+        model.set_experts_implementation("eager")
+        assert rel_err(got, model(ids).logits) < RTOL
+
+
+def test_experts_hook_refuses_transposed_experts():
+    model = build("gpt_oss")
+    model.set_experts_implementation("fusedmoe")
+    with pytest.raises(fh.UnsupportedModel, match=r"GptOssExperts .*fusedmoe\.hf\.patch"), torch.no_grad():
+        model(prompt())
+
+
+def test_experts_hook_expert_parallel_placeholders():
+    """Ids >= E with weight 0 (transformers' EP placeholders) add nothing."""
+    model = build("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]])
+    weights = torch.rand(5, 2)
+    want = fh.experts_forward(experts, x, ids, weights)
+    experts._is_expert_parallel = True
+    ids_ep = torch.cat((ids, torch.full((5, 1), 4), torch.full((5, 1), 7)), dim=1)
+    weights_ep = torch.cat((weights, torch.zeros(5, 2)), dim=1)
+    got = fh.experts_forward(experts, x, ids_ep, weights_ep)
+    assert rel_err(got, want) < RTOL
+
+
+def test_compile_patched_model():
+    model = build("qwen2_moe")
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+        fh.patch(model)
+        compiled = torch.compile(model, fullgraph=True)
+        assert rel_err(compiled(ids).logits, want) < RTOL
+
+
+def test_fp8_experts_hook():
+    """transformers' block-FP8 experts through the hook: the math on dequantized weights."""
+    from transformers.integrations.finegrained_fp8 import (
+        ALL_FP8_EXPERTS_FUNCTIONS,
+        FP8Experts,
+    )
+    from transformers.integrations.moe import use_experts_implementation
+
+    config = tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128)
+    config._experts_implementation = "fusedmoe"
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    experts = cls(config, block_size=(128, 128))
+    g = torch.Generator().manual_seed(0)
+    e, i, h = 4, 128, 128
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.1
+    w2 = torch.randn(e, h, i, generator=g) * 0.1
+    with torch.no_grad():
+        for weight, scale, w in ((experts.gate_up_proj, experts.gate_up_proj_scale_inv, w13),
+                                 (experts.down_proj, experts.down_proj_scale_inv, w2)):
+            s = w.abs().unflatten(1, (-1, 128)).unflatten(3, (-1, 128)).amax(dim=(2, 4)) / 448
+            scale.copy_(s)
+            weight.copy_((w / s.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.float8_e4m3fn))
+    dequant = [
+        weight.float() * scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        for weight, scale in ((experts.gate_up_proj, experts.gate_up_proj_scale_inv),
+                              (experts.down_proj, experts.down_proj_scale_inv))
+    ]
+    x = torch.randn(6, h, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    weights = torch.softmax(torch.randn(6, 2, generator=g), dim=-1)
+    got = experts(x, ids, weights)
+    want = fused_experts_ref(x, dequant[0], dequant[1], weights, ids)
+    assert rel_err(got, want) < 0.05  # fp8 activations: ~2-3% relative error
+    assert rel_err(got, want) > 0  # the activations really were quantized
+
+
+def test_llama4_top2_is_refused_by_name():
+    model = build("llama4_text", num_experts_per_tok=2)
+    with pytest.raises(fh.UnsupportedModel, match="top_k == 1"):
+        fh.patch(model)
+    assert not fh.is_patched(model)
+
+
+def test_refused_family_names_the_feature(monkeypatch):
+    refused = next(f for f in fh.FAMILIES if f.refused)
+    # A stand-in block of the refused family: patch() identifies blocks by class and module.
+    fake = type(refused.block, (torch.nn.Module,), {"__module__": refused.module_path})
+    model = torch.nn.Sequential(fake())
+    with pytest.raises(fh.UnsupportedModel, match=refused.refused.split(" (")[0][:30]):
+        fh.patch(model)
+
+
+def test_patch_without_moe_blocks():
+    with pytest.raises(ValueError, match="no MoE block"):
+        fh.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_patch_is_idempotent():
+    model = build("mixtral")
+    first = fh.patch(model)
+    assert fh.patch(model) == [] and len(first) == 2
+    assert fh.unpatch(model) == 2
+
+
+def test_table_is_consistent():
+    for f in fh.FAMILIES:
+        assert f.refused or (f.routing in fam_table.ROUTINGS and f.config), f.name
+        assert fh.family(f.model_type) is f
+    with pytest.raises(KeyError, match="supported"):
+        fh.family("not-a-model")

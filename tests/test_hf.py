@@ -226,3 +226,13 @@ def test_table_is_consistent():
         assert fh.family(f.model_type) is f
     with pytest.raises(KeyError, match="supported"):
         fh.family("not-a-model")
+
+
+def test_demo_hf_cli(capsys):
+    from fusedmoe.cli import main
+
+    assert main(["demo", "--hf", "phimoe", "--tokens", "8", "--new-tokens", "2", "--scale", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rel. error" in out and "(ok," in out and "fusedmoe patch" in out
+    assert main(["demo", "--hf", "nllb_moe"]) == 2
+    assert "not supported: capacity-limited" in capsys.readouterr().out

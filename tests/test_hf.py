@@ -156,40 +156,87 @@ def test_compile_patched_model():
         assert rel_err(compiled(ids).logits, want) < RTOL
 
 
-def test_fp8_experts_hook():
-    """transformers' block-FP8 experts through the hook: the math on dequantized weights."""
-    from transformers.integrations.finegrained_fp8 import (
-        ALL_FP8_EXPERTS_FUNCTIONS,
-        FP8Experts,
-    )
+def _fp8_experts(config, w13: torch.Tensor, w2: torch.Tensor):
+    """transformers' FP8Experts (block 128, dynamic) holding w13/w2 quantized; and the dequantized
+    weights it really holds."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
     from transformers.integrations.moe import use_experts_implementation
 
-    config = tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128)
-    config._experts_implementation = "fusedmoe"
     cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
     experts = cls(config, block_size=(128, 128))
-    g = torch.Generator().manual_seed(0)
-    e, i, h = 4, 128, 128
-    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.1
-    w2 = torch.randn(e, h, i, generator=g) * 0.1
+
+    def blocks(s):
+        return s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+
+    dequant = []
     with torch.no_grad():
         for weight, scale, w in ((experts.gate_up_proj, experts.gate_up_proj_scale_inv, w13),
                                  (experts.down_proj, experts.down_proj_scale_inv, w2)):
             s = w.abs().unflatten(1, (-1, 128)).unflatten(3, (-1, 128)).amax(dim=(2, 4)) / 448
             scale.copy_(s)
-            weight.copy_((w / s.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.float8_e4m3fn))
-    dequant = [
-        weight.float() * scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
-        for weight, scale in ((experts.gate_up_proj, experts.gate_up_proj_scale_inv),
-                              (experts.down_proj, experts.down_proj_scale_inv))
-    ]
+            weight.copy_((w / blocks(s)).to(torch.float8_e4m3fn))
+            dequant.append(weight.float() * blocks(scale))
+    return experts, dequant
+
+
+def _fp8_config():
+    return tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+
+
+def test_fp8_experts_hook():
+    """transformers' block-FP8 experts through the hook: the math on dequantized weights."""
+    config = _fp8_config()
+    config._experts_implementation = "fusedmoe"
+    g = torch.Generator().manual_seed(0)
+    e, i, h = 4, 128, 128
+    experts, (w13, w2) = _fp8_experts(config, torch.randn(e, 2 * i, h, generator=g) * 0.1,
+                                      torch.randn(e, h, i, generator=g) * 0.1)
     x = torch.randn(6, h, generator=g)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
     weights = torch.softmax(torch.randn(6, 2, generator=g), dim=-1)
     got = experts(x, ids, weights)
-    want = fused_experts_ref(x, dequant[0], dequant[1], weights, ids)
+    want = fused_experts_ref(x, w13, w2, weights, ids)
     assert rel_err(got, want) < 0.05  # fp8 activations: ~2-3% relative error
     assert rel_err(got, want) > 0  # the activations really were quantized
+
+
+def test_fp8_experts_patch():
+    """patch() on a model whose experts are FP8Experts runs them quantized, as the hook does."""
+    model = build("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+    for layer in model.model.layers:
+        old = layer.mlp.experts
+        layer.mlp.experts, _ = _fp8_experts(model.config, old.gate_up_proj.data, old.down_proj.data)
+    ids = prompt()
+    with torch.no_grad():
+        model.set_experts_implementation("fusedmoe")
+        hooked = model(ids).logits
+        fh.patch(model)
+        assert rel_err(model(ids).logits, hooked) < RTOL
+        fh.unpatch(model)
+        model.set_experts_implementation("eager")  # transformers' own FP8 needs its GPU kernels
+
+
+def test_fp8_static_activations_are_refused():
+    config = _fp8_config()
+    config._experts_implementation = "fusedmoe"
+    experts, _ = _fp8_experts(config, torch.randn(4, 256, 128), torch.randn(4, 128, 128))
+    experts.activation_scheme = "static"
+    with pytest.raises(fh.UnsupportedModel, match="activation_scheme='static'"):
+        experts(torch.randn(2, 128), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+
+
+def test_save_pretrained_of_a_patched_model(tmp_path):
+    """A patched (re-laid-out) model saves transformers' checkpoint format."""
+    for model_type in ("gpt_oss", "dbrx"):
+        model = build(model_type)
+        ids = prompt()
+        with torch.no_grad():
+            want = model(ids).logits
+        fh.patch(model)
+        model.save_pretrained(tmp_path / model_type)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / model_type).eval()
+        with torch.no_grad():
+            assert rel_err(loaded(ids).logits, want) < RTOL
 
 
 def test_llama4_top2_is_refused_by_name():

@@ -89,6 +89,25 @@ def test_routing_and_experts_matter(model_type):
         assert rel_err(model(ids).logits, good) > 1e-3
 
 
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_output_router_logits(model_type):
+    """output_router_logits=True: the same per-layer router logits (and aux loss) as transformers."""
+    model = build(model_type)
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids, output_router_logits=True)
+        fh.patch(model)
+        got = model(ids, output_router_logits=True)
+    if want.router_logits is None:
+        assert got.router_logits is None
+        return
+    assert len(got.router_logits) == len(want.router_logits) > 0
+    for g, w in zip(got.router_logits, want.router_logits, strict=True):
+        assert rel_err(g, w) < RTOL
+    if want.aux_loss is not None:
+        assert rel_err(got.aux_loss, want.aux_loss) < RTOL
+
+
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx", "qwen2_moe"])
 def test_patched_model_loads_transformers_checkpoints(model_type):
     """load_state_dict of a checkpoint in transformers' layout into a patched (re-laid-out) model."""

@@ -163,6 +163,7 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     x_TH = hidden_states.reshape(-1, shape[-1])
     router = getattr(self, fam.router)
     logits_TE = router_logits(fam, router, x_TH)
+    _record_router_logits(logits_TE)
     top_k = top_k_of(self, router)
     weights_TK, ids_TK = ROUTINGS[fam.routing](self, router, x_TH, logits_TE, top_k)
 
@@ -188,6 +189,18 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     if fam.output == "with_scores":  # gpt-oss: (out, top-k routing weights [T, K])
         return out, weights_TK.to(logits_TE.dtype)
     return out
+
+
+def _record_router_logits(logits_TE: torch.Tensor) -> None:
+    """With output_router_logits=True transformers collects the router's logits through a hook
+    on the router module, which a patched block does not call: hand it ours (the same values)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capturing: nothing collects
+        return
+    collected = _active_collector.get()
+    if collected is not None and "router_logits" in collected:
+        collected["router_logits"].append(logits_TE)
 
 
 def _check_training(block: nn.Module, fam: Family) -> None:

@@ -149,16 +149,13 @@ FAMILIES: tuple[Family, ...] = (
                      ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
                                      moe_normalize_expert_weights=1.0))),
     # Listed so that patch() names the missing feature instead of skipping the blocks.
-    Family("Step-3.7", "step3p7", "step3p7", "Step3p7SparseMoeBlock",
-           refused="SwiGLU-step (clamp after silu: min(silu(g), L) * clamp(u)) is not an activation "
-                   "fusedmoe runs"),
+    Family("Step-3.7", "step3p5", "step3p7", "Step3p7SparseMoeBlock",
+           refused="SwiGLU-step (the clamp after silu: min(silu(g), L) * clamp(u, -L, L), "
+                   "swiglu_limits) is not an activation fusedmoe runs"),
     Family("Inkling-2", "inkling2_text", "inkling2", "Inkling2SparseMoeBlock",
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
-    Family("JetMoE", "jetmoe", "jetmoe", "JetMoeMoE",
-           refused="expert biases outside the weighted sum and the mixture-of-attention experts "
-                   "(JetMoeMoA) are not supported"),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
            refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
                    "supported"),

@@ -341,3 +341,15 @@ def test_patched_block_bf16_gpu(model_type):
     # ~6e-3 for both on CPU at hidden 512; PhiMoE ~6e-2 for both (its SparseMixer margin test
     # flips in bf16, transformers' as well).
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+def test_hf_experts_op_opcheck():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    w13, w2 = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]])
+    weights = torch.rand(5, 2, generator=g)
+    torch.library.opcheck(
+        torch.ops.fusedmoe.hf_experts.default,
+        (x, w13, w2, weights, ids, None, None, None, None, None, "", "silu", 1.702, None, False, -1),
+    )

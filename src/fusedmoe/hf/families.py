@@ -3,7 +3,8 @@
     block forward = shared(x) [x sigmoid(shared_gate(x))] + experts(route(router_logits(x)))
 
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
-    softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss
+    softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
+                                                                  Qwen3.5-MoE
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, OLMoE
     softmax             softmax -> top-k                          Jamba
     deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
@@ -87,6 +88,12 @@ FAMILIES: tuple[Family, ...] = (
                      shared_expert_intermediate_size=48, num_experts=4, head_dim=16,
                      layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+    Family("Qwen3.5-MoE", "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock",
+           "Qwen3_5MoeTextConfig", shared="shared_expert", shared_gate="shared_expert_gate",
+           tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                     head_dim=16, layer_types=["linear_attention", "full_attention"],
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                     linear_num_value_heads=4)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -122,6 +129,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("GraniteMoE-Shared", "granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
            "GraniteMoeSharedConfig", router="router",
            tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48)),
+    Family("GraniteMoE-Hybrid", "granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridMoE",
+           "GraniteMoeHybridConfig", router="router",
+           tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48,
+                     layer_types=["attention", "attention"])),
     Family("PhiMoE", "phimoe", "phimoe", "PhimoeSparseMoeBlock", "PhimoeConfig",
            routing="sparsemixer", router="router", jitter="input_jitter_noise",
            tiny=dict(_E4, num_local_experts=4)),

@@ -322,9 +322,9 @@ def _block_accuracy(model_type: str, device: str, scale: int) -> tuple[float, fl
 
 
 def _is_block(module) -> bool:
-    from fusedmoe.hf.patch import _family_of
+    from fusedmoe.hf.patch import block_family
 
-    return _family_of(module) is not None
+    return block_family(module) is not None
 
 
 def _first(out):

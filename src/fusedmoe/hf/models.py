@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fusedmoe.hf.families import Family, family
-from fusedmoe.hf.patch import _family_of
+from fusedmoe.hf.patch import block_family
 
 # Config keys that are sizes, scaled by `scale` (head counts stay fixed).
 _SIZES = ("hidden_size", "d_model", "intermediate_size", "moe_intermediate_size",
@@ -59,7 +59,7 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
     matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
     with torch.no_grad():
         for module in model.modules():
-            if _family_of(module) is None:
+            if block_family(module) is None:
                 continue
             for tensor in list(module.parameters()) + list(module.buffers()):
                 if tensor.is_floating_point():

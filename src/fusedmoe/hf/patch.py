@@ -39,7 +39,8 @@ class _PatchState:
     hooks: tuple
 
 
-def _family_of(module: nn.Module) -> Family | None:
+def block_family(module: nn.Module) -> Family | None:
+    """The family whose MoE block `module` is (by class name and module), else None."""
     cls = type(module)
     for fam in FAMILIES:
         if cls.__name__ == fam.block and cls.__module__ == fam.module_path:
@@ -61,7 +62,7 @@ def patch(model: nn.Module) -> list[tuple[str, str]]:
         if hasattr(module, _STATE):
             already += 1
             continue
-        fam = _family_of(module)
+        fam = block_family(module)
         if fam is None:
             continue
         if fam.refused:

@@ -353,3 +353,22 @@ def test_hf_experts_op_opcheck():
         torch.ops.fusedmoe.hf_experts.default,
         (x, w13, w2, weights, ids, None, None, None, None, None, "", "silu", 1.702, None, False, -1),
     )
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx"])
+def test_conversion_keeps_one_copy(model_type):
+    """Re-laid-out families: the converted tensors replace the originals (same parameter bytes,
+    same names except DBRX's w1 + v1 -> w13), and unpatch restores names and shapes."""
+    model = build(model_type)
+
+    def params():
+        return {n: (tuple(p.shape), p.numel() * p.element_size()) for n, p in model.named_parameters()}
+
+    before = params()
+    fh.patch(model)
+    during = params()
+    assert sum(b for _, b in during.values()) == sum(b for _, b in before.values())
+    renamed = {n.replace(".w1", ".w13") for n in before if n.endswith("mlp.w1")}
+    assert set(during) == (set(before) - {n for n in before if n.endswith(("mlp.w1", "mlp.v1"))}) | renamed
+    fh.unpatch(model)
+    assert params() == before

@@ -372,3 +372,26 @@ def test_conversion_keeps_one_copy(model_type):
     assert set(during) == (set(before) - {n for n in before if n.endswith(("mlp.w1", "mlp.v1"))}) | renamed
     fh.unpatch(model)
     assert params() == before
+
+
+VARIANTS = [  # config switches the default tiny configs do not take
+    ("deepseek_v2", dict(topk_method="greedy")),
+    ("qwen2_moe", dict(norm_topk_prob=True)),
+    ("qwen3_moe", dict(norm_topk_prob=False)),
+    ("olmoe", dict(norm_topk_prob=True)),
+    ("deepseek_v3", dict(norm_topk_prob=False, n_group=1, topk_group=1)),
+    ("ernie4_5_moe", dict(moe_norm_min=0.9)),  # the clamp binds: top-2 of 4 sums to >= 0.5
+    ("hunyuan_v1_moe", dict(moe_topk=[1, 3])),  # per-layer top-k list
+    ("nemotron_h", dict(moe_latent_size=16)),  # latent projections around the experts
+    ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
+]
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), VARIANTS, ids=[f"{t}-{next(iter(o))}" for t, o in VARIANTS])
+def test_patch_variants(model_type, overrides):
+    model = build(model_type, **overrides)
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+        fh.patch(model)
+        assert rel_err(model(ids).logits, want) < RTOL

@@ -24,6 +24,21 @@ HOOKED = [t for t in SUPPORTED if t not in ("gpt_oss", "llama4_text", "dbrx")]
 NEW_TOKENS = 4
 
 
+@pytest.fixture
+def hook_calls(monkeypatch) -> list:
+    """Counts calls of the experts hook's fused_experts path (proves the hook really ran)."""
+    import fusedmoe.hf.experts as hf_experts
+
+    calls, real = [], hf_experts.run_experts
+
+    def counting(*args, **kwargs):
+        calls.append(type(args[0]).__name__)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_experts, "run_experts", counting)
+    return calls
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -123,24 +138,40 @@ def test_patched_model_loads_transformers_checkpoints(model_type):
 
 
 @pytest.mark.parametrize("model_type", HOOKED)
-def test_experts_implementation_fusedmoe(model_type):
+def test_experts_implementation_fusedmoe(model_type, hook_calls):
     ids = prompt()
     model = build(model_type)
     ref = run(model, ids)
+    assert not hook_calls
     model.set_experts_implementation("fusedmoe")
     assert model.config._experts_implementation == "fusedmoe"
     assert_same_outputs(run(model, ids), ref)
+    assert hook_calls
 
 
-def test_from_config_with_experts_implementation():
+def test_from_config_with_experts_implementation(hook_calls):
     config = tiny_config("qwen3_moe")
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="fusedmoe")
     assert model.config._experts_implementation == "fusedmoe"
     ids = prompt()
     with torch.no_grad():
         got = model(ids).logits
+        assert len(hook_calls) == config.num_hidden_layers
         model.set_experts_implementation("eager")
         assert rel_err(got, model(ids).logits) < RTOL
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path, hook_calls):
+    model = build("deepseek_v3")
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="fusedmoe")
+    assert loaded.config._experts_implementation == "fusedmoe"
+    with torch.no_grad():
+        assert rel_err(loaded.eval()(ids).logits, want) < RTOL
+    assert hook_calls == ["DeepseekV3Experts"]  # first_k_dense_replace=1: one MoE layer of two
 
 
 def test_experts_hook_refuses_transposed_experts():

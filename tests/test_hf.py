@@ -467,3 +467,35 @@ def test_experts_hook_bf16_gpu(model_type):
         model16.set_experts_implementation("fusedmoe")
         ours = rel_err(model16(ids).logits, want)
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+CUSTOM_GATES = [  # experts classes with their own _apply_gate that the hook knows (clamp binds)
+    ("deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config",
+     dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
+    ("glm5_next", "Glm5NextTextExperts", "Glm5NextTextConfig",
+     dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
+    ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig",
+     dict(hidden_size=64, intermediate_size=32, num_local_experts=4, swiglu_limit=0.5, swiglu_alpha=1.702)),
+]
+
+
+@pytest.mark.parametrize(("module", "experts_cls", "config_cls", "kwargs"), CUSTOM_GATES,
+                         ids=[c[0] for c in CUSTOM_GATES])
+def test_experts_hook_custom_gates(module, experts_cls, config_cls, kwargs, hook_calls):
+    from importlib import import_module
+
+    modeling = import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(import_module(f"transformers.models.{module}.configuration_{module}"), config_cls)(**kwargs)
+    experts = getattr(modeling, experts_cls)(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(6, 64, generator=g)
+    ids = torch.randint(0, 4, (6, 2), generator=g)
+    weights = torch.rand(6, 2, generator=g)
+    config._experts_implementation = "eager"
+    want = experts(x, ids, weights)
+    config._experts_implementation = "fusedmoe"
+    assert rel_err(experts(x, ids, weights), want) < RTOL
+    assert hook_calls == [experts_cls]

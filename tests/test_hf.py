@@ -499,3 +499,12 @@ def test_experts_hook_custom_gates(module, experts_cls, config_cls, kwargs, hook
     config._experts_implementation = "fusedmoe"
     assert rel_err(experts(x, ids, weights), want) < RTOL
     assert hook_calls == [experts_cls]
+
+
+def test_quantized_experts_in_a_converted_layout_are_refused():
+    model = build("llama4_text")
+    experts = model.model.layers[0].feed_forward.experts
+    experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(fh.UnsupportedModel, match=r"quantized experts \(torch.float8_e4m3fn\) in the transposed"):
+        fh.patch(model)
+    assert not fh.is_patched(model)

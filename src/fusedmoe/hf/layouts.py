@@ -31,6 +31,10 @@ class Layout:
             experts.gate_up_proj_bias if bias else None, experts.down_proj_bias if bias else None,
         )
 
+    def source(self, experts: nn.Module) -> torch.Tensor | None:
+        """The gate/up (or up) weight as the family stores it, None when the module lacks it."""
+        return getattr(experts, "gate_up_proj", None)
+
     def adopt(self, experts: nn.Module) -> None:
         """Convert the module's tensors to our layout in place."""
 
@@ -127,6 +131,9 @@ class Dbrx(Layout):
 
     name = "dbrx"
     converts = True
+
+    def source(self, experts):
+        return getattr(getattr(experts, "mlp", None), "w1", None)
 
     @staticmethod
     def _sizes(experts) -> tuple[int, int, int]:

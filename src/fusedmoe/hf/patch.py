@@ -108,6 +108,14 @@ def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
     top_k_of(block, router)
     if fam.routing == "llama4":
         _check_llama4(block, router)
+    if LAYOUTS[fam.layout].converts:
+        w13 = LAYOUTS[fam.layout].source(experts)
+        if w13 is None or not w13.is_floating_point() or w13.element_size() < 2:
+            what = type(experts).__name__ if w13 is None else str(w13.dtype)
+            raise UnsupportedModel(
+                f"{fam.name} ({fam.block}): quantized experts ({what}) in the {fam.layout} layout are "
+                "not supported; patch re-lays out bf16/fp16/fp32 expert weights only"
+            )
     if fam.layout == "gpt_oss":
         return ExpertsMath("swigluoai", float(experts.alpha), float(experts.limit))
     if fam.layout == "dbrx":

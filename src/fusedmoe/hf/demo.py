@@ -4,6 +4,10 @@ against transformers and timed.
     model = build(family, scale)             # MoE tensors redrawn so that they matter
     ref   = model(ids) [eager experts], model(ids) [grouped_mm], greedy generate
     patch(model); out = model(ids), generate  -> relative error, token agreement, speed
+In float32 the patched logits must equal transformers' within 1e-5. In bf16/fp16 both are held to
+the same model in float32: the patched model passes when it is as close as transformers' own
+(a rounding difference may flip a near-tie routing decision, so bf16 runs are not compared with
+each other directly).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from fusedmoe.hf.families import FAMILIES, family
 from fusedmoe.hf.models import build
 from fusedmoe.hf.patch import patch
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+FP32_TOLERANCE = 1e-5
 
 
 def list_families() -> str:
@@ -87,17 +91,28 @@ def run_demo(name: str, *, tokens: int, new_tokens: int, dtype: torch.dtype, dev
     times["fusedmoe patch"] = _time(forward, device, repeats)
     logits = forward()
     tokens_out = generate()
-    err = ((logits.double() - ref_logits.double()).norm() / ref_logits.double().norm()).item()
+    err = _rel_err(logits, ref_logits)
     agree = (tokens_out[:, tokens:] == ref_tokens[:, tokens:]).float().mean().item()
-    tol = TOLERANCE[dtype]
+    if dtype == torch.float32:
+        ok, verdict = err < FP32_TOLERANCE, f"tolerance {FP32_TOLERANCE:.0e}"
+    else:
+        with torch.no_grad():
+            want = build(fam, scale=scale, device=device)(ids).logits
+        ours, theirs = _rel_err(logits, want), _rel_err(ref_logits, want)
+        ok = ours <= 1.5 * theirs + 1e-3
+        verdict = f"vs float32: patched {ours:.2e}, transformers {theirs:.2e}"
 
     print(f"\n  patched      {len(blocks)} MoE blocks ({fam.name}: routing {fam.routing}, "
           f"experts layout {fam.layout})")
     print(f"  logits       rel. error {err:.2e} vs transformers eager "
-          f"({'ok' if err < tol else 'TOO LARGE'}, tolerance {tol:.0e})")
+          f"({'ok' if ok else 'TOO LARGE'}, {verdict})")
     print(f"  generate     {agree:.0%} of {new_tokens} greedy tokens equal")
     base = times.get("transformers eager")
     for label, t in times.items():
         speed = f"  {base / t:.2f}x vs eager" if base else ""
         print(f"  {label:22} {t * 1e3:8.2f} ms per forward (median of {repeats}){speed}")
-    return 0 if err < tol else 1
+    return 0 if ok else 1
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

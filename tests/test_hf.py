@@ -233,6 +233,17 @@ def _fp8_config():
     return tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32)
 
 
+def test_compile_with_experts_hook(hook_calls):
+    model = build("qwen3_moe")
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_experts_implementation("fusedmoe")
+        compiled = torch.compile(model, fullgraph=True)
+        assert rel_err(compiled(ids).logits, want) < RTOL
+    assert hook_calls  # traced through the hook into fusedmoe::hf_experts
+
+
 def test_fp8_experts_hook():
     """transformers' block-FP8 experts through the hook: the math on dequantized weights."""
     config = _fp8_config()

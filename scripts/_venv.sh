@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-stamp=".venv/.fusedmoe-installed${extra:+-$extra}"
+stamp=".venv/.fusedmoe-installed${extra:+-${extra//,/-}}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip >/dev/null
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"

@@ -1,10 +1,18 @@
 """Shared pytest setup: `cases.py` is importable from every test file (this folder is on
-sys.path); tests marked `gpu` skip without CUDA; `no_kernel` makes any experts kernel fail."""
+sys.path); tests marked `gpu` skip without CUDA; `no_kernel` makes any experts kernel fail;
+without CUDA, Triton runs in its interpreter (TRITON_INTERPRET=1) for the whole session."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The Triton interpreter is chosen when triton is first imported, and transformers (test_hf.py)
+# imports triton at collection, before the interpreter test modules set this themselves.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

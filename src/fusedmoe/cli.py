@@ -3,6 +3,7 @@
     fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8 [--dp 8] [--dispatch alltoall_batched]
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
+    fusedmoe demo --hf mixtral [--tokens 64] [--new-tokens 8]     (needs transformers: pip install -e .[hf])
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
                    [--quant fp8_w8a8_block]
     torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather]   (or without torchrun)
@@ -37,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
                       help="default: bf16 on GPU, fp32 on CPU")
     demo.add_argument("--device", default=None, help="default: cuda if available else cpu")
     demo.add_argument("--scale", type=int, default=None,
-                      help="divide hidden/intermediate by this (default: fit ~256 MB of weights on CPU)")
-    demo.add_argument("--list", action="store_true", help="list the model presets and exit")
+                      help="divide hidden/intermediate by this (default: fit ~256 MB of weights on CPU); "
+                           "with --hf: multiply the family's tiny sizes (default 2 on CPU, 16 on GPU)")
+    demo.add_argument("--list", action="store_true", help="list the model presets (with --hf: families) and exit")
+    demo.add_argument("--hf", default=None, metavar="FAMILY",
+                      help="a transformers MoE family (mixtral, qwen3_moe, deepseek_v3, gpt_oss, ...): "
+                           "a small random model, patched by fusedmoe.hf, against transformers")
+    demo.add_argument("--new-tokens", type=int, default=8, help="with --hf: greedy tokens generated")
     env = sub.add_parser("env", help="versions, device, optional backend packages, FUSEDMOE_* knobs")
     env.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="time backends on model presets (CUDA graphs, rotated weights)")
@@ -188,6 +194,8 @@ def cmd_demo(args) -> int:
     from fusedmoe.platform import Platform
     from fusedmoe.presets import PRESETS, get_preset
 
+    if args.hf is not None:
+        return _demo_hf(args)
     if args.list:
         for p in PRESETS.values():
             print(f"{p.name:18} E={p.num_experts:<4} k={p.top_k:<2} H={p.hidden_size:<5} "
@@ -255,6 +263,24 @@ def cmd_demo(args) -> int:
     print(f"  time         {t * 1e3:.2f} ms per forward (median of {len(times)}, routing included)")
     print(f"  throughput   {args.tokens / t:,.0f} tokens/s, {flops / t / 1e9:,.1f} GFLOP/s")
     return 0 if err < tol else 1
+
+
+def _demo_hf(args) -> int:
+    try:
+        from fusedmoe.hf.demo import list_families, run_demo
+    except ImportError as exc:
+        raise ValueError(f"--hf needs transformers ({exc}); pip install -e '.[hf]'") from None
+    if args.list:
+        print(list_families())
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    scale = args.scale or (2 if device.type == "cpu" else 16)
+    try:
+        return run_demo(args.hf, tokens=args.tokens, new_tokens=args.new_tokens, dtype=dtype,
+                        device=device, scale=scale)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
 
 
 def _reference(layer, x, logits):

@@ -1,0 +1,321 @@
+"""One record per transformers MoE family: where its block is, how it routes, how it stores experts.
+
+    block forward = shared(x) [x sigmoid(shared_gate(x))] + experts(route(router_logits(x)))
+
+Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
+    softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
+                                                                  Qwen3.5-MoE
+    softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, OLMoE
+    softmax             softmax -> top-k                          Jamba
+    deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
+    grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3, GLM-4-MoE, Nemotron-H
+    sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
+    softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
+    sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
+    pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
+    llama4              sigmoid top-1, weight on the input         Llama-4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fusedmoe.hf.experts import UnsupportedModel
+from fusedmoe.routing import select_experts
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers MoE block and how fusedmoe runs it.
+
+    `refused` names the feature fusedmoe lacks; such a family is listed but never patched.
+    `tiny` holds config keyword arguments of a small random model (tests, `fusedmoe demo --hf`).
+    """
+
+    name: str
+    model_type: str
+    module: str  # transformers.models.<module>.modeling_<module>
+    block: str  # class name of the MoE block
+    config: str = ""  # config class name in `transformers`
+    routing: str = "softmax_renorm"
+    layout: str = "fused"
+    router: str = "gate"  # block attribute holding the router
+    router_linear: str = ""  # router attribute holding the Linear ("" = the router itself)
+    router_fp32: bool = False  # logits computed in float32 from float32 weights
+    experts: str = "experts"
+    shared: str = ""  # block attribute of a shared-expert MLP added to the output
+    shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
+    latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
+    output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
+    jitter: str = ""  # block/router attribute with training-time jitter noise
+    refused: str = ""
+    tiny: Mapping = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def module_path(self) -> str:
+        return f"transformers.models.{self.module}.modeling_{self.module}"
+
+
+_ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+_E4 = dict(_ATTN, intermediate_size=32, num_experts_per_tok=2)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Mixtral", "mixtral", "mixtral", "MixtralSparseMoeBlock", "MixtralConfig",
+           jitter="jitter_noise", tiny=dict(_E4, num_local_experts=4)),
+    Family("MiniMax", "minimax", "minimax", "MiniMaxSparseMoeBlock", "MiniMaxConfig",
+           jitter="jitter_noise",
+           tiny=dict(_E4, num_local_experts=4, head_dim=16, layer_types=["full_attention"] * 2)),
+    Family("MiniMax-M2", "minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2Config",
+           routing="sigmoid_bias", jitter="jitter_noise",
+           tiny=dict(_E4, num_local_experts=8, head_dim=16)),
+    Family("Qwen2-MoE", "qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig",
+           routing="softmax_norm_topk", shared="shared_expert", shared_gate="shared_expert_gate",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, num_experts=4)),
+    Family("Qwen3-MoE", "qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig",
+           routing="softmax_norm_topk",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                     head_dim=16, norm_topk_prob=True)),
+    Family("Qwen3-Next", "qwen3_next", "qwen3_next", "Qwen3NextSparseMoeBlock", "Qwen3NextConfig",
+           routing="softmax_norm_topk", shared="shared_expert", shared_gate="shared_expert_gate",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, num_experts=4, head_dim=16,
+                     layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+    Family("Qwen3.5-MoE", "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock",
+           "Qwen3_5MoeTextConfig", shared="shared_expert", shared_gate="shared_expert_gate",
+           tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                     head_dim=16, layer_types=["linear_attention", "full_attention"],
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                     linear_num_value_heads=4)),
+    Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
+           routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
+    Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
+           routing="deepseek_v2", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=0, topk_method="group_limited_greedy",
+                     n_group=4, topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=16,
+                     q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    Family("DeepSeek-V3", "deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3Config",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+                     head_dim=16, routed_scaling_factor=1.5)),
+    Family("Nemotron-H", "nemotron_h", "nemotron_h", "NemotronHMoE", "NemotronHConfig",
+           routing="grouped_sigmoid", router_fp32=True, layout="up_only", shared="shared_experts",
+           latent=True,
+           tiny=dict(_ATTN, layers_block_type=["attention", "moe"], intermediate_size=64,
+                     moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     head_dim=16, routed_scaling_factor=1.5, use_mamba_kernels=False)),
+    Family("gpt-oss", "gpt_oss", "gpt_oss", "GptOssMLP", "GptOssConfig",
+           layout="gpt_oss", router="router", output="with_scores",
+           tiny=dict(_E4, num_local_experts=4, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"])),
+    Family("GraniteMoE", "granitemoe", "granitemoe", "GraniteMoeMoE", "GraniteMoeConfig",
+           router="router", tiny=dict(_E4, num_local_experts=4)),
+    Family("GraniteMoE-Shared", "granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
+           "GraniteMoeSharedConfig", router="router",
+           tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48)),
+    Family("GraniteMoE-Hybrid", "granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridMoE",
+           "GraniteMoeHybridConfig", router="router",
+           tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48,
+                     layer_types=["attention", "attention"])),
+    Family("PhiMoE", "phimoe", "phimoe", "PhimoeSparseMoeBlock", "PhimoeConfig",
+           routing="sparsemixer", router="router", jitter="input_jitter_noise",
+           tiny=dict(_E4, num_local_experts=4)),
+    Family("Jamba", "jamba", "jamba", "JambaSparseMoeBlock", "JambaConfig",
+           routing="softmax", router="router",
+           tiny=dict(_E4, num_experts=4, attn_layer_period=1, attn_layer_offset=0,
+                     expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False)),
+    Family("Hunyuan-MoE", "hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1Moe", "HunYuanMoEV1Config",
+           router_linear="wg", shared="shared_mlp",
+           tiny=dict(_ATTN, intermediate_size=32, num_experts=4, moe_topk=2, head_dim=16)),
+    Family("Ernie-4.5-MoE", "ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+           "Ernie4_5_MoeConfig", routing="softmax_bias_clamp", router_fp32=True, shared="shared_experts",
+           tiny=dict(_ATTN, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=4,
+                     moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=0, head_dim=16)),
+    Family("Llama-4", "llama4_text", "llama4", "Llama4TextMoe", "Llama4TextConfig",
+           routing="llama4", layout="transposed", router="router", shared="shared_expert",
+           output="with_logits",
+           tiny=dict(_ATTN, intermediate_size=32, intermediate_size_mlp=48, num_local_experts=4,
+                     num_experts_per_tok=1, head_dim=16)),
+    Family("DBRX", "dbrx", "dbrx", "DbrxFFN", "DbrxConfig",
+           routing="pnorm", layout="dbrx", router="router", router_linear="layer",
+           tiny=dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=128,
+                     # rope_theta and clip_qkv: DbrxAttention reads both unconditionally.
+                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
+                                     moe_normalize_expert_weights=1.0))),
+    # Listed so that patch() names the missing feature instead of skipping the blocks.
+    Family("Step-3.7", "step3p5", "step3p7", "Step3p7SparseMoeBlock",
+           refused="SwiGLU-step (the clamp after silu: min(silu(g), L) * clamp(u, -L, L), "
+                   "swiglu_limits) is not an activation fusedmoe runs"),
+    Family("Inkling-2", "inkling2_text", "inkling2", "Inkling2SparseMoeBlock",
+           refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
+    Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
+           refused="a norm after each expert (has_post_expert_norm) is not supported"),
+    Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
+           refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
+                   "supported"),
+    Family("SwitchTransformers", "switch_transformers", "switch_transformers",
+           "SwitchTransformersSparseMLP",
+           refused="capacity-limited top-1 routing (tokens over expert capacity are dropped) is not "
+                   "supported"),
+)
+
+BY_NAME: dict[str, Family] = {f.name.lower(): f for f in FAMILIES}
+BY_NAME.update({f.model_type: f for f in FAMILIES})
+
+
+def family(name: str) -> Family:
+    """A family by display name or model_type (case-insensitive)."""
+    try:
+        return BY_NAME[name.lower()]
+    except KeyError:
+        names = sorted(f.model_type for f in FAMILIES if not f.refused)
+        raise KeyError(f"unknown MoE family {name!r}; supported: {names}") from None
+
+
+# Routing ------------------------------------------------------------------------------------------
+Route = Callable[[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int],
+                 tuple[torch.Tensor, torch.Tensor]]
+
+
+def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
+    """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32."""
+    linear = getattr(router, fam.router_linear) if fam.router_linear else router
+    weight, bias = linear.weight, getattr(linear, "bias", None)
+    if fam.router_fp32:
+        return F.linear(x_TH.float(), weight.float(), None if bias is None else bias.float())
+    return F.linear(x_TH.to(weight.dtype), weight, bias)
+
+
+def top_k_of(block: torch.nn.Module, router: torch.nn.Module) -> int:
+    for owner in (router, block):
+        top_k = getattr(owner, "top_k", None)
+        if isinstance(top_k, int):
+            return top_k
+    raise UnsupportedModel(f"{type(block).__name__}: no top_k on the block or its router")
+
+
+def _softmax_renorm(block, router, x, logits, top_k):
+    return select_experts(x, logits, top_k, renormalize=True)
+
+
+def _softmax_norm_topk(block, router, x, logits, top_k):
+    return select_experts(x, logits, top_k, renormalize=bool(router.norm_topk_prob))
+
+
+def _softmax(block, router, x, logits, top_k):
+    return select_experts(x, logits, top_k, renormalize=False)
+
+
+def _deepseek_v2(block, router, x, logits, top_k):
+    method = router.topk_method
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModel(f"DeepSeek-V2 topk_method={method!r} is not supported")
+    grouped = method == "group_limited_greedy"
+    return select_experts(
+        x, logits, top_k, renormalize=False, use_grouped_topk=grouped,
+        num_expert_group=router.num_group if grouped else None,
+        topk_group=router.topk_group if grouped else None,
+        routed_scaling_factor=float(router.routed_scaling_factor),
+    )
+
+
+def _grouped_sigmoid(block, router, x, logits, top_k):
+    return select_experts(
+        x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=True,
+        num_expert_group=router.num_group, topk_group=router.topk_group,
+        e_score_correction_bias=router.e_score_correction_bias,
+        renormalize=bool(router.norm_topk_prob),
+        routed_scaling_factor=float(router.routed_scaling_factor),
+    )
+
+
+def _sigmoid_bias(block, router, x, logits, top_k):
+    return select_experts(
+        x, logits, top_k, scoring_func="sigmoid", renormalize=True,
+        e_score_correction_bias=block.e_score_correction_bias,
+    )
+
+
+def _softmax_bias_clamp(block, router, x, logits, top_k):
+    bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
+    norm_min = float(router.norm_min)
+
+    def route(hidden, logits_TE, k, renormalize):
+        p = torch.softmax(logits_TE.float(), dim=-1)
+        ids = torch.topk(p + bias_E.float(), k, dim=-1).indices
+        w = p.gather(-1, ids)
+        return w / w.sum(dim=-1, keepdim=True).clamp(min=norm_min), ids
+
+    return select_experts(x, logits, top_k, custom_routing_function=route)
+
+
+def _sparsemixer(block, router, x, logits, top_k):
+    if top_k != 2:
+        raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
+    eps2 = 2 * float(router.router_jitter_noise)
+
+    def pick(scores, masked):
+        # One SparseMixer-v2 step (inference): softmax over the experts within a relative margin of
+        # the best remaining one; weight = that softmax at the best expert.
+        best, ids = masked.max(dim=-1, keepdim=True)
+        far = (best - scores) / scores.abs().clamp(min=best) > eps2
+        w = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1).gather(-1, ids)
+        return w, ids
+
+    def route(hidden, logits_TE, k, renormalize):
+        # In the logits' dtype, as transformers: the margin test flips in bf16 otherwise (routing
+        # differences gave 9e-2 relative error on bf16 logits, against 1e-2 for other families).
+        scores = logits_TE
+        w1, id1 = pick(scores, scores)
+        w2, id2 = pick(scores, scores.scatter(-1, id1, float("-inf")))
+        return torch.cat((w1, w2), dim=-1), torch.cat((id1, id2), dim=-1)
+
+    return select_experts(x, logits, top_k, custom_routing_function=route)
+
+
+def _pnorm(block, router, x, logits, top_k):
+    p = block.moe_normalize_expert_weights
+
+    def route(hidden, logits_TE, k, renormalize):
+        w, ids = torch.topk(torch.softmax(logits_TE.float(), dim=-1), k, dim=-1)
+        if p is not None:
+            w = w / torch.norm(w, p=p, dim=-1, keepdim=True)
+        return w, ids
+
+    return select_experts(x, logits, top_k, custom_routing_function=route)
+
+
+def _llama4(block, router, x, logits, top_k):
+    # top_k == 1 is checked at patch time (the weight goes on the input).
+    return select_experts(x, logits, top_k, scoring_func="sigmoid", renormalize=False)
+
+
+ROUTINGS: dict[str, Route] = {
+    "softmax_renorm": _softmax_renorm,
+    "softmax_norm_topk": _softmax_norm_topk,
+    "softmax": _softmax,
+    "deepseek_v2": _deepseek_v2,
+    "grouped_sigmoid": _grouped_sigmoid,
+    "sigmoid_bias": _sigmoid_bias,
+    "softmax_bias_clamp": _softmax_bias_clamp,
+    "sparsemixer": _sparsemixer,
+    "pnorm": _pnorm,
+    "llama4": _llama4,
+}

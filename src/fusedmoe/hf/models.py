@@ -1,0 +1,68 @@
+"""Small random-initialised transformers models of each family (tests, `fusedmoe demo --hf`).
+
+    build(family, scale=1) -> model of the family's `tiny` config (hidden, intermediate x scale)
+
+transformers initialises weights with std 0.02, which leaves a tiny model's logits nearly blind to
+its MoE blocks; the MoE tensors (router, experts, shared experts, correction biases) are redrawn
+here with std 0.3 * sqrt(64 / hidden) (matrices) and 0.5 (vectors), so that a wrong expert or
+routing weight shows in the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.hf.families import Family, family
+from fusedmoe.hf.patch import block_family
+
+# Config keys that are sizes, scaled by `scale` (head counts stay fixed).
+_SIZES = ("hidden_size", "d_model", "intermediate_size", "moe_intermediate_size",
+          "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+          "intermediate_size_mlp", "shared_intermediate_size", "ffn_hidden_size", "head_dim",
+          "linear_key_head_dim", "linear_value_head_dim", "kv_lora_rank", "q_lora_rank",
+          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def tiny_config(fam: Family | str, *, scale: int = 1, **overrides):
+    """The family's config class on its `tiny` keyword arguments, sizes multiplied by `scale`."""
+    import transformers
+
+    fam = family(fam) if isinstance(fam, str) else fam
+    if not fam.config:
+        raise ValueError(f"{fam.name} has no small config (it is listed as refused: {fam.refused})")
+
+    def scaled(kwargs: dict) -> dict:
+        out = {}
+        for key, value in kwargs.items():
+            if isinstance(value, dict):
+                out[key] = scaled(value)
+            elif key in _SIZES and value is not None:
+                out[key] = value * scale
+            else:
+                out[key] = value
+        return out
+
+    kwargs = scaled(dict(fam.tiny))
+    kwargs.update(overrides)
+    return getattr(transformers, fam.config)(**kwargs)
+
+
+def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtype = torch.float32,
+          device: str | torch.device = "cpu", **overrides) -> torch.nn.Module:
+    """A causal LM of the family in eval mode, MoE tensors redrawn so that they matter."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(fam, scale=scale, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
+    with torch.no_grad():
+        for module in model.modules():
+            if block_family(module) is None:
+                continue
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                if tensor.is_floating_point():
+                    std = matrix_std if tensor.dim() > 1 else 0.5
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+    return model.to(device=device, dtype=dtype).eval()

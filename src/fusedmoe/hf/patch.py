@@ -1,0 +1,219 @@
+"""`patch(model)` / `unpatch(model)`: run whole transformers MoE blocks (router, experts, shared
+experts) through fusedmoe.
+
+    for each block of a known family:  experts re-laid out in place (FAMILIES[...].layout),
+                                       block.__class__ -> FusedMoE<Block> (forward below)
+    forward(x) = shared(x) + fused_experts(x, w13, w2, *select_experts(x, router_logits(x)))
+
+The block keeps its submodules, parameter names and return convention (tuples for gpt-oss and
+Llama-4); state-dict hooks keep the checkpoint format for families whose tensors were converted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fusedmoe.hf.experts import (
+    ExpertsMath,
+    UnsupportedModel,
+    activation_of,
+    experts_math,
+    quant_params,
+    run_experts,
+)
+from fusedmoe.hf.families import FAMILIES, ROUTINGS, Family, router_logits, top_k_of
+from fusedmoe.hf.layouts import LAYOUTS, Layout
+
+_STATE = "_fusedmoe_patch"
+
+
+@dataclass
+class _PatchState:
+    family: Family
+    original_class: type
+    layout: Layout
+    math: ExpertsMath
+    hooks: tuple
+
+
+def block_family(module: nn.Module) -> Family | None:
+    """The family whose MoE block `module` is (by class name and module), else None."""
+    cls = type(module)
+    for fam in FAMILIES:
+        if cls.__name__ == fam.block and cls.__module__ == fam.module_path:
+            return fam
+    return None
+
+
+def patch(model: nn.Module) -> list[tuple[str, str]]:
+    """Run every MoE block of `model` through fusedmoe; returns [(module name, family)] patched.
+
+    Raises UnsupportedModel (naming the missing feature) before changing anything when a block
+    cannot be expressed, and ValueError when the model has no MoE block fusedmoe knows.
+    Already patched blocks are left as they are. Inference only: training-time jitter and
+    sampling routers are refused at run time.
+    """
+    found: list[tuple[str, nn.Module, Family]] = []
+    already = 0
+    for name, module in model.named_modules():
+        if hasattr(module, _STATE):
+            already += 1
+            continue
+        fam = block_family(module)
+        if fam is None:
+            continue
+        if fam.refused:
+            raise UnsupportedModel(f"{fam.name} ({name}: {fam.block}): {fam.refused}")
+        found.append((name, module, fam))
+    if not found and not already:
+        supported = sorted(f.name for f in FAMILIES if not f.refused)
+        raise ValueError(
+            f"{type(model).__name__} has no MoE block fusedmoe.hf.patch knows; supported families: "
+            f"{supported}"
+        )
+    plans = [(name, module, fam, _plan(module, fam)) for name, module, fam in found]  # checks first
+    for _name, module, fam, math in plans:
+        _patch_block(module, fam, math)
+    return [(name, fam.name) for name, _, fam, _ in plans]
+
+
+def unpatch(model: nn.Module) -> int:
+    """Undo `patch`: original classes and weight layouts; returns the number of blocks restored."""
+    count = 0
+    for module in model.modules():
+        state = getattr(module, _STATE, None)
+        if state is None:
+            continue
+        experts = getattr(module, state.family.experts)
+        for hook in state.hooks:
+            hook.remove()
+        state.layout.restore(experts)
+        module.__class__ = state.original_class
+        delattr(module, _STATE)
+        count += 1
+    return count
+
+
+def is_patched(module: nn.Module) -> bool:
+    return any(hasattr(m, _STATE) for m in module.modules())
+
+
+def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
+    """Everything that can refuse the block, checked before any tensor moves."""
+    experts = getattr(block, fam.experts)
+    router = getattr(block, fam.router)
+    top_k_of(block, router)
+    if fam.routing == "llama4":
+        _check_llama4(block, router)
+    if LAYOUTS[fam.layout].converts:
+        w13 = LAYOUTS[fam.layout].source(experts)
+        if w13 is None or not w13.is_floating_point() or w13.element_size() < 2:
+            what = type(experts).__name__ if w13 is None else str(w13.dtype)
+            raise UnsupportedModel(
+                f"{fam.name} ({fam.block}): quantized experts ({what}) in the {fam.layout} layout are "
+                "not supported; patch re-lays out bf16/fp16/fp32 expert weights only"
+            )
+    if fam.layout == "gpt_oss":
+        return ExpertsMath("swigluoai", float(experts.alpha), float(experts.limit))
+    if fam.layout == "dbrx":
+        return ExpertsMath(activation_of(experts.mlp.activation_fn, gated=True, where=fam.block))
+    if fam.layout == "transposed":
+        return ExpertsMath(activation_of(experts.act_fn, gated=True, where=fam.block))
+    return experts_math(experts)
+
+
+def _check_llama4(block: nn.Module, router: nn.Module) -> None:
+    if router.top_k != 1:
+        raise UnsupportedModel(
+            f"Llama-4 with num_experts_per_tok={router.top_k}: the router weight is applied to the "
+            "input, which fusedmoe supports for top_k == 1 only"
+        )
+
+
+_PATCHED_CLASSES: dict[type, type] = {}
+
+
+def _patched_class(cls: type) -> type:
+    if cls not in _PATCHED_CLASSES:
+        _PATCHED_CLASSES[cls] = type(f"FusedMoE{cls.__name__}", (cls,), {
+            "forward": _fused_forward, "__module__": __name__, "_fusedmoe_original": cls,
+        })
+    return _PATCHED_CLASSES[cls]
+
+
+def _patch_block(block: nn.Module, fam: Family, math: ExpertsMath) -> None:
+    experts = getattr(block, fam.experts)
+    layout = LAYOUTS[fam.layout]
+    layout.adopt(experts)
+    hooks: tuple = ()
+    if layout.converts:
+        hooks = (
+            experts.register_state_dict_post_hook(
+                lambda module, state_dict, prefix, local_metadata: layout.save(module, state_dict, prefix)
+            ),
+            experts.register_load_state_dict_pre_hook(
+                lambda module, state_dict, prefix, *rest: layout.load(module, state_dict, prefix)
+            ),
+        )
+    original = type(block)
+    block.__class__ = _patched_class(original)
+    setattr(block, _STATE, _PatchState(fam, original, layout, math, hooks))
+
+
+def _fused_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    state: _PatchState = getattr(self, _STATE)
+    fam = state.family
+    if self.training:
+        _check_training(self, fam)
+    shape = hidden_states.shape
+    x_TH = hidden_states.reshape(-1, shape[-1])
+    router = getattr(self, fam.router)
+    logits_TE = router_logits(fam, router, x_TH)
+    _record_router_logits(logits_TE)
+    top_k = top_k_of(self, router)
+    weights_TK, ids_TK = ROUTINGS[fam.routing](self, router, x_TH, logits_TE, top_k)
+
+    experts = getattr(self, fam.experts)
+    w13, w2, b13, b2 = state.layout.tensors(experts)
+    x_in = self.fc1_latent_proj(x_TH) if fam.latent else x_TH
+    out_TH = run_experts(
+        experts, x_in, ids_TK, weights_TK, w13, w2, state.math, w13_bias=b13, w2_bias=b2,
+        quant=quant_params(experts) if fam.layout == "fused" else None,
+        apply_router_weight_on_input=fam.routing == "llama4",
+    )
+    if fam.latent:
+        out_TH = self.fc2_latent_proj(out_TH)
+    shared = getattr(self, fam.shared) if fam.shared else None
+    if shared is not None:
+        shared_TH = shared(x_TH)
+        if fam.shared_gate:
+            shared_TH = torch.sigmoid(getattr(self, fam.shared_gate)(x_TH)) * shared_TH
+        out_TH = shared_TH + out_TH
+    if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])
+        return out_TH, logits_TE
+    out = out_TH.view(shape)
+    if fam.output == "with_scores":  # gpt-oss: (out, top-k routing weights [T, K])
+        return out, weights_TK.to(logits_TE.dtype)
+    return out
+
+
+def _record_router_logits(logits_TE: torch.Tensor) -> None:
+    """With output_router_logits=True transformers collects the router's logits through a hook
+    on the router module, which a patched block does not call: hand it ours (the same values)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capturing: nothing collects
+        return
+    collected = _active_collector.get()
+    if collected is not None and "router_logits" in collected:
+        collected["router_logits"].append(logits_TE)
+
+
+def _check_training(block: nn.Module, fam: Family) -> None:
+    if fam.routing == "sparsemixer":
+        raise UnsupportedModel("PhiMoE in training mode samples experts (SparseMixer); call model.eval()")
+    if fam.jitter and getattr(block, fam.jitter, 0):
+        raise UnsupportedModel(f"{fam.name} in training mode adds router jitter noise; call model.eval()")

@@ -207,6 +207,11 @@ def _record_router_logits(logits_TE: torch.Tensor) -> None:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # a transformers without output capturing: nothing collects
         return
+    if torch.compiler.is_compiling() and not getattr(_active_collector, "compiling", False):
+        # Traced without transformers' collector set inside the compiled region (e.g. a block
+        # compiled on its own): its ContextVar.get does not trace on torch 2.11's Dynamo, and
+        # nothing in this region collects.
+        return
     collected = _active_collector.get()
     if collected is not None and "router_logits" in collected:
         collected["router_logits"].append(logits_TE)

@@ -1,0 +1,91 @@
+"""Host-side cost of one eager `fused_experts` / `FusedMoE` call (GPU): what Python spends per call
+when nothing is captured in a CUDA graph (transformers' eager models, first steps of a server).
+
+    python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300]
+Prints wall time per call (host-bound at decode: the GPU work is a few tens of us), the GPU time
+of the same calls replayed in a CUDA graph, and the cProfile functions with the most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from fusedmoe import FusedMoE, fused_experts, select_experts
+from fusedmoe.presets import get_preset
+
+
+def _wall_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _graph_us(fn, calls: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+    p = get_preset(args.preset)
+    E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    w13 = torch.randn(E, 2 * inter, H, device=dev, dtype=dt) / H**0.5
+    w2 = torch.randn(E, H, inter, device=dev, dtype=dt) / inter**0.5
+    x = torch.randn(args.tokens, H, device=dev, dtype=dt)
+    logits = torch.randn(args.tokens, E, device=dev, dtype=dt)
+    w, ids = select_experts(x, logits, K)
+    layer = FusedMoE(E, K, H, inter, device=dev, params_dtype=dt)
+    for e in range(E):
+        layer.load_expert_weight(e, "gate", w13[e, :inter])
+        layer.load_expert_weight(e, "up", w13[e, inter:])
+        layer.load_expert_weight(e, "down", w2[e])
+    layer.process_weights_after_loading()
+
+    calls = {"fused_experts": lambda: fused_experts(x, w13, w2, w, ids),
+             "FusedMoE.forward (routing included)": lambda: layer(x, logits)}
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
+    for name, fn in calls.items():
+        wall, gpu = _wall_us(fn, args.calls), _graph_us(fn, min(args.calls, 50))
+        print(f"{name:40} eager wall {wall:8.1f} us/call   graph replay {gpu:8.1f} us/call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        calls["fused_experts"]()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"\ncProfile of {args.calls} fused_experts calls, by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -329,6 +329,12 @@ def test_current_gpu_kernels_reported_missing():
                           A100).name == "batched_triton"
     with pytest.raises(NoBackendError, match="batched_triton: fp8_w8a8_block needs device capability >= 8.9"):
         select_backend(cfg(activation_format="batched", quant="fp8_w8a8_block"), A100)
+    # weight-only in the batched layout: the 4-bit orders list batched_triton after triton (fp8
+    # W8A16 takes the FP8 order's row); INT8 W8A16, like INT8 W8A8, by request only
+    for scheme in ("int4_w4a16_g128", "mxfp4_w4a16", "nvfp4_w4a16", "fp8_w8a16"):
+        assert select_backend(cfg(activation_format="batched", quant=scheme), H100).name == "batched_triton"
+    assert select_backend(cfg(activation_format="batched", quant="int8_w8a16", backend="triton"),
+                          A100).name == "batched_triton"
     assert select_backend(cfg(backend="torch"), H100).name == "torch"
 
 

@@ -221,14 +221,16 @@ def _run_batched(config, x_LMH, counts, w, tiles=Case.tiles):
         x_LMH, counts, w.w13, w.w2, w.w13_bias, w.w2_bias, config.activation, config.swiglu_alpha,
         config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
         tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles),
+        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("scheme", W8A8)
+@pytest.mark.parametrize("scheme", W8A8 + ["int8_w8a16", "int4_w4a16_g32", "mxfp4_w4a16", "nvfp4_w4a16"])
 def test_batched_matches_contiguous_and_emulation(scheme, dtype):
-    """dispatch -> batched W8A8 -> combine equals the contiguous Triton path on the same tokens:
-    the same codes and scales per expert (max_tokens 7: one partial BLOCK_M block per expert)."""
+    """dispatch -> batched W8A8 / weight-only -> combine equals the contiguous Triton path on the
+    same tokens: the same codes and scales per expert (max_tokens 7: one partial BLOCK_M block per
+    expert)."""
     case = Case("batched", T=7, E=4, K=2, bias=True)
     config, x, w, weights, ids, _ = problem(case, scheme, dtype)
     pf = BatchedLocalPrepareFinalize(case.E, weight_on_input=False)
@@ -240,7 +242,7 @@ def test_batched_matches_contiguous_and_emulation(scheme, dtype):
     assert rel_err(out, emulated) < TOL[dtype]
 
 
-@pytest.mark.parametrize("scheme", W8A8)
+@pytest.mark.parametrize("scheme", W8A8 + ["fp8_w8a16", "int4_w4a16_g64", "nvfp4_w4a16"])
 def test_batched_counts_and_rows_past_the_count(scheme):
     """Per expert: an empty one, a full one (max_tokens 20, not a multiple of BLOCK_M 16), and
     rows past each count holding huge values and NaN that must change nothing (dynamic per-tensor
@@ -285,9 +287,17 @@ def test_batched_experts_class_through_modular_and_errors():
                                            activation_format="batched"))
     with pytest.raises(ValueError, match="weights.quant has scheme int8_w8a8 but the config says fp8_w8a8_channel"):
         other.apply_batched(x_b, counts, w)
-    q13, q2, p = quantize_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32), "int8_w8a16")
-    with pytest.raises(NotImplementedError, match="batched_triton backend runs the W8A8 schemes .* not int8_w8a16"):
+    q13, q2, p = quantize_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32), "nvfp4")
+    with pytest.raises(NotImplementedError, match=r"weight-only schemes \[.*\], not nvfp4"):
         BatchedTritonExperts(config).apply_batched(x_b, counts, ExpertWeights(q13, q2, quant=p))
+    # weight-only through the experts class and the modular kernel (nvfp4: global scales)
+    case = Case("batched-class-wo", T=5, H=64, I=32, K=2)
+    config, x, w, weights, ids, _ = problem(case, "nvfp4_w4a16", torch.float32)
+    config = MoEConfig(case.E, case.K, case.H, case.I, dtype=torch.float32, quant="nvfp4_w4a16",
+                       activation_format="batched")
+    out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, emulated) < TOL[torch.float32]
 
 
 def test_batched_traces_fullgraph():

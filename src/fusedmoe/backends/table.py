@@ -148,9 +148,11 @@ BUILTIN: tuple[Backend, ...] = (
     ),
     Backend(
         "batched_triton", "fusedmoe Triton kernels, batched [E, max_tokens, H] layout",
-        # int8_w8a8 runs here too, but the seeds' INT8 order has no batched row: explicit only.
-        kinds=GPU, schemes=frozenset(("unquantized", "int8_w8a8")) | FP8_W8A8, layout="batched",
-        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8)) + (("int8_w8a8", (7, 5)),),
+        # int8_w8a8 / int8_w8a16 run here too, but the seeds' INT8 order has no batched row:
+        # explicit only. The 4-bit weight-only schemes follow `triton` in their orders.
+        kinds=GPU, schemes=frozenset(("unquantized", "int8_w8a8")) | FP8_W8A8 | WEIGHT_ONLY, layout="batched",
+        scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8 | {"fp8_w8a16"}))
+        + (("int8_w8a8", (7, 5)),),
         features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=ALL_DTYPES,
         needs_triton=True, twin="triton", deterministic=True,
         impl="fusedmoe.backends.triton.experts:BatchedTritonExperts",
@@ -314,17 +316,17 @@ PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
     ),
     "int8": (("triton", None), ("marlin", None), ("oot", None), ("emulation", OFF_GPU)),
     "int4": (
-        ("marlin", None), ("batched_marlin", None), ("triton", None), ("oot", None),
-        ("emulation", OFF_GPU),
+        ("marlin", None), ("batched_marlin", None), ("triton", None), ("batched_triton", None),
+        ("oot", None), ("emulation", OFF_GPU),
     ),
     "nvfp4": (
         ("flashinfer_trtllm", None), ("flashinfer_cutedsl", None),
         ("flashinfer_cutedsl_batched", None), ("flashinfer_cutlass", None), ("cutlass", None),
-        ("triton", None), ("marlin", None), ("batched_marlin", None), ("oot", None),
-        ("emulation", None),
+        ("triton", None), ("batched_triton", None), ("marlin", None), ("batched_marlin", None),
+        ("oot", None), ("emulation", None),
     ),
     "mxfp4": (
-        ("flashinfer_trtllm", None), ("aiter", None), ("triton", None),
+        ("flashinfer_trtllm", None), ("aiter", None), ("triton", None), ("batched_triton", None),
         ("flashinfer_cutlass", None), ("marlin", None), ("batched_marlin", None), ("xpu", None),
         ("oot", None), ("emulation", OFF_GPU),
     ),

@@ -602,7 +602,7 @@ def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swigl
 
 class BatchedTritonExperts(BatchedExperts):
     """Experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch): unquantized,
-    and the W8A8 schemes through quant.py (weight-only schemes: not in this layout yet)."""
+    and the quantized schemes (W8A8 and weight-only) through quant.py."""
 
     def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
         c = self.config

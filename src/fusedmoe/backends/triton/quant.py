@@ -1,6 +1,6 @@
 """Host side of the `triton` backend's quantized schemes: W8A8 here (quantize activations,
 launch the 8-bit GEMMs), weight-only in weight_only.py; one pair of custom ops for both, and
-one for the W8A8 schemes in the batched layout.
+one for the quantized schemes in the batched layout.
 
     codes, scales = quantize_activation(x, key)          # vs quantize_activation_ref (torch)
     x -> [quantize x] -> gemm1 (8-bit dot, scales) -> [quantize a] -> gemm2 -> reduce
@@ -377,9 +377,12 @@ def triton_batched_quant_experts(
     a13_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
-    zero past the count; the W8A8 schemes only (weight-only: not in the batched layout yet).
+    zero past the count. Weight-only schemes (fq = identity) run
+    `weight_only.triton_batched_weight_only_experts`, with NVFP4's global scales.
 
     The contiguous path's stages on the batched rows (experts.prepare_batched_launch), so fq is
     the same: a dynamic per-tensor scale is the amax of expert e's first num_tokens[e] rows (the
@@ -389,9 +392,14 @@ def triton_batched_quant_experts(
     from fusedmoe.backends.triton.experts import batched_output, prepare_batched_launch
 
     scheme = _triton_scheme(scheme)
-    if scheme.name not in W8A8_SCHEMES:
-        raise NotImplementedError(
-            f"the batched_triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not {scheme.name}"
+    if scheme.weight_only:
+        from fusedmoe.backends.triton.weight_only import triton_batched_weight_only_experts
+
+        if a13_scale is not None or a2_scale is not None:
+            raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
+        return triton_batched_weight_only_experts(
+            x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
+            scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
         )
     num_local, max_tokens, hidden = x_LMH.shape
     inter = w2.shape[2]
@@ -560,16 +568,19 @@ def triton_batched_quant_experts_op(
     w2_scale: torch.Tensor,
     a13_scale: torch.Tensor | None,
     a2_scale: torch.Tensor | None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_batched_quant_experts(
         x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
-        w13_scale, w2_scale, a13_scale, a2_scale,
+        w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
+        w2_global_scale=w2_global_scale,
     ).contiguous()
 
 
 @triton_batched_quant_experts_op.register_fake
 def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
-      w13_scale, w2_scale, a13_scale, a2_scale):
+      w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None):
     return torch.empty_like(x)
 
 
@@ -579,15 +590,11 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights):
 
     quant: QuantParams = weights.quant
     scheme = _triton_scheme(quant.scheme)
-    if scheme.name not in W8A8_SCHEMES:
-        raise NotImplementedError(
-            f"the batched_triton backend runs the W8A8 schemes {sorted(W8A8_SCHEMES)}, not {scheme.name}"
-        )
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
     check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1])
     return triton_batched_quant_experts_op(
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
         config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
-        quant.w2_scale, quant.a13_scale, quant.a2_scale,
+        quant.w2_scale, quant.a13_scale, quant.a2_scale, quant.w13_global_scale, quant.w2_global_scale,
     )

@@ -21,9 +21,11 @@ from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
     GemmProblem,
     _num_sms,
+    batched_output,
     launch_gemm1,
     launch_gemm2,
     launch_reduce,
+    prepare_batched_launch,
     prepare_launch,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic, tile_mode
@@ -102,14 +104,7 @@ def triton_weight_only_experts(
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
     t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, device)
-    mode, group = weight_only_mode(scheme)
-    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, False)):
-        reason = check_tile(tile, dtype=x_TH.dtype, operands=operands, allow_split=split, quant=mode,
-                            group=group)
-        if reason:
-            raise ValueError(f"{name} tile {tile} cannot run {scheme.name}: {reason}")
-    if t1.block_m != t2.block_m:
-        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+    _check_tiles(t1, t2, gated, scheme, x_TH.dtype)
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                             swiglu_limit, t1.block_m)
@@ -118,6 +113,56 @@ def triton_weight_only_experts(
     launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, ptx))
     launch_reduce(launch, out)
     return out
+
+
+def triton_batched_weight_only_experts(
+    x_LMH: torch.Tensor,
+    num_tokens_L: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    scheme: QuantScheme,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+    tiles: tuple[TileConfig, TileConfig] | None = None,
+) -> torch.Tensor:
+    """y[e, j] = deq(w2)[e] @ act(deq(w13)[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e],
+    zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
+    weight), through the same kernels as `triton_weight_only_experts`."""
+    if scheme.name not in WEIGHT_ONLY_SCHEMES:
+        raise NotImplementedError(
+            f"the triton weight-only path runs {sorted(WEIGHT_ONLY_SCHEMES)}, not {scheme.name}"
+        )
+    num_local, max_tokens, hidden = x_LMH.shape
+    inter = w2.shape[2] * (2 if scheme.weight.dtype in W4_FORMATS else 1)
+    if num_local == 0 or max_tokens == 0:
+        return torch.zeros_like(x_LMH)
+    gated = is_gated(activation)
+    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
+    t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, x_LMH.device)
+    _check_tiles(t1, t2, gated, scheme, x_LMH.dtype)
+    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+                                           swiglu_alpha, swiglu_limit, t1.block_m)
+    ptx = x_LMH.is_cuda and x_LMH.dtype == torch.bfloat16
+    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, ptx))
+    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, ptx))
+    return batched_output(launch, valid, num_local, max_tokens)
+
+
+def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype) -> None:
+    mode, group = weight_only_mode(scheme)
+    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, False)):
+        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=mode, group=group)
+        if reason:
+            raise ValueError(f"{name} tile {tile} cannot run {scheme.name}: {reason}")
+    if t1.block_m != t2.block_m:
+        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
 
 
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,

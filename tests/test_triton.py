@@ -618,3 +618,17 @@ def test_grouped_program_order_covers_every_tile():
     out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None, tiles=tiles)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_pdl_launch_keywords(monkeypatch):
+    """Programmatic dependent launch only on CUDA devices, and FUSEDMOE_PDL=0 turns it off
+    before the device is even looked at (the interpreter launches plainly)."""
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.experts import pdl
+
+    assert pdl(torch.device("cpu")) == {}
+    with knobs.override(PDL=False):
+        assert pdl(torch.device("cuda", 0)) == {}
+    monkeypatch.setenv("FUSEDMOE_PDL", "maybe")
+    with pytest.raises(ValueError, match="FUSEDMOE_PDL='maybe'"):
+        pdl(torch.device("cuda", 0))

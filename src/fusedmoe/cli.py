@@ -611,7 +611,7 @@ def cmd_fuzz(args) -> int:
         if not result.outcomes:
             print("  no backend accepts this case here")
         for o in result.outcomes:
-            print(f"  {o.backend:<22} {o.status:<8} {o.seconds * 1e3:8.1f} ms  {o.detail or ''}".rstrip())
+            print(f"  {o.backend:<28} {o.status:<8} {o.seconds * 1e3:8.1f} ms  {o.detail or ''}".rstrip())
         return 1 if result.failures else 0
 
     def on_failure(result) -> None:

@@ -49,16 +49,30 @@ PARAMS = [(name, "nan") for name in CASES] + [
 
 @pytest.mark.parametrize("name,poison", PARAMS)
 def test_non_finite_hidden_states_propagate(name, poison):
+    _check_propagation(name, poison, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,poison", PARAMS)
+def test_non_finite_hidden_states_propagate_on_gpu(name, poison):
+    # bf16 too: the fp16 cases again in bfloat16 on the GPU kernels.
+    _check_propagation(name, poison, torch.device("cuda"))
+    if CASES[name].dtype == "float16":
+        CASES[name + "_bf16"] = dataclasses.replace(CASES[name], dtype="bfloat16")
+        _check_propagation(name + "_bf16", poison, torch.device("cuda"))
+
+
+def _check_propagation(name, poison, device):
     case = CASES[name]
-    p = fuzz.make_problem(case)
+    p = fuzz.make_problem(case, device)
     p.x_TH[2, 5] = POISON[poison]   # one element of token 2
     p.x_TH[6, :] = POISON[poison]   # a whole token
     ref = fuzz.reference(case, p)
     bad_ref = ~torch.isfinite(ref)
     # Tokens 2 and 6 are entirely non-finite unless all their slots are dropped; no other is.
-    assert not bad_ref[[0, 1, 3, 4, 5, 7, 8]].any()
-    runners = fuzz.candidates(case, torch.device("cpu"))
-    assert {"cpu", "torch", "emulation"} & set(runners)
+    assert not bad_ref[[0, 1, 3, 4, 5, 7, 8]].any() and bad_ref.any()
+    runners = fuzz.candidates(case, device)
+    assert {"cpu", "torch", "emulation", "triton"} & set(runners)
     tol = fuzz.tolerance(case)
     for backend, run in runners.items():
         out = run(case, p)

@@ -159,3 +159,23 @@ def test_cli_fuzz_and_replay(capsys, tmp_path):
     assert main(["fuzz", "--replay", "5", "--profile", "cpu", "--backends", "torch,emulation"]) == 0
     assert capsys.readouterr().out.startswith(f"seed 5 (cpu): {fuzz.draw_case(5, 'cpu').describe()}")
     assert main(["fuzz", "--profile", "nope", "--cases", "1"]) == 2
+
+
+def test_sanitizer_driver_cases_all_reach_the_triton_kernels():
+    # scripts/sanitize_driver.py runs on a GPU only; a case no Triton record accepted would be
+    # skipped there silently, so every one must pass the triton record's check on Hopper.
+    import importlib.util
+    from pathlib import Path
+
+    from fusedmoe.backends import REGISTRY
+    from fusedmoe.platform import Platform
+
+    path = Path(__file__).parents[1] / "scripts" / "sanitize_driver.py"
+    spec = importlib.util.spec_from_file_location("sanitize_driver", path)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    hopper = Platform("cuda", (9, 0), has_triton=True)
+    cases = driver.cases()
+    assert len(cases) >= 30 and {c.quant for c in cases} >= {None, "fp8_w8a8_block", "int4_w4a16_g32"}
+    for case in cases:
+        assert REGISTRY["triton"].check(case.config(), hopper) is None, case.describe()

@@ -1,4 +1,4 @@
-"""`fusedmoe` command line: explain | demo | bench | tune | env.
+"""`fusedmoe` command line: explain | demo | bench | tune | fuzz | env.
 
     fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8 [--dp 8] [--dispatch alltoall_batched]
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
@@ -9,6 +9,9 @@
     torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather]   (or without torchrun)
     fusedmoe bench --ep 2 --device cpu --scale 32 --tokens 4                     (gloo smoke test)
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
+    fusedmoe fuzz [--cases 200] [--seed 0] [--profile ci|cpu|cpu-triton|gpu] [--device cpu|cuda]
+                  [--backends triton,emulation] [--json out.json]     (exit 1 on any failure)
+    fusedmoe fuzz --replay SEED --profile cpu                         (one case, every backend)
     fusedmoe env [--json]
 """
 
@@ -86,10 +89,22 @@ def main(argv: list[str] | None = None) -> int:
                       help="tune the triton GEMMs of a W8A8 or weight-only scheme (fp8_w8a8_block, "
                            "int8_w8a8, int4_w4a16_g32, mxfp4_w4a16, ...) on quantized weights")
     tune.add_argument("--out", default=None, help="folder (default: FUSEDMOE_TUNED_DIR, else the packaged tables)")
+    fuzz = sub.add_parser("fuzz", help="random problems, every backend that accepts them, vs the float64 reference")
+    fuzz.add_argument("--cases", type=int, default=200, help="number of cases (seeds --seed .. --seed + N - 1)")
+    fuzz.add_argument("--seed", type=int, default=0, help="first seed")
+    fuzz.add_argument("--replay", type=int, default=None, metavar="SEED",
+                      help="run the one case of SEED and print every backend's result")
+    fuzz.add_argument("--profile", default=None,
+                      help="size limits: ci, cpu, cpu-triton, gpu (default: gpu on cuda, else cpu)")
+    fuzz.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fuzz.add_argument("--backends", default=None, help="comma-separated backends (default: every one accepted)")
+    fuzz.add_argument("--no-interpreter", action="store_true",
+                      help="on cpu: skip the Triton kernels under the Triton interpreter")
+    fuzz.add_argument("--json", default=None, help="write the per-backend counts and failures as JSON")
     args = parser.parse_args(argv)
     try:
         return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env,
-                "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
+                "bench": cmd_bench, "tune": cmd_tune, "fuzz": cmd_fuzz}[args.command](args)
     except (ValueError, NotImplementedError) as exc:
         print(f"fusedmoe {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -578,3 +593,37 @@ def cmd_env(args) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# fuzz --------------------------------------------------------------------------------------------
+def cmd_fuzz(args) -> int:
+    from fusedmoe import fuzz
+
+    profile = args.profile or ("gpu" if args.device == "cuda" else "cpu")
+    if profile not in fuzz.PROFILES:
+        raise ValueError(f"--profile {profile!r}; expected one of {sorted(fuzz.PROFILES)}")
+    backends = None if args.backends is None else [b.strip() for b in args.backends.split(",") if b.strip()]
+    interpreter = not args.no_interpreter
+    if args.replay is not None:
+        case = fuzz.draw_case(args.replay, profile)
+        print(f"seed {case.seed} ({profile}): {case.describe()}")
+        result = fuzz.run_case(case, args.device, backends=backends, interpreter=interpreter)
+        if not result.outcomes:
+            print("  no backend accepts this case here")
+        for o in result.outcomes:
+            print(f"  {o.backend:<28} {o.status:<8} {o.seconds * 1e3:8.1f} ms  {o.detail or ''}".rstrip())
+        return 1 if result.failures else 0
+
+    def on_failure(result) -> None:
+        for o in result.failures:
+            print(f"FAIL seed {result.case.seed} {o.backend} {o.status}: {o.detail}\n"
+                  f"     {result.case.describe()}\n     replay: {fuzz.replay_command(result.case, args.device)}",
+                  flush=True)
+
+    report = fuzz.fuzz(args.cases, args.seed, profile=profile, device=args.device, backends=backends,
+                       interpreter=interpreter, on_failure=on_failure)
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report.to_dict(), "torch": torch.__version__, "host": pyplatform.node()}, f, indent=1)
+    return 1 if report.failures else 0

@@ -263,9 +263,12 @@ def load_plugins(entry_points: Iterable[metadata.EntryPoint] | None = None) -> l
             records = obj() if callable(obj) and not isinstance(obj, Backend) else obj
             if isinstance(records, Backend):
                 records = [records]
-            for record in records:
+            if not isinstance(records, list | tuple):
+                raise TypeError(f"expected a fusedmoe Backend or a list of them, got {type(records).__name__}")
+            for record in records:  # all checked before any is registered
                 if not isinstance(record, Backend):
                     raise TypeError(f"expected a fusedmoe Backend, got {type(record).__name__}")
+            for record in records:
                 register_backend(record if record.plugin else _as_plugin(record))
                 added.append(record.name)
         except Exception as exc:  # a broken plugin must not break selection

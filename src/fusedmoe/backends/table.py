@@ -261,14 +261,14 @@ BUILTIN: tuple[Backend, ...] = (
         kinds=frozenset(("cuda",)), min_capability=(7, 5),
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
         features=frozenset(("bias", "clamp", "expert_map", "lora", "weight_on_input", "eplb")),
-        dtypes=HALF, needs_triton=True, twin="batched_marlin", deterministic=True,
+        dtypes=HALF, needs_triton=True, twin="batched_marlin",
     ),
     Backend(
         "batched_marlin", "Weight-only kernels, batched layout",
         kinds=frozenset(("cuda",)), min_capability=(7, 5), layout="batched",
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
         features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=HALF,
-        needs_triton=True, twin="marlin", deterministic=True,
+        needs_triton=True, twin="marlin",
     ),
     # Platform backends ------------------------------------------------------------------------
     Backend(

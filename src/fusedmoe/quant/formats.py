@@ -36,9 +36,13 @@ def group_view(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def absmax_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """s = amax / fmt_max, so that x / s spans the format; all-zero groups get s = 1 (0 / s = 0)."""
+    """s = amax / fmt_max, so that x / s spans the format; all-zero groups get s = 1 (0 / s = 0).
+
+    A NaN or Inf amax gives a NaN or Inf scale: the group dequantizes to NaN, as unquantized
+    arithmetic would make it (s = 1 instead turned int8 NaN codes into arbitrary finite values).
+    """
     amax = amax.float()
-    return torch.where(amax > 0, _divide(amax, fmt_max), torch.ones_like(amax))
+    return torch.where(amax == 0, torch.ones_like(amax), _divide(amax, fmt_max))
 
 
 def _divide(x: torch.Tensor, constant: float) -> torch.Tensor:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe.backends.triton.quant_kernels import FP8_MAX, _quantize, _scale_of
+from fusedmoe.backends.triton.quant_kernels import FP8_MAX, _max_nan, _quantize, _scale_of
 
 # Activation codes (constexpr): keep in sync with experts.ACT_CODES.
 ACT_SILU = tl.constexpr(0)
@@ -73,14 +73,16 @@ def _gelu_tanh(z):
 @triton.jit
 def _activation(g, u, alpha, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """act on fp32 accumulators; u is the up half for gated activations (ignored otherwise)."""
+    # Clamps and relu keep NaN as torch's do (the default tl.minimum/maximum, like fminf/fmaxf,
+    # return the other operand: a NaN token came out finite).
     if ACT == ACT_SWIGLUOAI:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.clamp(u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         out = (u + 1.0) * g * tl.sigmoid(alpha * g)
     else:
         if HAS_LIMIT:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+            u = tl.clamp(u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         if ACT == ACT_SILU:
             out = g * tl.sigmoid(g) * u
         elif ACT == ACT_GELU:
@@ -92,7 +94,7 @@ def _activation(g, u, alpha, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
         elif ACT == ACT_GELU_NO_MUL:
             out = _gelu_erf(g)
         else:  # ACT_RELU2_NO_MUL
-            r = tl.maximum(g, 0.0)
+            r = tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL)
             out = r * r
     return out
 
@@ -467,7 +469,7 @@ def moe_gemm1_kernel(
                               GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
         if FUSE_AQ:  # BLOCK_N == 128: this tile holds whole 1x128 groups of the intermediate
             act = tl.where(n_ok[None, :], act, 0.0)
-            a_scale = _scale_of(tl.max(tl.abs(act), 1), FP8_MAX)
+            a_scale = _scale_of(tl.reduce(tl.abs(act), 1, _max_nan), FP8_MAX)
             q = _quantize(act, a_scale[:, None], False, SOFT_FP8)
             rows64 = rows.to(tl.int64)
             tl.store(aq_ptr + rows64[:, None] * stride_aqr + offs_n[None, :] * stride_aqi,

@@ -43,8 +43,15 @@ def _fp8_grid(v):
 
 @triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
-    """s = amax / qmax (1 where amax == 0), correctly rounded like torch's division."""
-    return tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+    """s = amax / qmax (1 where amax == 0), correctly rounded like torch's division; a NaN/Inf
+    amax stays NaN/Inf, so the group dequantizes to NaN (formats.absmax_scale)."""
+    return tl.where(amax == 0, 1.0, tl.math.div_rn(amax, QMAX))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (tl.maximum's default, like fmaxf, returns the other operand)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -105,8 +112,8 @@ def quantize_rows_kernel(
             x = tl.load(x_rows + (k0 + offs)[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
             if HAS_ROW_W:
                 x = x * w
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = _scale_for(tl.max(amax, 1), IS_INT)[:, None]
+            amax = _max_nan(amax, tl.abs(x))
+        scale = _scale_for(tl.reduce(amax, 1, _max_nan), IS_INT)[:, None]
         tl.store(s_ptr + rows[:, None] * stride_sr + tl.program_id(1) * stride_sg, scale, mask=row_ok[:, None])
     elif SCALE_IN == 1:
         scale = tl.load(scale_in_ptr).to(tl.float32)
@@ -154,5 +161,5 @@ def expert_amax_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if HAS_ROW_W:
             x = x * w[:, None]
-        amax = tl.maximum(amax, tl.abs(x))
-    tl.atomic_max(amax_ptr + expert, tl.max(tl.max(amax, 1), 0))
+        amax = _max_nan(amax, tl.abs(x))
+    tl.atomic_max(amax_ptr + expert, tl.reduce(tl.reduce(amax, 1, _max_nan), 0, _max_nan))

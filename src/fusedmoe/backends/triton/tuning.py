@@ -76,18 +76,31 @@ def parse_table(data: object, source: str, *, strict: bool = True
     return table
 
 
+# Names resolved from a fixed table: a file never picks which torch attribute is looked up.
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _int(value: object) -> int:
+    # JSON integers only: 1e400 parses as inf (int() overflows), 1.5 or true are not sizes.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 def _parse_entry(e: object) -> tuple[tuple, int, TileConfig, TileConfig]:
     try:
-        dtype = getattr(torch, e["dtype"])
+        dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         quant = e.get("quant")
-        key = (e["dtype"], int(e["experts"]), int(e["hidden"]), int(e["inter"]), int(e["top_k"]),
-               bool(e["gated"]))
-        t1, t2 = TileConfig(*map(int, e["gemm1"])), TileConfig(*map(int, e["gemm2"]))
-        tokens = int(e["tokens"])
+        if not isinstance(e["gated"], bool):
+            raise TypeError(f"gated={e['gated']!r} is not true/false")
+        key = (e["dtype"], _int(e["experts"]), _int(e["hidden"]), _int(e["inter"]), _int(e["top_k"]),
+               e["gated"])
+        t1, t2 = TileConfig(*map(_int, e["gemm1"])), TileConfig(*map(_int, e["gemm2"]))
+        tokens = _int(e["tokens"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"is malformed ({exc!r})") from None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"has unknown dtype {e['dtype']!r}")
+    if dtype is None:
+        raise ValueError(f"has unknown dtype {e['dtype']!r} (expected one of {sorted(DTYPES)})")
     if tokens < 1:
         raise ValueError(f"has tokens={tokens} (must be >= 1)")
     if not isinstance(quant, str | None):
@@ -119,7 +132,8 @@ def _load(path: str, mtime: float) -> dict:
                         path, data.get("triton"), _triton_version())
             return {}
         return parse_table(data, path, strict=False)
-    except (OSError, ValueError, AttributeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
+        # RecursionError: json.load on deeply nested arrays ("[[[[..." 10^5 deep).
         logger.warning("fusedmoe: ignoring tuned table %s: %s", path, exc)
         return {}
 

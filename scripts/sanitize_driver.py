@@ -1,0 +1,92 @@
+"""Drive every Triton kernel once per representative and edge shape, for compute-sanitizer.
+
+    python scripts/sanitize_driver.py [--big] [--list]
+
+Each case runs through fusedmoe's public path on CUDA (`fusedmoe.fuzz.run_case` with backends
+triton and batched_triton), so align (one-program, chunked, multi-launch), gemm1/gemm2, the
+top-k reduce, the W8A8 activation quantizers and the weight-only decoders all launch; results
+are also checked against the float64 reference. --big adds the int32-offset case
+(T*K*H = 100000 * 6 * 4096 > 2^31, ~12 GB), which runs the kernels only (no reference).
+Exit status 1 on any mismatch or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from fusedmoe import fuzz
+
+BASE = fuzz.FuzzCase(
+    seed=0, profile="gpu", num_tokens=64, num_experts=8, top_k=2, hidden=256, inter=128,
+    dtype="bfloat16", activation="silu", routing="uniform", bias=False, local_experts=None,
+    weight_on_input=False, quant=None, swiglu_limit=None, ids_dtype="int32",
+)
+
+
+def cases() -> list[fuzz.FuzzCase]:
+    r = dataclasses.replace
+    out = [
+        BASE,
+        r(BASE, num_tokens=1, top_k=8, num_experts=128),                 # decode: one-program align
+        r(BASE, num_tokens=200, top_k=4, num_experts=60),                # chunked align (<= 1024 slots)
+        r(BASE, num_tokens=1500, top_k=6, num_experts=257),              # multi-launch align, E = 257
+        r(BASE, num_tokens=3, num_experts=512, top_k=16, routing="zipf"),  # very sparse, top-16
+        r(BASE, routing="empty_experts", num_experts=64, top_k=6),       # experts with no tokens
+        r(BASE, routing="one_expert", num_tokens=777),                   # everything on one expert
+        r(BASE, hidden=727, inter=577, num_tokens=33),                   # H, I not multiples of any tile
+        r(BASE, local_experts=(0, 2, 3, 7), bias=True),                  # expert_map with missing experts
+        r(BASE, top_k=1, weight_on_input=True, bias=True, dtype="float16"),
+        r(BASE, activation="swigluoai", bias=True, swiglu_limit=7.0),
+        r(BASE, activation="relu2_no_mul"),
+        r(BASE, num_tokens=5000, num_experts=4097, top_k=2, hidden=128, inter=128),  # torch align path
+    ]
+    for scheme in ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block",
+                   "int8_w8a8", "fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g128",
+                   "mxfp4_w4a16", "nvfp4_w4a16"):
+        out.append(r(BASE, quant=scheme, hidden=384, inter=256))
+        out.append(r(BASE, quant=scheme, hidden=384, inter=256, num_tokens=1500, top_k=6,
+                     num_experts=96, routing="empty_experts"))
+    return [r(c, seed=i) for i, c in enumerate(out)]
+
+
+def big() -> None:
+    """T*K*H > 2^31: token offsets must be 64-bit (pitfalls: int32 overflow)."""
+    from fusedmoe import fused_experts, select_experts
+
+    T, E, K, H, I = 100_000, 8, 6, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g, dtype=torch.bfloat16) / 64
+    w2 = torch.randn(E, H, I, device="cuda", generator=g, dtype=torch.bfloat16) / 11
+    w, ids = select_experts(x, torch.randn(T, E, device="cuda", generator=g), K)
+    out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    print(f"big T={T} K={K} H={H}: ok")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--big", action="store_true", help="also the int32-overflow case (~12 GB)")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    args = parser.parse_args()
+    failures = 0
+    for case in cases():
+        if args.list:
+            print(case.describe())
+            continue
+        result = fuzz.run_case(case, "cuda", backends=["triton", "batched_triton"])
+        for o in result.outcomes:
+            print(f"{case.describe():<90} {o.backend:<16} {o.status} {o.detail or ''}", flush=True)
+        failures += len(result.failures)
+    if args.big and not args.list:
+        big()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

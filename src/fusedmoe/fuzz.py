@@ -1,0 +1,548 @@
+"""Fuzzing every backend against the float64 reference: seed -> random problem -> each backend.
+
+    case = draw_case(seed, profile)          # sizes, routing skew, dtype, activation, features, scheme
+    result = run_case(case, device)          # every backend the oracle accepts, vs fused_experts_ref (fp64)
+    report = fuzz(cases, seed, profile)      # counts per backend; `fusedmoe fuzz --replay SEED` re-runs one
+
+A case is a pure function of (seed, profile): any failure replays from the seed it prints.
+Backends are those whose record accepts the problem on the device's platform (`Backend.check`);
+on CPU the Triton kernels also run through the Triton interpreter (fp32/fp16, small problems),
+checked against a described Hopper platform. Quantized problems compare against the reference
+on dequantized weights, with the scheme's activation fake-quantization applied in the same
+places as `emulation` (the float64 reference otherwise). Legend: T tokens, H hidden,
+I intermediate, E experts, L local experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from fusedmoe.activations import ACTIVATIONS, GATED, w13_rows
+from fusedmoe.backends import REGISTRY, load_plugins
+from fusedmoe.backends.emulation import activation_transform
+from fusedmoe.config import MoEConfig
+from fusedmoe.modular import ExpertWeights, make_modular
+from fusedmoe.platform import Platform
+from fusedmoe.quant.scheme import SCHEMES, get_scheme
+from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+from fusedmoe.reference import fused_experts_ref
+
+ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INTERPRETER = "[interpreter]"
+INTERPRETER_TRITON = "triton" + INTERPRETER
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Size limits of drawn problems. max_*: inclusive upper bounds; large_experts: E drawn from
+    these with probability 0.1 (E up to 512)."""
+
+    name: str
+    max_tokens: int
+    max_hidden: int
+    max_inter: int
+    max_experts: int
+    large_experts: tuple[int, ...]
+    interpreter_max_slots: int  # Triton interpreter only when T*K and H, I are this small
+    interpreter_max_dim: int
+    max_weight_elements: int = 1 << 26  # E * 3 * I * H: H and I halve until under it (then group rounding)
+
+
+PROFILES = {
+    # CI: pytest subset; the interpreter runs small problems (~0.1-1 s each).
+    "ci": Profile("ci", 48, 160, 96, 64, (257, 512), 64, 128),
+    # The long CPU run: ~45 cases a second on one core (10,000 in 220 s), no interpreter.
+    "cpu": Profile("cpu", 96, 192, 128, 64, (257, 384, 512), 0, 0),
+    # CPU with the interpreter on every problem it accepts.
+    "cpu-triton": Profile("cpu-triton", 48, 128, 96, 32, (257,), 96, 128),
+    # GPU: production-like sizes.
+    "gpu": Profile("gpu", 8192, 4096, 2048, 256, (257, 384, 512), 0, 0, max_weight_elements=1 << 28),
+}
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """One drawn problem. expert_map: local expert ids (None = all local); quant: scheme name."""
+
+    seed: int
+    profile: str
+    num_tokens: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    dtype: str
+    activation: str
+    routing: str
+    bias: bool
+    local_experts: tuple[int, ...] | None
+    weight_on_input: bool
+    quant: str | None
+    swiglu_limit: float | None
+    ids_dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def describe(self) -> str:
+        em = "" if self.local_experts is None else f" L={len(self.local_experts)}"
+        feats = [f for f, on in (("bias", self.bias), ("weight_on_input", self.weight_on_input)) if on]
+        if self.swiglu_limit is not None:
+            feats.append(f"limit={self.swiglu_limit:g}")
+        return (f"T={self.num_tokens} E={self.num_experts}{em} K={self.top_k} H={self.hidden} "
+                f"I={self.inter} {self.dtype} {self.activation} {self.routing} "
+                f"{self.quant or 'unquantized'} ids={self.ids_dtype} {' '.join(feats)}").rstrip()
+
+    def config(self, layout: str = "standard") -> MoEConfig:
+        return MoEConfig(
+            self.num_experts, self.top_k, self.hidden, self.inter, dtype=self.torch_dtype,
+            activation=self.activation, has_bias=self.bias, quant=self.quant,
+            swiglu_limit=self.swiglu_limit, apply_router_weight_on_input=self.weight_on_input,
+            has_expert_map=self.local_experts is not None, activation_format=layout,
+        )
+
+
+def draw_case(seed: int, profile: str = "ci") -> FuzzCase:
+    """The problem of `seed` under `profile` (deterministic: the same seed, the same case)."""
+    p = PROFILES[profile]
+    r = random.Random(seed)
+    num_experts = r.choice(p.large_experts) if r.random() < 0.1 else r.randint(1, p.max_experts)
+    top_k = min(num_experts, 16, _log_uniform(r, 1, 16))
+    u = r.random()
+    num_tokens = 0 if u < 0.05 else 1 if u < 0.2 else _log_uniform(r, 2, p.max_tokens)
+    quant = None if r.random() < 0.4 else r.choice(sorted(SCHEMES))
+    activation = r.choice(ACTIVATIONS)
+    hidden = _log_uniform(r, 1, p.max_hidden)
+    inter = _log_uniform(r, 1, p.max_inter)
+    if r.random() < 0.5:  # half the cases aligned (grouped_mm needs 16-byte rows), half odd
+        hidden, inter = _round_up(hidden, 16), _round_up(inter, 16)
+    while num_experts * 3 * inter * hidden > p.max_weight_elements and max(hidden, inter) > 16:
+        hidden, inter = max(1, hidden // 2), max(1, inter // 2)
+    if quant is not None:  # group schemes need K a multiple of the group (H for w13, I for w2)
+        key = SCHEMES[quant].weight
+        multiple = key.group if key.granularity == "group" else 1
+        hidden = _round_up(hidden, multiple)
+        inter = _round_up(inter, multiple)
+    dtype = r.choice(sorted(DTYPES))
+    local = None
+    if r.random() < 0.2 and num_experts > 1:
+        count = r.randint(1, num_experts - 1)
+        local = tuple(sorted(r.sample(range(num_experts), count)))
+    limit = None
+    if activation in GATED and r.random() < 0.2:
+        limit = round(r.uniform(0.25, 8.0), 3)
+    return FuzzCase(
+        seed=seed, profile=profile, num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
+        hidden=hidden, inter=inter, dtype=dtype, activation=activation, routing=r.choice(ROUTINGS),
+        bias=r.random() < 0.3, local_experts=local,
+        weight_on_input=top_k == 1 and r.random() < 0.3, quant=quant, swiglu_limit=limit,
+        ids_dtype="int64" if r.random() < 0.2 else "int32",
+    )
+
+
+def _log_uniform(r: random.Random, lo: int, hi: int) -> int:
+    return min(hi, max(lo, int(math.exp(r.uniform(math.log(lo), math.log(hi + 1))))))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# Inputs -------------------------------------------------------------------------------------------
+@dataclass
+class Problem:
+    x_TH: torch.Tensor
+    weights: ExpertWeights           # what the backends take (quantized payloads for a scheme)
+    w13_LGH: torch.Tensor            # float32 weights as the math sees them (dequantized)
+    w2_LHI: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    expert_map_E: torch.Tensor | None
+
+
+def make_problem(case: FuzzCase, device: str | torch.device = "cpu") -> Problem:
+    """Random tensors of `case` (seeded by it), on `device`."""
+    g = torch.Generator().manual_seed(case.seed)
+    T, E, K, H, I = case.num_tokens, case.num_experts, case.top_k, case.hidden, case.inter
+    dtype = case.torch_dtype
+    L = E if case.local_experts is None else len(case.local_experts)
+    G = w13_rows(case.activation, I)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(L, G, H, generator=g) / math.sqrt(H)
+    w2 = torch.randn(L, H, I, generator=g) / math.sqrt(I)
+    b13 = torch.randn(L, G, generator=g) * 0.1 if case.bias else None
+    b2 = torch.randn(L, H, generator=g) * 0.1 if case.bias else None
+    ids = _route(case, g)
+    if case.weight_on_input:
+        topk_w = torch.rand(T, K, generator=g) * 0.5 + 0.5
+    else:
+        topk_w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    expert_map = None
+    if case.local_experts is not None:
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[list(case.local_experts)] = torch.arange(L, dtype=torch.int32)
+    x = x.to(dtype)
+    b13 = None if b13 is None else b13.to(dtype)
+    b2 = None if b2 is None else b2.to(dtype)
+    if case.quant is None:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+        weights = ExpertWeights(w13, w2, b13, b2)
+        d13, d2 = w13.float(), w2.float()
+    else:
+        amax = _activation_amax(case, x, w13, w2, b13, b2, topk_w, ids, expert_map)
+        q13, q2, params = quantize_weights(w13, w2, case.quant, activation_amax=amax)
+        weights = ExpertWeights(q13, q2, b13, b2, params)
+        d13, d2 = dequantize_weights(q13, q2, params)
+    ids = ids.to(getattr(torch, case.ids_dtype))
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    weights = ExpertWeights(*(to(t) for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)),
+                            _quant_to(weights.quant, device))
+    return Problem(to(x), weights, to(d13), to(d2), to(topk_w), to(ids), to(expert_map))
+
+
+def _route(case: FuzzCase, g: torch.Generator) -> torch.Tensor:
+    """ids [T, K]: K distinct experts per token, skewed by case.routing."""
+    T, E, K = case.num_tokens, case.num_experts, case.top_k
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int32)
+    if case.routing == "zipf":  # expert popularity ~ 1 / rank^1.2, ranks shuffled
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        p = p[torch.randperm(E, generator=g)]
+        return torch.multinomial(p.expand(T, E), K, replacement=False, generator=g).int()
+    pool = torch.arange(E)
+    if case.routing == "empty_experts":  # a third of the experts (at least K) receive every token
+        pool = torch.randperm(E, generator=g)[: max(K, E // 3)]
+    ids = pool[torch.rand(T, len(pool), generator=g).argsort(dim=1)[:, :K]]
+    if case.routing == "one_expert":  # every token picks expert `hot`
+        hot = int(torch.randint(E, (1,), generator=g))
+        has = (ids == hot).any(dim=1)
+        slot = torch.randint(K, (T,), generator=g)
+        ids[~has, slot[~has]] = hot
+    return ids.int()
+
+
+def _activation_amax(case, x, w13, w2, b13, b2, topk_w, ids, expert_map):
+    """Static activation scales (fp8 tensor-static, nvfp4 input global): calibrated on the problem
+    (x's amax over all experts, the intermediate's per expert), as a checkpoint's would be."""
+    scheme = SCHEMES[case.quant]
+    if scheme.activation is None or (scheme.activation.dynamic and scheme.activation.dtype != "nvfp4"):
+        return None
+    L = w13.shape[0]
+    x_amax, a_amax = torch.zeros(()), torch.ones(L)
+
+    def record(t, e, which):
+        if which == "x":
+            x_amax.copy_(torch.maximum(x_amax, t.abs().amax()))
+        elif t.numel():
+            a_amax[e] = t.abs().amax().clamp_min(1e-6)
+        return t
+
+    fused_experts_ref(x, w13, w2, topk_w, ids, activation=case.activation,
+                      apply_router_weight_on_input=case.weight_on_input, expert_map_E=expert_map,
+                      global_num_experts=case.num_experts, w13_bias_LG=b13, w2_bias_LH=b2,
+                      swiglu_limit=case.swiglu_limit,
+                      input_transform=lambda t, e: record(t, e, "x"),
+                      intermediate_transform=lambda t, e: record(t, e, "a"))
+    return x_amax.clamp_min(1e-6), a_amax
+
+
+def _quant_to(quant, device):
+    if quant is None:
+        return None
+    moved = {f: (v.to(device) if isinstance(v, torch.Tensor) else v) for f, v in vars(quant).items()}
+    return type(quant)(**moved)
+
+
+def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False) -> torch.Tensor:
+    """float64 fused_experts_ref on the dequantized weights; W8A8/W4A4 schemes fake-quantize the
+    activations (float32 rounding, as emulation) at GEMM1's and GEMM2's inputs.
+
+    magnitude=True: sum_k |w| * (|a| @ |w2[e]|^T + |b2[e]|) instead, the size of the terms the
+    output sums (>= |out|; much larger where GEMM2 or the top-k sum cancels).
+    """
+    hooks = [None, None]
+    scheme = get_scheme(case.quant)
+    if scheme is not None and scheme.activation is not None:
+        q = p.weights.quant
+        hooks = [_f64(activation_transform(scheme.activation, s)) for s in (q.a13_scale, q.a2_scale)]
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    w2, b2, topk_w = d(p.w2_LHI), d(p.weights.w2_bias), p.topk_weights_TK
+    if magnitude:
+        w2, b2, topk_w = w2.abs(), None if b2 is None else b2.abs(), topk_w.abs()
+        inner = hooks[1]
+        hooks[1] = lambda t, e: (t if inner is None else inner(t, e)).abs()
+    return fused_experts_ref(
+        p.x_TH.double(), p.w13_LGH.double(), w2, topk_w, p.topk_ids_TK,
+        activation=case.activation, apply_router_weight_on_input=case.weight_on_input,
+        expert_map_E=p.expert_map_E, global_num_experts=case.num_experts,
+        w13_bias_LG=d(p.weights.w13_bias), w2_bias_LH=b2,
+        swiglu_limit=case.swiglu_limit, input_transform=hooks[0], intermediate_transform=hooks[1],
+    )
+
+
+def _f64(transform):
+    return lambda t, e: transform(t, e).double()
+
+
+# Tolerances ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    """rel_fro bounds ||out - ref||_F / ||ref||_F; rel_max bounds max|out - ref| / max|ref|."""
+
+    rel_fro: float
+    rel_max: float
+
+
+# u = unit roundoff: fp32 6.0e-8, fp16 4.9e-4, bf16 3.9e-3. Unquantized and weight-only paths
+# round the input, GEMM1's output, the intermediate and the output in the activation dtype:
+# ~1.2u Frobenius (tests/cases.py measures 1.1u, worst relu2_no_mul); bounds 4u / 8u with the
+# max taken over up to 96 x 192 outputs. fp32: accumulation over H, I <= 4096 stays < 1e-6.
+# Quantized activations (W8A8, W4A4, W4A8): the backend computes GEMM1 in fp32/fp16, the
+# reference in float64; an input within that difference of a code boundary rounds to the other
+# code (fp8: one step = 2^-3 relative; int8: amax/127). Measured on 2,000 cpu-profile cases
+# (emulation, fp32): fro <= 3e-7 without a flip, <= 2e-3 with one; the bounds allow a few flips
+# and still fail on a wrong scale or a dropped expert (>= 1e-1).
+_U = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+UNQUANTIZED = {d: Tolerance(max(4 * u, 1e-5), max(8 * u, 2e-5)) for d, u in _U.items()}
+ACTIVATION_QUANTIZED = {d: Tolerance(max(4 * u, 2e-2), max(8 * u, 1e-1)) for d, u in _U.items()}
+
+
+SMALL_OUTPUT = 64
+
+
+def tolerance(case: FuzzCase) -> Tolerance:
+    scheme = get_scheme(case.quant)
+    table = UNQUANTIZED if scheme is None or scheme.activation is None else ACTIVATION_QUANTIZED
+    return table[case.torch_dtype]
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
+            magnitude: torch.Tensor | None = None) -> str | None:
+    """None if out matches ref within tol, else the reason (shape, non-finite, error figures).
+    An all-zero ref (every slot dropped) demands an exactly zero out.
+
+    Fewer than SMALL_OUTPUT values do not average their roundings, and one of them may be a sum
+    that cancels (T=2, H=1, K=12 in bf16: 3.2e-2 relative): with `magnitude` (the reference's
+    term sizes) such outputs are held to the max bound relative to the terms instead.
+    """
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out = out.detach().cpu().double()
+    ref = ref.cpu()
+    if not torch.isfinite(out).all():
+        return f"{int((~torch.isfinite(out)).sum())} non-finite values (the reference has none)"
+    if out.numel() == 0:
+        return None
+    ref_max = ref.abs().max().item()
+    if ref_max == 0:
+        return None if out.abs().max().item() == 0 else "the reference is all zero but the output is not"
+    diff = out - ref
+    small = out.numel() < SMALL_OUTPUT
+    if small and magnitude is not None:
+        mx = (diff.abs().max() / magnitude.cpu().abs().max()).item()
+        if mx <= tol.rel_max:
+            return None
+        return f"error {mx:.3e} relative to the largest term (tol {tol.rel_max:.1e}, {out.numel()} outputs)"
+    fro = (diff.norm() / ref.norm()).item()
+    mx = (diff.abs().max() / ref_max).item()
+    # The Frobenius bound assumes independent roundings averaging over many outputs; a handful
+    # (T=2, H=1: 2 values, measured 4.9u in fp16) is held to the max bound instead.
+    fro_tol = tol.rel_max if small else tol.rel_fro
+    if fro <= fro_tol and mx <= tol.rel_max:
+        return None
+    return f"relative error {fro:.3e} (Frobenius, tol {fro_tol:.1e}), {mx:.3e} (max, tol {tol.rel_max:.1e})"
+
+
+# Backends -----------------------------------------------------------------------------------------
+Runner = Callable[[FuzzCase, Problem], torch.Tensor]
+
+
+def _interpreter_active() -> bool:
+    """Triton runs in its interpreter (TRITON_INTERPRET=1, read by triton): CPU tensors work."""
+    try:
+        import triton.knobs
+    except ImportError:
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True) -> dict[str, Runner]:
+    """{backend name: runner} for every backend whose record accepts the case on this device."""
+    load_plugins()
+    platform = Platform.for_device(device)
+    out: dict[str, Runner] = {}
+    for layout in ("standard", "batched"):
+        config = case.config(layout)
+        for name, record in REGISTRY.items():
+            if record.layout == layout and record.check(config, platform) is None:
+                out[name] = _api_runner(name, layout)
+    prof = PROFILES[case.profile]
+    if (interpreter and device.type == "cpu" and _interpreter_active() and case.dtype != "bfloat16"
+            and case.num_tokens * case.top_k <= prof.interpreter_max_slots
+            and max(case.hidden, case.inter) <= prof.interpreter_max_dim):
+        hopper = Platform("cuda", (9, 0), has_triton=True)
+        # The batched layout computes [L, T] buffer rows: kept to 4x the slot bound (~1 s).
+        batched_ok = case.num_experts * case.num_tokens <= 4 * prof.interpreter_max_slots
+        for name, layout in (("triton", "standard"), ("batched_triton", "batched")):
+            if layout == "batched" and not batched_ok:
+                continue
+            if REGISTRY[name].check(case.config(layout), hopper) is None:
+                out[f"{name}{INTERPRETER}"] = _interpreted(name, layout)
+    return out
+
+
+def _api_runner(name: str, layout: str) -> Runner:
+    def run(case: FuzzCase, p: Problem) -> torch.Tensor:
+        from fusedmoe.api import fused_experts
+
+        w = p.weights
+        return fused_experts(
+            p.x_TH, w.w13, w.w2, p.topk_weights_TK, p.topk_ids_TK, activation=case.activation,
+            apply_router_weight_on_input=case.weight_on_input, expert_map=p.expert_map_E,
+            global_num_experts=case.num_experts, w13_bias=w.w13_bias, w2_bias=w.w2_bias,
+            quant=w.quant, backend=name, swiglu_limit=case.swiglu_limit, activation_format=layout,
+        )
+
+    return run
+
+
+def _interpreted(name: str, layout: str) -> Runner:
+    """The Triton backend's experts on CPU tensors (TRITON_INTERPRET=1), behind the same modular
+    kernel fused_experts builds."""
+
+    def run(case: FuzzCase, p: Problem) -> torch.Tensor:
+        config = case.config(layout)
+        if case.num_tokens == 0:
+            return p.x_TH.new_empty(0, case.hidden)
+        experts = REGISTRY[name].load_impl()(config)
+        return make_modular(config, experts)(
+            p.x_TH, p.weights, p.topk_weights_TK, p.topk_ids_TK, expert_map_E=p.expert_map_E)
+
+    return run
+
+
+# Running ------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    backend: str
+    status: str  # ok | mismatch | error
+    detail: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class CaseResult:
+    case: FuzzCase
+    outcomes: list[Outcome]
+
+    @property
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != "ok"]
+
+
+def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Sequence[str] | None = None,
+             interpreter: bool = True) -> CaseResult:
+    """Run every accepted backend (or those named) on `case` and compare with the reference.
+
+    A backend raising on a problem its record accepts is a failure ("error"), as is a mismatch.
+    """
+    device = torch.device(device)
+    runners = candidates(case, device, interpreter=interpreter)
+    if backends is not None:
+        runners = {n: r for n, r in runners.items() if n in backends or n.split("[")[0] in backends}
+    if not runners:  # nothing to compare: skip building the problem and the reference
+        return CaseResult(case, [])
+    p = make_problem(case, device)
+    ref = reference(case, p)
+    tol = tolerance(case)
+    magnitude = None
+    outcomes = []
+    for name, runner in runners.items():
+        start = time.perf_counter()
+        try:
+            out = runner(case, p)
+            reason = compare(out, ref, tol)
+            if reason is not None and 0 < out.numel() < SMALL_OUTPUT and out.shape == ref.shape:
+                if magnitude is None:
+                    magnitude = reference(case, p, magnitude=True)
+                reason = compare(out, ref, tol, magnitude)
+            status = "ok" if reason is None else "mismatch"
+        except Exception as exc:  # noqa: BLE001 - a crash is a finding, recorded with its text
+            reason, status = f"{type(exc).__name__}: {exc}", "error"
+        outcomes.append(Outcome(name, status, reason, time.perf_counter() - start))
+    return CaseResult(case, outcomes)
+
+
+@dataclass
+class BackendTally:
+    cases: int = 0
+    mismatches: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    profile: str
+    device: str
+    first_seed: int
+    cases: int = 0
+    seconds: float = 0.0
+    per_backend: dict[str, BackendTally] = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)
+    skipped_backends: int = 0  # cases no backend ran (0 unless --backends narrows the set)
+
+    def add(self, result: CaseResult) -> None:
+        self.cases += 1
+        if not result.outcomes:
+            self.skipped_backends += 1
+        for o in result.outcomes:
+            t = self.per_backend.setdefault(o.backend, BackendTally())
+            t.cases += 1
+            t.seconds += o.seconds
+            t.mismatches += o.status == "mismatch"
+            t.errors += o.status == "error"
+            if o.status != "ok":
+                self.failures.append({"seed": result.case.seed, "backend": o.backend, "status": o.status,
+                                      "detail": o.detail, "case": asdict(result.case)})
+
+    def table(self) -> str:
+        lines = [f"fuzz: {self.cases} cases (profile {self.profile}, device {self.device}, seeds "
+                 f"{self.first_seed}..{self.first_seed + self.cases - 1}) in {self.seconds:.1f} s",
+                 f"{'backend':<28} {'cases':>7} {'mismatch':>8} {'error':>6} {'seconds':>8}"]
+        for name, t in sorted(self.per_backend.items()):
+            lines.append(f"{name:<28} {t.cases:>7} {t.mismatches:>8} {t.errors:>6} {t.seconds:>8.1f}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "device": self.device, "first_seed": self.first_seed,
+                "cases": self.cases, "seconds": round(self.seconds, 1),
+                "per_backend": {k: asdict(v) for k, v in sorted(self.per_backend.items())},
+                "failures": self.failures, "cases_without_backend": self.skipped_backends}
+
+
+def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = "cpu",
+         backends: Sequence[str] | None = None, interpreter: bool = True,
+         on_failure: Callable[[CaseResult], None] | None = None) -> Report:
+    """Run seeds first_seed .. first_seed + cases - 1; tally per backend."""
+    report = Report(profile, str(device), first_seed)
+    start = time.perf_counter()
+    for seed in range(first_seed, first_seed + cases):
+        result = run_case(draw_case(seed, profile), device, backends=backends, interpreter=interpreter)
+        report.add(result)
+        if result.failures and on_failure is not None:
+            on_failure(result)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def replay_command(case: FuzzCase, device: str = "cpu") -> str:
+    return f"fusedmoe fuzz --replay {case.seed} --profile {case.profile} --device {device}"

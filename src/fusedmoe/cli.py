@@ -604,6 +604,9 @@ def cmd_fuzz(args) -> int:
         raise ValueError(f"--profile {profile!r}; expected one of {sorted(fuzz.PROFILES)}")
     backends = None if args.backends is None else [b.strip() for b in args.backends.split(",") if b.strip()]
     interpreter = not args.no_interpreter
+    if interpreter and args.device == "cpu" and not fuzz._interpreter_active():
+        print("note: TRITON_INTERPRET is not set: triton[interpreter] and batched_triton[interpreter] "
+              "do not run (set TRITON_INTERPRET=1 before starting to include them)")
     if args.replay is not None:
         case = fuzz.draw_case(args.replay, profile)
         print(f"seed {case.seed} ({profile}): {case.describe()}")

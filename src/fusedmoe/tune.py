@@ -219,9 +219,8 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
     if scheme is not None:
         from fusedmoe.backends.triton.weight_only import _kernel_args
 
-        ptx = x.is_cuda and x.dtype == torch.bfloat16
-        args13 = [_kernel_args(scheme, p.w13_scale, p.w13_global_scale, ptx) for _, _, p in weights]
-        args2 = [_kernel_args(scheme, p.w2_scale, p.w2_global_scale, ptx) for _, _, p in weights]
+        args13 = [_kernel_args(scheme, p.w13_scale, p.w13_global_scale, x) for _, _, p in weights]
+        args2 = [_kernel_args(scheme, p.w2_scale, p.w2_global_scale, x) for _, _, p in weights]
 
     def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
         launch_gemm1(launch, weights[i][0], None, tile, args13[i])

@@ -12,7 +12,7 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,11 +68,12 @@ def align(
     args = (topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
     if num_local_experts > ALIGN_MAX_LOCAL_EXPERTS:
         return align_torch(*args)
+    launch_kw = pdl(topk_ids_TK.device)
     if n <= ALIGN_SMALL_MAX_SLOTS and num_local_experts < ALIGN_MAX_LOCAL_EXPERTS:
-        return _align_small(*args)
+        return _align_small(*args, launch_kw)
     if n <= ALIGN_CHUNKED_MAX_SLOTS:
-        return _align_chunked(*args)
-    return _align_multi(*args)
+        return _align_chunked(*args, launch_kw)
+    return _align_multi(*args, launch_kw)
 
 
 def _rows(n: int, num_local: int, block_m: int) -> int:
@@ -108,10 +109,11 @@ def _align_outputs(n: int, num_local: int, block_m: int, device: torch.device):
             torch.empty(n, dtype=torch.int8, device=device))
 
 
-def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m):
+def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m, launch_kw=None):
     from fusedmoe.backends.triton import kernels
 
     device = topk_ids_TK.device
+    launch_kw = pdl(device) if launch_kw is None else launch_kw
     n = topk_ids_TK.numel()
     sorted_slot, block_expert, num_rows, slot_ok = _align_outputs(n, num_local_experts, block_m, device)
     rows = sorted_slot.numel()
@@ -122,17 +124,18 @@ def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, scratch, n, num_global_experts, num_local_experts, rows,
         HAS_MAP=expert_map_E is not None, BLOCK_N=max(16, triton_next_pow2(n)), BLOCK_E=block_e,
-        BLOCK_M=block_m, BLOCK_R=1024, num_warps=4, **pdl(device),
+        BLOCK_M=block_m, BLOCK_R=1024, num_warps=4, **launch_kw,
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
 
 def _align_chunked(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m,
-                   chunk=ALIGN_CHUNK):
+                   launch_kw=None, chunk=ALIGN_CHUNK):
     """`align` in one Triton program for any N: stable sort of `chunk` slots at a time (a power of 2)."""
     from fusedmoe.backends.triton import kernels
 
     device = topk_ids_TK.device
+    launch_kw = pdl(device) if launch_kw is None else launch_kw
     n = topk_ids_TK.numel()
     num_local = num_local_experts
     sorted_slot, block_expert, num_rows, slot_ok = _align_outputs(n, num_local, block_m, device)
@@ -144,18 +147,19 @@ def _align_chunked(topk_ids_TK, expert_map_E, num_global_experts, num_local_expe
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, count, start, key, rank, n, num_global_experts, num_local, sorted_slot.numel(),
         HAS_MAP=expert_map_E is not None, CHUNK=chunk, BLOCK_E=min(1024, triton_next_pow2(num_local + 1)),
-        BLOCK_M=block_m, BLOCK_R=1024, num_warps=16, **pdl(device),
+        BLOCK_M=block_m, BLOCK_R=1024, num_warps=16, **launch_kw,
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
 
 def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m,
-                 chunk=ALIGN_MULTI_CHUNK, offsets_tile=ALIGN_OFFSETS_TILE):
+                 launch_kw=None, chunk=ALIGN_MULTI_CHUNK, offsets_tile=ALIGN_OFFSETS_TILE):
     """`align` in three launches: count (one program per `chunk` slots, a power of 2), offsets (one
     program, `offsets_tile` counts at a time), scatter (one program per chunk)."""
     from fusedmoe.backends.triton import kernels
 
     device = topk_ids_TK.device
+    launch_kw = pdl(device) if launch_kw is None else launch_kw
     n = topk_ids_TK.numel()
     num_local = num_local_experts
     sorted_slot, block_expert, num_rows, slot_ok = _align_outputs(n, num_local, block_m, device)
@@ -174,17 +178,17 @@ def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
         n, num_global_experts, num_local, rows, triton_cdiv(rows, num_chunks),
         triton_cdiv(rows // block_m, num_chunks),
         HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_R=1024, num_warps=num_warps,
-        **pdl(device),
+        **launch_kw,
     )
     block_e = min(block_e, triton_next_pow2(offsets_tile))
     block_c = max(2, min(triton_next_pow2(num_chunks), offsets_tile // block_e))
     kernels.moe_align_offsets_kernel[(1,)](
         count, start, num_rows, num_chunks, num_local, BLOCK_C=block_c, BLOCK_E=block_e, BLOCK_M=block_m,
-        num_warps=16, **pdl(device),
+        num_warps=16, **launch_kw,
     )
     kernels.moe_align_scatter_kernel[(num_chunks,)](
         sorted_slot, block_expert, count, start, key, in_run, num_local, CHUNK=chunk, BLOCK_M=block_m,
-        num_warps=num_warps, **pdl(device),
+        num_warps=num_warps, **launch_kw,
     )
     return sorted_slot, block_expert, num_rows, slot_ok
 
@@ -280,6 +284,10 @@ class Launch:
     swiglu_alpha: float
     swiglu_limit: float | None
     block_m: int
+    launch_kw: dict = field(init=False)  # pdl(device): the kernels' launch keywords, read once
+
+    def __post_init__(self) -> None:
+        self.launch_kw = pdl(self.x.device)
 
 
 def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
@@ -330,7 +338,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         **flags, **tile.as_kwargs(),
-        **(quant_args or {}), **pdl(x.device),
+        **(quant_args or {}), **L.launch_kw,
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -338,7 +346,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
             hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
             L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
             float(L.swiglu_alpha), float(limit),
-            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **pdl(x.device),
+            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **L.launch_kw,
     )
 
 
@@ -360,7 +368,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
-        **(quant_args or {}), **pdl(a.device),
+        **(quant_args or {}), **L.launch_kw,
     )
 
 
@@ -379,7 +387,7 @@ def launch_reduce(L: Launch, out: torch.Tensor) -> None:
     kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
         y, out, L.slot_ok, hidden,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4, **pdl(y.device),
+        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4, **L.launch_kw,
     )
 
 

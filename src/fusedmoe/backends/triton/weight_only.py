@@ -90,27 +90,21 @@ def triton_weight_only_experts(
     deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
     computed in registers. `out` may be x itself.
     """
-    if scheme.name not in WEIGHT_ONLY_SCHEMES:
-        raise NotImplementedError(
-            f"the triton weight-only path runs {sorted(WEIGHT_ONLY_SCHEMES)}, not {scheme.name}"
-        )
+    _require_weight_only(scheme)
     num_tokens, hidden = x_TH.shape
-    num_local, inter = w13.shape[0], w2.shape[2] * (2 if scheme.weight.dtype in W4_FORMATS else 1)
-    device = x_TH.device
+    num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
     if num_tokens == 0:
         return out
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, device)
-    _check_tiles(t1, t2, gated, scheme, x_TH.dtype)
+    t1, t2 = _tiles(problem, scheme, tiles, x_TH.device)
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                             swiglu_limit, t1.block_m)
-    ptx = x_TH.is_cuda and x_TH.dtype == torch.bfloat16
-    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, ptx))
-    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, ptx))
+    _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
+                  w13_global_scale, w2_global_scale)
     launch_reduce(launch, out)
     return out
 
@@ -135,24 +129,47 @@ def triton_batched_weight_only_experts(
     """y[e, j] = deq(w2)[e] @ act(deq(w13)[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e],
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
     weight), through the same kernels as `triton_weight_only_experts`."""
+    _require_weight_only(scheme)
+    num_local, max_tokens, hidden = x_LMH.shape
+    inter = _inter(w2, scheme)
+    if num_local == 0 or max_tokens == 0:
+        return torch.zeros_like(x_LMH)
+    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation),
+                          x_LMH.dtype)
+    t1, t2 = _tiles(problem, scheme, tiles, x_LMH.device)
+    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+                                           swiglu_alpha, swiglu_limit, t1.block_m)
+    _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
+                  w13_global_scale, w2_global_scale)
+    return batched_output(launch, valid, num_local, max_tokens)
+
+
+def _require_weight_only(scheme: QuantScheme) -> None:
     if scheme.name not in WEIGHT_ONLY_SCHEMES:
         raise NotImplementedError(
             f"the triton weight-only path runs {sorted(WEIGHT_ONLY_SCHEMES)}, not {scheme.name}"
         )
-    num_local, max_tokens, hidden = x_LMH.shape
-    inter = w2.shape[2] * (2 if scheme.weight.dtype in W4_FORMATS else 1)
-    if num_local == 0 or max_tokens == 0:
-        return torch.zeros_like(x_LMH)
-    gated = is_gated(activation)
-    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, x_LMH.device)
-    _check_tiles(t1, t2, gated, scheme, x_LMH.dtype)
-    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
-                                           swiglu_alpha, swiglu_limit, t1.block_m)
-    ptx = x_LMH.is_cuda and x_LMH.dtype == torch.bfloat16
-    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, ptx))
-    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, ptx))
-    return batched_output(launch, valid, num_local, max_tokens)
+
+
+def _inter(w2: torch.Tensor, scheme: QuantScheme) -> int:
+    """The intermediate size from w2 [L, H, I] (4-bit: [L, H, I / 2] bytes)."""
+    return w2.shape[2] * (2 if scheme.weight.dtype in W4_FORMATS else 1)
+
+
+def _tiles(problem: GemmProblem, scheme: QuantScheme, tiles: tuple[TileConfig, TileConfig] | None,
+           device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """The given tiles or the chosen ones, held to the weight-only tile predicate."""
+    t1, t2 = tiles if tiles is not None else choose_weight_only_tiles(problem, scheme, device)
+    _check_tiles(t1, t2, problem.gated, scheme, problem.dtype)
+    return t1, t2
+
+
+def _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
+                  w13_global_scale, w2_global_scale) -> None:
+    """GEMM1 and GEMM2 on the prepared rows (contiguous or batched) with the scheme's decode."""
+    x = launch.x
+    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, x))
+    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, x))
 
 
 def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype) -> None:
@@ -166,10 +183,11 @@ def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantSchem
 
 
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,
-                 ptx: bool) -> dict:
-    """The GEMM kernels' weight-only keyword arguments for one weight's scales; ptx: 4-bit codes
-    decoded by inline PTX (bf16 activations on a GPU; the interpreter cannot run it)."""
+                 x: torch.Tensor) -> dict:
+    """The GEMM kernels' weight-only keyword arguments for one weight's scales; 4-bit codes are
+    decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot run it)."""
     key = scheme.weight
+    ptx = x.is_cuda and x.dtype == torch.bfloat16
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):

@@ -11,7 +11,7 @@ import torch
 import fusedmoe
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.presets import PRESETS
-from gpu_checks import poison_allocator, rel_err
+from gpu_checks import capture, poison_allocator, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,14 +115,7 @@ def test_deterministic_and_cuda_graph():
     x, w13, w2, _, _, w, ids = make(200, 32, 4, 1024, 512, torch.bfloat16, seed=6)
     first = fused_experts(x, w13, w2, w, ids, backend="triton")
     assert torch.equal(first, fused_experts(x, w13, w2, w, ids, backend="triton"))
-    static_out = None
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fused_experts(x, w13, w2, w, ids, backend="triton")
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        static_out = fused_experts(x, w13, w2, w, ids, backend="triton")
+    graph, static_out = capture(lambda: fused_experts(x, w13, w2, w, ids, backend="triton"))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

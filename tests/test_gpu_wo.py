@@ -13,7 +13,7 @@ import torch
 
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
-from gpu_checks import poison_allocator, rel_err
+from gpu_checks import capture, poison_allocator, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -120,13 +120,7 @@ def test_deterministic_and_cuda_graph(scheme):
     x, w, ids = make_tokens(200, 32, 4, 1024, seed=6)
     first = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
     assert torch.equal(first, fused_experts(x, q13, q2, w, ids, quant=params, backend="triton"))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        static_out = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    graph, static_out = capture(lambda: fused_experts(x, q13, q2, w, ids, quant=params, backend="triton"))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -196,14 +190,7 @@ def test_batched_layout_and_cuda_graph(scheme):
     one = torch.full_like(ids[:, :1], 3)
     got = fused_experts(x, q13, q2, w[:, :1], one, **kw)
     assert rel_err(got, fused_experts(x, q13, q2, w[:, :1], one, quant=params, backend="emulation")) < TOL
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_experts(x, q13, q2, w, ids, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fused_experts(x, q13, q2, w, ids, **kw)
+    graph, static_out = capture(lambda: fused_experts(x, q13, q2, w, ids, **kw))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out)

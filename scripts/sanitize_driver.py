@@ -1,6 +1,6 @@
 """Drive every Triton kernel once per representative and edge shape, for compute-sanitizer.
 
-    python scripts/sanitize_driver.py [--big] [--list]
+    python scripts/sanitize_driver.py [--big] [--list] [--only 0,3,7]
 
 Each case runs through fusedmoe's public path on CUDA (`fusedmoe.fuzz.run_case` with backends
 triton and batched_triton), so align (one-program, chunked, multi-launch), gemm1/gemm2, the
@@ -73,11 +73,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--big", action="store_true", help="also the int32-overflow case (~12 GB)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--only", default="", help="comma-separated case numbers (see --list)")
     args = parser.parse_args()
     failures = 0
-    for case in cases():
+    chosen = {int(i) for i in args.only.split(",") if i}
+    for i, case in enumerate(cases()):
+        if chosen and i not in chosen:
+            continue
         if args.list:
-            print(case.describe())
+            print(f"{i:3d} {case.describe()}")
             continue
         result = fuzz.run_case(case, "cuda", backends=["triton", "batched_triton"])
         for o in result.outcomes:

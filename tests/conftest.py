@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(request):
+    """GPU tests compile `FusedMoE.forward` for many configurations in one session; without a
+    reset they share its code object's cache and hit dynamo's recompile limit (8)."""
+    if "gpu" in request.keywords:
+        torch._dynamo.reset()
+    yield
+
+
 def _subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

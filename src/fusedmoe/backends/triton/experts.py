@@ -543,16 +543,16 @@ def triton_batched_experts(
         return torch.zeros_like(x_LMH)
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation), x_LMH.dtype)
     t1, t2 = choose_tiles(problem, x_LMH.device)
-    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
-                                           swiglu_alpha, swiglu_limit, t1.block_m)
+    launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+                                    swiglu_alpha, swiglu_limit, t1.block_m)
     launch_gemm1(launch, w13, w13_bias, t1)
     launch_gemm2(launch, w2, w2_bias, t2)
-    return batched_output(launch, valid, num_local, max_tokens)
+    return batched_output(launch, num_local, max_tokens)
 
 
 def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swiglu_alpha, swiglu_limit,
-                           block_m) -> tuple[Launch, torch.Tensor]:
-    """The batched buffers as aligned rows: (Launch with top_k = 1 and no routed weight, valid [R]).
+                           block_m) -> Launch:
+    """The batched buffers as aligned rows: a Launch with top_k = 1 and no routed weight.
 
     Each expert's max_tokens rows are padded to P = whole BLOCK_M blocks (R = L * P rows); row r
     is "slot" r when r % P < num_tokens[r // P], else padding (slot R), so the kernels skip it.
@@ -571,19 +571,20 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     sorted_slot = torch.where(valid, r, rows).to(torch.int32)
     block_expert = (torch.arange(rows // block_m, device=device) * block_m // padded).to(torch.int32)
     num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
-    y_pad = torch.empty(rows, hidden, dtype=x_LMH.dtype, device=device)
+    # Zeros: gemm2 writes valid rows only, so padding rows stay 0 without a masking pass over y
+    # (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
+    y_pad = torch.zeros(rows, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
         x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert, num_rows,
         valid.to(torch.int8), torch.empty(rows, inter, dtype=a_dtype, device=device), y_pad,
         1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
-    return launch, valid
+    return launch
 
 
-def batched_output(launch: Launch, valid: torch.Tensor, num_local: int, max_tokens: int) -> torch.Tensor:
-    """y [L, max_tokens, H] from the aligned rows, zero past each expert's count."""
+def batched_output(launch: Launch, num_local: int, max_tokens: int) -> torch.Tensor:
+    """y [L, max_tokens, H] from the aligned rows, zero past each expert's count (y starts zeroed)."""
     y = launch.y
-    y = torch.where(valid.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
     return y.view(num_local, -1, y.shape[1])[:, :max_tokens]
 
 

@@ -409,12 +409,12 @@ def triton_batched_quant_experts(
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
     t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
     _check_tiles(t1, t2, gated, scheme.weight.granularity, x_LMH.dtype)
-    L, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, torch.float32, activation,
-                                      swiglu_alpha, swiglu_limit, t1.block_m)
+    L = prepare_batched_launch(x_LMH, num_tokens_L, inter, torch.float32, activation,
+                               swiglu_alpha, swiglu_limit, t1.block_m)
     q = _quantize_input(L, scheme, a13_scale, None, num_local)
     launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
     launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
-    return batched_output(L, valid, num_local, max_tokens)
+    return batched_output(L, num_local, max_tokens)
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:

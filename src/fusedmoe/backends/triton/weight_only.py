@@ -137,11 +137,11 @@ def triton_batched_weight_only_experts(
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation),
                           x_LMH.dtype)
     t1, t2 = _tiles(problem, scheme, tiles, x_LMH.device)
-    launch, valid = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
-                                           swiglu_alpha, swiglu_limit, t1.block_m)
+    launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+                                    swiglu_alpha, swiglu_limit, t1.block_m)
     _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
                   w13_global_scale, w2_global_scale)
-    return batched_output(launch, valid, num_local, max_tokens)
+    return batched_output(launch, num_local, max_tokens)
 
 
 def _require_weight_only(scheme: QuantScheme) -> None:

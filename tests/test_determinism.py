@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 CLAIMED = sorted(name for name, b in REGISTRY.items() if b.deterministic)
 # Captured in CUDA graphs by design (device-side sizes, no host sync): docs/design.md.
-GRAPH_CAPTURABLE = ("triton", "batched_triton")
+GRAPH_CAPTURABLE = ("triton", "batched_triton", "marlin", "batched_marlin")
 
 
 def _seeds_for(name: str, device: torch.device, profile: str, count: int) -> list[int]:

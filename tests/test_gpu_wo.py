@@ -7,6 +7,7 @@ Skipped without CUDA. Run on the device machine: `pytest -m gpu tests/test_gpu_w
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -194,3 +195,34 @@ def test_batched_layout_and_cuda_graph(scheme):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out)
+
+
+@pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])
+def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
+    """On Hopper the oracle sends NVFP4 W4A4 and MXFP4 W4A8 to marlin (weight-only execution,
+    the seeds' Marlin): equal to the weight-only twin's emulation, in both layouts, in a graph."""
+    from fusedmoe import MoEConfig, Platform, select_backend
+    from fusedmoe.quant import QuantParams
+
+    platform = Platform.for_device(torch.device("cuda"))
+    E, K, H, I = 32, 4, 1024, 512
+    config = MoEConfig(E, K, H, I, dtype=torch.bfloat16, quant=scheme)
+    if platform.capability < (10, 0):
+        assert select_backend(config, platform).name == "marlin"
+        assert select_backend(config.replace(activation_format="batched"), platform).name == "batched_marlin"
+    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=7, bias=True)
+    x, w, ids = make_tokens(77, E, K, H, seed=7)
+    twin_params = QuantParams(twin, params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
+                              w2_global_scale=params.w2_global_scale)
+    want = fused_experts(x, q13, q2, w, ids, quant=twin_params, w13_bias=b13, w2_bias=b2, backend="emulation")
+    for backend, layout in (("marlin", "standard"), ("batched_marlin", "batched")):
+        poison_allocator()
+        run = functools.partial(fused_experts, x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2,
+                                backend=backend, activation_format=layout)
+        out = run()
+        assert rel_err(out, want) < TOL, backend
+        if layout == "standard":
+            graph, static_out = capture(run)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_out, out)

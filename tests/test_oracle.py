@@ -318,9 +318,18 @@ def test_current_gpu_kernels_reported_missing():
         assert select_backend(cfg(quant=scheme), H100).name == "triton", scheme
     with pytest.raises(NoBackendError, match="triton: fp8_w8a16 needs device capability >= 8.9"):
         select_backend(cfg(quant="fp8_w8a16"), A100)
-    # NVFP4 W4A4 fake-quantizes activations, which the weight-only kernel does not: emulation
-    assert select_backend(cfg(quant="nvfp4"), H100).name == "emulation"
-    assert "it does not support the nvfp4 scheme" in REGISTRY["triton"].check(cfg(quant="nvfp4"), H100)
+    # NVFP4 W4A4 and MXFP4 W4A8 on Hopper: marlin's row, weight-only execution as the seeds'
+    # Marlin (16-bit activations); triton applies a scheme's activation quantization or refuses
+    for scheme in ("nvfp4", "mxfp4_w4a8"):
+        assert select_backend(cfg(quant=scheme), H100).name == "marlin", scheme
+        assert select_backend(cfg(quant=scheme, activation_format="batched"), H100).name == "batched_marlin"
+        assert f"it does not support the {scheme} scheme" in REGISTRY["triton"].check(cfg(quant=scheme), H100)
+        assert REGISTRY["marlin"].weight_only_execution and not REGISTRY["triton"].weight_only_execution
+    assert select_backend(cfg(quant="nvfp4"), V100).name == "emulation"  # marlin needs 7.5
+    reason = REGISTRY["marlin"].check(cfg(quant="int4_w4a16_g32"), H100)
+    assert "does not cover the int4_w4a16_g32 scheme yet" in reason and "triton row" in reason
+    with pytest.raises(BackendRequestError, match="fusedmoe.s implementation does not cover the fp8_w8a8_channel"):
+        select_backend(cfg(quant="fp8_w8a8_channel", backend="marlin"), H100)
     assert select_backend(cfg(activation_format="batched"), H100).name == "batched_triton"
     for scheme in ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block"):
         assert select_backend(cfg(activation_format="batched", quant=scheme), H100).name == "batched_triton"

@@ -108,3 +108,34 @@ def test_heuristic_weight_only_tiles_are_valid(mode, group):
                     tile = heuristic(slots, experts, n, k, dtype, gated=gated, quant=mode, group=group)
                     assert check_tile(tile, dtype=dtype, operands=2 if gated else 1, allow_split=gated,
                                       quant=mode, group=group) is None, tile
+
+
+@pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])
+def test_marlin_runs_activation_quantized_schemes_weight_only(scheme, twin):
+    """marlin / batched_marlin: the scheme's weights through the weight-only kernels, activations
+    not rounded (the seeds' Marlin on Hopper): equal to the twin scheme's emulation, and not to
+    the W4A4 / W4A8 emulation."""
+    from fusedmoe.backends.triton.marlin import BatchedMarlinExperts, MarlinExperts
+    from fusedmoe.modular import BatchedLocalPrepareFinalize, make_modular
+
+    config, x, w, weights, ids, _ = problem(Case("marlin", T=5, H=64, I=32, bias=True), scheme, torch.float32)
+    q = w.quant
+    if scheme == "nvfp4":  # calibrated input global scales: the weight-only execution ignores them
+        q.a13_scale, q.a2_scale = torch.full((4,), 0.05), torch.full((4,), 0.05)
+    wo = w.replace(quant=QuantParams(twin, q.w13_scale, q.w2_scale, w13_global_scale=q.w13_global_scale,
+                                     w2_global_scale=q.w2_global_scale))
+    want = EmulationExperts(config.replace(quant=twin)).apply(x, wo, weights, ids, expert_map_E=None)
+    out = MarlinExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, want) < TOL[torch.float32]
+    rounded = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(out, rounded) > 1e-3  # the activation rounding really is skipped
+    batched_config = config.replace(activation_format="batched")
+    batched = make_modular(batched_config, BatchedMarlinExperts(batched_config))
+    assert isinstance(batched.prepare_finalize, BatchedLocalPrepareFinalize)
+    assert rel_err(batched(x, w, weights, ids), want) < TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"marlin backend runs \['mxfp4_w4a8', 'nvfp4'\] .*not int4_w4a16_g32"):
+        MarlinExperts(config.replace(quant="int4_w4a16_g32"))
+    other = problem(Case("marlin-other", H=64, I=32), "int4_w4a16_g32", torch.float32)[2]
+    with pytest.raises(ValueError, match=f"weights.quant has scheme int4_w4a16_g32, which the marlin backend "
+                                         f"does not run as {twin}"):
+        MarlinExperts(config).apply(x, other, weights, ids, expert_map_E=None)

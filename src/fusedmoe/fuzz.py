@@ -261,16 +261,18 @@ def _quant_to(quant, device):
     return type(quant)(**moved)
 
 
-def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False) -> torch.Tensor:
+def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False,
+              weight_only: bool = False) -> torch.Tensor:
     """float64 fused_experts_ref on the dequantized weights; W8A8/W4A4 schemes fake-quantize the
-    activations (float32 rounding, as emulation) at GEMM1's and GEMM2's inputs.
+    activations (float32 rounding, as emulation) at GEMM1's and GEMM2's inputs, unless
+    weight_only (backends with `weight_only_execution` keep activations in 16 bits).
 
     magnitude=True: sum_k |w| * (|a| @ |w2[e]|^T + |b2[e]|) instead, the size of the terms the
     output sums (>= |out|; much larger where GEMM2 or the top-k sum cancels).
     """
     hooks = [None, None]
     scheme = get_scheme(case.quant)
-    if scheme is not None and scheme.activation is not None:
+    if scheme is not None and scheme.activation is not None and not weight_only:
         q = p.weights.quant
         hooks = [_f64(activation_transform(scheme.activation, s)) for s in (q.a13_scale, q.a2_scale)]
     d = lambda t: None if t is None else t.double()  # noqa: E731
@@ -391,7 +393,8 @@ def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True
         hopper = Platform("cuda", (9, 0), has_triton=True)
         # The batched layout computes [L, T] buffer rows: kept to 4x the slot bound (~1 s).
         batched_ok = case.num_experts * case.num_tokens <= 4 * prof.interpreter_max_slots
-        for name, layout in (("triton", "standard"), ("batched_triton", "batched")):
+        for name, layout in (("triton", "standard"), ("batched_triton", "batched"),
+                             ("marlin", "standard"), ("batched_marlin", "batched")):
             if layout == "batched" and not batched_ok:
                 continue
             if REGISTRY[name].check(case.config(layout), hopper) is None:
@@ -461,19 +464,24 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
     if not runners:  # nothing to compare: skip building the problem and the reference
         return CaseResult(case, [])
     p = make_problem(case, device)
-    ref = reference(case, p)
+    refs: dict[tuple[bool, bool], torch.Tensor] = {}  # (weight_only, magnitude) -> reference
+
+    def ref_for(weight_only: bool, magnitude: bool = False) -> torch.Tensor:
+        if (weight_only, magnitude) not in refs:
+            refs[weight_only, magnitude] = reference(case, p, magnitude=magnitude, weight_only=weight_only)
+        return refs[weight_only, magnitude]
+
     tol = tolerance(case)
-    magnitude = None
     outcomes = []
     for name, runner in runners.items():
         start = time.perf_counter()
+        weight_only = REGISTRY[name.split("[")[0]].weight_only_execution
         try:
             out = runner(case, p)
+            ref = ref_for(weight_only)
             reason = compare(out, ref, tol)
             if reason is not None and 0 < out.numel() < SMALL_OUTPUT and out.shape == ref.shape:
-                if magnitude is None:
-                    magnitude = reference(case, p, magnitude=True)
-                reason = compare(out, ref, tol, magnitude)
+                reason = compare(out, ref, tol, ref_for(weight_only, magnitude=True))
             status = "ok" if reason is None else "mismatch"
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, recorded with its text
             reason, status = f"{type(exc).__name__}: {exc}", "error"

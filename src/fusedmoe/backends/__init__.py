@@ -58,7 +58,11 @@ class Backend:
     monolithic: fuses the router, so it must reproduce the routing method itself;
     twin: the same kernel in the other activation format (standard <-> batched);
     impl: "module:Class" of the experts implementation, None while fusedmoe has none;
-    pending_schemes: schemes the backend is meant to serve that its implementation lacks so far.
+    pending_schemes: schemes the backend is meant to serve that its implementation lacks so far
+        (pending_note, when set, says why);
+    weight_only_execution: runs schemes that quantize activations with 16-bit activations
+        instead (weights dequantized in registers, as Marlin does); its result is the
+        weight-only math, not the scheme's emulation.
     """
 
     name: str
@@ -85,6 +89,8 @@ class Backend:
     extra_checks: tuple[Check, ...] = field(default=(), compare=False)
     impl: str | None = None
     pending_schemes: frozenset[str] = frozenset()
+    pending_note: str = ""
+    weight_only_execution: bool = False
     plugin: bool = False
 
     def __post_init__(self) -> None:
@@ -147,7 +153,8 @@ class Backend:
         if scheme not in self.schemes:
             return f"it does not support the {scheme} scheme"
         if scheme in self.pending_schemes:
-            return f"fusedmoe's implementation does not cover the {scheme} scheme yet"
+            note = f" ({self.pending_note})" if self.pending_note else ""
+            return f"fusedmoe's implementation does not cover the {scheme} scheme yet{note}"
         for name, cap in self.scheme_capability:
             if name == scheme and not platform.capability_at_least(*cap):
                 return f"{scheme} needs device capability >= {_cap(cap)}, got {platform.capability_str}"

@@ -66,6 +66,15 @@ def _fp4_cutlass_ep(config: MoEConfig, platform: Platform) -> str | None:
     return None
 
 
+# The marlin rows run NVFP4 W4A4 and MXFP4 W4A8 weight-only. Plain weight-only schemes run on
+# the triton row (the same kernels); FP8 needs sm89+ for the Triton fp8 decode, where the
+# triton row runs FP8 W8A8 itself (Marlin's FP8 role is pre-sm89 GPUs, software decode).
+MARLIN_PENDING = FP8_ALL | WEIGHT_ONLY
+MARLIN_NOTE = ("fusedmoe's marlin runs nvfp4 and mxfp4_w4a8 weight-only; weight-only schemes run "
+               "on the triton row with the same kernels, FP8 needs a software fp8 decode for "
+               "pre-sm89 GPUs that is not written")
+
+
 def _gated_only_hidden_multiple(multiple: int):
     def check(config: MoEConfig, platform: Platform) -> str | None:
         if config.hidden_size % multiple or config.intermediate_size_per_partition % multiple:
@@ -137,8 +146,8 @@ BUILTIN: tuple[Backend, ...] = (
         "triton", "fusedmoe Triton kernels, contiguous (sorted-token) layout",
         kinds=GPU,
         # Weight-only: activations unquantized, weights dequantized in registers. NVFP4 W4A4
-        # is not here: emulation fake-quantizes its activations to nvfp4, which this kernel
-        # does not (on Hopper it stays on marlin's row, else emulation).
+        # and MXFP4 W4A8 are not here: this row applies a scheme's activation quantization
+        # or refuses it; the marlin row runs them weight-only (16-bit activations).
         schemes=frozenset(("unquantized", "int8_w8a8")) | FP8_W8A8 | WEIGHT_ONLY,
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8 | {"fp8_w8a16"}))
         + (("int8_w8a8", (7, 5)),),
@@ -255,20 +264,28 @@ BUILTIN: tuple[Backend, ...] = (
         layout="batched", activations=frozenset(("silu", "gelu", "swigluoai")), dtypes=HALF,
         packages=("cutlass",), group="cutlass", twin="cutlass", aliases=("batched_vllm_cutlass",),
     ),
-    # Weight-only (the seeds' Marlin rows; fusedmoe serves them with its Triton W4A16/W8A16) ---
+    # Weight-only (the seeds' Marlin rows): fusedmoe serves them with its Triton weight-only
+    # kernels for the schemes that also quantize activations (backends/triton/marlin.py); the
+    # plain weight-only schemes run on the triton row, which has the same kernels.
     Backend(
-        "marlin", "Weight-only kernels: quantized weights dequantized in registers, bf16 math",
+        "marlin", "Weight-only execution (Marlin's role): 4/8-bit weights dequantized in "
+        "registers, 16-bit activations; fusedmoe's Triton weight-only kernels",
         kinds=frozenset(("cuda",)), min_capability=(7, 5),
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
+        pending_schemes=MARLIN_PENDING, pending_note=MARLIN_NOTE,
         features=frozenset(("bias", "clamp", "expert_map", "lora", "weight_on_input", "eplb")),
-        dtypes=HALF, needs_triton=True, twin="batched_marlin",
+        dtypes=HALF, needs_triton=True, twin="batched_marlin", deterministic=True,
+        weight_only_execution=True,
+        impl="fusedmoe.backends.triton.marlin:MarlinExperts",
     ),
     Backend(
-        "batched_marlin", "Weight-only kernels, batched layout",
+        "batched_marlin", "Weight-only execution (Marlin's role), batched layout",
         kinds=frozenset(("cuda",)), min_capability=(7, 5), layout="batched",
         schemes=FP8_ALL | WEIGHT_ONLY | {"nvfp4", "mxfp4_w4a8"},
+        pending_schemes=MARLIN_PENDING, pending_note=MARLIN_NOTE,
         features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=HALF,
-        needs_triton=True, twin="marlin",
+        needs_triton=True, twin="marlin", deterministic=True, weight_only_execution=True,
+        impl="fusedmoe.backends.triton.marlin:BatchedMarlinExperts",
     ),
     # Platform backends ------------------------------------------------------------------------
     Backend(

@@ -99,7 +99,7 @@ def test_bench_and_tune_need_a_gpu(capsys):
     assert "fusedmoe tune: error: fusedmoe tune times GPU kernels and needs a CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scheme", ["fp9", "nvfp4", "mxfp4_w4a8"])
+@pytest.mark.parametrize("scheme", ["fp9", "fp8_w8a8_channel_static"])
 def test_tune_quant_refuses_schemes_triton_does_not_run(capsys, scheme):
     assert main(["tune", "--model", "qwen3-30b-a3b", "--quant", scheme]) == 2
     err = capsys.readouterr().err
@@ -108,7 +108,7 @@ def test_tune_quant_refuses_schemes_triton_does_not_run(capsys, scheme):
 
 
 def test_bench_quant_bytes_and_refusals(capsys):
-    from fusedmoe.bench import quant_bytes
+    from fusedmoe.bench import quant_backend, quant_bytes
 
     assert quant_bytes(None) == (2.0, 2.0)
     assert quant_bytes("fp8_w8a8_channel") == (1.0, 1.0) == quant_bytes("int8_w8a8")
@@ -117,8 +117,14 @@ def test_bench_quant_bytes_and_refusals(capsys):
     assert quant_bytes("mxfp4_w4a16") == (0.5 + 1 / 32, 2.0)
     assert quant_bytes("nvfp4_w4a16") == (0.5 + 1 / 16, 2.0)
     assert quant_bytes("fp8_w8a16") == (1.0, 2.0) == quant_bytes("int8_w8a16")
+    # marlin's schemes: the weight-only bytes of their twins, timed on marlin
+    assert quant_bytes("nvfp4") == quant_bytes("nvfp4_w4a16") and quant_bytes("mxfp4_w4a8") == quant_bytes("mxfp4_w4a16")
+    assert quant_backend("nvfp4") == "marlin" == quant_backend("mxfp4_w4a8") and quant_backend("int4_w4a16_g32") == "triton"
     assert main(["bench", "--quant", "nvfp4"]) == 2
-    assert "takes a scheme the triton backend runs" in capsys.readouterr().err
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert main(["tune", "--model", "qwen3-30b-a3b", "--quant", "nvfp4"]) == 2
+    out, err = capsys.readouterr()
+    assert "marlin runs it weight-only; tuning nvfp4_w4a16" in out and "needs a CUDA device" in err
     assert main(["bench", "--quant", "fp9"]) == 2
     assert "not a known quantization scheme" in capsys.readouterr().err
 

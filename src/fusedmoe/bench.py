@@ -162,6 +162,19 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
+# Backends that run the quantized copies under --quant (the others time the bf16 baseline).
+QUANT_BACKENDS = ("triton", "marlin")
+
+
+def quant_backend(scheme: str | None) -> str:
+    """The backend --quant times: marlin for the schemes it runs weight-only, else triton."""
+    from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN
+    from fusedmoe.quant.scheme import get_scheme
+
+    resolved = get_scheme(scheme)
+    return "marlin" if resolved is not None and resolved.name in WEIGHT_ONLY_TWIN else "triton"
+
+
 # Bytes of one stored group scale: int4 bf16 (as benchmarked, `_quantized_copy`), mxfp4 e8m0,
 # nvfp4 e4m3 (its fp32 global scale per expert is negligible).
 _GROUP_SCALE_BYTES = {"int4": 2, "mxfp4": 1, "nvfp4": 1}
@@ -173,6 +186,7 @@ def quant_bytes(scheme: str | None) -> tuple[float, float]:
     weight-only 1 (fp8, int8) or 0.5 + scale bytes / group (int4 g32 with bf16 scales 0.5625,
     mxfp4 0.53125, nvfp4 0.5625) and 2; per-tensor and per-channel scales are negligible
     (<= 4 / H per weight)."""
+    from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN
     from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
     from fusedmoe.quant.scheme import get_scheme
 
@@ -180,14 +194,15 @@ def quant_bytes(scheme: str | None) -> tuple[float, float]:
     if resolved is None:
         return 2.0, 2.0
     key = resolved.weight
-    if resolved.name in WEIGHT_ONLY_SCHEMES:
+    if resolved.name in WEIGHT_ONLY_SCHEMES or resolved.name in WEIGHT_ONLY_TWIN:  # marlin: weight-only
         if key.dtype in ("fp8", "int8"):
             return 1.0, 2.0
         return 0.5 + _GROUP_SCALE_BYTES[key.dtype] / key.group, 2.0
     if resolved.weight_only or key.dtype not in ("fp8", "int8"):
         raise ValueError(
             f"bench --quant takes a scheme the triton backend runs (W8A8: fp8_w8a8_*, int8_w8a8; "
-            f"weight-only: {', '.join(sorted(WEIGHT_ONLY_SCHEMES))}), not {resolved.name}"
+            f"weight-only: {', '.join(sorted(WEIGHT_ONLY_SCHEMES))}) or marlin runs weight-only "
+            f"({', '.join(sorted(WEIGHT_ONLY_TWIN))}), not {resolved.name}"
         )
     w_bytes = 1.0 + (4 / 16384 if key.granularity == "block" else 0.0)
     return w_bytes, 1.0
@@ -230,8 +245,8 @@ def bench_preset(
 ) -> list[Row]:
     """Time each backend on one preset (its benchmark TP split) at each token count.
 
-    quant: a W8A8 or weight-only scheme for `triton` (the other backends keep bf16 weights: the
-    baseline).
+    quant: a W8A8 or weight-only scheme for `triton`, or NVFP4 / MXFP4-W4A8 for `marlin` (the
+    other backends keep bf16 weights: the baseline).
     """
     from fusedmoe.api import fused_experts
     from fusedmoe.routing import select_experts
@@ -243,7 +258,7 @@ def bench_preset(
     gen = torch.Generator(device=device).manual_seed(seed)
     h = preset.hidden_size
     w_bytes, a_bytes = quant_bytes(quant)
-    keep_float = quant is None or any(b != "triton" for b in backends)
+    keep_float = quant is None or any(b not in QUANT_BACKENDS for b in backends)
     weights, quantized = [], []
     for _ in range(copies):
         w13 = (torch.randn(preset.num_experts, rows_w13, h, device=device, generator=gen) / h**0.5).to(dtype)
@@ -270,7 +285,7 @@ def bench_preset(
             kw = dict(activation=preset.activation, backend=backend,
                       apply_router_weight_on_input=preset.apply_router_weight_on_input)
             # (w13, w2, b13, b2, QuantParams or None) per rotated copy
-            copies_here = quantized if quant is not None and backend == "triton" else [(*w, None) for w in weights]
+            copies_here = quantized if quant is not None and backend in QUANT_BACKENDS else [(*w, None) for w in weights]
             calls = [
                 (lambda c=c, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
                  fused_experts(x, c[0], c[1], topk_w, topk_ids, w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))

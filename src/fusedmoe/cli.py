@@ -333,9 +333,10 @@ def cmd_bench(args) -> int:
         return cmd_bench_ep(args)
     if args.ep < 1:
         raise ValueError(f"--ep {args.ep} must be >= 1")
+    bench.quant_bytes(args.quant)  # a scheme neither triton nor marlin runs fails before any GPU work
+    quant_backend = bench.quant_backend(args.quant)
     if args.backends is None:
-        args.backends = "triton,grouped_mm,torch"
-    bench.quant_bytes(args.quant)  # a scheme triton cannot run fails before any GPU work
+        args.backends = f"{quant_backend},grouped_mm,torch"
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
     if args.copies < 4:
@@ -354,7 +355,7 @@ def cmd_bench(args) -> int:
         eight = f", {rate / 1e12:.0f} {operand} TFLOP/s (the compute ceiling of this run)"
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
           f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
-          + (f"; triton runs {args.quant}" if args.quant else ""), flush=True)
+          + (f"; {quant_backend} runs {args.quant}" if args.quant else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
 
@@ -508,6 +509,7 @@ def _plot(path: str, rows, meta: dict) -> None:
 # tune --------------------------------------------------------------------------------------------
 def cmd_tune(args) -> int:
     from fusedmoe import knobs
+    from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN
     from fusedmoe.backends.triton.quant import W8A8_SCHEMES
     from fusedmoe.backends.triton.tuning import PACKAGED
     from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
@@ -515,8 +517,12 @@ def cmd_tune(args) -> int:
     from fusedmoe.tune import progress_printer, tune_shape, write_table
 
     runs = sorted(W8A8_SCHEMES | WEIGHT_ONLY_SCHEMES)
+    if args.quant in WEIGHT_ONLY_TWIN:  # marlin runs these on the twin's kernels and tiles
+        print(f"--quant {args.quant}: marlin runs it weight-only; tuning {WEIGHT_ONLY_TWIN[args.quant]}")
+        args.quant = WEIGHT_ONLY_TWIN[args.quant]
     if args.quant is not None and args.quant not in runs:  # fails before any GPU work
-        raise ValueError(f"--quant {args.quant!r}: tune takes a scheme the triton backend runs ({', '.join(runs)})")
+        raise ValueError(f"--quant {args.quant!r}: tune takes a scheme the triton backend runs ({', '.join(runs)}) "
+                         f"or marlin runs weight-only ({', '.join(sorted(WEIGHT_ONLY_TWIN))})")
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
     if args.model:

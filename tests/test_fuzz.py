@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fusedmoe import fuzz
+from fusedmoe import fuzz, knobs
 from fusedmoe.activations import ACTIVATIONS
 from fusedmoe.cli import main
 from fusedmoe.quant.scheme import SCHEMES
@@ -179,3 +179,127 @@ def test_sanitizer_driver_cases_all_reach_the_triton_kernels():
     assert len(cases) >= 30 and {c.quant for c in cases} >= {None, "fp8_w8a8_block", "int4_w4a16_g32"}
     for case in cases:
         assert REGISTRY["triton"].check(case.config(), hopper) is None, case.describe()
+
+
+# Parallel runs and the time limit ------------------------------------------------------------------
+# Spawned workers import this module to run these (pickled by name), so they live at top level.
+def _perturb_cpu_backend() -> None:
+    """The cpu backend's output off by 5e-2 relative (above every dtype's bound): failing cases."""
+    from fusedmoe.backends.cpu import CpuExperts
+
+    original = CpuExperts.apply
+    CpuExperts.apply = lambda self, *args, **kw: original(self, *args, **kw) * 1.05
+
+
+def _crash_on_seeds() -> None:
+    """Seeds 0 and 1, the first two handed out, kill their workers (both of two: the run needs
+    replacements to finish); seed 2 raises outside the backends (while building the problem),
+    naming a knob's value there (the parent's `knobs.override` reaches the workers)."""
+    make_problem = fuzz.make_problem
+
+    def crashing(case, device="cpu"):
+        if case.seed in (0, 1):
+            os._exit(3)
+        if case.seed == 2:
+            raise ValueError(f"boom, VALIDATE={knobs.get('VALIDATE')}")
+        return make_problem(case, device)
+
+    fuzz.make_problem = crashing
+
+
+def _comparable(report: fuzz.Report) -> dict:
+    """The report's JSON without wall/backend seconds and the job count."""
+    d = report.to_dict()
+    d["per_backend"] = {k: {**v, "seconds": 0} for k, v in d["per_backend"].items()}
+    return {k: v for k, v in d.items() if k not in ("seconds", "jobs")}
+
+
+def test_parallel_report_equals_serial(monkeypatch):
+    # Seeds 100..109 (ci): 7 cpu cases (failing under the perturbation) and 4 Triton-interpreter
+    # cases (TRITON_INTERPRET reaches the workers through the environment).
+    from fusedmoe.backends.cpu import CpuExperts
+
+    monkeypatch.setattr(CpuExperts, "apply", CpuExperts.apply)  # undone after the test
+    _perturb_cpu_backend()
+    serial = fuzz.fuzz(10, 100, profile="ci")
+    monkeypatch.undo()
+    seen = []
+    parallel = fuzz.fuzz(10, 100, profile="ci", jobs=2, worker_setup=_perturb_cpu_backend,
+                         on_failure=lambda r: seen.append(r.case.seed))
+    assert sum(f["backend"] == "cpu" for f in serial.failures) >= 3, serial.table()
+    if fuzz._interpreter_active():
+        assert serial.per_backend[fuzz.INTERPRETER_TRITON].cases >= 2, serial.table()
+    assert _comparable(parallel) == _comparable(serial)
+    assert parallel.failures == serial.failures and parallel.seeds == list(range(100, 110))
+    assert sorted(seen) == sorted({f["seed"] for f in serial.failures})
+    assert "seeds 100..109, 2 jobs)" in parallel.table()
+
+
+def test_parallel_records_a_dead_worker_and_goes_on():
+    import multiprocessing
+
+    with knobs.override(VALIDATE=True):
+        report = fuzz.fuzz(8, 0, profile="cpu", interpreter=False, jobs=2, worker_setup=_crash_on_seeds)
+    assert report.cases == 8 and report.seeds == list(range(8)) and report.stopped is None
+    worker = [(f["seed"], f["detail"]) for f in report.failures if f["backend"] == fuzz.WORKER]
+    died = "the worker process died during this case (exit code 3)"
+    assert worker == [(0, died), (1, died), (2, "outside the backends: ValueError: boom, VALIDATE=True")]
+    assert report.per_backend[fuzz.WORKER].errors == 3
+    assert not multiprocessing.active_children()
+
+
+def test_time_limit_cuts_a_serial_run_short():
+    report = fuzz.fuzz(1000, 100, profile="cpu", interpreter=False, time_limit=0.3)
+    assert 1 <= report.cases < 1000 and report.stopped == "time limit 0.3 s"
+    assert report.seeds == list(range(100, 100 + report.cases))
+    assert report.seeds_not_run == list(range(100 + report.cases, 1100))
+    d = report.to_dict()
+    assert d["requested"] == 1000 and d["seeds_run"] == [[100, 99 + report.cases]]
+    assert d["seeds_not_run"] == [[100 + report.cases, 1099]]
+    assert f"fuzz: {report.cases} of 1000 cases" in report.table()
+    assert f"cut short (time limit 0.3 s): {1000 - report.cases} seeds not run" in report.table()
+
+
+def test_time_limit_stops_the_workers(capsys, tmp_path):
+    # Workers start in ~2 s here; none takes a seed after 3 s, all exit, and the JSON holds the
+    # seeds that ran (a prefix: seeds are handed out in order and every one handed out finishes).
+    import json
+    import multiprocessing
+
+    out = tmp_path / "fuzz.json"
+    args = ["fuzz", "--cases", "5000", "--profile", "cpu", "--no-interpreter", "--jobs", "2",
+            "--time-limit", "3", "--json", str(out)]
+    assert main(args) == 0
+    d = json.loads(out.read_text())
+    assert d["stopped"] == "time limit 3 s" and d["jobs"] == 2 and d["requested"] == 5000
+    assert d["cases"] < 5000 and d["seconds"] < 30
+    assert d["seeds_run"] == ([[0, d["cases"] - 1]] if d["cases"] else [])
+    assert d["seeds_not_run"] == [[d["cases"], 4999]]
+    assert sum(t["cases"] for t in d["per_backend"].values()) >= d["cases"] - d["cases_without_backend"]
+    assert "cut short (time limit 3 s)" in capsys.readouterr().out
+    assert not multiprocessing.active_children()
+
+
+def test_cli_fuzz_options(capsys, tmp_path):
+    out = tmp_path / "fuzz.json"
+    assert main(["fuzz", "--cases", "50", "--seed", "3", "--profile", "cpu", "--time-limit", "0",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fuzz: 0 of 50 cases (profile cpu, device cpu, seeds none) in" in text
+    assert "cut short (time limit 0 s): 50 seeds not run: 3..52" in text
+    assert '"seeds_not_run": [\n  [\n   3,\n   52' in out.read_text()
+    assert main(["fuzz", "--cases", "1", "--jobs", "0"]) == 2
+    assert "jobs=0" in capsys.readouterr().err
+    assert main(["fuzz", "--cases", "1", "--time-limit", "-1"]) == 2
+
+
+def test_progress_lines():
+    import io
+
+    stream = io.StringIO()
+    fuzz.fuzz(3, 0, profile="cpu", interpreter=False, progress=stream, progress_every=0)
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" cases,")[0] for line in lines] == ["fuzz: 1/3", "fuzz: 2/3", "fuzz: 3/3"]
+    quiet = io.StringIO()
+    fuzz.fuzz(3, 0, profile="cpu", interpreter=False, progress=quiet)  # every 30 s: none here
+    assert quiet.getvalue() == ""

@@ -11,6 +11,7 @@
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
     fusedmoe fuzz [--cases 200] [--seed 0] [--profile ci|cpu|cpu-triton|gpu] [--device cpu|cuda]
                   [--backends triton,emulation] [--json out.json]     (exit 1 on any failure)
+                  [--jobs 16] [--time-limit 540]      (worker processes; no case starts after 540 s)
     fusedmoe fuzz --replay SEED --profile cpu                         (one case, every backend)
     fusedmoe env [--json]
 """
@@ -101,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     fuzz.add_argument("--no-interpreter", action="store_true",
                       help="on cpu: skip the Triton kernels under the Triton interpreter")
     fuzz.add_argument("--json", default=None, help="write the per-backend counts and failures as JSON")
+    fuzz.add_argument("--jobs", type=int, default=1,
+                      help="worker processes (spawned, sharing the device), each taking the next seed "
+                           "(default 1: in this process)")
+    fuzz.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                      help="start no case after SECONDS; the report counts the cases that ran and lists "
+                           "the seeds that did not")
     args = parser.parse_args(argv)
     try:
         return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env,
@@ -630,7 +637,8 @@ def cmd_fuzz(args) -> int:
                   flush=True)
 
     report = fuzz.fuzz(args.cases, args.seed, profile=profile, device=args.device, backends=backends,
-                       interpreter=interpreter, on_failure=on_failure)
+                       interpreter=interpreter, on_failure=on_failure, jobs=args.jobs,
+                       time_limit=args.time_limit, progress=sys.stderr)
     print(report.table())
     if args.json:
         with open(args.json, "w") as f:

@@ -3,6 +3,7 @@
     case = draw_case(seed, profile)          # sizes, routing skew, dtype, activation, features, scheme
     result = run_case(case, device)          # every backend the oracle accepts, vs fused_experts_ref (fp64)
     report = fuzz(cases, seed, profile)      # counts per backend; `fusedmoe fuzz --replay SEED` re-runs one
+    report = fuzz(..., jobs=16, time_limit=540)  # spawned workers share the seeds; stop starting at 540 s
 
 A case is a pure function of (seed, profile): any failure replays from the seed it prints.
 Backends are those whose record accepts the problem on the device's platform (`Backend.check`);
@@ -16,13 +17,20 @@ I intermediate, E experts, L local experts, K top-k.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
+import signal
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import TextIO
 
 import torch
 
+from fusedmoe import knobs
 from fusedmoe.activations import ACTIVATIONS, GATED, w13_rows
 from fusedmoe.backends import REGISTRY, load_plugins
 from fusedmoe.backends.emulation import activation_transform
@@ -507,9 +515,14 @@ class Report:
     per_backend: dict[str, BackendTally] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
     skipped_backends: int = 0  # cases no backend ran (0 unless --backends narrows the set)
+    requested: int | None = None  # cases asked for (None: as many as were added)
+    jobs: int = 1
+    stopped: str | None = None  # why cases were left unstarted ("time limit 600 s")
+    seeds: list[int] = field(default_factory=list)  # the seeds that ran, ascending
 
     def add(self, result: CaseResult) -> None:
         self.cases += 1
+        self.seeds.append(result.case.seed)
         if not result.outcomes:
             self.skipped_backends += 1
         for o in result.outcomes:
@@ -522,34 +535,268 @@ class Report:
                 self.failures.append({"seed": result.case.seed, "backend": o.backend, "status": o.status,
                                       "detail": o.detail, "case": asdict(result.case)})
 
+    @property
+    def seeds_not_run(self) -> list[int]:
+        """Seeds of the requested range that did not run (the run was cut short)."""
+        if self.requested is None:
+            return []
+        ran = set(self.seeds)
+        return [s for s in range(self.first_seed, self.first_seed + self.requested) if s not in ran]
+
     def table(self) -> str:
-        lines = [f"fuzz: {self.cases} cases (profile {self.profile}, device {self.device}, seeds "
-                 f"{self.first_seed}..{self.first_seed + self.cases - 1}) in {self.seconds:.1f} s",
-                 f"{'backend':<28} {'cases':>7} {'mismatch':>8} {'error':>6} {'seconds':>8}"]
+        not_run = self.seeds_not_run
+        count = f"{self.cases} of {self.requested}" if not_run else f"{self.cases}"
+        jobs = f", {self.jobs} jobs" if self.jobs > 1 else ""
+        lines = [f"fuzz: {count} cases (profile {self.profile}, device {self.device}, seeds "
+                 f"{_span(self.seeds)}{jobs}) in {self.seconds:.1f} s"]
+        if not_run:
+            lines.append(f"cut short ({self.stopped or 'stopped'}): {len(not_run)} seeds not run: {_span(not_run)}")
+        lines.append(f"{'backend':<28} {'cases':>7} {'mismatch':>8} {'error':>6} {'seconds':>8}")
         for name, t in sorted(self.per_backend.items()):
             lines.append(f"{name:<28} {t.cases:>7} {t.mismatches:>8} {t.errors:>6} {t.seconds:>8.1f}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """seeds_run / seeds_not_run: inclusive [first, last] ranges."""
         return {"profile": self.profile, "device": self.device, "first_seed": self.first_seed,
-                "cases": self.cases, "seconds": round(self.seconds, 1),
+                "cases": self.cases, "requested": self.cases if self.requested is None else self.requested,
+                "jobs": self.jobs, "seconds": round(self.seconds, 1), "stopped": self.stopped,
+                "seeds_run": _ranges(self.seeds), "seeds_not_run": _ranges(self.seeds_not_run),
                 "per_backend": {k: asdict(v) for k, v in sorted(self.per_backend.items())},
                 "failures": self.failures, "cases_without_backend": self.skipped_backends}
 
 
+def _ranges(seeds: Sequence[int]) -> list[list[int]]:
+    """Ascending seeds as inclusive [first, last] runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+    out: list[list[int]] = []
+    for s in seeds:
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def _span(seeds: Sequence[int], most: int = 8) -> str:
+    runs = [f"{a}..{b}" if b > a else f"{a}" for a, b in _ranges(seeds)]
+    if not runs:
+        return "none"
+    more = f", ... ({len(runs) - most} more runs)" if len(runs) > most else ""
+    return ", ".join(runs[:most]) + more
+
+
+class _Progress:
+    """A line on `stream` at most every `every` seconds, so a killed run shows how far it got."""
+
+    def __init__(self, stream: TextIO | None, total: int, every: float, start: float, jobs: int) -> None:
+        self.stream, self.total, self.every, self.start, self.jobs = stream, total, every, start, jobs
+        self.last = start
+        self.failures = 0
+
+    def due(self, now: float) -> float | None:
+        """Seconds until the next line (None: never)."""
+        return None if self.stream is None else max(0.0, self.last + self.every - now)
+
+    def tick(self, done: int, now: float) -> None:
+        if self.stream is None or now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        jobs = f", {self.jobs} jobs" if self.jobs > 1 else ""
+        print(f"fuzz: {done}/{self.total} cases, {self.failures} failures, {elapsed:.0f} s "
+              f"({done / max(elapsed, 1e-9):.2f} cases/s{jobs})", file=self.stream, flush=True)
+
+
 def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = "cpu",
          backends: Sequence[str] | None = None, interpreter: bool = True,
-         on_failure: Callable[[CaseResult], None] | None = None) -> Report:
-    """Run seeds first_seed .. first_seed + cases - 1; tally per backend."""
-    report = Report(profile, str(device), first_seed)
+         on_failure: Callable[[CaseResult], None] | None = None, jobs: int = 1,
+         time_limit: float | None = None, progress: TextIO | None = None, progress_every: float = 30.0,
+         worker_setup: Callable[[], None] | None = None) -> Report:
+    """Run seeds first_seed .. first_seed + cases - 1; tally per backend.
+
+    jobs > 1: that many spawned worker processes, the next free one taking the next seed; results
+    are added in seed order, so the report equals the serial one but for the seconds. Workers get
+    os.environ, sys.path, Triton's interpreter setting and `knobs.override` values, not other
+    in-process changes (monkeypatches, registered backends): `worker_setup`, a picklable function,
+    runs in each worker before its first case for those. A case that kills its worker, or raises
+    outside the backends (serially: the exception propagates), is a WORKER error under its seed.
+    time_limit: no case starts after that many seconds; report.stopped says so, report.seeds lists
+    the seeds that ran (cases under way finish; in parallel those still running STOP_GRACE_S later
+    are stopped and count as not run). progress: a stream (stderr) that gets a line every
+    `progress_every` seconds. on_failure is called as each failing case completes.
+    """
+    if cases < 0 or jobs < 1:
+        raise ValueError(f"cases={cases}, jobs={jobs}: expected cases >= 0 and jobs >= 1")
+    if time_limit is not None and not time_limit >= 0:
+        raise ValueError(f"time_limit={time_limit}: expected seconds >= 0 (or None for no limit)")
+    report = Report(profile, str(device), first_seed, requested=cases, jobs=jobs)
     start = time.perf_counter()
-    for seed in range(first_seed, first_seed + cases):
-        result = run_case(draw_case(seed, profile), device, backends=backends, interpreter=interpreter)
-        report.add(result)
-        if result.failures and on_failure is not None:
-            on_failure(result)
+    deadline = None if time_limit is None else start + time_limit
+    seeds = range(first_seed, first_seed + cases)
+    meter = _Progress(progress, cases, progress_every, start, jobs)
+    stop_reason = None if time_limit is None else f"time limit {time_limit:g} s"
+    if jobs == 1:
+        for seed in seeds:
+            if deadline is not None and time.perf_counter() >= deadline:
+                report.stopped = stop_reason
+                break
+            result = run_case(draw_case(seed, profile), device, backends=backends, interpreter=interpreter)
+            report.add(result)
+            meter.failures += len(result.failures)
+            if result.failures and on_failure is not None:
+                on_failure(result)
+            meter.tick(report.cases, time.perf_counter())
+    else:
+        job = _Job(profile, str(device), None if backends is None else tuple(backends), interpreter,
+                   _interpreter_active(), tuple(knobs.overrides().items()),
+                   max(1, torch.get_num_threads() // jobs), worker_setup)
+        _run_parallel(report, seeds, job, jobs, deadline, stop_reason, on_failure, meter)
     report.seconds = time.perf_counter() - start
     return report
+
+
+# Worker processes ---------------------------------------------------------------------------------
+WORKER = "(worker)"  # the pseudo-backend of a case that killed its worker or raised outside the backends
+STOP_GRACE_S = 60.0  # after the time limit, how long cases under way may still take (GPU: 1-4 s each)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a spawned worker needs to run a seed as the parent would (nothing else is shared)."""
+
+    profile: str
+    device: str
+    backends: tuple[str, ...] | None
+    interpreter: bool
+    triton_interpret: bool  # the parent's Triton interpreter setting (TRITON_INTERPRET or set in-process)
+    knob_overrides: tuple[tuple[str, object], ...]
+    threads: int  # torch CPU threads per worker: the parent's / jobs, so N workers do not oversubscribe
+    setup: Callable[[], None] | None
+
+
+def _worker(conn: Connection, job: _Job) -> None:
+    """Worker process: sends "ready", then one CaseResult per seed received, until None or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
+    torch.set_num_threads(job.threads)
+    if job.triton_interpret != _interpreter_active():  # set in-process in the parent, not by env
+        import triton.knobs
+
+        triton.knobs.runtime.interpret = job.triton_interpret
+    if job.setup is not None:
+        job.setup()
+    with knobs.override(**dict(job.knob_overrides)):
+        conn.send("ready")
+        while True:
+            try:
+                seed = conn.recv()
+            except EOFError:  # the parent is gone
+                return
+            if seed is None:
+                return
+            case = draw_case(seed, job.profile)
+            try:
+                result = run_case(case, job.device, backends=job.backends, interpreter=job.interpreter)
+            except Exception as exc:  # noqa: BLE001 - recorded under the seed; the other seeds go on
+                result = CaseResult(case, [Outcome(WORKER, "error", f"outside the backends: {type(exc).__name__}: {exc}")])
+            conn.send(result)
+
+
+@dataclass
+class _WorkerState:
+    process: BaseProcess
+    ready: bool = False
+    seed: int | None = None  # the case under way
+
+
+def _run_parallel(report: Report, seeds: range, job: _Job, jobs: int, deadline: float | None,
+                  stop_reason: str | None, on_failure: Callable[[CaseResult], None] | None,
+                  meter: _Progress) -> None:
+    """Hand `seeds` in ascending order to `jobs` spawned workers; add their results to `report`
+    in seed order. Stops handing out at `deadline`; replaces a worker that dies during a case."""
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be initialized again in a forked child
+    todo = deque(seeds)
+    results: dict[int, CaseResult] = {}
+    workers: dict[Connection, _WorkerState] = {}
+
+    def start() -> None:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_worker, args=(child, job), daemon=True, name="fusedmoe-fuzz")
+        process.start()
+        child.close()  # the worker's end lives in the worker only: its death reads as EOF here
+        workers[parent] = _WorkerState(process)
+
+    def finished(result: CaseResult) -> None:
+        results[result.case.seed] = result
+        meter.failures += len(result.failures)
+        if result.failures and on_failure is not None:
+            on_failure(result)
+
+    def hand_out(conn: Connection) -> None:
+        w = workers[conn]
+        w.seed = todo.popleft() if todo and not expired else None
+        try:
+            conn.send(w.seed)
+        except OSError:  # it died: the EOF that follows retires it
+            if w.seed is not None:
+                todo.appendleft(w.seed)
+            w.seed = None
+
+    expired = False  # past the deadline: no more seeds handed out
+    started = False  # a worker got as far as its first case
+    for _ in range(min(jobs, len(todo))):
+        start()
+    try:
+        while workers:
+            now = time.perf_counter()
+            meter.tick(len(results), now)  # also while every worker is busy (compiling)
+            if deadline is not None and not expired and now >= deadline:
+                expired = True
+                if todo:
+                    report.stopped = stop_reason
+            if expired and now >= deadline + STOP_GRACE_S:
+                running = sum(w.seed is not None for w in workers.values())
+                if running:
+                    report.stopped = (f"{stop_reason}; {running} cases still running "
+                                      f"{STOP_GRACE_S:g} s later were stopped")
+                break
+            waits = [meter.due(now)]
+            if deadline is not None:
+                waits.append(max(0.0, deadline + (STOP_GRACE_S if expired else 0.0) - now))
+            waits = [t for t in waits if t is not None]
+            for conn in wait(list(workers), timeout=min(waits) + 0.01 if waits else None):
+                w = workers[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    del workers[conn]
+                    conn.close()
+                    w.process.join()
+                    code = w.process.exitcode
+                    if not w.ready:  # not replaced: a worker that cannot start would loop
+                        if started:
+                            continue
+                        raise RuntimeError(f"a fuzz worker exited before its first case (exit code {code}); "
+                                           "its error is printed above") from None
+                    if w.seed is not None:
+                        finished(CaseResult(draw_case(w.seed, job.profile), [Outcome(
+                            WORKER, "error", f"the worker process died during this case (exit code {code})")]))
+                    if todo and not expired:
+                        start()
+                    continue
+                if message == "ready":
+                    w.ready = started = True
+                else:
+                    finished(message)
+                hand_out(conn)
+    finally:
+        for w in workers.values():
+            w.process.terminate()
+        for w in workers.values():
+            w.process.join()
+    if todo and report.stopped is None:
+        report.stopped = "no worker process left (replacements exited before their first case)"
+    for seed in sorted(results):
+        report.add(results[seed])
 
 
 def replay_command(case: FuzzCase, device: str = "cpu") -> str:

@@ -120,6 +120,11 @@ def override(**values: Any) -> Iterator[None]:
         _overrides.reset(token)
 
 
+def overrides() -> dict[str, Any]:
+    """The scoped values in effect (what `override` set), to re-apply in another process."""
+    return dict(_overrides.get() or {})
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(variable, current raw value, doc) for every knob, for `fusedmoe env`."""
     return [(PREFIX + k.name, os.environ.get(PREFIX + k.name, ""), k.doc) for k in KNOBS.values()]

@@ -174,6 +174,8 @@ class Problem:
     topk_weights_TK: torch.Tensor
     topk_ids_TK: torch.Tensor
     expert_map_E: torch.Tensor | None
+    w13_full_LGH: torch.Tensor | None = None  # float32 weights before quantization (quantized cases)
+    w2_full_LHI: torch.Tensor | None = None
 
 
 def make_problem(case: FuzzCase, device: str | torch.device = "cpu") -> Problem:
@@ -213,7 +215,8 @@ def make_problem(case: FuzzCase, device: str | torch.device = "cpu") -> Problem:
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     weights = ExpertWeights(*(to(t) for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)),
                             _quant_to(weights.quant, device))
-    return Problem(to(x), weights, to(d13), to(d2), to(topk_w), to(ids), to(expert_map))
+    full = (None, None) if case.quant is None else (to(w13), to(w2))
+    return Problem(to(x), weights, to(d13), to(d2), to(topk_w), to(ids), to(expert_map), *full)
 
 
 def _route(case: FuzzCase, g: torch.Generator) -> torch.Tensor:

@@ -326,6 +326,13 @@ def test_current_gpu_kernels_reported_missing():
         assert f"it does not support the {scheme} scheme" in REGISTRY["triton"].check(cfg(quant=scheme), H100)
         assert REGISTRY["marlin"].weight_only_execution and not REGISTRY["triton"].weight_only_execution
     assert select_backend(cfg(quant="nvfp4"), V100).name == "emulation"  # marlin needs 7.5
+    # ... and says so wherever the choice is shown
+    note = "marlin runs nvfp4 weight-only: activations stay bfloat16 (the scheme's nvfp4/group16/dynamic"
+    assert note in select_backend(cfg(quant="nvfp4"), H100).note
+    assert f"note: {note}" in explain(cfg(quant="nvfp4"), H100).table().splitlines()[1]
+    assert note in explain(cfg(quant="nvfp4"), H100).to_dict()["note"]
+    assert select_backend(cfg(quant="int4_w4a16_g32"), H100).note is None
+    assert explain(cfg(quant="nvfp4"), V100).to_dict()["note"] is None
     reason = REGISTRY["marlin"].check(cfg(quant="int4_w4a16_g32"), H100)
     assert "does not cover the int4_w4a16_g32 scheme yet" in reason and "triton row" in reason
     with pytest.raises(BackendRequestError, match="fusedmoe.s implementation does not cover the fp8_w8a8_channel"):

@@ -57,10 +57,16 @@ class Selection:
     family: str
     verdicts: tuple[Verdict, ...] = field(default=(), compare=False, repr=False)
     via: str = "auto"  # auto | argument | FUSEDMOE_BACKEND | FUSEDMOE_USE_... | lora
+    config: MoEConfig | None = field(default=None, compare=False, repr=False)
 
     @property
     def experts(self) -> type:
         return self.backend.load_impl()
+
+    @property
+    def note(self) -> str | None:
+        """What the chosen backend does differently from the scheme's arithmetic, or None."""
+        return execution_note(self.backend, self.config) if self.config is not None else None
 
     def __iter__(self):
         yield self.name
@@ -89,11 +95,14 @@ class Explanation:
         ]
         lines.insert(1, "-" * max(len(line) for line in lines))
         head = f"{_label(self.config)} MoE on {self.platform}{_split(self.config)}: "
+        notes = []
         if self.chosen:
             head += f"chosen {self.chosen} (via {self.via})"
+            note = execution_note(REGISTRY[self.chosen], self.config)
+            notes = [f"note: {note}"] if note else []
         else:
             head += "no backend: " + (self.error or "").splitlines()[0]
-        return "\n".join([head, *lines])
+        return "\n".join([head, *notes, *lines])
 
     def to_dict(self) -> dict:
         return {
@@ -106,6 +115,7 @@ class Explanation:
                 "device_name": self.platform.device_name,
             },
             "chosen": self.chosen,
+            "note": execution_note(REGISTRY[self.chosen], self.config) if self.chosen else None,
             "via": self.via,
             "error": self.error,
             "verdicts": [v.__dict__ for v in self.verdicts],
@@ -125,7 +135,7 @@ def select_backend(config: MoEConfig, platform: Platform | None = None) -> Selec
             _log_once(logging.DEBUG, _rejection_message(config, v.name, v.reason))
     if d.error is not None:
         raise d.error.with_traceback(None)
-    selection = Selection(d.chosen, REGISTRY[d.chosen], config.family, d.verdicts, d.via)
+    selection = Selection(d.chosen, REGISTRY[d.chosen], config.family, d.verdicts, d.via, config)
     _log_once(logging.INFO, _winner_message(config, selection))
     return selection
 
@@ -370,11 +380,25 @@ def _split(config: MoEConfig) -> str:
     return f", {' '.join(sizes)} ({how}{config.activation_format} layout)"
 
 
+def execution_note(backend: Backend, config: MoEConfig) -> str | None:
+    """How `backend` departs from `config`'s scheme arithmetic (weight-only execution of a
+    scheme that quantizes activations), or None."""
+    scheme = config.quant
+    if not backend.weight_only_execution or scheme is None or scheme.activation is None:
+        return None
+    dtype = str(config.dtype).replace("torch.", "")
+    return (f"{backend.name} runs {scheme.name} weight-only: activations stay {dtype} (the "
+            f"scheme's {scheme.activation} activation quantization and input scales are not "
+            "applied)")
+
+
 def _winner_message(config: MoEConfig, sel: Selection) -> str:
     candidates = [v.name for v in sel.verdicts if v.priority is not None]
+    note = execution_note(sel.backend, config)
     return (
         f"Using {sel.name} {_label(config)} MoE backend (via {sel.via}) out of potential "
         f"backends: {sorted(candidates, key=lambda n: next(v.priority for v in sel.verdicts if v.name == n))}."
+        + (f" Note: {note}." if note else "")
     )
 
 

@@ -97,3 +97,34 @@ def test_non_finite_routing_weight_stays_in_its_token(poison):
         out = run(case, p)
         assert torch.equal(~torch.isfinite(out), ~torch.isfinite(ref)), backend
         assert torch.isfinite(out[torch.arange(9) != 3]).all(), backend
+
+
+def _check_per_tensor_spread(device):
+    """Dynamic per-tensor FP8 shares one activation amax per expert: a NaN token makes every
+    token routed to one of its experts NaN (the scheme's arithmetic, in emulation as in the
+    Triton kernel's atomic_max amax); tokens on other experts stay finite."""
+    case = dataclasses.replace(BASE, quant="fp8_w8a8_tensor", routing="uniform", num_experts=8,
+                               hidden=64, inter=32, bias=False)
+    p = fuzz.make_problem(case, device)
+    p.x_TH[6, :] = float("nan")
+    ref = fuzz.reference(case, p)
+    ids = p.topk_ids_TK.long().cpu()
+    shares = (ids[:, :, None] == ids[6][None, None, :]).any(dim=(1, 2))
+    bad_ref = ref.isnan().any(dim=1).cpu()
+    assert torch.equal(bad_ref, shares) and 1 < int(shares.sum()) < case.num_tokens, ids.tolist()
+    runners = fuzz.candidates(case, device)
+    assert runners
+    for backend, run in runners.items():
+        out = run(case, p)
+        assert torch.equal(out.isnan(), ref.isnan()), f"{backend}: NaN at {out.isnan().any(dim=1).nonzero().tolist()}"
+        good = ~bad_ref.to(out.device)
+        assert fuzz.compare(out[good], ref[good], fuzz.tolerance(case)) is None, backend
+
+
+def test_per_tensor_activation_scale_nan_spreads_over_its_experts():
+    _check_per_tensor_spread(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_per_tensor_activation_scale_nan_spreads_over_its_experts_on_gpu():
+    _check_per_tensor_spread(torch.device("cuda"))

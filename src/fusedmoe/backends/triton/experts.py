@@ -12,6 +12,7 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -537,16 +538,30 @@ def triton_batched_experts(
     The same kernels as the contiguous layout: buffer rows are the "slots" (top_k = 1), each
     expert's max_tokens rows are padded to whole BLOCK_M blocks, rows past the count masked.
     """
+    def gemms(launch: Launch, t1: TileConfig, t2: TileConfig) -> None:
+        launch_gemm1(launch, w13, w13_bias, t1)
+        launch_gemm2(launch, w2, w2_bias, t2)
+
+    return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit,
+                       lambda problem: choose_tiles(problem, x_LMH.device), gemms)
+
+
+def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_limit,
+                tiles: Callable[[GemmProblem], tuple[TileConfig, TileConfig]],
+                gemms: Callable[[Launch, TileConfig, TileConfig], None],
+                a_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The batched layout on the contiguous path's kernels, for every scheme: the buffers as
+    aligned rows (`prepare_batched_launch`), `gemms(launch, t1, t2)` with the tiles that
+    `tiles(problem)` picks, then y [L, max_tokens, H] (zero past each count). `a_dtype`: the
+    intermediate's dtype (default x's)."""
     num_local, max_tokens, hidden = x_LMH.shape
-    inter = w2.shape[2]
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation), x_LMH.dtype)
-    t1, t2 = choose_tiles(problem, x_LMH.device)
-    launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
+    t1, t2 = tiles(problem)
+    launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype or x_LMH.dtype, activation,
                                     swiglu_alpha, swiglu_limit, t1.block_m)
-    launch_gemm1(launch, w13, w13_bias, t1)
-    launch_gemm2(launch, w2, w2_bias, t2)
+    gemms(launch, t1, t2)
     return batched_output(launch, num_local, max_tokens)
 
 

@@ -389,7 +389,7 @@ def triton_batched_quant_experts(
     tokens routed to it, as `emulation` computes it per expert); rows past the count are never
     read by the amax, the GEMMs or the per-row quantization's consumers.
     """
-    from fusedmoe.backends.triton.experts import batched_output, prepare_batched_launch
+    from fusedmoe.backends.triton.experts import run_batched
 
     scheme = _triton_scheme(scheme)
     if scheme.weight_only:
@@ -401,20 +401,20 @@ def triton_batched_quant_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
         )
-    num_local, max_tokens, hidden = x_LMH.shape
-    inter = w2.shape[2]
-    if num_local == 0 or max_tokens == 0:
-        return torch.zeros_like(x_LMH)
-    gated = is_gated(activation)
-    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, gated, x_LMH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
-    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_LMH.dtype)
-    L = prepare_batched_launch(x_LMH, num_tokens_L, inter, torch.float32, activation,
-                               swiglu_alpha, swiglu_limit, t1.block_m)
-    q = _quantize_input(L, scheme, a13_scale, None, num_local)
-    launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
-    launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
-    return batched_output(L, num_local, max_tokens)
+    num_local = x_LMH.shape[0]
+
+    def choose(problem):
+        t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
+        _check_tiles(t1, t2, problem.gated, scheme.weight.granularity, x_LMH.dtype)
+        return t1, t2
+
+    def gemms(L, t1, t2):
+        q = _quantize_input(L, scheme, a13_scale, None, num_local)
+        launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
+        launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
+
+    return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, choose, gemms,
+                       a_dtype=torch.float32)
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:

@@ -21,12 +21,11 @@ from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
     GemmProblem,
     _num_sms,
-    batched_output,
     launch_gemm1,
     launch_gemm2,
     launch_reduce,
-    prepare_batched_launch,
     prepare_launch,
+    run_batched,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic, tile_mode
 from fusedmoe.quant.scheme import QuantScheme
@@ -130,18 +129,13 @@ def triton_batched_weight_only_experts(
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
     weight), through the same kernels as `triton_weight_only_experts`."""
     _require_weight_only(scheme)
-    num_local, max_tokens, hidden = x_LMH.shape
-    inter = _inter(w2, scheme)
-    if num_local == 0 or max_tokens == 0:
-        return torch.zeros_like(x_LMH)
-    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation),
-                          x_LMH.dtype)
-    t1, t2 = _tiles(problem, scheme, tiles, x_LMH.device)
-    launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, x_LMH.dtype, activation,
-                                    swiglu_alpha, swiglu_limit, t1.block_m)
-    _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
-                  w13_global_scale, w2_global_scale)
-    return batched_output(launch, num_local, max_tokens)
+
+    def gemms(launch, t1, t2):
+        _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
+                      w13_global_scale, w2_global_scale)
+
+    return run_batched(x_LMH, num_tokens_L, _inter(w2, scheme), activation, swiglu_alpha, swiglu_limit,
+                       lambda problem: _tiles(problem, scheme, tiles, x_LMH.device), gemms)
 
 
 def _require_weight_only(scheme: QuantScheme) -> None:

@@ -404,13 +404,19 @@ def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True
         hopper = Platform("cuda", (9, 0), has_triton=True)
         # The batched layout computes [L, T] buffer rows: kept to 4x the slot bound (~1 s).
         batched_ok = case.num_experts * case.num_tokens <= 4 * prof.interpreter_max_slots
-        for name, layout in (("triton", "standard"), ("batched_triton", "batched"),
-                             ("marlin", "standard"), ("batched_marlin", "batched")):
-            if layout == "batched" and not batched_ok:
+        for name, record in REGISTRY.items():  # fusedmoe's own Triton kernels
+            if not (record.impl or "").startswith("fusedmoe.backends.triton."):
                 continue
-            if REGISTRY[name].check(case.config(layout), hopper) is None:
-                out[f"{name}{INTERPRETER}"] = _interpreted(name, layout)
+            if record.layout == "batched" and not batched_ok:
+                continue
+            if record.check(case.config(record.layout), hopper) is None:
+                out[f"{name}{INTERPRETER}"] = _interpreted(name, record.layout)
     return out
+
+
+def record_name(runner: str) -> str:
+    """The backend record a runner name stands for ("triton[interpreter]" -> "triton")."""
+    return runner.removesuffix(INTERPRETER)
 
 
 def _api_runner(name: str, layout: str) -> Runner:
@@ -471,7 +477,7 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
     device = torch.device(device)
     runners = candidates(case, device, interpreter=interpreter)
     if backends is not None:
-        runners = {n: r for n, r in runners.items() if n in backends or n.split("[")[0] in backends}
+        runners = {n: r for n, r in runners.items() if n in backends or record_name(n) in backends}
     if not runners:  # nothing to compare: skip building the problem and the reference
         return CaseResult(case, [])
     p = make_problem(case, device)
@@ -486,7 +492,7 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
     outcomes = []
     for name, runner in runners.items():
         start = time.perf_counter()
-        weight_only = REGISTRY[name.split("[")[0]].weight_only_execution
+        weight_only = REGISTRY[record_name(name)].weight_only_execution
         try:
             out = runner(case, p)
             ref = ref_for(weight_only)

@@ -44,6 +44,15 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _on_off_force(name: str, raw: str) -> bool | str:
+    if raw.strip().lower() == "force":
+        return "force"
+    try:
+        return _tristate(name, raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + ['force']}") from None
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -79,6 +88,10 @@ KNOBS: dict[str, Knob] = {
         Knob("PDL", _tristate, None,
              "Programmatic dependent launch of the Triton MoE kernels (sm90+: each launch overlaps "
              "the previous kernel's tail): unset/1 = on where the GPU and Triton support it, 0 = off."),
+        Knob("TRITON_TMA", _on_off_force, None,
+             "TMA tensor descriptors for the large-M unquantized Triton GEMMs (weights; gemm2's sorted "
+             "rows too): unset/1 = where eligible on sm90+, 0 = off (pointer loads), force = wherever "
+             "the tensors and tile allow, on any device (the interpreter tests)."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
              "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
     )

@@ -111,7 +111,7 @@ def tune_shape(
     over the tiles the scheme's predicate accepts. None: the unquantized GEMMs in `dtype`.
     """
     from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton.experts import GemmProblem, _num_sms
+    from fusedmoe.backends.triton.experts import GemmProblem, _num_sms, tma_planned
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
@@ -131,10 +131,11 @@ def tune_shape(
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
+        tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
-                       quant=mode, group=group)
+                       quant=mode, group=group, tma=tma1)
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
-                       quant=mode, group=group)
+                       quant=mode, group=group, tma=tma2)
 
         def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
             gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)

@@ -5,6 +5,9 @@
          beyond: count / offsets / scatter launches, one program per chunk; L > 4096: torch)
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
 
+On sm90+ the large-M unquantized GEMMs load their weights (and gemm2 its sorted rows a) through
+TMA descriptors built here per call (`tma_reasons` decides; FUSEDMOE_TRITON_TMA=0 turns it off).
+
 The whole computation is the custom op `fusedmoe::triton_experts` (with a fake implementation),
 so layers using it compile with `torch.compile(fullgraph=True)` and capture in CUDA graphs.
 """
@@ -261,9 +264,130 @@ def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig
         return tuned
     sms = _num_sms(device)
     p = problem
-    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms)
-    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms)
+    tma1, tma2 = tma_planned(problem, device)
+    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
+                   tma=tma1)
+    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
+                   tma=tma2)
     return t1, t2
+
+
+# TMA descriptors ------------------------------------------------------------------------------
+TMA_DTYPES = (torch.bfloat16, torch.float16)
+# The descriptor loads were measured at M=4096 (benchmarks/bench_tma_gemm.py: tiles of 64 and 128
+# rows); the decode tiles (16-32 rows: weight streams, split-K GEMM1) keep pointer loads.
+TMA_MIN_BLOCK_M = 64
+TMA_MAX_BOX = 256  # elements per box dimension (cuTensorMapEncodeTiled)
+TMA_ALIGN = 16  # bytes: the base address and every stride but the last
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _tma_device_reason(device: torch.device) -> str | None:
+    """Why FUSEDMOE_TRITON_TMA or the device rules descriptors out, or None."""
+    from fusedmoe import knobs
+
+    mode = knobs.get("TRITON_TMA")
+    if mode is False:
+        return "FUSEDMOE_TRITON_TMA=0"
+    if mode == "force":
+        return None
+    if device.type != "cuda":
+        return f"{device.type} tensors: TMA is a CUDA sm90+ unit (FUSEDMOE_TRITON_TMA=force: descriptors anyway)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _sm90(index):
+        return f"compute capability {torch.cuda.get_device_capability(index)} < (9, 0)"
+    return None
+
+
+def _row_stride_reason(row_stride: int, dtype: torch.dtype) -> str | None:
+    es = dtype.itemsize
+    if row_stride * es % TMA_ALIGN:
+        return f"row stride {row_stride} x {es} B = {row_stride * es} B is not a multiple of {TMA_ALIGN} B"
+    return None
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | str:
+    """t [..., K] as one [rows, K] view (no copy), or why it is not one."""
+    if t.numel() == 0:
+        return f"empty {tuple(t.shape)}"
+    if t.stride(-1) != 1:
+        return f"last dim not contiguous (strides {t.stride()})"
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return f"shape {tuple(t.shape)} with strides {t.stride()} is not one evenly strided run of rows"
+
+
+def _view_reason(v: torch.Tensor, block: tuple[int, int]) -> str | None:
+    """Why TMA cannot load `block` boxes from the 2D tensor v, or None."""
+    es = v.element_size()
+    if v.dtype not in TMA_DTYPES:
+        return f"dtype {v.dtype} (descriptors serve {', '.join(map(str, TMA_DTYPES))})"
+    if v.stride(1) != 1:
+        return f"last dim not contiguous (strides {v.stride()})"
+    if v.data_ptr() % TMA_ALIGN:
+        return f"base address {v.data_ptr():#x} not {TMA_ALIGN}-byte aligned"
+    reason = _row_stride_reason(v.stride(0), v.dtype)
+    if reason:
+        return reason
+    if v.shape[0] >= 2**31:
+        return f"{v.shape[0]} rows: box coordinates are int32"
+    if max(block) > TMA_MAX_BOX or block[1] * es < 16:
+        return f"box {list(block)} outside TMA's limits (each dim <= {TMA_MAX_BOX}, inner >= 16 B)"
+    return None
+
+
+def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor | None,
+                quant_args: dict | None) -> tuple[str | None, str | None]:
+    """Why a GEMM's A rows and its weights stay on pointer loads: (A, W), None = through a TMA
+    descriptor. The one eligibility predicate of the descriptor loads.
+
+    w [L, w_rows, K]: the weights, their rows per expert as the kernel indexes them; a [R, K]:
+    gemm2's sorted rows (None for gemm1, whose x rows are gathered by token). Descriptors need:
+    FUSEDMOE_TRITON_TMA not 0 and a CUDA sm90+ device (or =force), the unquantized kernels
+    (bf16 / fp16), no split-K, BLOCK_M >= 64, and TMA's rules: last dim contiguous, base and
+    row stride 16-byte aligned, box dims <= 256 and >= 16 B inner.
+    """
+    reason = _tma_device_reason(w.device)
+    quant = (quant_args or {}).get("QUANT", 0)
+    if reason is None and quant:
+        reason = f"quantized kernels (QUANT={quant})"
+    if reason is None and tile.split_k > 1:
+        reason = f"split_k={tile.split_k}"
+    if reason is None and tile.block_m < TMA_MIN_BLOCK_M:
+        reason = f"block_m={tile.block_m} < {TMA_MIN_BLOCK_M} (decode tiles keep pointer loads)"
+    if reason is not None:
+        return reason, reason
+    w_reason = None
+    if w.dim() != 3 or w.shape[1] != w_rows:
+        w_reason = f"weights {tuple(w.shape)} are not [L, {w_rows}, K]"
+    else:
+        view = _rows_view(w)
+        w_reason = view if isinstance(view, str) else _view_reason(view, (tile.block_n, tile.block_k))
+    if a is None:
+        return "rows gathered by token", w_reason
+    return _view_reason(a, (tile.block_m, tile.block_k)), w_reason
+
+
+def tma_planned(problem: GemmProblem, device: torch.device) -> tuple[str | None, str | None]:
+    """The heuristic's `tma` for (gemm1, gemm2): what `tma_reasons` will say for this problem's
+    operands when they are contiguous (x / w13 rows of H elements, a / w2 rows of I)."""
+    if _tma_device_reason(device) is not None or problem.dtype not in TMA_DTYPES:
+        return None, None
+    return (None if _row_stride_reason(problem.hidden, problem.dtype) else "w",
+            None if _row_stride_reason(problem.inter, problem.dtype) else "a+w")
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]):
+    """A host TMA descriptor over the 2D view of t (validated by `tma_reasons`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    view = t.view(-1, t.shape[-1])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block))
 
 
 @dataclass
@@ -330,15 +454,17 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
                  HAS_BIAS=w13_bias is not None, SCALE_ROWS=L.scale_input)
     b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
     h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
+    w_desc = tma_reasons(tile, w13, (2 if gated else 1) * inter, None, quant_args)[1] is None
+    w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
     kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
-        x, w13, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
+        x, w_arg, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
         L.y.shape[0], L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
-        **flags, **tile.as_kwargs(),
+        W_DESC=w_desc, **flags, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
     )
     if splits > 1:
@@ -360,15 +486,19 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
+    a_reason, w_reason = tma_reasons(tile, w2, hidden, a, quant_args)
+    a_arg = _descriptor(a, (tile.block_m, tile.block_k)) if a_reason is None else a
+    w_arg = _descriptor(w2, (tile.block_n, tile.block_k)) if w_reason is None else w2
     kernels.moe_gemm2_kernel[(blocks * triton_cdiv(hidden, tile.block_n),)](
-        a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
+        a_arg, w_arg, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
         y.shape[0], hidden, inter,
         a.stride(0), a.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
+        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0,
+        A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
     )
 

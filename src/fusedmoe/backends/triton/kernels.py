@@ -9,6 +9,11 @@ Every row block belongs to one expert (`block_expert`), blocks past the padded r
 once, so the grid can be sized for the worst case and the launch captured in a CUDA graph.
 Row offsets are computed in int64: T*K*H may exceed 2^31.
 
+TMA (unquantized bf16/fp16, SPLIT_K == 1, BLOCK_M >= 64 on sm90+; experts.tma_reasons decides):
+W_DESC loads the weight tiles through a host TensorDescriptor over w13 / w2 viewed as
+[L*rows, K], A_DESC gemm2's sorted rows through one over a [R, I]; gemm1's x rows are gathered
+by token and stay on pointers. Off, the pointer loads below are unchanged.
+
 W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
 per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
 each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
@@ -338,12 +343,17 @@ def moe_gemm1_kernel(
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    W_DESC: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
     SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
     the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
     Quantized: the partials / outputs are dequantized (scales applied) before either path.
+    W_DESC (unquantized, SPLIT_K == 1): w13_ptr is a TMA descriptor over w13 viewed [L*G, H] with
+    [BLOCK_N, BLOCK_K] boxes: the gate tile at row e*G + n0, the up tile at e*G + I + n0. Tail
+    tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
+    the store; past H the box is zero-filled.
     """
     _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -362,9 +372,12 @@ def moe_gemm1_kernel(
     k_end = tl.minimum(k_start + k_per_split, hidden)
 
     x_ptrs = x_ptr + token[:, None] * stride_xt + (k_start + offs_k)[None, :] * stride_xh
-    w_base = w13_ptr + expert * stride_we
-    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
-    wu_ptrs = wg_ptrs + inter * stride_wn
+    if W_DESC:
+        w_row = (expert * (2 * inter if GATED else inter) + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_base = w13_ptr + expert * stride_we
+        wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
+        wu_ptrs = wg_ptrs + inter * stride_wn
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
     if QUANT == Q_TENSOR:
@@ -410,7 +423,10 @@ def moe_gemm1_kernel(
                 if X_ROW_W:
                     xf = xf * row_w[:, None]
                 xa = _quantize(xf, x_scale, False, SOFT_FP8).to(w13_ptr.dtype.element_ty)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_DESC:
+                wg = w13_ptr.load([w_row, k0]).T
+            else:
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
                 wg = wg.to(x_ptr.dtype.element_ty)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
@@ -421,7 +437,10 @@ def moe_gemm1_kernel(
             else:
                 acc_g = _dot(xa, wg, acc_g, IEEE)
             if GATED:
-                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if W_DESC:
+                    wu = w13_ptr.load([w_row + inter, k0]).T
+                else:
+                    wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if QUANT == Q_W8:
                     wu = wu.to(x_ptr.dtype.element_ty)
                 if QUANT == Q_BLOCK:
@@ -431,8 +450,9 @@ def moe_gemm1_kernel(
                 else:
                     acc_u = _dot(xa, wu, acc_u, IEEE)
             x_ptrs += BLOCK_K * stride_xh
-            wg_ptrs += BLOCK_K * stride_wh
-            wu_ptrs += BLOCK_K * stride_wh
+            if not W_DESC:
+                wg_ptrs += BLOCK_K * stride_wh
+                wu_ptrs += BLOCK_K * stride_wh
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
 
     if QUANT == Q_TENSOR:
@@ -538,8 +558,16 @@ def moe_gemm2_kernel(
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
 ):
-    """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block."""
+    """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
+
+    Unquantized, TMA descriptors instead of pointers: A_DESC a_ptr over a [R, I] with
+    [BLOCK_M, BLOCK_K] boxes (the block's rows pid_m*BLOCK_M..; padding rows hold gemm1's output
+    for no slot and are masked at the store), W_DESC w2_ptr over w2 viewed [L*H, I] with
+    [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
+    fill, masked at the store). Past I both are zero-filled.
+    """
     _pdl_wait(PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
@@ -553,9 +581,13 @@ def moe_gemm2_kernel(
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :] * stride_ai
-    w_ptrs = (w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
-              + offs_k[:, None] * stride_wi)
+    if not A_DESC:
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :] * stride_ai
+    if W_DESC:
+        w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = (w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
+                  + offs_k[:, None] * stride_wi)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
     if QUANT == Q_TENSOR:
@@ -582,10 +614,16 @@ def moe_gemm2_kernel(
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
         else:
             k_ok = offs_k < inter - k0
-            aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if A_DESC:
+                aa = a_ptr.load([pid_m * BLOCK_M, k0])
+            else:
+                aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if QUANT == Q_TENSOR:
                 aa = _quantize(aa.to(tl.float32), a_scale, False, SOFT_FP8).to(w2_ptr.dtype.element_ty)
-            ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_DESC:
+                ww = w2_ptr.load([w_row, k0]).T
+            else:
+                ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
                 ww = ww.to(a_ptr.dtype.element_ty)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
@@ -595,8 +633,10 @@ def moe_gemm2_kernel(
                 acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
             else:
                 acc = _dot(aa, ww, acc, IEEE)
-            a_ptrs += BLOCK_K * stride_ai
-            w_ptrs += BLOCK_K * stride_wi
+            if not A_DESC:
+                a_ptrs += BLOCK_K * stride_ai
+            if not W_DESC:
+                w_ptrs += BLOCK_K * stride_wi
     _pdl_release(PDL)
 
     if QUANT == Q_TENSOR:

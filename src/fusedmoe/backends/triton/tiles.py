@@ -16,6 +16,8 @@ QUANT_GRANULARITIES = ("tensor", "channel", "block")  # W8A8 weight scale layout
 # Weight-only modes: "w8" fp8 / int8 codes with per-channel scales, "w4" 4-bit codes packed two
 # per byte along K with a scale per `group` inputs (activations stay 16/32-bit).
 WEIGHT_ONLY_MODES = ("w8", "w4")
+# Operands a GEMM loads through TMA descriptors: the weights, or the sorted rows and the weights.
+TMA_LOADS = ("w", "a+w")
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
-    num_sms: int = 132, quant: str | None = None, group: int | None = None,
+    num_sms: int = 132, quant: str | None = None, group: int | None = None, tma: str | None = None,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
@@ -134,11 +136,16 @@ def heuristic(
     quant (W8A8 weight granularity): 1-byte operands take BLOCK_K 128 (the bytes of bf16's 64);
     block scales cap BLOCK_K and BLOCK_N at 128. Weight-only ("w8", "w4"): the bf16 tiles, with
     BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
+    tma: the operands the GEMM will load through TMA descriptors (experts.tma_reasons): None,
+    "w" (the weights; gemm1, whose rows are gathered by token) or "a+w" (gemm2's sorted rows too).
     """
+    if tma is not None and tma not in TMA_LOADS:
+        raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
     block_m = block_m_for(num_slots, num_local_experts, dtype)
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
     split = 1
+    num_stages = 4
     if block_m == 16:
         want = max(16, n * blocks // (2 * num_sms))
         block_n = min(128, 1 << (want.bit_length() - 1))
@@ -152,6 +159,18 @@ def heuristic(
         block_k = 32 if dtype == torch.float32 else 64
         block_n = 64 if (block_m >= 128 and gated) or n <= 64 else 128
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+        if tma is not None and quant is None and block_m == 128:
+            # H200, Triton 3.6, the grouped GEMM over sorted rows at M=4096 with descriptor loads
+            # (benchmarks/bench_tma_gemm.py; gemm1's 128 w13 rows per program = our gate + up
+            # tiles of 64): 8 warps, 3 stages won every weights-only cell (Mixtral / Qwen3-30B /
+            # DeepSeek gemm1 3629 / 508 / 776 us against 3829 / 526 / 807 with 4 warps, 4 stages)
+            # and the A + weights cells at 128-256 rows per expert (Qwen3 gemm2 256 vs 289 us,
+            # DeepSeek 517 vs 739); at 1024 rows per expert (Mixtral) 4 warps, 4 stages won with
+            # both operands on descriptors (gemm2 1619 vs 1753 us, the gemm1 shape 3363 vs 3471).
+            # Between 256 and 1024 rows per expert: not measured, 8 warps kept.
+            num_warps, num_stages = 8, 3
+            if tma == "a+w" and num_slots >= 1024 * min(num_local_experts, num_slots):
+                num_warps, num_stages = 4, 4
     if quant in QUANT_GRANULARITIES:
         if block_m > 16:
             # H200, fp8 block at 1024 tokens (benchmarks/bench_quant_tiles.py): BLOCK_N 64 with
@@ -175,7 +194,7 @@ def heuristic(
         else:
             block_n, block_k = 64, 128
             num_warps = 8 if block_m >= 128 else 4
-    tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
+    tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:
             tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1, split)

@@ -30,6 +30,7 @@ from fusedmoe.backends.triton.experts import (  # noqa: E402
     align_torch,
     triton_experts,
     triton_experts_op,
+    triton_experts_out_op,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import ExpertWeights  # noqa: E402
@@ -365,10 +366,16 @@ def test_opcheck():
     x = torch.randn(3, 32, generator=gen)
     w13, w2 = torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4
     weights, ids = select_experts(x, torch.randn(3, 4, generator=gen), 2)
-    torch.library.opcheck(
-        triton_experts_op, (x, w13, w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+    args = (x, w13, w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None)
+    torch.library.opcheck(triton_experts_op, args, test_utils=("test_schema", "test_faketensor"))
+    # the out variant: same schema plus `Tensor(a!) out`, writing exactly the functional result
+    out = torch.full_like(x, float("nan"))
+    torch.library.opcheck(triton_experts_out_op, (*args, out), test_utils=("test_schema", "test_faketensor"))
+    triton_experts_out_op(*args, out)
+    torch.testing.assert_close(out, triton_experts_op(*args), rtol=0, atol=0)
+    in_place = x.clone()
+    triton_experts_out_op(in_place, *args[1:], in_place)  # out aliasing x: the in-place mode
+    torch.testing.assert_close(in_place, out, rtol=0, atol=0)
 
 
 # Tuned tables --------------------------------------------------------------------------------------

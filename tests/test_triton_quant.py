@@ -31,6 +31,7 @@ from fusedmoe.backends.triton.quant import (  # noqa: E402
     triton_batched_quant_experts,
     triton_batched_quant_experts_op,
     triton_quant_experts_op,
+    triton_quant_experts_out_op,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import BatchedLocalPrepareFinalize, ExpertWeights, make_modular  # noqa: E402
@@ -212,6 +213,10 @@ def test_opcheck():
     args = (x, w.w13, w.w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None,
             "int8_w8a8", p.w13_scale, p.w2_scale, None, None)
     torch.library.opcheck(triton_quant_experts_op, args, test_utils=("test_schema", "test_faketensor"))
+    out = torch.full_like(x, float("nan"))
+    torch.library.opcheck(triton_quant_experts_out_op, (*args, out), test_utils=("test_schema", "test_faketensor"))
+    triton_quant_experts_out_op(*args, out)
+    torch.testing.assert_close(out, triton_quant_experts_op(*args), rtol=0, atol=0)
 
 
 # The batched layout [L, max_tokens, H] ------------------------------------------------------

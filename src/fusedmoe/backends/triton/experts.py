@@ -15,6 +15,7 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -577,8 +578,37 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@torch.library.custom_op("fusedmoe::triton_experts", mutates_args=())
-def triton_experts_op(
+def experts_ops(name: str, impl: Callable[..., torch.Tensor]):
+    """`impl` (annotated, returning a new [T, H] tensor, taking an `out=` keyword) as two custom
+    ops with one signature: `fusedmoe::<name>` (functional) and `fusedmoe::<name>_out`, the same
+    arguments with `out` (which it writes; may be x: the seeds' in-place mode) after the required
+    ones. Schemas are inferred from `impl`'s annotations; both ops have fake kernels.
+    """
+    params = [p for n, p in inspect.signature(impl).parameters.items() if n != "out"]
+    required = [p for p in params if p.default is inspect.Parameter.empty]
+    defaulted = [p for p in params if p.default is not inspect.Parameter.empty]
+    out_param = inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
+
+    def functional(*args, **kwargs):
+        return impl(*args, **kwargs)
+
+    def with_out(*args, **kwargs) -> None:
+        bound = with_out.__signature__.bind(*args, **kwargs)
+        out = bound.arguments.pop("out")
+        impl(**bound.arguments, out=out)
+
+    for fn, ps, ret in ((functional, params, torch.Tensor), (with_out, required + [out_param] + defaulted, None)):
+        fn.__signature__ = inspect.Signature(ps, return_annotation=ret)
+        fn.__annotations__ = {p.name: p.annotation for p in ps} | {"return": ret}
+        fn.__name__ = fn.__qualname__ = name if fn is functional else f"{name}_out"
+    op = torch.library.custom_op(f"fusedmoe::{name}", functional, mutates_args=())
+    op.register_fake(lambda x, *args, **kwargs: torch.empty_like(x))
+    out_op = torch.library.custom_op(f"fusedmoe::{name}_out", with_out, mutates_args=("out",))
+    out_op.register_fake(lambda *args, **kwargs: None)
+    return op, out_op
+
+
+def _triton_experts_op_impl(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -592,41 +622,16 @@ def triton_experts_op(
     apply_router_weight_on_input: bool,
     swiglu_alpha: float,
     swiglu_limit: float | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
-        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
-    )
-
-
-@triton_experts_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
-      activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("fusedmoe::triton_experts_out", mutates_args=("out",))
-def triton_experts_out_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    w2_bias: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    num_global_experts: int,
-    activation: str,
-    apply_router_weight_on_input: bool,
-    swiglu_alpha: float,
-    swiglu_limit: float | None,
-    out: torch.Tensor,
-) -> None:
-    """`triton_experts` writing into `out` (which may be x: the seeds' in-place mode)."""
-    triton_experts(
-        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, out=out,
     )
+
+
+# Custom ops (torch.compile(fullgraph=True), CUDA graphs): fusedmoe::triton_experts(_out)
+triton_experts_op, triton_experts_out_op = experts_ops("triton_experts", _triton_experts_op_impl)
 
 
 class TritonExperts(Experts):
@@ -645,7 +650,7 @@ class TritonExperts(Experts):
                 weights.w2_bias, expert_map_E, c.num_experts, c.activation,
                 c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
         if out_TH is not None:
-            triton_experts_out_op(*args, out_TH)
+            triton_experts_out_op(*args, out=out_TH)
             return out_TH
         return triton_experts_op(*args)
 

@@ -33,6 +33,7 @@ from fusedmoe.backends.triton.experts import (
     Launch,
     _num_sms,
     align,
+    experts_ops,
     launch_gemm1,
     launch_gemm2,
     launch_reduce,
@@ -461,8 +462,7 @@ def _weight_scale_strides(scale: torch.Tensor, granularity: str) -> dict:
 
 
 # Custom ops (torch.compile(fullgraph=True), CUDA graphs) -------------------------------------
-@torch.library.custom_op("fusedmoe::triton_quant_experts", mutates_args=())
-def triton_quant_experts_op(
+def _triton_quant_experts_op_impl(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -483,53 +483,19 @@ def triton_quant_experts_op(
     a2_scale: torch.Tensor | None,
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_quant_experts(
-        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
-        activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
-        w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
-        w2_global_scale=w2_global_scale,
-    )
-
-
-@triton_quant_experts_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
-      activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
-      w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("fusedmoe::triton_quant_experts_out", mutates_args=("out",))
-def triton_quant_experts_out_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    w2_bias: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    num_global_experts: int,
-    activation: str,
-    apply_router_weight_on_input: bool,
-    swiglu_alpha: float,
-    swiglu_limit: float | None,
-    scheme: str,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    a13_scale: torch.Tensor | None,
-    a2_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    w13_global_scale: torch.Tensor | None = None,
-    w2_global_scale: torch.Tensor | None = None,
-) -> None:
-    """`triton_quant_experts` writing into `out` (which may be x)."""
-    triton_quant_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
         w2_scale, a13_scale, a2_scale, out=out, w13_global_scale=w13_global_scale,
         w2_global_scale=w2_global_scale,
     )
+
+
+# Custom ops (torch.compile(fullgraph=True), CUDA graphs): fusedmoe::triton_quant_experts(_out)
+triton_quant_experts_op, triton_quant_experts_out_op = experts_ops("triton_quant_experts",
+                                                                   _triton_quant_experts_op_impl)
 
 
 def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH):
@@ -547,7 +513,7 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
     global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale)
     if out_TH is not None:
-        triton_quant_experts_out_op(*args, out_TH, **global_scales)
+        triton_quant_experts_out_op(*args, **global_scales, out=out_TH)
         return out_TH
     return triton_quant_experts_op(*args, **global_scales)
 

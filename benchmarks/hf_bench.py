@@ -22,7 +22,6 @@ import csv
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 from importlib import import_module
 
@@ -189,10 +188,12 @@ def main(argv=None) -> int:
         print("hf_bench.py needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     import transformers
 
-    meta = dict(device=torch.cuda.get_device_name(device), commit=commit, torch=torch.__version__,
+    from fusedmoe.cli import _commit, source_digest
+
+    meta = dict(device=torch.cuda.get_device_name(device), commit=_commit(), source=source_digest(),
+                torch=torch.__version__,
                 transformers=transformers.__version__, date=datetime.date.today().isoformat(),
                 dtype="bfloat16", copies=args.copies, graph=args.graph)
     rows = []

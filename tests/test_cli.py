@@ -6,10 +6,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fusedmoe.cli import main
+from fusedmoe.cli import main, source_digest
 
 
 def test_explain_preset_on_described_platform(capsys):
@@ -162,10 +163,29 @@ def test_bench_ep_gloo_smoke(tmp_path, capsys):
     assert "qwen3-30b-a3b/64" in text and "allgather" in text
     data = json.loads(out.read_text())
     assert data["meta"]["ep"] == 2
+    assert data["meta"]["source"] == source_digest()
     rows = data["rows"]
     assert [r["tokens_per_rank"] for r in rows] == [0, 5]
     assert all(r["backend"] == "cpu" and r["us"] > 0 for r in rows)
     assert rows[0]["speedup"] is None and rows[1]["us_one_device"] > 0
+
+
+def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
+    # results carry the digest of the code that produced them (a copied tree's .git may be behind)
+    import shutil
+
+    import fusedmoe
+    from fusedmoe import cli
+
+    digest = source_digest()
+    assert len(digest) == 12 and int(digest, 16) >= 0 and source_digest() == digest
+    copy = tmp_path / "fusedmoe"
+    shutil.copytree(Path(fusedmoe.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cli, "__file__", str(copy / "cli.py"))
+    assert source_digest() == digest  # the same files elsewhere: the same digest
+    (copy / "routing.py").write_text((copy / "routing.py").read_text() + "\n# changed\n")
+    assert source_digest() != digest
+    assert cli._commit() == "unknown"  # not a git checkout
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import platform as pyplatform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -361,7 +362,7 @@ def cmd_bench(args) -> int:
         meta[f"{operand}_TFLOPs"] = rate / 1e12
         eight = f", {rate / 1e12:.0f} {operand} TFLOP/s (the compute ceiling of this run)"
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
-          f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
+          f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, source {meta['source']}"
           + (f"; {quant_backend} runs {args.quant}" if args.quant else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
@@ -407,7 +408,7 @@ def cmd_bench_ep(args) -> int:
         return 0  # under torchrun only rank 0 reports
     print(bench_ep.format_rows(rows))
     meta = {"ep": args.ep, "dispatch": args.dispatch, "device": _device_name(args.device),
-            "torch": torch.__version__, "commit": args.commit or _commit(), "date": time.strftime("%Y-%m-%d")}
+            "torch": torch.__version__, "commit": args.commit or _commit(), "source": source_digest(), "date": time.strftime("%Y-%m-%d")}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -429,13 +430,33 @@ def _device_name(kind: str) -> str:
 
 
 def _commit() -> str:
+    """HEAD's short id, "+dirty" when the package's sources differ from it (a copied tree whose
+    .git is behind reads as dirty), "unknown" outside a git checkout."""
     import subprocess
 
+    src = str(Path(__file__).parent)
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=src).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
+                               check=True, cwd=src).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def source_digest() -> str:
+    """sha256 (12 hex digits) over the fusedmoe package's .py files (relative path and bytes, in
+    path order): which code produced a result, whatever git says on the machine that ran it.
+    For a commit: check it out and run `python -c "from fusedmoe.cli import source_digest;
+    print(source_digest())"`."""
+    import hashlib
+
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _bench_backends(spec: str) -> list[str]:
@@ -451,7 +472,6 @@ def _bench_backends(spec: str) -> list[str]:
 
 
 def _bench_meta(ceilings, commit: str | None) -> dict:
-    import subprocess
 
     try:
         import triton
@@ -459,16 +479,10 @@ def _bench_meta(ceilings, commit: str | None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
     return {"device": ceilings.device, "bandwidth_TBps": ceilings.bandwidth / 1e12,
             "bf16_TFLOPs": ceilings.bf16_flops / 1e12, "torch": torch.__version__,
-            "triton": triton_version, "cuda": torch.version.cuda, "commit": commit,
-            "date": time.strftime("%Y-%m-%d")}
+            "triton": triton_version, "cuda": torch.version.cuda, "commit": commit or _commit(),
+            "source": source_digest(), "date": time.strftime("%Y-%m-%d")}
 
 
 def _write_csv(path: str, rows, meta: dict) -> None:

@@ -25,6 +25,16 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _fresh_tile_caches():
+    """Tile choices are memoized per process (`experts.memoized_tiles`); tests that monkeypatch
+    the SM count or the device name must not see another test's choice."""
+    from fusedmoe.backends.triton.experts import clear_tile_caches
+
+    clear_tile_caches()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     """GPU tests compile `FusedMoE.forward` for many configurations in one session; without a
     reset they share its code object's cache and hit dynamo's recompile limit (8)."""

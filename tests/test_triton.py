@@ -499,6 +499,39 @@ def test_tuned_table_lookup_by_scheme(tmp_path, monkeypatch, caplog):
     assert "invalid for fp8_w8a8_block: block_k=256" in reports[0]
 
 
+def test_tile_choice_is_memoized_per_knobs_and_cleared_by_tune(tmp_path, monkeypatch):
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_tiles
+    from fusedmoe.tune import write_table
+
+    calls = []
+    lookup = tuning.lookup
+    monkeypatch.setattr(tuning, "lookup", lambda *a: calls.append(a) or lookup(*a))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    problem = GemmProblem(16 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+    # TRITON_TMA=0: the heuristic asks no CUDA device about TMA (none here)
+    with knobs.override(TUNED_DIR=str(tmp_path), TRITON_TMA=False):
+        first = choose_tiles(problem, cuda)
+        assert choose_tiles(problem, cuda) is first and len(calls) == 1  # memoized
+        with knobs.override(TRITON_TMA="force"):  # a knob it reads: chosen again
+            choose_tiles(problem, cuda)
+        assert len(calls) == 2
+        tuned = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
+        entry = _entry(16, g1=tuple(tuned[0].__dict__.values()), g2=tuple(tuned[1].__dict__.values()))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+        path = write_table([entry], tmp_path)  # what `fusedmoe tune` writes
+        assert path.name == "Fake_GPU.json" and json.loads(path.read_text())["entries"]
+        assert choose_tiles(problem, cuda) == tuned != first  # the cache was cleared
+    with knobs.override(TRITON_TMA=False):
+        assert choose_tiles(problem, cuda) == first  # TUNED_DIR unset: the heuristic's again
+
+
 def test_tuned_table_files_corrupt_or_stale_are_ignored(tmp_path, caplog):
     import json
     import logging

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fusedmoe.backends.triton.experts import clear_tile_caches
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile
 from fusedmoe.backends.triton.tuning import FORMAT, READ_FORMATS, device_file_name
 
@@ -253,6 +254,7 @@ def write_table(entries: list[dict], folder: str | Path) -> Path:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "entries": sorted(merged.values(), key=key)}
     path.write_text(json.dumps(data, indent=1) + "\n")
+    clear_tile_caches()  # this process's next calls see the new entries
     return path
 
 

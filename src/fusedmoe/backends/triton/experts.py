@@ -256,6 +256,38 @@ class GemmProblem:
     dtype: torch.dtype
 
 
+def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
+    """`choose(problem, [scheme,] device)` remembered per arguments and the knobs it reads
+    (TUNED_DIR, TRITON_TMA): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
+    of host time per eager call otherwise. Tables written by `fusedmoe tune` in this process
+    clear it (`clear_tile_caches`); a table file rewritten by another process is read by the next
+    process, as tuned configs are read once at startup elsewhere (vLLM)."""
+    from fusedmoe import knobs
+
+    @functools.lru_cache(maxsize=4096)
+    def cached(args: tuple, tuned_dir, tma):
+        del tuned_dir, tma  # part of the key only
+        return choose(*args)
+
+    @functools.wraps(choose)
+    def wrapper(*args):
+        if torch.compiler.is_compiling():
+            return choose(*args)
+        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TRITON_TMA"))
+
+    _TILE_CACHES.append(cached)
+    return wrapper
+
+
+_TILE_CACHES: list = []
+
+
+def clear_tile_caches() -> None:
+    for cache in _TILE_CACHES:
+        cache.cache_clear()
+
+
+@memoized_tiles
 def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig, TileConfig]:
     """A tuned entry for this device and shape when one exists, else the heuristic."""
     from fusedmoe.backends.triton.tuning import lookup

@@ -37,6 +37,7 @@ from fusedmoe.backends.triton.experts import (
     launch_gemm1,
     launch_gemm2,
     launch_reduce,
+    memoized_tiles,
     triton_cdiv,
     triton_next_pow2,
 )
@@ -181,6 +182,7 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
 
 
 # Tiles ---------------------------------------------------------------------------------------
+@memoized_tiles
 def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
                        device: torch.device) -> tuple[TileConfig, TileConfig]:
     """The tuned entry for this W8A8 scheme, device and shape when one exists, else the

@@ -24,6 +24,7 @@ from fusedmoe.backends.triton.experts import (
     launch_gemm1,
     launch_gemm2,
     launch_reduce,
+    memoized_tiles,
     prepare_launch,
     run_batched,
 )
@@ -44,6 +45,7 @@ def weight_only_mode(scheme: QuantScheme) -> tuple[str, int | None]:
     return tile_mode(scheme)
 
 
+@memoized_tiles
 def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
                              device: torch.device) -> tuple[TileConfig, TileConfig]:
     """The tuned entry for this scheme, device and shape when one exists, else the heuristic

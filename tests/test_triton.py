@@ -361,6 +361,51 @@ def test_experts_class_and_custom_op_fake():
         assert fake.shape == (7, 32) and fake.dtype == torch.float32
 
 
+def test_eager_calls_skip_the_custom_op_dispatch_only_where_nothing_needs_it(monkeypatch):
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton.experts import TritonExperts
+
+    gen = torch.Generator().manual_seed(11)
+    config = MoEConfig(4, 2, 32, 16, dtype=torch.float32)
+    x = torch.randn(3, 32, generator=gen)
+    w = ExpertWeights(torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4)
+    weights, ids = select_experts(x, torch.randn(3, 4, generator=gen), 2)
+    used = []
+    for name in ("triton_experts_op", "triton_experts_out_op"):
+        op = getattr(experts_mod, name)
+        monkeypatch.setattr(experts_mod, name, lambda *a, _op=op, _n=name, **k: used.append(_n) or _op(*a, **k))
+    apply = lambda weights_: TritonExperts(config).apply(x, weights_, weights, ids, expert_map_E=None)  # noqa: E731
+    eager = apply(w)
+    assert used == []  # plain tensors, eager: the implementation directly
+    TritonExperts(config).apply(x, w, weights, ids, expert_map_E=None, out_TH=torch.empty_like(x))
+    assert used == []
+    trainable = ExpertWeights(w.w13.clone().requires_grad_(), w.w2)
+    with torch.no_grad():
+        apply(trainable)
+    assert used == []  # no autograd: nothing to refuse
+    out = apply(trainable)  # autograd would need the op: it runs, and refuses backward
+    assert used == ["triton_experts_op"]
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.sum().backward()
+    torch.testing.assert_close(out.detach(), eager, rtol=0, atol=0)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    used.clear()
+    with FakeTensorMode() as mode:
+        fake_w = ExpertWeights(mode.from_tensor(w.w13), mode.from_tensor(w.w2))
+        fake = TritonExperts(config).apply(mode.from_tensor(x), fake_w, mode.from_tensor(weights),
+                                           mode.from_tensor(ids), expert_map_E=None)
+    assert used == ["triton_experts_op"] and fake.shape == x.shape
+    used.clear()  # under torch.compile the graph holds the op (fullgraph: no break around it)
+    compiled = torch.compile(lambda x_, out_: TritonExperts(config).apply(x_, w, weights, ids, expert_map_E=None,
+                                                                        out_TH=out_),
+                             fullgraph=True, backend="aot_eager")
+    out = torch.empty_like(x)
+    compiled(x, out)
+    assert "triton_experts_out_op" in used
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(3, 32, generator=gen)

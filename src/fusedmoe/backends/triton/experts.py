@@ -640,6 +640,24 @@ def experts_ops(name: str, impl: Callable[..., torch.Tensor]):
     return op, out_op
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def call_op(op, impl: Callable, *args, **kwargs):
+    """op(*args, **kwargs), or impl (the op's own body) directly in plain eager calls: no
+    torch.compile / export trace, no dispatch mode (fake, functional, proxy), only plain tensors,
+    and no input that autograd would need (the op then raises on backward; impl would not).
+    The op's dispatch (autograd wrapper, dynamo guard) costs ~50 us of host time per call that an
+    eager decode step pays for nothing (CPU host, launches stubbed: docs/perf-notes.md)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return op(*args, **kwargs)
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
+            return op(*args, **kwargs)
+    return impl(*args, **kwargs)
+
+
 def _triton_experts_op_impl(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -682,9 +700,9 @@ class TritonExperts(Experts):
                 weights.w2_bias, expert_map_E, c.num_experts, c.activation,
                 c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
         if out_TH is not None:
-            triton_experts_out_op(*args, out=out_TH)
+            call_op(triton_experts_out_op, _triton_experts_op_impl, *args, out=out_TH)
             return out_TH
-        return triton_experts_op(*args)
+        return call_op(triton_experts_op, _triton_experts_op_impl, *args)
 
 
 # Batched layout ---------------------------------------------------------------------------------

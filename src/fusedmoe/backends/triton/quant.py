@@ -33,6 +33,7 @@ from fusedmoe.backends.triton.experts import (
     Launch,
     _num_sms,
     align,
+    call_op,
     experts_ops,
     launch_gemm1,
     launch_gemm2,
@@ -515,9 +516,9 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
     global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale)
     if out_TH is not None:
-        triton_quant_experts_out_op(*args, **global_scales, out=out_TH)
+        call_op(triton_quant_experts_out_op, _triton_quant_experts_op_impl, *args, **global_scales, out=out_TH)
         return out_TH
-    return triton_quant_experts_op(*args, **global_scales)
+    return call_op(triton_quant_experts_op, _triton_quant_experts_op_impl, *args, **global_scales)
 
 
 @torch.library.custom_op("fusedmoe::triton_batched_quant_experts", mutates_args=())

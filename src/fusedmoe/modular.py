@@ -11,6 +11,7 @@ subclasses it. Weight layout changes a backend wants happen once, in `Experts.pr
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -202,6 +203,25 @@ class BatchedLocalPrepareFinalize:
         y_N = torch.where(h.valid_N.unsqueeze(-1), y_N * scale.unsqueeze(-1), torch.zeros((), device=y_N.device))
         top_k = y_N.shape[0] // max(1, h.num_tokens)
         return y_N.view(h.num_tokens, top_k, -1).sum(dim=1).to(y_LMH.dtype)
+
+
+# Custom ops in eager calls -------------------------------------------------------------------
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def call_op(op, impl: Callable, *args, **kwargs):
+    """op(*args, **kwargs), or impl (the op's own body) directly in plain eager calls: no
+    torch.compile / export trace, no dispatch mode (fake, functional, proxy), only plain tensors,
+    and no input that autograd would need (the op then raises on backward; impl would not).
+    The op's dispatch (autograd wrapper, dynamo guard) costs ~50 us of host time per call that an
+    eager decode step pays for nothing (CPU host, launches stubbed: docs/perf-notes.md)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return op(*args, **kwargs)
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
+            return op(*args, **kwargs)
+    return impl(*args, **kwargs)
 
 
 class ModularMoE:

@@ -18,6 +18,7 @@ import torch
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.api import fused_experts
+from fusedmoe.modular import call_op
 from fusedmoe.quant.params import QuantParams
 
 
@@ -175,8 +176,8 @@ def run_experts(
         expert_map[num_experts] = -1
         global_num_experts = num_experts + 1
     x = x_TH if quant is not None or x_TH.dtype == w13.dtype else x_TH.to(w13.dtype)
-    out = torch.ops.fusedmoe.hf_experts(
-        x, w13, w2, top_k_weights_TK, ids, w13_bias, w2_bias, expert_map,
+    out = call_op(
+        torch.ops.fusedmoe.hf_experts, _hf_experts_impl, x, w13, w2, top_k_weights_TK, ids, w13_bias, w2_bias, expert_map,
         None if quant is None else quant.w13_scale, None if quant is None else quant.w2_scale,
         "" if quant is None else quant.scheme.name, math.activation, math.swiglu_alpha,
         math.swiglu_limit, apply_router_weight_on_input,
@@ -185,16 +186,7 @@ def run_experts(
     return out.to(x_TH.dtype)
 
 
-# One opaque op around fused_experts: torch.compile (fullgraph too) sees a single node instead of
-# tracing validation, the oracle and a CPU backend's host-side loop (43 s -> seconds to compile).
-@torch.library.custom_op(
-    "fusedmoe::hf_experts", mutates_args=(),
-    schema="(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? w13_bias, "
-           "Tensor? w2_bias, Tensor? expert_map, Tensor? w13_scale, Tensor? w2_scale, str quant, "
-           "str activation, float swiglu_alpha, float? swiglu_limit, bool apply_router_weight_on_input, "
-           "int global_num_experts) -> Tensor",
-)
-def _hf_experts(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, w13_scale,
+def _hf_experts_impl(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, w13_scale,
                 w2_scale, quant, activation, swiglu_alpha, swiglu_limit, apply_router_weight_on_input,
                 global_num_experts):
     return fused_experts(
@@ -205,6 +197,18 @@ def _hf_experts(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_ma
         quant=QuantParams(quant, w13_scale, w2_scale) if quant else None,
         apply_router_weight_on_input=apply_router_weight_on_input,
     )
+
+
+# One opaque op around fused_experts: torch.compile (fullgraph too) sees a single node instead of
+# tracing validation, the oracle and a CPU backend's host-side loop (43 s -> seconds to compile).
+# Plain eager calls (generate under no_grad) run its body directly (`call_op`).
+_hf_experts = torch.library.custom_op(
+    "fusedmoe::hf_experts", _hf_experts_impl, mutates_args=(),
+    schema="(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? w13_bias, "
+           "Tensor? w2_bias, Tensor? expert_map, Tensor? w13_scale, Tensor? w2_scale, str quant, "
+           "str activation, float swiglu_alpha, float? swiglu_limit, bool apply_router_weight_on_input, "
+           "int global_num_experts) -> Tensor",
+)
 
 
 @_hf_experts.register_fake

@@ -23,7 +23,7 @@ import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.backends.triton.tiles import TileConfig, heuristic
-from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights
+from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op
 
 ACT_CODES = {name: i for i, name in enumerate(
     ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
@@ -638,24 +638,6 @@ def experts_ops(name: str, impl: Callable[..., torch.Tensor]):
     out_op = torch.library.custom_op(f"fusedmoe::{name}_out", with_out, mutates_args=("out",))
     out_op.register_fake(lambda *args, **kwargs: None)
     return op, out_op
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def call_op(op, impl: Callable, *args, **kwargs):
-    """op(*args, **kwargs), or impl (the op's own body) directly in plain eager calls: no
-    torch.compile / export trace, no dispatch mode (fake, functional, proxy), only plain tensors,
-    and no input that autograd would need (the op then raises on backward; impl would not).
-    The op's dispatch (autograd wrapper, dynamo guard) costs ~50 us of host time per call that an
-    eager decode step pays for nothing (CPU host, launches stubbed: docs/perf-notes.md)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return op(*args, **kwargs)
-    grad = torch.is_grad_enabled()
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
-            return op(*args, **kwargs)
-    return impl(*args, **kwargs)
 
 
 def _triton_experts_op_impl(

@@ -472,7 +472,6 @@ def _bench_backends(spec: str) -> list[str]:
 
 
 def _bench_meta(ceilings, commit: str | None) -> dict:
-
     try:
         import triton
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import math
 import multiprocessing
+import os
 import random
 import signal
 import time
@@ -755,7 +756,8 @@ def _worker(conn: Connection, job: _Job) -> None:
     if job.device.startswith("cuda"):
         # Many workers share the GPU: segments that grow and shrink leave less reserved-but-unused
         # memory behind than fixed blocks (H200, 12 workers: 3-4 GB of ~11 GB each otherwise).
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        # Read when this process first allocates on the GPU; a setting of the user's stands.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with knobs.override(**dict(job.knob_overrides)):
         conn.send("ready")
         while True:

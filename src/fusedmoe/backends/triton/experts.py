@@ -385,14 +385,17 @@ def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor 
     (bf16 / fp16), no split-K, BLOCK_M >= 64, and TMA's rules: last dim contiguous, base and
     row stride 16-byte aligned, box dims <= 256 and >= 16 B inner.
     """
-    reason = _tma_device_reason(w.device)
+    # The kernel and tile rules first: a decode launch (every eager decode step) then reads no knob.
     quant = (quant_args or {}).get("QUANT", 0)
-    if reason is None and quant:
+    reason = None
+    if quant:
         reason = f"quantized kernels (QUANT={quant})"
-    if reason is None and tile.split_k > 1:
+    elif tile.split_k > 1:
         reason = f"split_k={tile.split_k}"
-    if reason is None and tile.block_m < TMA_MIN_BLOCK_M:
+    elif tile.block_m < TMA_MIN_BLOCK_M:
         reason = f"block_m={tile.block_m} < {TMA_MIN_BLOCK_M} (decode tiles keep pointer loads)"
+    else:
+        reason = _tma_device_reason(w.device)
     if reason is not None:
         return reason, reason
     w_reason = None

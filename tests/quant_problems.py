@@ -82,14 +82,14 @@ def problem(case: Case, scheme: str, dtype: torch.dtype):
     return config, x, ExpertWeights(q13, q2, b13, b2, params), weights, ids, expert_map
 
 
-def run(config, x, w, weights, ids, expert_map, tiles=None, out=None):
+def run(config, x, w, weights, ids, expert_map, tiles=None, out=None, direct=None):
     p = w.quant
     return triton_quant_experts(
         x, w.w13, w.w2, weights, ids, w.w13_bias, w.w2_bias, expert_map, config.num_experts,
         config.activation, config.apply_router_weight_on_input, config.swiglu_alpha,
         config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
         tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles), out=out,
-        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
+        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale, direct=direct,
     )
 
 

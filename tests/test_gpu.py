@@ -226,3 +226,48 @@ def test_tma_descriptor_loads(monkeypatch, T, E, K, H, I, act, bias, operands):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_direct_decode_on_presets(name):
+    """The direct decode path (no alignment, GEMM2 with the top-k sum) against the reference and
+    the aligned path at decode sizes, eagerly and replayed from a CUDA graph."""
+    from fusedmoe.backends.triton.experts import triton_experts
+
+    p = PRESETS[name]
+    inter = p.intermediate_size // p.bench_tp
+    for tokens in (1, 4, 16):
+        x, w13, w2, b13, b2, w, ids = make(tokens, p.num_experts, p.top_k, p.hidden_size, inter, torch.bfloat16,
+                                           act=p.activation, bias=p.has_bias, seed=tokens,
+                                           on_input=p.apply_router_weight_on_input)
+        args = (x, w13, w2, w, ids, b13, b2, None, p.num_experts, p.activation, p.apply_router_weight_on_input,
+                1.702, None)
+        poison_allocator()
+        out = triton_experts(*args, direct=True)
+        ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=p.activation,
+                     apply_router_weight_on_input=p.apply_router_weight_on_input)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert rel_err(out, triton_experts(*args, direct=False)) < TOL[torch.bfloat16]
+        graph, static_out = capture(lambda: triton_experts(*args, direct=True))  # noqa: B023
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out)
+
+
+def test_direct_decode_expert_map_out_of_range_and_split_k():
+    from fusedmoe.backends.triton.experts import triton_experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    E, K, H, I = 16, 4, 1024, 320
+    x, w13, w2, b13, b2, w, _ = make(3, E, K, H, I, torch.bfloat16, bias=True, seed=21)
+    ids = torch.tensor([[0, 3, 5, 15], [2, -1, 16, 7], [99, -3, 40, 17]], device="cuda", dtype=torch.int32)
+    expert_map = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    expert_map[::2] = torch.arange(E // 2, dtype=torch.int32, device="cuda")
+    local = expert_map >= 0
+    for tiles in (None, (TileConfig(16, 32, 128, 4, 3, 4), TileConfig(16, 32, 128, 4, 3))):
+        out = triton_experts(x, w13[local], w2[local], w, ids, b13[local], b2[local], expert_map, E, "silu", False,
+                             1.702, None, tiles=tiles, direct=True)
+        ref = fused_experts_ref(x.float(), w13[local].float(), w2[local].float(), w, ids, expert_map_E=expert_map,
+                                global_num_experts=E, w13_bias_LG=b13[local].float(), w2_bias_LH=b2[local].float())
+        assert rel_err(out[:2], ref[:2]) < TOL[torch.bfloat16]
+        assert (out[2] == 0).all()  # no slot of token 2 is local and in range

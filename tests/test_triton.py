@@ -21,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
+from fusedmoe.backends.triton import experts as experts_mod  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
     ALIGN_CHUNKED_MAX_SLOTS,
     ALIGN_SMALL_MAX_SLOTS,
@@ -282,6 +283,115 @@ def test_kernels_match_reference(case, dtype):
         swiglu_alpha=alpha, swiglu_limit=limit,
     )
     assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+# The direct decode path: GEMM1 by slot, GEMM2 with the routed weight and the top-k sum -------------
+DIRECT_TILES = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "many-tokens"],
+                         ids=[c[0] for c in CASES if c[0] != "many-tokens"])
+def test_direct_decode_matches_reference(case, dtype, monkeypatch):
+    _, T, E, K, H, I, act, bias, on_input, use_map = case
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()) + 1)
+    rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
+    num_local, expert_map = E, None
+    if use_map:
+        num_local = len(range(0, E, 2))
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[0::2] = torch.arange(num_local, dtype=torch.int32)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(num_local, rows, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(num_local, H, I, generator=gen) / I**0.5).to(dtype)
+    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) if bias else None
+    b2 = torch.randn(num_local, H, generator=gen).to(dtype) if bias else None
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K, renormalize=not on_input)
+    alpha, limit = (1.5, 6.0) if act == "swigluoai" else (1.702, None)
+    monkeypatch.setattr(experts_mod, "align", None)  # the direct path aligns nothing
+    out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+    triton_experts(x, w13, w2, weights, ids, b13, b2, expert_map, E, act, on_input, alpha, limit,
+                   tiles=DIRECT_TILES, out=out, direct=True)
+    ref = fused_experts_ref(
+        x.double(), w13.double(), w2.double(), weights, ids, activation=act,
+        apply_router_weight_on_input=on_input, expert_map_E=expert_map, global_num_experts=E,
+        w13_bias_LG=None if b13 is None else b13.double(), w2_bias_LH=None if b2 is None else b2.double(),
+        swiglu_alpha=alpha, swiglu_limit=limit,
+    )
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_direct_decode_split_k_out_of_range_ids_and_in_place(split):
+    gen = torch.Generator().manual_seed(60 + split)
+    T, E, K, H, I = 4, 6, 3, 128, 40
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    b13, b2 = torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)
+    ids = torch.tensor([[1, 0, 5], [1, -1, 2], [3, E, 1], [E + 7, -5, 99]], dtype=torch.int32)
+    weights = torch.rand(T, K, generator=gen)
+    weights[1, 1] = float("nan")  # the weight of a dropped slot is never read
+    tiles = (TileConfig(16, 16, 32, 4, 2, split), TileConfig(16, 32, 32, 4, 2))
+    into = x.clone()
+    out = triton_experts(into, w13, w2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
+                         tiles=tiles, out=into, direct=True)
+    keep = (ids >= 0) & (ids < E)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), torch.where(keep, weights, 0), ids.clamp(0, E - 1),
+                            w13_bias_LG=b13.double(), w2_bias_LH=b2.double())
+    assert out is into and rel_err(out, ref) < 1e-5
+    assert (out[3] == 0).all()  # every slot dropped: exactly zero, not the poisoned input
+    again = triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
+                           tiles=tiles, direct=True)
+    assert torch.equal(again, out)  # deterministic: each output element written once, slots in order
+
+
+def test_direct_decode_rule_knob_and_errors(monkeypatch):
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        choose_direct_tiles,
+        direct_auto,
+        direct_plan,
+    )
+
+    def problem(tokens, experts, top_k, hidden=7168, inter=256):
+        return GemmProblem(tokens * top_k, experts, hidden, inter, top_k, True, torch.bfloat16)
+
+    # the measured wins: DeepSeek-V3 M=1 and 4, Llama-4 M=1, Qwen3-30B M=4
+    assert direct_auto(problem(1, 256, 8)) and direct_auto(problem(4, 256, 8))
+    assert direct_auto(problem(1, 128, 1, 5120, 1024)) and direct_auto(problem(4, 128, 8, 2048, 768))
+    # and losses: too few GEMM2 programs (Qwen3 M=1), long intermediates (gpt-oss, Mixtral),
+    # experts repeated (Mixtral M=4: 8 slots over 8 experts), many slots
+    assert not direct_auto(problem(1, 128, 8, 2048, 768)) and not direct_auto(problem(4, 128, 4, 2880, 2880))
+    assert not direct_auto(problem(4, 8, 2, 4096, 1024)) and not direct_auto(problem(16, 256, 8))
+    assert not direct_auto(problem(1, 256, 8), num_sms=200)
+    dev = torch.device("cpu")
+    t1, t2 = choose_direct_tiles(problem(1, 256, 8), None, dev)
+    assert t1.block_m == t2.block_m == 16 and check_tile(t2, dtype=torch.bfloat16) is None
+    with knobs.override(TRITON_DIRECT=False):
+        assert choose_direct_tiles(problem(1, 256, 8), None, dev) is None
+    with knobs.override(TRITON_DIRECT="force"):
+        assert choose_direct_tiles(problem(16, 128, 8, 2048, 768), None, dev) is not None
+    assert direct_plan(problem(1, 256, 8), None, dev, DIRECT_TILES, None) is None  # explicit tiles: aligned
+    assert direct_plan(problem(1, 256, 8), None, dev, None, False) is None
+    with pytest.raises(ValueError, match="top_k=17 > 16"):
+        direct_plan(problem(1, 128, 17), None, dev, None, True)
+    with pytest.raises(ValueError, match="needs block_m=16"):
+        direct_plan(problem(1, 128, 8), None, dev, (TileConfig(32, 16, 32), DIRECT_TILES[1]), True)
+
+
+def test_direct_gemm2_heuristic_tiles_are_valid():
+    from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic
+
+    for tokens in (1, 2, 7, 64):
+        for hidden, inter in ((2048, 768), (7168, 256), (5120, 1024), (2880, 2880), (65, 37), (4096, 14336)):
+            for dtype in (torch.bfloat16, torch.float32):
+                for quant, group in ((None, None), ("w8", None), ("w4", 32), ("w4", 128)):
+                    tile = direct_gemm2_heuristic(tokens, hidden, inter, dtype, quant=quant, group=group)
+                    assert tile.block_m == 16
+                    assert check_tile(tile, dtype=dtype, quant=quant, group=group) is None, tile
+    assert direct_gemm2_heuristic(1, 2048, 768, torch.bfloat16).block_n == 16  # 128 programs for 132 SMs
+    assert direct_gemm2_heuristic(64, 2048, 768, torch.bfloat16).block_n == 128
 
 
 def test_swiglu_clamp_applied():

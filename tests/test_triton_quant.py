@@ -160,6 +160,27 @@ def test_schemes_match_emulation_and_reference(case, scheme):
         assert (out[remote] == 0).all()
 
 
+WO_DIRECT = [(c, s) for c, schemes in CASES if c.id.startswith("wo-") for s in schemes[:1]]
+
+
+@pytest.mark.parametrize("case,scheme", WO_DIRECT, ids=[f"{c.id}-{s}" for c, s in WO_DIRECT])
+def test_weight_only_direct_decode_matches_emulation(case, scheme):
+    """The direct decode path (GEMM1 by slot, GEMM2 with the top-k sum; no alignment) on the
+    weight-only cases: every decode (8-bit, int4 / e2m1 groups, nvfp4's global scale), split-K,
+    biases, router weight on input, expert_map, partial tiles."""
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    out = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
+
+
+def test_direct_decode_refuses_w8a8():
+    config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "int8_w8a8", torch.float32)
+    with pytest.raises(ValueError, match="direct decode path runs unquantized and weight-only schemes, not int8_w8a8"):
+        run(config, x, w, weights, ids, None, Case.tiles, direct=True)
+
+
 @pytest.mark.parametrize("scheme", W8A8 + WEIGHT_ONLY)
 def test_fp16_matches_emulation(scheme):
     config, x, w, weights, ids, expert_map = problem(Case("fp16", bias=True, I=128 if scheme in WEIGHT_ONLY else 64), scheme, torch.float16)

@@ -92,6 +92,10 @@ KNOBS: dict[str, Knob] = {
              "TMA tensor descriptors for the large-M unquantized Triton GEMMs (weights; gemm2's sorted "
              "rows too): unset/1 = where eligible on sm90+, 0 = off (pointer loads), force = wherever "
              "the tensors and tile allow, on any device (the interpreter tests)."),
+        Knob("TRITON_DIRECT", _on_off_force, None,
+             "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
+             "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "
+             "0 = never (align, GEMMs, reduce), force = whenever top_k <= 16."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
              "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
     )

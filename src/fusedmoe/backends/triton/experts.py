@@ -258,22 +258,22 @@ class GemmProblem:
 
 def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
     """`choose(problem, [scheme,] device)` remembered per arguments and the knobs it reads
-    (TUNED_DIR, TRITON_TMA): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
+    (TUNED_DIR, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
     of host time per eager call otherwise. Tables written by `fusedmoe tune` in this process
     clear it (`clear_tile_caches`); a table file rewritten by another process is read by the next
     process, as tuned configs are read once at startup elsewhere (vLLM)."""
     from fusedmoe import knobs
 
     @functools.lru_cache(maxsize=4096)
-    def cached(args: tuple, tuned_dir, tma):
-        del tuned_dir, tma  # part of the key only
+    def cached(args: tuple, tuned_dir, tma, direct):
+        del tuned_dir, tma, direct  # part of the key only
         return choose(*args)
 
     @functools.wraps(choose)
     def wrapper(*args):
         if torch.compiler.is_compiling():
             return choose(*args)
-        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TRITON_TMA"))
+        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TRITON_TMA"), knobs.get("TRITON_DIRECT"))
 
     _TILE_CACHES.append(cached)
     return wrapper
@@ -303,6 +303,91 @@ def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
                    tma=tma2)
     return t1, t2
+
+
+# Direct decode ---------------------------------------------------------------------------------
+# Few slots: GEMM1 takes each slot's expert from the top-k ids (one 16-row block per slot, row 0
+# live) and GEMM2 sums a token's slots itself (kernels.moe_gemm2_direct_kernel): no alignment and
+# no reduce launch, two kernels (three with split-K) instead of four (five). GEMM2 then runs one
+# program per (token, N tile), each streaming its N rows of all K experts: it needs enough N
+# tiles to fill the SMs and short per-slot K loops to beat the aligned GEMM2, whose programs are
+# (slot, N tile). H200 (benchmarks/bench_direct.py, 2026-11-23_h200_direct-vector.txt), us:
+#                        aligned -> direct           programs at 32 wide   I
+#   DeepSeek-V3 M=1      37.5 -> 29.9               224                   256
+#   DeepSeek-V3 M=4      90.0 -> 85.4               896                   256
+#   Llama-4 M=1          20.7 -> 15.8               160                   1024
+#   Qwen3-30B M=4        77.4 -> 73.1               256                   768
+#   Qwen3-30B M=1        29.2 -> 31.3 (lost)        64                    768
+#   gpt-oss M=1 / M=4    63.3 -> 74.0 / 202 -> 213  90 / 360              2880
+#   Mixtral M=1          170 -> 187                 128                   14336
+# An expert routed twice is streamed twice (a slot is its own block): auto also wants experts
+# rarely repeated among the slots under uniform routing.
+DIRECT_BLOCK_M = 16
+DIRECT_MAX_TOP_K = 16  # the GEMM2 kernel holds a token's K ids and weights in registers
+DIRECT_MAX_SLOTS = 64
+DIRECT_MAX_REPEAT = 1.15  # slots / expected distinct experts under uniform routing
+DIRECT_MAX_INTER = 1024  # per-slot K loop of GEMM2
+DIRECT_MIN_PROGRAMS = 1.2  # GEMM2 programs at 32-wide N tiles per SM
+
+
+def direct_reason(problem: GemmProblem) -> str | None:
+    """Why the direct decode path cannot run this problem, or None."""
+    if problem.top_k > DIRECT_MAX_TOP_K:
+        return f"top_k={problem.top_k} > {DIRECT_MAX_TOP_K}"
+    if problem.num_slots == 0:
+        return "no slots"
+    return None
+
+
+def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
+    """The auto rule (measured, above): few slots with experts rarely repeated among them, a
+    short intermediate, and enough GEMM2 programs to fill the SMs."""
+    n, L = problem.num_slots, max(1, problem.num_local_experts)
+    distinct = L * (1.0 - (1.0 - 1.0 / L) ** n)
+    programs = (n // problem.top_k) * -(-problem.hidden // 32)
+    return (n <= DIRECT_MAX_SLOTS and n <= DIRECT_MAX_REPEAT * distinct and problem.inter <= DIRECT_MAX_INTER
+            and programs >= DIRECT_MIN_PROGRAMS * num_sms)
+
+
+def direct_wanted(problem: GemmProblem, num_sms: int = 132) -> bool:
+    """FUSEDMOE_TRITON_DIRECT: unset/1 = `direct_auto`, 0 = never, force = wherever it can run."""
+    from fusedmoe import knobs
+
+    mode = knobs.get("TRITON_DIRECT")
+    if mode is False or direct_reason(problem) is not None:
+        return False
+    return mode == "force" or direct_auto(problem, num_sms)
+
+
+@memoized_tiles
+def choose_direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig] | None:
+    """(gemm1, direct gemm2) tiles when the direct path runs this problem, else None. GEMM1 takes
+    a tuned 16-row entry when the table has one (its blocks are one expert's slot either way),
+    else the heuristic with one block per slot; GEMM2 `direct_gemm2_heuristic`."""
+    from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic, tile_mode
+    from fusedmoe.backends.triton.tuning import lookup
+
+    p, sms = problem, _num_sms(device)
+    if not direct_wanted(problem, sms):
+        return None
+    quant, group = tile_mode(scheme)
+    tuned = lookup(p, device) if scheme is None else lookup(p, device, scheme)
+    if tuned is not None and tuned[0].block_m == DIRECT_BLOCK_M:
+        t1 = tuned[0]
+    else:
+        t1 = heuristic(p.num_slots, p.num_slots, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
+                       quant=quant, group=group)
+    t2 = direct_gemm2_heuristic(p.num_slots // p.top_k, p.hidden, p.inter, p.dtype, num_sms=sms,
+                                quant=quant, group=group)
+    return t1, t2
+
+
+def check_direct_tiles(t1: TileConfig, t2: TileConfig) -> None:
+    for name, tile in (("gemm1", t1), ("gemm2", t2)):
+        if tile.block_m != DIRECT_BLOCK_M:
+            raise ValueError(f"the direct path's {name} tile needs block_m={DIRECT_BLOCK_M}, got {tile}")
+    if t2.split_k != 1:
+        raise ValueError(f"the direct gemm2 does not split K, got {t2}")
 
 
 # TMA descriptors ------------------------------------------------------------------------------
@@ -428,16 +513,21 @@ def _descriptor(t: torch.Tensor, block: tuple[int, int]):
 
 @dataclass
 class Launch:
-    """Everything the three kernels share for one call (buffers, aligned slots, flags)."""
+    """Everything the kernels share for one call (buffers, aligned slots, flags).
+
+    Direct (decode, `prepare_direct_launch`): no alignment; sorted_slot / block_expert / num_rows
+    / slot_ok / y are None, `ids` holds the flat top-k ids, a's rows are slots, and GEMM2 writes
+    the output itself (`launch_gemm2_direct`).
+    """
 
     x: torch.Tensor
     weights_N: torch.Tensor
-    sorted_slot: torch.Tensor
-    block_expert: torch.Tensor
-    num_rows: torch.Tensor
-    slot_ok: torch.Tensor
+    sorted_slot: torch.Tensor | None
+    block_expert: torch.Tensor | None
+    num_rows: torch.Tensor | None
+    slot_ok: torch.Tensor | None
     a: torch.Tensor
-    y: torch.Tensor
+    y: torch.Tensor | None
     top_k: int
     activation: str
     scale_input: bool  # gemm1 multiplies rows by the routed weight (router weight on input)
@@ -445,10 +535,42 @@ class Launch:
     swiglu_alpha: float
     swiglu_limit: float | None
     block_m: int
+    ids: torch.Tensor | None = None  # direct: topk_ids [T*K]
+    expert_map: torch.Tensor | None = None  # direct: global -> local expert (-1: not here)
+    num_global: int = 0
+    num_local: int = 0
     launch_kw: dict = field(init=False)  # pdl(device): the kernels' launch keywords, read once
 
     def __post_init__(self) -> None:
         self.launch_kw = pdl(self.x.device)
+
+    @property
+    def direct(self) -> bool:
+        return self.ids is not None
+
+    @property
+    def num_slots(self) -> int:
+        return self.ids.numel() if self.direct else self.y.shape[0]
+
+    @property
+    def blocks(self) -> int:
+        """Row blocks of the GEMM grids: one per slot (direct) or per BLOCK_M aligned rows."""
+        return self.ids.numel() if self.direct else self.sorted_slot.numel() // self.block_m
+
+    def row_args(self) -> tuple:
+        """The kernels' (sorted_slot, block_expert, num_rows) arguments; direct: placeholders
+        never read (DIRECT reads `direct_kwargs`)."""
+        if self.direct:
+            return self.ids, self.ids, self.ids
+        return self.sorted_slot, self.block_expert, self.num_rows
+
+    def direct_kwargs(self) -> dict:
+        if not self.direct:
+            return {}
+        emap = self.expert_map
+        return dict(ids_ptr=self.ids, emap_ptr=emap if emap is not None else self.ids,
+                    num_global=self.num_global, num_local=self.num_local, DIRECT=True,
+                    HAS_MAP=emap is not None)
 
 
 def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
@@ -468,6 +590,24 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
                   not apply_router_weight_on_input, swiglu_alpha, swiglu_limit, block_m)
 
 
+def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
+                          inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                          swiglu_limit) -> Launch:
+    """The direct decode path's launch: no alignment, a [T*K, I] indexed by slot."""
+    weights_N = topk_weights_TK.reshape(-1)
+    if not weights_N.is_contiguous():
+        weights_N = weights_N.contiguous()
+    ids = topk_ids_TK.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    if expert_map is not None and not expert_map.is_contiguous():
+        expert_map = expert_map.contiguous()
+    a = torch.empty(ids.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
+    return Launch(x_TH, weights_N, None, None, None, None, a, None, topk_ids_TK.shape[1], activation,
+                  apply_router_weight_on_input, not apply_router_weight_on_input, swiglu_alpha,
+                  swiglu_limit, DIRECT_BLOCK_M, ids, expert_map, num_global_experts, num_local)
+
+
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
                  quant_args: dict | None = None, *, x: torch.Tensor | None = None) -> None:
     """GEMM1 (+ the split-K finish). quant_args: the kernel's quantization arguments (W8A8 in
@@ -479,7 +619,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     gated = is_gated(L.activation)
     bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
     limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
-    blocks = L.sorted_slot.numel() // L.block_m
+    blocks = L.blocks
     k_per_split = triton_cdiv(triton_cdiv(hidden, tile.split_k), tile.block_k) * tile.block_k
     splits = triton_cdiv(hidden, k_per_split)
     hpart = x  # never written unless SPLIT_K > 1
@@ -492,25 +632,27 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
     w_desc = tma_reasons(tile, w13, (2 if gated else 1) * inter, None, quant_args)[1] is None
     w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
+    direct = L.direct_kwargs()
     kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
-        x, w_arg, bias, a, L.weights_N, hpart, L.sorted_slot, L.block_expert, L.num_rows,
-        L.y.shape[0], L.top_k, hidden, inter, k_per_split,
+        x, w_arg, bias, a, L.weights_N, hpart, *L.row_args(),
+        L.num_slots, L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
-        **(quant_args or {}), **L.launch_kw,
+        **(quant_args or {}), **direct, **L.launch_kw,
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
         kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
-            hpart, bias, a, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
-            L.y.shape[0], inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
+            hpart, bias, a, L.weights_N, *L.row_args(),
+            L.num_slots, inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
             float(L.swiglu_alpha), float(limit),
-            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **L.launch_kw,
-    )
+            SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **direct,
+            **L.launch_kw,
+        )
 
 
 def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
@@ -535,6 +677,29 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0,
         A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
+        **(quant_args or {}), **L.launch_kw,
+    )
+
+
+def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
+                        out: torch.Tensor, quant_args: dict | None = None) -> None:
+    """GEMM2 with the routed weight and the top-k sum (direct path): out [T, H] written once."""
+    from fusedmoe.backends.triton import kernels
+
+    a = L.a
+    hidden, inter = out.shape[1], a.shape[1]
+    bias = w2_bias if w2_bias is not None else out
+    emap = L.expert_map if L.expert_map is not None else L.ids
+    kernels.moe_gemm2_direct_kernel[(out.shape[0], triton_cdiv(hidden, tile.block_n))](
+        a, w2, bias, out, L.weights_N, L.ids, emap,
+        L.num_global, L.num_local, hidden, inter,
+        a.stride(0), a.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
+        out.stride(0), out.stride(1),
+        TOP_K=L.top_k, TOP_K_P=triton_next_pow2(L.top_k),
+        HAS_MAP=L.expert_map is not None, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
+        IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
     )
 
@@ -574,10 +739,13 @@ def triton_experts(
     swiglu_limit: float | None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels.
 
-    `out` may be x itself: x is read only by gemm1, out written only by the final reduce.
+    `out` may be x itself: x is read only by gemm1, out written only by the last kernel.
+    direct: the decode path without alignment (None: FUSEDMOE_TRITON_DIRECT and the auto rule
+    when no tiles are given; True: with `tiles` as (gemm1, direct gemm2) tiles when given).
     """
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
@@ -586,6 +754,14 @@ def triton_experts(
         return out
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
                           is_gated(activation), x_TH.dtype)
+    plan = direct_plan(problem, None, x_TH.device, tiles, direct)
+    if plan is not None:
+        launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                                       num_local, inter, activation, apply_router_weight_on_input,
+                                       swiglu_alpha, swiglu_limit)
+        launch_gemm1(launch, w13, w13_bias, plan[0])
+        launch_gemm2_direct(launch, w2, w2_bias, plan[1], out)
+        return out
     t1, t2 = tiles if tiles is not None else choose_tiles(problem, x_TH.device)
     if t1.block_m != t2.block_m:
         raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
@@ -596,6 +772,25 @@ def triton_experts(
     launch_gemm2(launch, w2, w2_bias, t2)
     launch_reduce(launch, out)
     return out
+
+
+def direct_plan(problem: GemmProblem, scheme, device: torch.device,
+                tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[TileConfig, TileConfig] | None:
+    """The direct path's (gemm1, gemm2) tiles when this call takes it, else None (aligned)."""
+    if direct is False or (direct is None and tiles is not None):
+        return None
+    if direct:
+        reason = direct_reason(problem)
+        if reason is not None:
+            raise ValueError(f"the direct decode path cannot run this call: {reason}")
+        if tiles is None:
+            from fusedmoe import knobs
+
+            with knobs.override(TRITON_DIRECT="force"):
+                tiles = choose_direct_tiles(problem, scheme, device)
+        check_direct_tiles(*tiles)
+        return tiles
+    return choose_direct_tiles(problem, scheme, device)
 
 
 @functools.cache

@@ -318,6 +318,21 @@ def _load_scale(ptr, STATIC: tl.constexpr):
 
 
 @triton.jit
+def _direct_slot(ids_ptr, emap_ptr, pid, num_slots, num_global, num_local, HAS_MAP: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """DIRECT row block `pid` = slot pid alone: (its local expert, num_local when it has none;
+    [BLOCK_M] slots with lane 0 = pid and the padding lanes = num_slots; lane 0 mask)."""
+    e = tl.load(ids_ptr + pid).to(tl.int64)
+    ok = (e >= 0) & (e < num_global)
+    if HAS_MAP:
+        e = tl.load(emap_ptr + tl.where(ok, e, 0)).to(tl.int64)
+        ok = ok & (e >= 0)
+    lanes = tl.arange(0, BLOCK_M)
+    row_ok = lanes == 0
+    return tl.where(ok, e, num_local), tl.where(row_ok, pid, num_slots), row_ok
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
     sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
@@ -344,6 +359,10 @@ def moe_gemm1_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     W_DESC: tl.constexpr = False,
+    # DIRECT (decode, no alignment): row block b is slot b alone (row 0 live), its expert read
+    # from the top-k ids (ids_ptr, through emap_ptr when HAS_MAP); a / hpart rows are slots.
+    ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
+    DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -358,12 +377,19 @@ def moe_gemm1_kernel(
     _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    row_ok = slot < num_slots
+    if DIRECT:
+        expert, slot, row_ok = _direct_slot(ids_ptr, emap_ptr, pid_m, num_slots, num_global, num_local,
+                                            HAS_MAP, BLOCK_M)
+        if expert >= num_local:  # routed to no local expert: nothing reads this slot's row
+            return
+        rows = slot
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        row_ok = slot < num_slots
     token = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -478,11 +504,12 @@ def moe_gemm1_kernel(
         acc_g = acc_g * global_scale
         acc_u = acc_u * global_scale
 
+    store_ok = n_ok[None, :] & row_ok[:, None] if DIRECT else n_ok[None, :]  # padding rows are rows of a
     if SPLIT_K > 1:
         h_ptrs = hpart_ptr + pid_s * stride_hs + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
-        tl.store(h_ptrs, acc_g, mask=n_ok[None, :])
+        tl.store(h_ptrs, acc_g, mask=store_ok)
         if GATED:
-            tl.store(h_ptrs + inter, acc_u, mask=n_ok[None, :])
+            tl.store(h_ptrs + inter, acc_u, mask=store_ok)
     else:
         act = _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
                               stride_be, stride_bn, inter, alpha, limit,
@@ -497,7 +524,7 @@ def moe_gemm1_kernel(
             tl.store(as_ptr + rows64 * stride_asr + pid_n * stride_asg, a_scale)
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
-            tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+            tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=store_ok)
 
 
 @triton.jit
@@ -510,31 +537,42 @@ def moe_act_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
+    ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
+    DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
 ):
-    """a[r, n] = act(sum_s hpart[s, r, n] ...): the split-K GEMM1 partials, summed in split order."""
+    """a[r, n] = act(sum_s hpart[s, r, n] ...): the split-K GEMM1 partials, summed in split order.
+    DIRECT: rows are slots, as in moe_gemm1_kernel."""
     _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    row_ok = slot < num_slots
+    if DIRECT:
+        expert, slot, row_ok = _direct_slot(ids_ptr, emap_ptr, pid_m, num_slots, num_global, num_local,
+                                            HAS_MAP, BLOCK_M)
+        if expert >= num_local:
+            return
+        rows = slot
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        row_ok = slot < num_slots
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
+    ok = n_ok[None, :] & row_ok[:, None] if DIRECT else n_ok[None, :]  # padding rows are rows of a
     h_ptrs = hpart_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc_g += tl.load(h_ptrs + s * stride_hs, mask=n_ok[None, :], other=0.0)
+        acc_g += tl.load(h_ptrs + s * stride_hs, mask=ok, other=0.0)
         if GATED:
-            acc_u += tl.load(h_ptrs + s * stride_hs + inter, mask=n_ok[None, :], other=0.0)
+            acc_u += tl.load(h_ptrs + s * stride_hs + inter, mask=ok, other=0.0)
     act = _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, topk_w_ptr,
                           stride_be, stride_bn, inter, alpha, limit,
                           GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
-    tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -656,6 +694,112 @@ def moe_gemm2_kernel(
         acc = acc * w[:, None]
     y_ptrs = y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_gemm2_direct_kernel(
+    a_ptr, w2_ptr, b2_ptr, out_ptr, topk_w_ptr, ids_ptr, emap_ptr,
+    num_global, num_local, hidden, inter,
+    stride_ar, stride_ai,
+    stride_we, stride_wh, stride_wi,
+    stride_be, stride_bh,
+    stride_ot, stride_oh,
+    TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # weight-only, as in moe_gemm2_kernel (Q_W8, Q_W4); W8A8 modes take the aligned path
+    ws_ptr=None, stride_ws0=0, stride_ws1=0, stride_ws2=0,
+    QUANT: tl.constexpr = 0,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
+    routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
+
+    One loop over (slot k, K step) so the weight loads of consecutive slots pipeline; a's row of
+    slot k is row 0 of a [BLOCK_M, BLOCK_K] tl.dot operand (the other rows masked to 0). Slots
+    routed to no local expert (ids out of range, mapped away) add nothing. No intermediate y and
+    no reduce launch: each output element is written once, deterministically.
+    """
+    _pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    lanes = tl.arange(0, BLOCK_M)[:, None]
+    lane0 = lanes == 0
+    row0 = lanes * 0  # [BLOCK_M, 1] zeros: every operand row points at the slot's row (row 0 live)
+    kk = tl.arange(0, TOP_K_P)
+    k_in = kk < TOP_K
+    ids = tl.load(ids_ptr + t * TOP_K + kk, mask=k_in, other=-1).to(tl.int64)
+    ok = k_in & (ids >= 0) & (ids < num_global)
+    local = tl.where(ok, ids, 0)
+    if HAS_MAP:
+        local = tl.load(emap_ptr + local, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (local >= 0)
+    local = tl.where(ok, local, 0)
+    if SCALE_ROWS:  # the routed weight, unless it was applied to the input
+        wk = tl.load(topk_w_ptr + t * TOP_K + kk, mask=ok, other=0.0).to(tl.float32)
+    else:
+        wk = tl.full((TOP_K_P,), 1.0, tl.float32)
+    wk = tl.where(ok, wk, 0.0)
+    okk = ok.to(tl.int32)
+    if QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
+        gsk = tl.load(wgs_ptr + local, mask=ok, other=1.0).to(tl.float32)
+
+    k_steps = tl.cdiv(inter, BLOCK_K)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == Q_W4:
+        offs_j = tl.arange(0, BLOCK_K // 2)
+    for it in range(0, TOP_K * k_steps):
+        j = it // k_steps
+        k0 = (it - j * k_steps) * BLOCK_K
+        # the slot's expert, weight and liveness picked from registers: the weight loads' addresses
+        # depend on no load in the loop, so they pipeline across slots (per-slot scalar loads
+        # measured 5-40% slower on an H200: benchmarks/results/2026-11-23_h200_direct-*.txt)
+        sel = kk == j
+        e = tl.sum(tl.where(sel, local, 0), 0)
+        w_j = tl.sum(tl.where(sel, wk, 0.0), 0)
+        # a slot with no local expert masks every load through zero bounds (integer arithmetic:
+        # scalar booleans in masks trip the interpreter): it adds 0
+        live = tl.sum(tl.where(sel, okk, 0), 0)
+        k_ok = offs_k < live * (inter - k0)
+        n_e = offs_n < live * hidden
+        slot = t * TOP_K + j
+        aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
+                     mask=lane0 & k_ok[None, :], other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if QUANT == Q_W4:
+            a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
+            w_mask = n_e[None, :] if EVEN_K else (offs_j < live * ((inter - k0) // 2))[:, None] & n_e[None, :]
+            j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
+            wq_cols = w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
+            sq_cols = ws_ptr + e * stride_ws0 + offs_n[None, :] * stride_ws1
+            lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
+                               n_e, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N,
+                               a_ptr.dtype.element_ty, W4_PTX)
+            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
+            if W4_FMT == W4_NVFP4:
+                acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)
+        else:
+            ww = tl.load(w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
+                         + (k0 + offs_k)[:, None] * stride_wi,
+                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
+                ww = ww.to(a_ptr.dtype.element_ty)
+            acc = _dot(aa, ww, acc, IEEE)
+            if QUANT == Q_W8:
+                acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,
+                                    other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:  # once per slot, with its first K step
+            first = 1 - tl.minimum(k0, 1)
+            acc += tl.load(b2_ptr + e * stride_be + offs_n * stride_bh, mask=offs_n < first * live * hidden,
+                           other=0.0).to(tl.float32)[None, :]
+        total += acc * w_j
+    _pdl_release(PDL)
+    o_ptrs = out_ptr + t * stride_ot + row0 + offs_n[None, :] * stride_oh
+    tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=lane0 & n_ok[None, :])
 
 
 @triton.jit

@@ -234,14 +234,18 @@ def triton_quant_experts(
     out: torch.Tensor | None = None,
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2q[e] @ fq(act(w13q[e] @ fq(x) + b13[e])) + b2[e]) on 8-bit GEMMs.
 
     w13q / w2q: the fp8 / int8 payloads times their scales; fq: the scheme's activation
     quantization (module docstring). Weight-only schemes (fq = identity) run
-    `weight_only.triton_weight_only_experts`, with NVFP4's global scales. `out` may be x itself.
+    `weight_only.triton_weight_only_experts`, with NVFP4's global scales (and its direct decode
+    path, `direct`). `out` may be x itself.
     """
     scheme = _triton_scheme(scheme)
+    if direct and not scheme.weight_only:
+        raise ValueError(f"the direct decode path runs unquantized and weight-only schemes, not {scheme.name}")
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
 
@@ -251,7 +255,7 @@ def triton_quant_experts(
             x_TH, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, expert_map,
             num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
-            tiles=tiles, out=out,
+            tiles=tiles, out=out, direct=direct,
         )
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]

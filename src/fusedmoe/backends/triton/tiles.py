@@ -1,6 +1,7 @@
 """Tile configurations for the Triton MoE GEMMs: one validity predicate, a heuristic first.
 
     tile = heuristic(problem)           # always valid (asserted by tests over many shapes)
+    tile = direct_gemm2_heuristic(...)  # the decode path's GEMM2 + top-k sum (no alignment)
     check_tile(tile, ...) -> reason     # the one predicate; tuned tables are held to it too
     tile_mode(scheme) -> (quant, group) # what the predicate and the heuristic take for a scheme
 """
@@ -203,5 +204,34 @@ def heuristic(
             tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
         else:
             tile = TileConfig(block_m, block_n, block_k, num_warps, 1, split)
+            break
+    return tile
+
+
+def direct_gemm2_heuristic(
+    num_tokens: int, hidden: int, inter: int, dtype: torch.dtype, *, num_sms: int = 132,
+    quant: str | None = None, group: int | None = None,
+) -> TileConfig:
+    """A valid tile for the direct decode GEMM2 (`kernels.moe_gemm2_direct_kernel`): one program
+    per (token, N tile) streams its N rows of every routed expert's w2, so N tiles narrow until
+    the tokens' tiles cover the SMs; one K loop over (slot, K step) keeps long K tiles in flight.
+    BLOCK_M is the 16 rows of a tl.dot operand whose row 0 is the slot's activation row.
+    """
+    block_n = 128
+    while block_n > 16 and num_tokens * -(-hidden // block_n) < num_sms:
+        block_n //= 2
+    block_k = 128 if dtype == torch.float32 else 256
+    while block_k > 32 and block_k >= 2 * inter:
+        block_k //= 2
+    if quant == "w4":
+        block_k = max(block_k, 32)
+    tile = TileConfig(16, block_n, block_k, 4, 4)
+    while check_tile(tile, dtype=dtype, quant=quant, group=group):
+        if tile.num_stages > 2:
+            tile = TileConfig(16, block_n, block_k, 4, tile.num_stages - 1)
+        elif tile.block_k > 32:
+            block_k //= 2
+            tile = TileConfig(16, block_n, block_k, 4, 4)
+        else:
             break
     return tile

@@ -1,6 +1,7 @@
 """Host side of the `triton` backend's weight-only schemes: activations stay bf16 / fp16 / fp32.
 
     align -> gemm1 (dequantize w13 in registers, dot) -> gemm2 (the same for w2) -> reduce
+    (decode: gemm1 by slot -> gemm2 with the top-k sum, no alignment: experts.direct_plan)
 The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
 4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); nothing
 dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels
@@ -21,10 +22,13 @@ from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
     GemmProblem,
     _num_sms,
+    direct_plan,
     launch_gemm1,
     launch_gemm2,
+    launch_gemm2_direct,
     launch_reduce,
     memoized_tiles,
+    prepare_direct_launch,
     prepare_launch,
     run_batched,
 )
@@ -85,11 +89,13 @@ def triton_weight_only_experts(
     w2_global_scale: torch.Tensor | None = None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (deq(w2)[e] @ act(deq(w13)[e] @ x + b13[e]) + b2[e]), x unquantized.
 
     deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
-    computed in registers. `out` may be x itself.
+    computed in registers. `out` may be x itself. direct: as `experts.triton_experts` (the
+    decode path without alignment: GEMM1 by slot, GEMM2 with the top-k sum).
     """
     _require_weight_only(scheme)
     num_tokens, hidden = x_TH.shape
@@ -100,6 +106,16 @@ def triton_weight_only_experts(
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
+    plan = direct_plan(problem, scheme, x_TH.device, tiles, direct)
+    if plan is not None:
+        t1, t2 = plan
+        _check_tiles(t1, t2, gated, scheme, x_TH.dtype)
+        launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                                       num_local, inter, activation, apply_router_weight_on_input,
+                                       swiglu_alpha, swiglu_limit)
+        launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, x_TH))
+        launch_gemm2_direct(launch, w2, w2_bias, t2, out, _kernel_args(scheme, w2_scale, w2_global_scale, x_TH))
+        return out
     t1, t2 = _tiles(problem, scheme, tiles, x_TH.device)
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,

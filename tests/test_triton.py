@@ -352,6 +352,7 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
         choose_direct_tiles,
         direct_auto,
         direct_plan,
+        direct_wanted,
     )
 
     def problem(tokens, experts, top_k, hidden=7168, inter=256):
@@ -365,6 +366,9 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     assert not direct_auto(problem(1, 128, 8, 2048, 768)) and not direct_auto(problem(4, 128, 4, 2880, 2880))
     assert not direct_auto(problem(4, 8, 2, 4096, 1024)) and not direct_auto(problem(16, 256, 8))
     assert not direct_auto(problem(1, 256, 8), num_sms=200)
+    # weight-only: one token only (measured)
+    assert direct_wanted(problem(1, 256, 8), weight_only=True)
+    assert direct_wanted(problem(4, 256, 8)) and not direct_wanted(problem(4, 256, 8), weight_only=True)
     dev = torch.device("cpu")
     t1, t2 = choose_direct_tiles(problem(1, 256, 8), None, dev)
     assert t1.block_m == t2.block_m == 16 and check_tile(t2, dtype=torch.bfloat16) is None

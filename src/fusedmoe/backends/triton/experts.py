@@ -349,14 +349,21 @@ def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
             and programs >= DIRECT_MIN_PROGRAMS * num_sms)
 
 
-def direct_wanted(problem: GemmProblem, num_sms: int = 132) -> bool:
-    """FUSEDMOE_TRITON_DIRECT: unset/1 = `direct_auto`, 0 = never, force = wherever it can run."""
+def direct_wanted(problem: GemmProblem, num_sms: int = 132, weight_only: bool = False) -> bool:
+    """FUSEDMOE_TRITON_DIRECT: unset/1 = `direct_auto`, 0 = never, force = wherever it can run.
+
+    Weight-only schemes take auto at one token only: int4 g32 on an H200 (fusedmoe bench
+    --quant, 2026-11-23_h200_89bd289_wo_direct*.txt) went DeepSeek-V3 M=1 51.2 -> 49.8 us,
+    Llama-4 M=1 33.5 -> 31.6, but Qwen3-30B M=4 49.8 -> 55.6 and Llama-4 M=4 39.2 -> 41.5.
+    """
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_DIRECT")
     if mode is False or direct_reason(problem) is not None:
         return False
-    return mode == "force" or direct_auto(problem, num_sms)
+    if mode == "force":
+        return True
+    return direct_auto(problem, num_sms) and (not weight_only or problem.num_slots == problem.top_k)
 
 
 @memoized_tiles
@@ -368,7 +375,7 @@ def choose_direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> t
     from fusedmoe.backends.triton.tuning import lookup
 
     p, sms = problem, _num_sms(device)
-    if not direct_wanted(problem, sms):
+    if not direct_wanted(problem, sms, weight_only=scheme is not None):
         return None
     quant, group = tile_mode(scheme)
     tuned = lookup(p, device) if scheme is None else lookup(p, device, scheme)

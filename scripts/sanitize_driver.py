@@ -2,6 +2,8 @@
 
     python scripts/sanitize_driver.py [--big] [--list] [--only 0,3,7]
 
+Cases 35.. repeat some with the direct decode path forced (`DIRECT`).
+
 Each case runs through fusedmoe's public path on CUDA (`fusedmoe.fuzz.run_case` with backends
 triton and batched_triton), so align (one-program, chunked, multi-launch), gemm1/gemm2, the
 top-k reduce, the W8A8 activation quantizers and the weight-only decoders all launch; results
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-from fusedmoe import fuzz
+from fusedmoe import fuzz, knobs
 
 BASE = fuzz.FuzzCase(
     seed=0, profile="gpu", num_tokens=64, num_experts=8, top_k=2, hidden=256, inter=128,
@@ -56,6 +58,18 @@ def cases() -> list[fuzz.FuzzCase]:
     return [r(c, seed=i) for i, c in enumerate(out)]
 
 
+# Cases run again with FUSEDMOE_TRITON_DIRECT=force: the direct decode path (GEMM1 by slot, GEMM2
+# with the top-k sum) on decode, top-16 over 512 experts, odd sizes, expert_map, router weight on
+# input, clamps, non-gated, and the weight-only decoders.
+DIRECT = (1, 4, 7, 8, 9, 10, 11, 23, 25, 27, 29, 31, 33)
+
+
+def all_cases() -> list[tuple[fuzz.FuzzCase, bool]]:
+    """(case, direct forced) for every case: cases() then the DIRECT repeats."""
+    base = cases()
+    return [(c, False) for c in base] + [(base[i], True) for i in DIRECT]
+
+
 def big() -> None:
     """T*K*H > 2^31: token offsets must be 64-bit (pitfalls: int32 overflow)."""
     from fusedmoe import fused_experts, select_experts
@@ -83,24 +97,26 @@ def main() -> int:
     args = parser.parse_args()
     failures = 0
     chosen = {int(i) for i in args.only.split(",") if i}
-    for i, case in enumerate(cases()):
+    for i, (case, direct) in enumerate(all_cases()):
         if chosen and i not in chosen:
             continue
+        label = case.describe() + (" [direct]" if direct else "")
         if args.list:
-            print(f"{i:3d} {case.describe()}")
+            print(f"{i:3d} {label}")
             continue
-        if args.kernels_only:  # the backends' launches alone: no float64 reference on the GPU
-            runners = fuzz.candidates(case, torch.device("cuda"))
-            problem = fuzz.make_problem(case, "cuda")
-            for name in BACKENDS:
-                if name in runners:
-                    runners[name](case, problem)
-                    torch.cuda.synchronize()
-                    print(f"{case.describe():<90} {name:<16} ran", flush=True)
-            continue
-        result = fuzz.run_case(case, "cuda", backends=BACKENDS)
+        with knobs.override(TRITON_DIRECT="force" if direct else None):
+            if args.kernels_only:  # the backends' launches alone: no float64 reference on the GPU
+                runners = fuzz.candidates(case, torch.device("cuda"))
+                problem = fuzz.make_problem(case, "cuda")
+                for name in BACKENDS:
+                    if name in runners:
+                        runners[name](case, problem)
+                        torch.cuda.synchronize()
+                        print(f"{label:<100} {name:<16} ran", flush=True)
+                continue
+            result = fuzz.run_case(case, "cuda", backends=BACKENDS)
         for o in result.outcomes:
-            print(f"{case.describe():<90} {o.backend:<16} {o.status} {o.detail or ''}", flush=True)
+            print(f"{label:<100} {o.backend:<16} {o.status} {o.detail or ''}", flush=True)
         failures += len(result.failures)
     if args.big and not args.list:
         big()

@@ -4,6 +4,7 @@
         (N <= 256: one program ranks all slots; N <= ALIGN_CHUNKED_MAX_SLOTS: one program sorts chunks;
          beyond: count / offsets / scatter launches, one program per chunk; L > 4096: torch)
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
+    few slots (`direct_plan`): a = gemm1 by slot  ->  out = gemm2 with the top-k sum (no align, no reduce)
 
 On sm90+ the large-M unquantized GEMMs load their weights (and gemm2 its sorted rows a) through
 TMA descriptors built here per call (`tma_reasons` decides; FUSEDMOE_TRITON_TMA=0 turns it off).

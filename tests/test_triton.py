@@ -779,6 +779,27 @@ def test_batched_end_to_end_through_modular():
     assert rel_err(out, ref) < 1e-5
 
 
+def test_batched_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    """Plain eager batched calls run the op's body (modular.call_op); autograd inputs take the op."""
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts
+
+    gen = torch.Generator().manual_seed(12)
+    config = MoEConfig(4, 1, 32, 16, dtype=torch.float32, activation_format="batched")
+    x = torch.randn(4, 3, 32, generator=gen)
+    counts = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
+    w = ExpertWeights(torch.randn(4, 32, 32, generator=gen) / 6, torch.randn(4, 32, 16, generator=gen) / 4)
+    used = []
+    op = experts_mod.triton_batched_experts_op
+    monkeypatch.setattr(experts_mod, "triton_batched_experts_op", lambda *a, **k: used.append(1) or op(*a, **k))
+    eager = BatchedTritonExperts(config).apply_batched(x, counts, w)
+    assert used == [] and eager.shape == x.shape
+    trainable = ExpertWeights(w.w13.clone().requires_grad_(), w.w2)
+    out = BatchedTritonExperts(config).apply_batched(x, counts, trainable)
+    assert used == [1]
+    torch.testing.assert_close(out.detach(), eager, rtol=0, atol=0)
+
+
 def test_batched_overflow_is_reported_when_validating():
     from fusedmoe.modular import BatchedLocalPrepareFinalize
 

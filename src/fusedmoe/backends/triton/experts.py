@@ -976,8 +976,7 @@ def batched_output(launch: Launch, num_local: int, max_tokens: int) -> torch.Ten
     return y.view(num_local, -1, y.shape[1])[:, :max_tokens]
 
 
-@torch.library.custom_op("fusedmoe::triton_batched_experts", mutates_args=())
-def triton_batched_experts_op(
+def _triton_batched_experts_op_impl(
     x: torch.Tensor,
     num_tokens: torch.Tensor,
     w13: torch.Tensor,
@@ -990,6 +989,11 @@ def triton_batched_experts_op(
 ) -> torch.Tensor:
     return triton_batched_experts(x, num_tokens, w13, w2, w13_bias, w2_bias, activation,
                                   swiglu_alpha, swiglu_limit).contiguous()
+
+
+# Custom op (torch.compile(fullgraph=True), CUDA graphs); plain eager calls run the impl (call_op).
+triton_batched_experts_op = torch.library.custom_op("fusedmoe::triton_batched_experts",
+                                                    _triton_batched_experts_op_impl, mutates_args=())
 
 
 @triton_batched_experts_op.register_fake
@@ -1007,9 +1011,9 @@ class BatchedTritonExperts(BatchedExperts):
             from fusedmoe.backends.triton.quant import apply_batched_quant
 
             return apply_batched_quant(c, x_LMH, num_tokens_L, weights)
-        return triton_batched_experts_op(x_LMH, num_tokens_L, weights.w13, weights.w2,
-                                         weights.w13_bias, weights.w2_bias, c.activation,
-                                         c.swiglu_alpha, c.swiglu_limit)
+        return call_op(triton_batched_experts_op, _triton_batched_experts_op_impl, x_LMH, num_tokens_L,
+                       weights.w13, weights.w2, weights.w13_bias, weights.w2_bias, c.activation,
+                       c.swiglu_alpha, c.swiglu_limit)
 
 
 # The W8A8 path (TritonExperts.apply with weights.quant) registers its custom ops on import,

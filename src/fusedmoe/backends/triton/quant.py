@@ -525,8 +525,7 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
     return call_op(triton_quant_experts_op, _triton_quant_experts_op_impl, *args, **global_scales)
 
 
-@torch.library.custom_op("fusedmoe::triton_batched_quant_experts", mutates_args=())
-def triton_batched_quant_experts_op(
+def _triton_batched_quant_experts_op_impl(
     x: torch.Tensor,
     num_tokens: torch.Tensor,
     w13: torch.Tensor,
@@ -551,6 +550,11 @@ def triton_batched_quant_experts_op(
     ).contiguous()
 
 
+# Custom op (torch.compile(fullgraph=True), CUDA graphs); plain eager calls run the impl (call_op).
+triton_batched_quant_experts_op = torch.library.custom_op(
+    "fusedmoe::triton_batched_quant_experts", _triton_batched_quant_experts_op_impl, mutates_args=())
+
+
 @triton_batched_quant_experts_op.register_fake
 def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
       w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None):
@@ -566,7 +570,8 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights):
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
     check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1])
-    return triton_batched_quant_experts_op(
+    return call_op(
+        triton_batched_quant_experts_op, _triton_batched_quant_experts_op_impl,
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
         config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
         quant.w2_scale, quant.a13_scale, quant.a2_scale, quant.w13_global_scale, quant.w2_global_scale,

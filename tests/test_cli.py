@@ -46,6 +46,36 @@ def test_explain_shows_the_split_and_batched_dispatch(capsys):
     assert "opt-in" in env_cutlass["reason"]  # EP without DP: only the opt-in stands in its way
 
 
+def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the plan is for this machine's device
+    rc = main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1,64"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan = out[out.index("triton plan on cpu (no GPU here"):]
+    assert re.search(r"M=1 +direct: gemm1 .*\+ gemm2; gemm1 \[16, ", plan)
+    assert "few slots, experts rarely repeated" in plan
+    assert re.search(r"M=64 +aligned: align \+ gemm1 .*\+ gemm2 \+ reduce", plan) and "why: 512 slots > 64" in plan
+    # why the aligned path: each rule names its number; W8A8; the knob; marlin's weight-only twin
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--tokens", "1", "--json"])
+    plan = json.loads(capsys.readouterr().out)["triton_plan"]
+    assert rc == 0 and plan[0]["path"] == "aligned" and plan[0]["gemm1"]["tile"][0] == 16
+    assert plan[0]["why"] == "64 direct GEMM2 programs at 32-wide tiles < 1.2 x 132 SMs"
+    main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
+          "--tokens", "1"])
+    assert "W8A8 schemes align" in capsys.readouterr().out
+    monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "0")
+    main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1"])
+    assert "why: FUSEDMOE_TRITON_DIRECT=0" in capsys.readouterr().out
+    monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "force")
+    main(["explain", "--model", "mixtral-8x7b", "--platform", "cuda:9.0", "--quant", "nvfp4", "--tokens", "16"])
+    out = capsys.readouterr().out
+    assert "chosen marlin" in out and "M=16     direct" in out and "why: FUSEDMOE_TRITON_DIRECT=force" in out
+    main(["explain", "--model", "deepseek-v3", "--tokens", "1"])  # the CPU backend: no Triton plan
+    assert "triton plan: the chosen backend (cpu) does not run the contiguous Triton kernels" in capsys.readouterr().out
+    assert main(["explain", "--model", "deepseek-v3", "--tokens", "1,x"]) == 2
+    assert "--tokens '1,x': expected comma-separated integers" in capsys.readouterr().err
+
+
 def test_explain_ep_not_dividing_experts(capsys):
     rc = main(["explain", "--model", "mixtral-8x7b", "--ep", "3"])
     assert rc == 2

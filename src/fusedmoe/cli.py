@@ -2,6 +2,7 @@
 
     fusedmoe explain --model deepseek-v3 --quant fp8_w8a8_block --ep 8 [--dp 8] [--dispatch alltoall_batched]
     fusedmoe explain --experts 64 --hidden 2048 --intermediate 1024 --top-k 6 --platform cuda:9.0 --packages flashinfer
+    fusedmoe explain --model deepseek-v3 --tokens 1,64,4096    # + the Triton path, tiles and TMA per M
     fusedmoe demo [--model qwen3-30b-a3b] [--tokens 64]
     fusedmoe demo --hf mixtral [--tokens 64] [--new-tokens 8]     (needs transformers: pip install -e .[hf])
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
@@ -147,6 +148,9 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
                    help="describe another machine: KIND[:MAJOR.MINOR], e.g. cuda:9.0, rocm:9.4, cpu")
     p.add_argument("--packages", default=None,
                    help="with --platform: comma-separated importable packages (flashinfer,deep_gemm,...)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated token counts: also show the Triton path (direct or aligned), "
+                        "tiles (tuned or heuristic) and TMA loads this machine's GPU would run, and why")
     p.add_argument("--json", action="store_true")
 
 
@@ -200,14 +204,76 @@ def _config_from_args(args):
 def cmd_explain(args) -> int:
     from fusedmoe.oracle import explain
 
-    result = explain(_config_from_args(args), _platform_from_args(args))
+    config = _config_from_args(args)
+    result = explain(config, _platform_from_args(args))
+    plans = triton_plans(config, result.chosen, _tokens(args.tokens)) if args.tokens else None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, default=str))
+        data = result.to_dict()
+        if plans is not None:
+            data["triton_plan"] = plans
+        print(json.dumps(data, indent=2, default=str))
     else:
         print(result.table())
         if result.error:
             print("\n" + result.error.splitlines()[0])
+        if plans is not None:
+            print("\n" + format_plans(plans))
     return 0 if result.chosen else 1
+
+
+# Backends whose contiguous layout runs the Triton experts kernels (marlin: its weight-only twin).
+_TRITON_PLAN_BACKENDS = ("triton", "marlin")
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens {text!r}: expected comma-separated integers") from None
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"--tokens {text!r}: token counts must be >= 1")
+    return tokens
+
+
+def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | dict:
+    """Per token count, the Triton experts path `describe_plan` gives for the chosen backend on
+    this machine's device (CUDA if there is one, else the CPU, whose tile rules assume 132 SMs and
+    read no tuned table); a dict with the reason when no Triton path runs this config."""
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+    from fusedmoe.backends.triton.marlin import weight_only_twin
+
+    if chosen not in _TRITON_PLAN_BACKENDS:
+        return {"none": f"the chosen backend ({chosen}) does not run the contiguous Triton kernels"}
+    scheme = config.quant
+    if chosen == "marlin":
+        scheme = weight_only_twin(scheme)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    plans = []
+    for t in tokens:
+        problem = GemmProblem(t * config.top_k, config.num_local_experts, config.hidden_size,
+                              config.intermediate_size_per_partition, config.top_k, config.gated, config.dtype)
+        plan = describe_plan(problem, scheme, device)
+        plans.append({"tokens": t, "device": str(device), **{
+            k: ({**v, "tile": list(v["tile"].__dict__.values())} if isinstance(v, dict) else v)
+            for k, v in plan.items()}})
+    return plans
+
+
+def format_plans(plans: list[dict] | dict) -> str:
+    if isinstance(plans, dict):
+        return "triton plan: " + plans["none"]
+    device = plans[0]["device"]
+    where = device if device != "cpu" else "cpu (no GPU here: the tile rules assume 132 SMs, no tuned table, no TMA)"
+    lines = [f"triton plan on {where} (tile = block_m, block_n, block_k, warps, stages, split_k):"]
+    for p in plans:
+        gemms = []
+        for name in ("gemm1", "gemm2"):
+            g = p[name]
+            tma = f", TMA {g['tma']}" if g["tma"] else ""
+            gemms.append(f"{name} {g['tile']} ({g['source']}{tma})")
+        lines.append(f"  M={p['tokens']:<6d} {p['path']}: {p['launches']}; {'; '.join(gemms)}")
+        lines.append(f"           why: {p['why']}")
+    return "\n".join(lines)
 
 
 # demo --------------------------------------------------------------------------------------------

@@ -340,14 +340,28 @@ def direct_reason(problem: GemmProblem) -> str | None:
     return None
 
 
-def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
-    """The auto rule (measured, above): few slots with experts rarely repeated among them, a
-    short intermediate, and enough GEMM2 programs to fill the SMs."""
+def direct_auto_reason(problem: GemmProblem, num_sms: int = 132) -> str | None:
+    """Why the auto rule keeps the aligned path, or None when it takes the direct one (measured,
+    above): few slots with experts rarely repeated among them, a short intermediate, and enough
+    GEMM2 programs to fill the SMs."""
     n, L = problem.num_slots, max(1, problem.num_local_experts)
     distinct = L * (1.0 - (1.0 - 1.0 / L) ** n)
     programs = (n // problem.top_k) * -(-problem.hidden // 32)
-    return (n <= DIRECT_MAX_SLOTS and n <= DIRECT_MAX_REPEAT * distinct and problem.inter <= DIRECT_MAX_INTER
-            and programs >= DIRECT_MIN_PROGRAMS * num_sms)
+    if n > DIRECT_MAX_SLOTS:
+        return f"{n} slots > {DIRECT_MAX_SLOTS}"
+    if n > DIRECT_MAX_REPEAT * distinct:
+        return (f"{n} slots over ~{distinct:.1f} distinct experts (uniform routing): each repeat "
+                "streams an expert again")
+    if problem.inter > DIRECT_MAX_INTER:
+        return f"I={problem.inter} > {DIRECT_MAX_INTER}: long per-slot K loops in the direct GEMM2"
+    if programs < DIRECT_MIN_PROGRAMS * num_sms:
+        return (f"{programs} direct GEMM2 programs at 32-wide tiles < {DIRECT_MIN_PROGRAMS} x {num_sms} SMs")
+    return None
+
+
+def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
+    """The auto rule: `direct_auto_reason` finds nothing against the direct path."""
+    return direct_auto_reason(problem, num_sms) is None
 
 
 def direct_wanted(problem: GemmProblem, num_sms: int = 132, weight_only: bool = False) -> bool:
@@ -388,6 +402,53 @@ def choose_direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> t
     t2 = direct_gemm2_heuristic(p.num_slots // p.top_k, p.hidden, p.inter, p.dtype, num_sms=sms,
                                 quant=quant, group=group)
     return t1, t2
+
+
+def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
+    """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
+    {path, why, launches, gemm1, gemm2 (tile, source, tma)} for `fusedmoe explain --tokens`.
+    `scheme`: a QuantScheme or None (unquantized)."""
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.tuning import lookup
+
+    sms = _num_sms(device)
+    tuned = lookup(problem, device) if scheme is None else lookup(problem, device, scheme)
+    source = "tuned table" if tuned is not None else "heuristic"
+    weight_only = scheme is not None and scheme.weight_only
+    direct = None
+    if scheme is None or weight_only:
+        direct = choose_direct_tiles(problem, scheme, device)
+    if direct is not None:
+        mode = knobs.get("TRITON_DIRECT")
+        why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
+               else "few slots, experts rarely repeated, enough GEMM2 programs (experts.direct_auto)")
+        t1, t2 = direct
+        src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"
+        return dict(path="direct", why=why, launches="gemm1" + (" + act" if t1.split_k > 1 else "") + " + gemm2",
+                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source="direct heuristic", tma=None))
+    if scheme is not None and not weight_only:
+        why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
+    elif knobs.get("TRITON_DIRECT") is False:
+        why = "FUSEDMOE_TRITON_DIRECT=0"
+    else:
+        why = direct_reason(problem) or direct_auto_reason(problem, sms) or (
+            "weight-only schemes take the direct path at one token only")
+    if scheme is None:
+        t1, t2 = choose_tiles(problem, device)
+        tma1, tma2 = tma_planned(problem, device)
+        tma1 = tma1 if t1.block_m >= TMA_MIN_BLOCK_M and t1.split_k == 1 else None
+        tma2 = tma2 if t2.block_m >= TMA_MIN_BLOCK_M else None
+    elif weight_only:
+        from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
+
+        (t1, t2), tma1, tma2 = choose_weight_only_tiles(problem, scheme, device), None, None
+    else:
+        from fusedmoe.backends.triton.quant import choose_quant_tiles
+
+        (t1, t2), tma1, tma2 = choose_quant_tiles(problem, scheme, device), None, None
+    launches = "align + gemm1" + (" + act" if t1.split_k > 1 else "") + " + gemm2 + reduce"
+    return dict(path="aligned", why=why, launches=launches,
+                gemm1=dict(tile=t1, source=source, tma=tma1), gemm2=dict(tile=t2, source=source, tma=tma2))
 
 
 def check_direct_tiles(t1: TileConfig, t2: TileConfig) -> None:

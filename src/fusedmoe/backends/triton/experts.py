@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +58,7 @@ def align(
     num_global_experts: int,
     num_local_experts: int,
     block_m: int,
+    launch_kw: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the N = T*K slots by local expert, each expert's run padded to a multiple of block_m.
 
@@ -74,7 +75,7 @@ def align(
     args = (topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
     if num_local_experts > ALIGN_MAX_LOCAL_EXPERTS:
         return align_torch(*args)
-    launch_kw = pdl(topk_ids_TK.device)
+    launch_kw = pdl(topk_ids_TK.device) if launch_kw is None else launch_kw
     if n <= ALIGN_SMALL_MAX_SLOTS and num_local_experts < ALIGN_MAX_LOCAL_EXPERTS:
         return _align_small(*args, launch_kw)
     if n <= ALIGN_CHUNKED_MAX_SLOTS:
@@ -608,10 +609,11 @@ class Launch:
     expert_map: torch.Tensor | None = None  # direct: global -> local expert (-1: not here)
     num_global: int = 0
     num_local: int = 0
-    launch_kw: dict = field(init=False)  # pdl(device): the kernels' launch keywords, read once
+    launch_kw: dict | None = None  # pdl(device): the kernels' launch keywords, read once per call
 
     def __post_init__(self) -> None:
-        self.launch_kw = pdl(self.x.device)
+        if self.launch_kw is None:
+            self.launch_kw = pdl(self.x.device)
 
     @property
     def direct(self) -> bool:
@@ -645,8 +647,9 @@ class Launch:
 def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                    inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                    block_m) -> Launch:
+    launch_kw = pdl(x_TH.device)
     sorted_slot, block_expert, num_rows, slot_ok = align(
-        topk_ids_TK, expert_map, num_global_experts, num_local, block_m
+        topk_ids_TK, expert_map, num_global_experts, num_local, block_m, launch_kw
     )
     weights_N = topk_weights_TK.reshape(-1)
     if not weights_N.is_contiguous():
@@ -656,7 +659,7 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
     y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
     return Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
                   topk_ids_TK.shape[1], activation, apply_router_weight_on_input,
-                  not apply_router_weight_on_input, swiglu_alpha, swiglu_limit, block_m)
+                  not apply_router_weight_on_input, swiglu_alpha, swiglu_limit, block_m, launch_kw=launch_kw)
 
 
 def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
@@ -823,15 +826,14 @@ def triton_experts(
         return out
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
                           is_gated(activation), x_TH.dtype)
-    plan = direct_plan(problem, None, x_TH.device, tiles, direct)
-    if plan is not None:
+    is_direct, t1, t2 = plan_tiles(problem, None, x_TH.device, tiles, direct)
+    if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
                                        swiglu_alpha, swiglu_limit)
-        launch_gemm1(launch, w13, w13_bias, plan[0])
-        launch_gemm2_direct(launch, w2, w2_bias, plan[1], out)
+        launch_gemm1(launch, w13, w13_bias, t1)
+        launch_gemm2_direct(launch, w2, w2_bias, t2, out)
         return out
-    t1, t2 = tiles if tiles is not None else choose_tiles(problem, x_TH.device)
     if t1.block_m != t2.block_m:
         raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -841,6 +843,42 @@ def triton_experts(
     launch_gemm2(launch, w2, w2_bias, t2)
     launch_reduce(launch, out)
     return out
+
+
+@memoized_tiles
+def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
+    names no tiles and no path: one memoized lookup per eager call instead of two."""
+    direct = choose_direct_tiles.__wrapped__(problem, scheme, device)
+    if direct is not None:
+        return (True, *direct)
+    if scheme is None:
+        return (False, *choose_tiles.__wrapped__(problem, device))
+    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
+
+    return (False, *choose_weight_only_tiles.__wrapped__(problem, scheme, device))
+
+
+def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
+               tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) for a call: `choose_plan` when it names neither, else
+    `direct_plan` for the path and the given or chosen aligned tiles."""
+    if tiles is None and direct is None:
+        return choose_plan(problem, scheme, device)
+    plan = direct_plan(problem, scheme, device, tiles, direct)
+    if plan is not None:
+        return (True, *plan)
+    if tiles is not None:
+        return (False, *tiles)
+    return (False, *_aligned_tiles(problem, scheme, device))
+
+
+def _aligned_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    if scheme is None:
+        return choose_tiles(problem, device)
+    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
+
+    return choose_weight_only_tiles(problem, scheme, device)
 
 
 def direct_plan(problem: GemmProblem, scheme, device: torch.device,

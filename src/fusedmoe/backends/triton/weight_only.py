@@ -22,12 +22,12 @@ from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
     GemmProblem,
     _num_sms,
-    direct_plan,
     launch_gemm1,
     launch_gemm2,
     launch_gemm2_direct,
     launch_reduce,
     memoized_tiles,
+    plan_tiles,
     prepare_direct_launch,
     prepare_launch,
     run_batched,
@@ -106,17 +106,15 @@ def triton_weight_only_experts(
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
-    plan = direct_plan(problem, scheme, x_TH.device, tiles, direct)
-    if plan is not None:
-        t1, t2 = plan
-        _check_tiles(t1, t2, gated, scheme, x_TH.dtype)
+    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)
+    _check_tiles(t1, t2, gated, scheme, x_TH.dtype)
+    if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
                                        swiglu_alpha, swiglu_limit)
         launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, x_TH))
         launch_gemm2_direct(launch, w2, w2_bias, t2, out, _kernel_args(scheme, w2_scale, w2_global_scale, x_TH))
         return out
-    t1, t2 = _tiles(problem, scheme, tiles, x_TH.device)
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                             swiglu_limit, t1.block_m)

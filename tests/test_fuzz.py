@@ -58,6 +58,18 @@ def test_ci_fuzz_subset_matches_the_reference():
     assert report.skipped_backends == 0
 
 
+def test_ci_fuzz_subset_with_the_direct_decode_path_forced():
+    """The Triton interpreter runner with FUSEDMOE_TRITON_DIRECT=force: every case with top_k <= 16
+    (unquantized and weight-only) through GEMM1 by slot and GEMM2 with the top-k sum (the auto
+    rule takes it only at GPU-sized hidden sizes, which CI does not draw)."""
+    if not fuzz._interpreter_active():
+        pytest.skip("needs the Triton interpreter")
+    with knobs.override(TRITON_DIRECT="force"):
+        report = fuzz.fuzz(24, 7100, profile="ci", backends=[fuzz.INTERPRETER_TRITON])
+    assert not report.failures, report.failures[:3]
+    assert report.per_backend[fuzz.INTERPRETER_TRITON].cases >= 6, report.table()
+
+
 @pytest.mark.parametrize("profile,seed", REGRESSIONS)
 def test_regression_seeds(profile, seed):
     result = fuzz.run_case(fuzz.draw_case(seed, profile))
@@ -251,6 +263,10 @@ def test_sanitizer_driver_cases_all_reach_the_triton_kernels():
     assert len(cases) >= 30 and {c.quant for c in cases} >= {None, "fp8_w8a8_block", "int4_w4a16_g32"}
     for case in cases:
         assert REGISTRY["triton"].check(case.config(), hopper) is None, case.describe()
+    # the repeats with the direct path forced: cases it runs (top_k <= 16, unquantized or weight-only)
+    repeats = [c for c, direct in driver.all_cases() if direct]
+    assert len(repeats) == len(driver.DIRECT) >= 10
+    assert all(c.top_k <= 16 and (c.quant is None or "w8a16" in c.quant or "w4a16" in c.quant) for c in repeats)
 
 
 # Parallel runs and the time limit ------------------------------------------------------------------

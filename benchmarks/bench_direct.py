@@ -7,7 +7,7 @@ reduce. The direct path reads each slot's expert from the ids in GEMM1 and sums 
 in GEMM2 (two launches, three with split-K). Per preset and M this times, routing excluded,
 CUDA-graph replay over 4 rotated weight copies (`fusedmoe.bench.time_rotated`):
     aligned   triton_experts(direct=False) with the chosen tiles
-    direct    triton_experts(direct=True) with the chosen tiles (`choose_direct_tiles`)
+    direct    triton_experts(direct=True) with the chosen tiles (`direct_tiles`)
     sweep     (M in --sweep-tokens) direct with GEMM2 tiles BLOCK_N x BLOCK_K x stages
 and the % of the roofline (`fusedmoe.bench.roofline`, ceilings measured in the run). Every
 direct output is checked against the aligned one (relative error printed).
@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from fusedmoe.backends.triton.experts import GemmProblem, choose_direct_tiles, triton_experts
+from fusedmoe.backends.triton.experts import GemmProblem, direct_tiles, triton_experts
 from fusedmoe.backends.triton.tiles import TileConfig
 from fusedmoe.bench import measure_ceilings, roofline, time_rotated
 from fusedmoe.presets import get_preset
@@ -73,10 +73,7 @@ def main() -> None:
             problem = GemmProblem(ids.numel(), p.num_experts, h, inter, p.top_k, gated, torch.bfloat16)
             with_tiles = [("aligned", None, dict(direct=False)), ("direct", None, dict(direct=True))]
             if tokens in sweep_tokens:
-                from fusedmoe import knobs
-
-                with knobs.override(TRITON_DIRECT="force"):
-                    t1 = choose_direct_tiles(problem, None, device)[0]
+                t1 = direct_tiles(problem, None, device)[0]
                 with_tiles += [("direct", t2, dict(direct=True, tiles=(t1, t2))) for t2 in SWEEP]
             for mode, t2, kw in with_tiles:
                 try:

@@ -100,10 +100,9 @@ def combine_kernel(part_ptr, out_ptr, num_tokens, hidden, stride_ot, SPLIT: tl.c
 
 def split_call(x, w13, w2, topk_w, ids, activation, split, last, block_n, block_k, stages, counters):
     """Direct GEMM1 (library) + the split GEMM2 (+ the combine kernel when not `last`)."""
-    from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import (
         GemmProblem,
-        choose_direct_tiles,
+        direct_tiles,
         launch_gemm1,
         prepare_direct_launch,
     )
@@ -112,8 +111,7 @@ def split_call(x, w13, w2, topk_w, ids, activation, split, last, block_n, block_
     E, inter = w13.shape[0], w2.shape[2]
     K = ids.shape[1]
     problem = GemmProblem(T * K, E, H, inter, K, True, x.dtype)
-    with knobs.override(TRITON_DIRECT="force"):
-        t1 = choose_direct_tiles(problem, None, x.device)[0]
+    t1 = direct_tiles(problem, None, x.device)[0]
     L = prepare_direct_launch(x, topk_w, ids, None, E, E, inter, activation, False, 1.702, None)
     launch_gemm1(L, w13, None, t1)
     out = torch.empty_like(x)

@@ -349,10 +349,10 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import (
         GemmProblem,
-        choose_direct_tiles,
+        choose_plan,
         direct_auto,
-        direct_plan,
         direct_wanted,
+        plan_tiles,
     )
 
     def problem(tokens, experts, top_k, hidden=7168, inter=256):
@@ -370,18 +370,18 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     assert direct_wanted(problem(1, 256, 8), weight_only=True)
     assert direct_wanted(problem(4, 256, 8)) and not direct_wanted(problem(4, 256, 8), weight_only=True)
     dev = torch.device("cpu")
-    t1, t2 = choose_direct_tiles(problem(1, 256, 8), None, dev)
-    assert t1.block_m == t2.block_m == 16 and check_tile(t2, dtype=torch.bfloat16) is None
+    is_direct, t1, t2 = choose_plan(problem(1, 256, 8), None, dev)
+    assert is_direct and t1.block_m == t2.block_m == 16 and check_tile(t2, dtype=torch.bfloat16) is None
     with knobs.override(TRITON_DIRECT=False):
-        assert choose_direct_tiles(problem(1, 256, 8), None, dev) is None
+        assert not choose_plan(problem(1, 256, 8), None, dev)[0]
     with knobs.override(TRITON_DIRECT="force"):
-        assert choose_direct_tiles(problem(16, 128, 8, 2048, 768), None, dev) is not None
-    assert direct_plan(problem(1, 256, 8), None, dev, DIRECT_TILES, None) is None  # explicit tiles: aligned
-    assert direct_plan(problem(1, 256, 8), None, dev, None, False) is None
+        assert choose_plan(problem(16, 128, 8, 2048, 768), None, dev)[0]
+    assert plan_tiles(problem(1, 256, 8), None, dev, DIRECT_TILES, None) == (False, *DIRECT_TILES)  # explicit tiles: aligned
+    assert not plan_tiles(problem(1, 256, 8), None, dev, None, False)[0]
     with pytest.raises(ValueError, match="top_k=17 > 16"):
-        direct_plan(problem(1, 128, 17), None, dev, None, True)
+        plan_tiles(problem(1, 128, 17), None, dev, None, True)
     with pytest.raises(ValueError, match="needs block_m=16"):
-        direct_plan(problem(1, 128, 8), None, dev, (TileConfig(32, 16, 32), DIRECT_TILES[1]), True)
+        plan_tiles(problem(1, 128, 8), None, dev, (TileConfig(32, 16, 32), DIRECT_TILES[1]), True)
 
 
 def test_direct_gemm2_heuristic_tiles_are_valid():

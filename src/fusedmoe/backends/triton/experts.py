@@ -4,7 +4,7 @@
         (N <= 256: one program ranks all slots; N <= ALIGN_CHUNKED_MAX_SLOTS: one program sorts chunks;
          beyond: count / offsets / scatter launches, one program per chunk; L > 4096: torch)
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
-    few slots (`direct_plan`): a = gemm1 by slot  ->  out = gemm2 with the top-k sum (no align, no reduce)
+    few slots (`choose_plan`): a = gemm1 by slot  ->  out = gemm2 with the top-k sum (no align, no reduce)
 
 On sm90+ the large-M unquantized GEMMs load their weights (and gemm2 its sorted rows a) through
 TMA descriptors built here per call (`tma_reasons` decides; FUSEDMOE_TRITON_TMA=0 turns it off).
@@ -383,16 +383,14 @@ def direct_wanted(problem: GemmProblem, num_sms: int = 132, weight_only: bool = 
 
 
 @memoized_tiles
-def choose_direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig] | None:
-    """(gemm1, direct gemm2) tiles when the direct path runs this problem, else None. GEMM1 takes
-    a tuned 16-row entry when the table has one (its blocks are one expert's slot either way),
-    else the heuristic with one block per slot; GEMM2 `direct_gemm2_heuristic`."""
+def direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """(gemm1, direct gemm2) tiles of the direct path. GEMM1 takes a tuned 16-row entry when the
+    table has one (its blocks are one expert's slot either way), else the heuristic with one block
+    per slot; GEMM2 `direct_gemm2_heuristic`. Whether the path runs is `choose_plan`'s question."""
     from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic, tile_mode
     from fusedmoe.backends.triton.tuning import lookup
 
     p, sms = problem, _num_sms(device)
-    if not direct_wanted(problem, sms, weight_only=scheme is not None):
-        return None
     quant, group = tile_mode(scheme)
     tuned = lookup(p, device) if scheme is None else lookup(p, device, scheme)
     if tuned is not None and tuned[0].block_m == DIRECT_BLOCK_M:
@@ -405,6 +403,40 @@ def choose_direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> t
     return t1, t2
 
 
+@memoized_tiles
+def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
+    names no tiles and no path: `direct_wanted` decides, one memoized lookup per eager call."""
+    if direct_wanted(problem, _num_sms(device), weight_only=scheme is not None):
+        return (True, *direct_tiles(problem, scheme, device))
+    return (False, *_aligned_tiles(problem, scheme, device))
+
+
+def _aligned_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    if scheme is None:
+        return choose_tiles(problem, device)
+    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
+
+    return choose_weight_only_tiles(problem, scheme, device)
+
+
+def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
+               tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) for a call. direct None: `choose_plan`, or the aligned
+    path when `tiles` are given; False: aligned; True: the direct path (`tiles`, when given, are
+    its (gemm1, direct gemm2) tiles), a ValueError when it cannot run."""
+    if direct is None:
+        return choose_plan(problem, scheme, device) if tiles is None else (False, *tiles)
+    if not direct:
+        return (False, *(tiles if tiles is not None else _aligned_tiles(problem, scheme, device)))
+    reason = direct_reason(problem)
+    if reason is not None:
+        raise ValueError(f"the direct decode path cannot run this call: {reason}")
+    tiles = tiles if tiles is not None else direct_tiles(problem, scheme, device)
+    check_direct_tiles(*tiles)
+    return (True, *tiles)
+
+
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
     {path, why, launches, gemm1, gemm2 (tile, source, tma)} for `fusedmoe explain --tokens`.
@@ -412,43 +444,35 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import lookup
 
-    sms = _num_sms(device)
     tuned = lookup(problem, device) if scheme is None else lookup(problem, device, scheme)
     source = "tuned table" if tuned is not None else "heuristic"
-    weight_only = scheme is not None and scheme.weight_only
-    direct = None
-    if scheme is None or weight_only:
-        direct = choose_direct_tiles(problem, scheme, device)
-    if direct is not None:
-        mode = knobs.get("TRITON_DIRECT")
-        why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
-               else "few slots, experts rarely repeated, enough GEMM2 programs (experts.direct_auto)")
-        t1, t2 = direct
-        src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"
-        return dict(path="direct", why=why, launches="gemm1" + (" + act" if t1.split_k > 1 else "") + " + gemm2",
-                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source="direct heuristic", tma=None))
-    if scheme is not None and not weight_only:
-        why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
-    elif knobs.get("TRITON_DIRECT") is False:
-        why = "FUSEDMOE_TRITON_DIRECT=0"
-    else:
-        why = direct_reason(problem) or direct_auto_reason(problem, sms) or (
-            "weight-only schemes take the direct path at one token only")
-    if scheme is None:
-        t1, t2 = choose_tiles(problem, device)
-        tma1, tma2 = tma_planned(problem, device)
-        tma1 = tma1 if t1.block_m >= TMA_MIN_BLOCK_M and t1.split_k == 1 else None
-        tma2 = tma2 if t2.block_m >= TMA_MIN_BLOCK_M else None
-    elif weight_only:
-        from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
-
-        (t1, t2), tma1, tma2 = choose_weight_only_tiles(problem, scheme, device), None, None
-    else:
+    mode = knobs.get("TRITON_DIRECT")
+    if scheme is not None and not scheme.weight_only:
         from fusedmoe.backends.triton.quant import choose_quant_tiles
 
-        (t1, t2), tma1, tma2 = choose_quant_tiles(problem, scheme, device), None, None
-    launches = "align + gemm1" + (" + act" if t1.split_k > 1 else "") + " + gemm2 + reduce"
-    return dict(path="aligned", why=why, launches=launches,
+        is_direct, (t1, t2) = False, choose_quant_tiles(problem, scheme, device)
+        why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
+    else:
+        is_direct, t1, t2 = choose_plan(problem, scheme, device)
+        if is_direct:
+            why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
+                   else "few slots, experts rarely repeated, enough GEMM2 programs (experts.direct_auto)")
+        elif mode is False:
+            why = "FUSEDMOE_TRITON_DIRECT=0"
+        else:
+            why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device)) or (
+                "weight-only schemes take the direct path at one token only")
+    split = " + act" if t1.split_k > 1 else ""
+    if is_direct:
+        src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"
+        return dict(path="direct", why=why, launches=f"gemm1{split} + gemm2",
+                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source="direct heuristic", tma=None))
+    tma1 = tma2 = None
+    if scheme is None:
+        tma1, tma2 = tma_planned(problem, device)
+        tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
+        tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
+    return dict(path="aligned", why=why, launches=f"align + gemm1{split} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=source, tma=tma1), gemm2=dict(tile=t2, source=source, tma=tma2))
 
 
@@ -529,6 +553,18 @@ def _view_reason(v: torch.Tensor, block: tuple[int, int]) -> str | None:
     return None
 
 
+def _tma_tile_reason(tile: TileConfig, quant_args: dict | None) -> str | None:
+    """Why the kernel or the tile keeps pointer loads, or None (the device and tensors decide)."""
+    quant = (quant_args or {}).get("QUANT", 0)
+    if quant:
+        return f"quantized kernels (QUANT={quant})"
+    if tile.split_k > 1:
+        return f"split_k={tile.split_k}"
+    if tile.block_m < TMA_MIN_BLOCK_M:
+        return f"block_m={tile.block_m} < {TMA_MIN_BLOCK_M} (decode tiles keep pointer loads)"
+    return None
+
+
 def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor | None,
                 quant_args: dict | None) -> tuple[str | None, str | None]:
     """Why a GEMM's A rows and its weights stay on pointer loads: (A, W), None = through a TMA
@@ -541,16 +577,7 @@ def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor 
     row stride 16-byte aligned, box dims <= 256 and >= 16 B inner.
     """
     # The kernel and tile rules first: a decode launch (every eager decode step) then reads no knob.
-    quant = (quant_args or {}).get("QUANT", 0)
-    reason = None
-    if quant:
-        reason = f"quantized kernels (QUANT={quant})"
-    elif tile.split_k > 1:
-        reason = f"split_k={tile.split_k}"
-    elif tile.block_m < TMA_MIN_BLOCK_M:
-        reason = f"block_m={tile.block_m} < {TMA_MIN_BLOCK_M} (decode tiles keep pointer loads)"
-    else:
-        reason = _tma_device_reason(w.device)
+    reason = _tma_tile_reason(tile, quant_args) or _tma_device_reason(w.device)
     if reason is not None:
         return reason, reason
     w_reason = None
@@ -843,61 +870,6 @@ def triton_experts(
     launch_gemm2(launch, w2, w2_bias, t2)
     launch_reduce(launch, out)
     return out
-
-
-@memoized_tiles
-def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
-    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
-    names no tiles and no path: one memoized lookup per eager call instead of two."""
-    direct = choose_direct_tiles.__wrapped__(problem, scheme, device)
-    if direct is not None:
-        return (True, *direct)
-    if scheme is None:
-        return (False, *choose_tiles.__wrapped__(problem, device))
-    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
-
-    return (False, *choose_weight_only_tiles.__wrapped__(problem, scheme, device))
-
-
-def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
-               tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
-    """(direct?, gemm1 tile, gemm2 tile) for a call: `choose_plan` when it names neither, else
-    `direct_plan` for the path and the given or chosen aligned tiles."""
-    if tiles is None and direct is None:
-        return choose_plan(problem, scheme, device)
-    plan = direct_plan(problem, scheme, device, tiles, direct)
-    if plan is not None:
-        return (True, *plan)
-    if tiles is not None:
-        return (False, *tiles)
-    return (False, *_aligned_tiles(problem, scheme, device))
-
-
-def _aligned_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
-    if scheme is None:
-        return choose_tiles(problem, device)
-    from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
-
-    return choose_weight_only_tiles(problem, scheme, device)
-
-
-def direct_plan(problem: GemmProblem, scheme, device: torch.device,
-                tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[TileConfig, TileConfig] | None:
-    """The direct path's (gemm1, gemm2) tiles when this call takes it, else None (aligned)."""
-    if direct is False or (direct is None and tiles is not None):
-        return None
-    if direct:
-        reason = direct_reason(problem)
-        if reason is not None:
-            raise ValueError(f"the direct decode path cannot run this call: {reason}")
-        if tiles is None:
-            from fusedmoe import knobs
-
-            with knobs.override(TRITON_DIRECT="force"):
-                tiles = choose_direct_tiles(problem, scheme, device)
-        check_direct_tiles(*tiles)
-        return tiles
-    return choose_direct_tiles(problem, scheme, device)
 
 
 @functools.cache

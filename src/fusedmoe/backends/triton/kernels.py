@@ -5,7 +5,7 @@ Pipeline over the slots (t, k) sorted by local expert and padded to BLOCK_M per 
             (split-K for few rows: fp32 partials per H share, then moe_act_kernel sums them)
     gemm2:  y[slot, :] = (w2[e] @ a[r] + b2[e]) * w                      one program per (row block, H tile)
     reduce: out[t, :]  = sum_k y[t*K + k, :] over valid slots, in fp32  one program per (token, H tile)
-Direct decode (DIRECT, few slots; experts.direct_plan): no alignment and no reduce
+Direct decode (DIRECT, few slots; experts.choose_plan): no alignment and no reduce
     gemm1:  a[slot, :] as above, row block b = slot b alone (row 0 live), expert from the ids
     gemm2:  out[t, :] = sum_k w * (w2[e_k] @ a[t*K + k] + b2[e_k])       moe_gemm2_direct_kernel,
             one program per (token, H tile), fp32 in slot order

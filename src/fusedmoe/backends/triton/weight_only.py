@@ -1,7 +1,7 @@
 """Host side of the `triton` backend's weight-only schemes: activations stay bf16 / fp16 / fp32.
 
     align -> gemm1 (dequantize w13 in registers, dot) -> gemm2 (the same for w2) -> reduce
-    (decode: gemm1 by slot -> gemm2 with the top-k sum, no alignment: experts.direct_plan)
+    (decode: gemm1 by slot -> gemm2 with the top-k sum, no alignment: experts.choose_plan)
 The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
 4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); nothing
 dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels

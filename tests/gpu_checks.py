@@ -31,3 +31,11 @@ def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def replayed(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn() captured in a CUDA graph (`capture`) and replayed once: the static output after it."""
+    graph, out = capture(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out

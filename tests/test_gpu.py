@@ -11,7 +11,7 @@ import torch
 import fusedmoe
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.presets import PRESETS
-from gpu_checks import capture, poison_allocator, rel_err
+from gpu_checks import capture, poison_allocator, rel_err, replayed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -222,10 +222,7 @@ def test_tma_descriptor_loads(monkeypatch, T, E, K, H, I, act, bias, operands):
     assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, activation=act)) < TOL[torch.bfloat16]
     with knobs.override(TRITON_TMA=False):
         assert rel_err(out, run()) < 1e-2
-    graph, static_out = capture(run)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, out)
+    assert torch.equal(replayed(run), out)
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -248,10 +245,7 @@ def test_direct_decode_on_presets(name):
                      apply_router_weight_on_input=p.apply_router_weight_on_input)
         assert rel_err(out, ref) < TOL[torch.bfloat16]
         assert rel_err(out, triton_experts(*args, direct=False)) < TOL[torch.bfloat16]
-        graph, static_out = capture(lambda: triton_experts(*args, direct=True))  # noqa: B023
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, out)
+        assert torch.equal(replayed(lambda: triton_experts(*args, direct=True)), out)  # noqa: B023
 
 
 def test_direct_decode_expert_map_out_of_range_and_split_k():

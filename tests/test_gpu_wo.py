@@ -14,7 +14,7 @@ import torch
 
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
-from gpu_checks import capture, poison_allocator, rel_err
+from gpu_checks import capture, poison_allocator, rel_err, replayed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -191,10 +191,7 @@ def test_batched_layout_and_cuda_graph(scheme):
     one = torch.full_like(ids[:, :1], 3)
     got = fused_experts(x, q13, q2, w[:, :1], one, **kw)
     assert rel_err(got, fused_experts(x, q13, q2, w[:, :1], one, quant=params, backend="emulation")) < TOL
-    graph, static_out = capture(lambda: fused_experts(x, q13, q2, w, ids, **kw))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, out)
+    assert torch.equal(replayed(lambda: fused_experts(x, q13, q2, w, ids, **kw)), out)
 
 
 @pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])
@@ -222,10 +219,7 @@ def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
         out = run()
         assert rel_err(out, want) < TOL, backend
         if layout == "standard":
-            graph, static_out = capture(run)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(static_out, out)
+            assert torch.equal(replayed(run), out)
 
 
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
@@ -251,7 +245,4 @@ def test_direct_decode(scheme):
                                  activation=activation)
         assert rel_err(out, emulated) < TOL
         assert rel_err(out, run(False)) < TOL
-        graph, static_out = capture(lambda: run(True))  # noqa: B023
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, out)
+        assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023

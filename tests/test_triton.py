@@ -253,48 +253,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kernels_match_reference(case, dtype):
+def case_problem(case, dtype, seed_offset=0):
+    """(triton_experts' positional arguments, the float64 reference) for one of CASES; with an
+    expert_map this rank holds experts 0, 2, 4, ... and the others contribute zero."""
     _, T, E, K, H, I, act, bias, on_input, use_map = case
-    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
-    rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
-    num_local = E
-    expert_map = None
-    if use_map:  # this rank holds experts 0, 2, 4, ...; others contribute zero
-        local_ids = list(range(0, E, 2))
-        num_local = len(local_ids)
-        expert_map = torch.full((E,), -1, dtype=torch.int32)
-        expert_map[local_ids] = torch.arange(num_local, dtype=torch.int32)
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    w13 = (torch.randn(num_local, rows, H, generator=gen) / H**0.5).to(dtype)
-    w2 = (torch.randn(num_local, H, I, generator=gen) / I**0.5).to(dtype)
-    b13 = torch.randn(num_local, rows, generator=gen).to(dtype) if bias else None
-    b2 = torch.randn(num_local, H, generator=gen).to(dtype) if bias else None
-    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K, renormalize=not on_input)
-    alpha, limit = (1.5, 6.0) if act == "swigluoai" else (1.702, None)
-    out = triton_experts(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE),
-                         None if b13 is None else b13.to(DEVICE), None if b2 is None else b2.to(DEVICE),
-                         None if expert_map is None else expert_map.to(DEVICE), E, act, on_input, alpha, limit)
-    ref = fused_experts_ref(
-        x.double(), w13.double(), w2.double(), weights, ids, activation=act,
-        apply_router_weight_on_input=on_input, expert_map_E=expert_map, global_num_experts=E,
-        w13_bias_LG=None if b13 is None else b13.double(), w2_bias_LH=None if b2 is None else b2.double(),
-        swiglu_alpha=alpha, swiglu_limit=limit,
-    )
-    assert rel_err(out.cpu(), ref) < TOL[dtype]
-
-
-# The direct decode path: GEMM1 by slot, GEMM2 with the routed weight and the top-k sum -------------
-DIRECT_TILES = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "many-tokens"],
-                         ids=[c[0] for c in CASES if c[0] != "many-tokens"])
-def test_direct_decode_matches_reference(case, dtype, monkeypatch):
-    _, T, E, K, H, I, act, bias, on_input, use_map = case
-    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()) + 1)
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()) + seed_offset)
     rows = 2 * I if act in ("silu", "gelu", "gelu_tanh", "swigluoai") else I
     num_local, expert_map = E, None
     if use_map:
@@ -308,16 +271,35 @@ def test_direct_decode_matches_reference(case, dtype, monkeypatch):
     b2 = torch.randn(num_local, H, generator=gen).to(dtype) if bias else None
     weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K, renormalize=not on_input)
     alpha, limit = (1.5, 6.0) if act == "swigluoai" else (1.702, None)
-    monkeypatch.setattr(experts_mod, "align", None)  # the direct path aligns nothing
-    out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
-    triton_experts(x, w13, w2, weights, ids, b13, b2, expert_map, E, act, on_input, alpha, limit,
-                   tiles=DIRECT_TILES, out=out, direct=True)
     ref = fused_experts_ref(
         x.double(), w13.double(), w2.double(), weights, ids, activation=act,
         apply_router_weight_on_input=on_input, expert_map_E=expert_map, global_num_experts=E,
         w13_bias_LG=None if b13 is None else b13.double(), w2_bias_LH=None if b2 is None else b2.double(),
         swiglu_alpha=alpha, swiglu_limit=limit,
     )
+    return (x, w13, w2, weights, ids, b13, b2, expert_map, E, act, on_input, alpha, limit), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernels_match_reference(case, dtype):
+    args, ref = case_problem(case, dtype)
+    out = triton_experts(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+# The direct decode path: GEMM1 by slot, GEMM2 with the routed weight and the top-k sum -------------
+DIRECT_TILES = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "many-tokens"],
+                         ids=[c[0] for c in CASES if c[0] != "many-tokens"])
+def test_direct_decode_matches_reference(case, dtype, monkeypatch):
+    args, ref = case_problem(case, dtype, seed_offset=1)
+    monkeypatch.setattr(experts_mod, "align", None)  # the direct path aligns nothing
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    triton_experts(*args, tiles=DIRECT_TILES, out=out, direct=True)
     assert rel_err(out, ref) < TOL[dtype]
 
 

@@ -364,6 +364,9 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
         plan_tiles(problem(1, 128, 17), None, dev, None, True)
     with pytest.raises(ValueError, match="needs block_m=16"):
         plan_tiles(problem(1, 128, 8), None, dev, (TileConfig(32, 16, 32), DIRECT_TILES[1]), True)
+    monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "sometimes")
+    with pytest.raises(ValueError, match="FUSEDMOE_TRITON_DIRECT='sometimes'.*'force'"):
+        choose_plan(problem(1, 256, 8), None, dev)
 
 
 def test_direct_gemm2_heuristic_tiles_are_valid():

@@ -14,8 +14,9 @@ combines the SPLIT partials in a fixed order (deterministic) in one of two ways:
     pass   a second kernel sums the partials (one extra launch, no atomics)
 GEMM1 is the library's (the direct path's, `experts.launch_gemm1` on `prepare_direct_launch`), so
 times compare whole calls: aligned, direct (library), and direct GEMM1 + this GEMM2 per variant;
-each output is checked against the library's direct output. Not used by the library: this file
-decides whether it should be.
+each output is checked against the library's direct output. Decided (H200,
+results/2026-11-23_h200_split.txt): the library's `moe_gemm2_direct_kernel` now splits a token's
+slots (`split_k` of its tile) with the second-kernel combine; this file's "direct" row is that.
 """
 
 from __future__ import annotations

@@ -56,10 +56,13 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     assert "few slots, experts rarely repeated" in plan
     assert re.search(r"M=64 +aligned: align \+ gemm1 .*\+ gemm2 \+ reduce", plan) and "why: 512 slots > 64" in plan
     # why the aligned path: each rule names its number; W8A8; the knob; marlin's weight-only twin
-    rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--tokens", "1", "--json"])
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--tokens", "1,2", "--json"])
     plan = json.loads(capsys.readouterr().out)["triton_plan"]
-    assert rc == 0 and plan[0]["path"] == "aligned" and plan[0]["gemm1"]["tile"][0] == 16
-    assert plan[0]["why"] == "64 direct GEMM2 programs at 32-wide tiles < 1.2 x 132 SMs"
+    # one token: direct, GEMM2 spreading the 8 slots over 4 programs per tile (+ their combine)
+    assert rc == 0 and plan[0]["path"] == "direct" and plan[0]["launches"] == "gemm1 + gemm2 + combine"
+    assert plan[0]["gemm2"]["tile"][1] == 32 and plan[0]["gemm2"]["tile"][5] == 4
+    assert plan[1]["path"] == "aligned" and plan[1]["gemm1"]["tile"][0] == 16
+    assert plan[1]["why"] == "128 direct GEMM2 programs at 32-wide tiles < 1.2 x 132 SMs"
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
           "--tokens", "1"])
     assert "W8A8 schemes align" in capsys.readouterr().out

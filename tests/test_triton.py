@@ -289,7 +289,7 @@ def test_kernels_match_reference(case, dtype):
 
 
 # The direct decode path: GEMM1 by slot, GEMM2 with the routed weight and the top-k sum -------------
-DIRECT_TILES = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2))
+DIRECT_TILES = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2, 2))  # gemm2: a token's slots in 2 shares
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -303,8 +303,8 @@ def test_direct_decode_matches_reference(case, dtype, monkeypatch):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("split", [2, 4])
-def test_direct_decode_split_k_out_of_range_ids_and_in_place(split):
+@pytest.mark.parametrize("split, shares", [(2, 1), (4, 4)])  # gemm1 split-K, gemm2 slot shares (3 of 1 slot)
+def test_direct_decode_split_k_out_of_range_ids_and_in_place(split, shares):
     gen = torch.Generator().manual_seed(60 + split)
     T, E, K, H, I = 4, 6, 3, 128, 40
     x = torch.randn(T, H, generator=gen)
@@ -313,7 +313,7 @@ def test_direct_decode_split_k_out_of_range_ids_and_in_place(split):
     ids = torch.tensor([[1, 0, 5], [1, -1, 2], [3, E, 1], [E + 7, -5, 99]], dtype=torch.int32)
     weights = torch.rand(T, K, generator=gen)
     weights[1, 1] = float("nan")  # the weight of a dropped slot is never read
-    tiles = (TileConfig(16, 16, 32, 4, 2, split), TileConfig(16, 32, 32, 4, 2))
+    tiles = (TileConfig(16, 16, 32, 4, 2, split), TileConfig(16, 32, 32, 4, 2, shares))
     into = x.clone()
     out = triton_experts(into, w13, w2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
                          tiles=tiles, out=into, direct=True)
@@ -340,14 +340,17 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     def problem(tokens, experts, top_k, hidden=7168, inter=256):
         return GemmProblem(tokens * top_k, experts, hidden, inter, top_k, True, torch.bfloat16)
 
-    # the measured wins: DeepSeek-V3 M=1 and 4, Llama-4 M=1, Qwen3-30B M=4
+    # the measured wins: DeepSeek-V3 M=1 and 4, Llama-4 M=1, Qwen3-30B M=4; every preset at M=1
+    # once GEMM2 splits a token's slots (Qwen3-30B, gpt-oss, Mixtral)
     assert direct_auto(problem(1, 256, 8)) and direct_auto(problem(4, 256, 8))
     assert direct_auto(problem(1, 128, 1, 5120, 1024)) and direct_auto(problem(4, 128, 8, 2048, 768))
-    # and losses: too few GEMM2 programs (Qwen3 M=1), long intermediates (gpt-oss, Mixtral),
-    # experts repeated (Mixtral M=4: 8 slots over 8 experts), many slots
-    assert not direct_auto(problem(1, 128, 8, 2048, 768)) and not direct_auto(problem(4, 128, 4, 2880, 2880))
+    assert direct_auto(problem(1, 128, 8, 2048, 768)) and direct_auto(problem(1, 128, 4, 2880, 2880))
+    assert direct_auto(problem(1, 8, 2, 4096, 14336)) and direct_auto(problem(1, 256, 8), num_sms=200)
+    # and losses (measured without shares): too few GEMM2 programs, long intermediates (gpt-oss
+    # M=4), experts repeated (Mixtral M=4: 8 slots over 8 experts), many slots
+    assert not direct_auto(problem(2, 128, 8, 2048, 768)) and not direct_auto(problem(4, 128, 4, 2880, 2880))
     assert not direct_auto(problem(4, 8, 2, 4096, 1024)) and not direct_auto(problem(16, 256, 8))
-    assert not direct_auto(problem(1, 256, 8), num_sms=200)
+    assert not direct_auto(problem(2, 256, 8), num_sms=400)
     # weight-only: one token only (measured)
     assert direct_wanted(problem(1, 256, 8), weight_only=True)
     assert direct_wanted(problem(4, 256, 8)) and not direct_wanted(problem(4, 256, 8), weight_only=True)
@@ -370,17 +373,27 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
 
 
 def test_direct_gemm2_heuristic_tiles_are_valid():
-    from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic
+    from fusedmoe.backends.triton.tiles import DIRECT_SPLIT_WORK, direct_gemm2_heuristic
 
     for tokens in (1, 2, 7, 64):
         for hidden, inter in ((2048, 768), (7168, 256), (5120, 1024), (2880, 2880), (65, 37), (4096, 14336)):
             for dtype in (torch.bfloat16, torch.float32):
                 for quant, group in ((None, None), ("w8", None), ("w4", 32), ("w4", 128)):
-                    tile = direct_gemm2_heuristic(tokens, hidden, inter, dtype, quant=quant, group=group)
-                    assert tile.block_m == 16
-                    assert check_tile(tile, dtype=dtype, quant=quant, group=group) is None, tile
-    assert direct_gemm2_heuristic(1, 2048, 768, torch.bfloat16).block_n == 16  # 128 programs for 132 SMs
-    assert direct_gemm2_heuristic(64, 2048, 768, torch.bfloat16).block_n == 128
+                    for top_k in (1, 2, 6, 8, 16):
+                        tile = direct_gemm2_heuristic(tokens, hidden, inter, dtype, quant=quant, group=group,
+                                                      top_k=top_k)
+                        assert tile.block_m == 16
+                        assert check_tile(tile, dtype=dtype, quant=quant, group=group, allow_split=True) is None
+                        per = -(-top_k // tile.split_k)
+                        assert tile.split_k < 2 * top_k and (per - 1) * tile.split_k < top_k, tile
+                        assert tile.split_k == 1 or tokens * -(-hidden // tile.block_n) * tile.split_k // 2 < 132 \
+                            or 2 * per * inter > DIRECT_SPLIT_WORK, tile  # split only where it was wanted
+    # measured at M=1 (tiles.direct_gemm2_heuristic): 32-wide tiles, the slots in 4 / 4 / 2 shares
+    for (hidden, inter, top_k), split in (((2048, 768, 8), 4), ((2880, 2880, 4), 4), ((4096, 14336, 2), 2),
+                                          ((7168, 256, 8), 1), ((5120, 1024, 1), 1)):
+        tile = direct_gemm2_heuristic(1, hidden, inter, torch.bfloat16, top_k=top_k)
+        assert (tile.block_n, tile.split_k) == (32, split), (hidden, tile)
+    assert direct_gemm2_heuristic(64, 2048, 768, torch.bfloat16, top_k=8).block_n == 128
 
 
 def test_swiglu_clamp_applied():

@@ -65,6 +65,20 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
              tiles=((16, 64, 16, 4, 1), (16, 64, 64, 4, 1)))
 
 
+@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "fp8_w8a16"])
+def test_one_token_takes_the_direct_path_with_slot_shares(scheme):
+    """Weight-only at one token: the auto plan is the direct path, its GEMM2 spreading the slots
+    over programs whose partials are combined (the heuristic's split_k), as the reference."""
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_plan
+    from fusedmoe.quant.scheme import get_scheme
+
+    config, x, w, weights, ids, _ = problem(Case("one", T=1, E=6, K=4, H=64, I=32), scheme, torch.float32)
+    plan = choose_plan(GemmProblem(4, 6, 64, 32, 4, True, torch.float32), get_scheme(scheme), x.device)
+    assert plan[0] and plan[2].split_k == 4
+    out = run(config, x, w, weights, ids, None)
+    assert rel_err(out, EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)) < TOL[torch.float32]
+
+
 def test_k_not_a_multiple_of_the_group_is_refused():
     """Group scales need whole groups: H = 96 under g128 fails validation, before any kernel."""
     E, G, H, I = 4, 64, 96, 32

@@ -322,6 +322,12 @@ def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig
 #   Qwen3-30B M=1        29.2 -> 31.3 (lost)        64                    768
 #   gpt-oss M=1 / M=4    63.3 -> 74.0 / 202 -> 213  90 / 360              2880
 #   Mixtral M=1          170 -> 187                 128                   14336
+# GEMM2 now also splits a token's slots over up to K programs (their fp32 partials summed in
+# order by moe_reduce_kernel) when its (token, N tile) programs are too few or too long
+# (tiles.direct_gemm2_heuristic): at M=1 the three losses above became wins (H200,
+# benchmarks/bench_direct_split.py, 2026-11-23_h200_split.txt: Qwen3-30B 29.8 aligned -> 27.9,
+# gpt-oss 62.3 -> 59.5, Mixtral 191.8 -> 170.3), so one token always takes the direct path;
+# M > 1 keeps the rule measured without shares.
 # An expert routed twice is streamed twice (a slot is its own block): auto also wants experts
 # rarely repeated among the slots under uniform routing.
 DIRECT_BLOCK_M = 16
@@ -350,6 +356,8 @@ def direct_auto_reason(problem: GemmProblem, num_sms: int = 132) -> str | None:
     programs = (n // problem.top_k) * -(-problem.hidden // 32)
     if n > DIRECT_MAX_SLOTS:
         return f"{n} slots > {DIRECT_MAX_SLOTS}"
+    if n == problem.top_k:  # one token: distinct experts; GEMM2's slot shares fill the SMs, bound each K loop
+        return None
     if n > DIRECT_MAX_REPEAT * distinct:
         return (f"{n} slots over ~{distinct:.1f} distinct experts (uniform routing): each repeat "
                 "streams an expert again")
@@ -399,7 +407,7 @@ def direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[Ti
         t1 = heuristic(p.num_slots, p.num_slots, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
                        quant=quant, group=group)
     t2 = direct_gemm2_heuristic(p.num_slots // p.top_k, p.hidden, p.inter, p.dtype, num_sms=sms,
-                                quant=quant, group=group)
+                                quant=quant, group=group, top_k=p.top_k)
     return t1, t2
 
 
@@ -465,7 +473,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     split = " + act" if t1.split_k > 1 else ""
     if is_direct:
         src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"
-        return dict(path="direct", why=why, launches=f"gemm1{split} + gemm2",
+        shares = " + combine" if t2.split_k > 1 else ""
+        return dict(path="direct", why=why, launches=f"gemm1{split} + gemm2{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source="direct heuristic", tma=None))
     tma1 = tma2 = None
     if scheme is None:
@@ -480,8 +489,9 @@ def check_direct_tiles(t1: TileConfig, t2: TileConfig) -> None:
     for name, tile in (("gemm1", t1), ("gemm2", t2)):
         if tile.block_m != DIRECT_BLOCK_M:
             raise ValueError(f"the direct path's {name} tile needs block_m={DIRECT_BLOCK_M}, got {tile}")
-    if t2.split_k != 1:
-        raise ValueError(f"the direct gemm2 does not split K, got {t2}")
+    if t2.split_k not in (1, 2, 4, 8, 16):
+        raise ValueError(f"the direct gemm2's split_k (slot shares per token) must be one of 1, 2, 4, 8, 16, "
+                         f"got {t2}")
 
 
 # TMA descriptors ------------------------------------------------------------------------------
@@ -789,7 +799,12 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
     hidden, inter = out.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else out
     emap = L.expert_map if L.expert_map is not None else L.ids
-    kernels.moe_gemm2_direct_kernel[(out.shape[0], triton_cdiv(hidden, tile.block_n))](
+    per = triton_cdiv(L.top_k, tile.split_k)  # slots per share
+    split = triton_cdiv(L.top_k, per)
+    part = out  # never written unless split > 1
+    if split > 1:
+        part = torch.empty(out.shape[0] * split, hidden, dtype=torch.float32, device=out.device)
+    kernels.moe_gemm2_direct_kernel[(out.shape[0], triton_cdiv(hidden, tile.block_n), split)](
         a, w2, bias, out, L.weights_N, L.ids, emap,
         L.num_global, L.num_local, hidden, inter,
         a.stride(0), a.stride(1),
@@ -798,9 +813,15 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
         out.stride(0), out.stride(1),
         TOP_K=L.top_k, TOP_K_P=triton_next_pow2(L.top_k),
         HAS_MAP=L.expert_map is not None, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, **tile.as_kwargs(),
-        **(quant_args or {}), **L.launch_kw,
+        IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, part_ptr=part, SPLIT=split, PER=per,
+        **tile.as_kwargs(), **(quant_args or {}), **L.launch_kw,
     )
+    if split > 1:  # a token's shares, summed in order
+        block_h = min(1024, triton_next_pow2(hidden))
+        kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
+            part, out, part, hidden, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
+            TOP_K=split, BLOCK_H=block_h, FLAGS=False, num_warps=4, **L.launch_kw,
+        )
 
 
 def _ieee(operand: torch.Tensor, quant_args: dict | None) -> bool:

@@ -717,17 +717,23 @@ def moe_gemm2_direct_kernel(
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    # SPLIT > 1: program (t, n, s) sums slots s*PER .. s*PER + PER - 1 and writes its fp32 row to
+    # part[t*SPLIT + s]; moe_reduce_kernel (FLAGS=False) adds a token's SPLIT rows in order.
+    part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
 
     One loop over (slot k, K step) so the weight loads of consecutive slots pipeline; a's row of
     slot k is row 0 of a [BLOCK_M, BLOCK_K] tl.dot operand (the other rows masked to 0). Slots
-    routed to no local expert (ids out of range, mapped away) add nothing. No intermediate y and
-    no reduce launch: each output element is written once, deterministically.
+    routed to no local expert (ids out of range, mapped away) add nothing. SPLIT == 1: no
+    intermediate y and no reduce launch, each output element is written once; SPLIT > 1 (too few
+    (token, N tile) programs for the SMs, or long per-program K loops): a token's slots spread
+    over SPLIT programs whose fp32 partials are summed in a fixed order. Deterministic either way.
     """
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -752,13 +758,21 @@ def moe_gemm2_direct_kernel(
     if QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
         gsk = tl.load(wgs_ptr + local, mask=ok, other=1.0).to(tl.float32)
 
+    if HAS_BIAS:  # sum_k w_k * b2[e_k] of this share, loaded before the K loop (consumed after it)
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for jj in tl.static_range(PER):
+            sel = kk == s * PER + jj
+            live = tl.sum(tl.where(sel, okk, 0), 0)
+            b = tl.load(b2_ptr + tl.sum(tl.where(sel, local, 0), 0) * stride_be + offs_n * stride_bh,
+                        mask=offs_n < live * hidden, other=0.0).to(tl.float32)
+            bias += b * tl.sum(tl.where(sel, wk, 0.0), 0)
     k_steps = tl.cdiv(inter, BLOCK_K)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if QUANT == Q_W4:
         offs_j = tl.arange(0, BLOCK_K // 2)
-    for it in range(0, TOP_K * k_steps):
-        j = it // k_steps
-        k0 = (it - j * k_steps) * BLOCK_K
+    for it in range(0, PER * k_steps):
+        j = s * PER + it // k_steps  # j >= TOP_K (the last share's tail): no slot selected, adds 0
+        k0 = (it - (j - s * PER) * k_steps) * BLOCK_K
         # the slot's expert, weight and liveness picked from registers: the weight loads' addresses
         # depend on no load in the loop, so they pipeline across slots (per-slot scalar loads
         # measured 5-40% slower on an H200: benchmarks/results/2026-11-23_h200_direct-*.txt)
@@ -796,14 +810,16 @@ def moe_gemm2_direct_kernel(
             if QUANT == Q_W8:
                 acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,
                                     other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:  # once per slot, with its first K step
-            first = 1 - tl.minimum(k0, 1)
-            acc += tl.load(b2_ptr + e * stride_be + offs_n * stride_bh, mask=offs_n < first * live * hidden,
-                           other=0.0).to(tl.float32)[None, :]
         total += acc * w_j
     _pdl_release(PDL)
-    o_ptrs = out_ptr + t * stride_ot + row0 + offs_n[None, :] * stride_oh
-    tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=lane0 & n_ok[None, :])
+    if HAS_BIAS:
+        total += bias[None, :]
+    if SPLIT == 1:
+        o_ptrs = out_ptr + t * stride_ot + row0 + offs_n[None, :] * stride_oh
+        tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=lane0 & n_ok[None, :])
+    else:  # part [T*SPLIT, hidden] fp32, contiguous
+        p_ptrs = part_ptr + (t * SPLIT + s) * hidden + row0 + offs_n[None, :]
+        tl.store(p_ptrs, total, mask=lane0 & n_ok[None, :])
 
 
 @triton.jit
@@ -812,9 +828,10 @@ def moe_reduce_kernel(
     hidden,
     stride_ys, stride_yh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, FLAGS: tl.constexpr = True,
 ):
-    """out[t, h] = sum over valid k of y[t*K + k, h], accumulated in fp32 in slot order."""
+    """out[t, h] = sum over valid k of y[t*K + k, h], accumulated in fp32 in slot order.
+    FLAGS=False: every row is valid (slot_ok_ptr unread): the direct GEMM2's split partials."""
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -822,8 +839,10 @@ def moe_reduce_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = t * TOP_K + k
-        ok = tl.load(slot_ok_ptr + slot + offs_h * 0) != 0  # the slot's flag, as a [BLOCK_H] mask
-        y = tl.load(y_ptr + slot * stride_ys + offs_h * stride_yh, mask=h_ok & ok, other=0.0)
+        ok = h_ok
+        if FLAGS:
+            ok = ok & (tl.load(slot_ok_ptr + slot + offs_h * 0) != 0)  # the slot's flag, as a [BLOCK_H] mask
+        y = tl.load(y_ptr + slot * stride_ys + offs_h * stride_yh, mask=ok, other=0.0)
         acc += y.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 

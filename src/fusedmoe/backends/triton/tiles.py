@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -208,17 +208,25 @@ def heuristic(
     return tile
 
 
+DIRECT_SPLIT_WORK = 4096  # K elements (slots x I) one direct GEMM2 program streams before splitting
+
+
 def direct_gemm2_heuristic(
     num_tokens: int, hidden: int, inter: int, dtype: torch.dtype, *, num_sms: int = 132,
-    quant: str | None = None, group: int | None = None,
+    quant: str | None = None, group: int | None = None, top_k: int = 1,
 ) -> TileConfig:
     """A valid tile for the direct decode GEMM2 (`kernels.moe_gemm2_direct_kernel`): one program
-    per (token, N tile) streams its N rows of every routed expert's w2, so N tiles narrow until
-    the tokens' tiles cover the SMs; one K loop over (slot, K step) keeps long K tiles in flight.
-    BLOCK_M is the 16 rows of a tl.dot operand whose row 0 is the slot's activation row.
+    per (token, N tile, slot share) streams its N rows of its slots' w2. N tiles narrow (to 32)
+    until the tokens' tiles cover the SMs; then `split_k` (here: the slot shares) doubles while
+    the programs still do not cover the SMs or one program would stream more than
+    DIRECT_SPLIT_WORK K elements. H200, M=1 (benchmarks/bench_direct_split.py,
+    2026-11-23_h200_split.txt), us: Qwen3-30B 30.4 -> 27.9 (32 wide, 4 shares), gpt-oss
+    73.6 -> 59.5 (32, 2), Mixtral 202.7 -> 170.3 (32, 2); 16-wide tiles were the slowest.
+    BLOCK_M is the 16 rows of a tl.dot operand whose row 0 is the slot's activation row; the
+    launch runs cdiv(top_k, cdiv(top_k, split_k)) shares (none without slots).
     """
     block_n = 128
-    while block_n > 16 and num_tokens * -(-hidden // block_n) < num_sms:
+    while block_n > 32 and num_tokens * -(-hidden // block_n) < num_sms:
         block_n //= 2
     block_k = 128 if dtype == torch.float32 else 256
     while block_k > 32 and block_k >= 2 * inter:
@@ -234,4 +242,8 @@ def direct_gemm2_heuristic(
             tile = TileConfig(16, block_n, block_k, 4, 4)
         else:
             break
-    return tile
+    programs = num_tokens * -(-hidden // block_n)
+    split = 1
+    while split < top_k and (programs * split < num_sms or -(-top_k // split) * inter > DIRECT_SPLIT_WORK):
+        split *= 2
+    return replace(tile, split_k=split)

@@ -2,7 +2,8 @@
 
     python scripts/sanitize_driver.py [--big] [--list] [--only 0,3,7]
 
-Cases 35.. repeat some with the direct decode path forced (`DIRECT`).
+Cases 35.. repeat some with the direct decode path forced (`DIRECT`); 48.. run on the direct path
+only (`direct_only_cases`).
 
 Each case runs through fusedmoe's public path on CUDA (`fusedmoe.fuzz.run_case` with backends
 triton and batched_triton), so align (one-program, chunked, multi-launch), gemm1/gemm2, the
@@ -64,10 +65,23 @@ def cases() -> list[fuzz.FuzzCase]:
 DIRECT = (1, 4, 7, 8, 9, 10, 11, 23, 25, 27, 29, 31, 33)
 
 
+def direct_only_cases() -> list[fuzz.FuzzCase]:
+    """Run with the direct path forced only (numbered after the repeats): GEMM2 spreading a
+    token's slots over programs (tile split_k) with biases, an expert_map and 4-bit weights."""
+    r = dataclasses.replace
+    out = [
+        r(BASE, num_tokens=2, top_k=3, local_experts=(0, 2, 3, 7), bias=True),  # 3 shares of one slot
+        r(BASE, num_tokens=1, top_k=4, quant="int4_w4a16_g32", hidden=384, inter=256, activation="swigluoai",
+          bias=True, swiglu_limit=7.0),
+    ]
+    first = len(cases()) + len(DIRECT)
+    return [r(c, seed=first + i) for i, c in enumerate(out)]
+
+
 def all_cases() -> list[tuple[fuzz.FuzzCase, bool]]:
-    """(case, direct forced) for every case: cases() then the DIRECT repeats."""
+    """(case, direct forced) for every case: cases(), the DIRECT repeats, direct_only_cases()."""
     base = cases()
-    return [(c, False) for c in base] + [(base[i], True) for i in DIRECT]
+    return [(c, False) for c in base] + [(base[i], True) for i in DIRECT] + [(c, True) for c in direct_only_cases()]
 
 
 def big() -> None:

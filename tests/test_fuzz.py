@@ -265,7 +265,9 @@ def test_sanitizer_driver_cases_all_reach_the_triton_kernels():
         assert REGISTRY["triton"].check(case.config(), hopper) is None, case.describe()
     # the repeats with the direct path forced: cases it runs (top_k <= 16, unquantized or weight-only)
     repeats = [c for c, direct in driver.all_cases() if direct]
-    assert len(repeats) == len(driver.DIRECT) >= 10
+    assert len(repeats) == len(driver.DIRECT) + len(driver.direct_only_cases()) and len(driver.DIRECT) >= 10
+    for case in driver.direct_only_cases():
+        assert REGISTRY["triton"].check(case.config(), hopper) is None, case.describe()
     assert all(c.top_k <= 16 and (c.quant is None or "w8a16" in c.quant or "w4a16" in c.quant) for c in repeats)
 
 

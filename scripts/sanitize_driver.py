@@ -100,6 +100,22 @@ def big() -> None:
     print(f"big T={T} K={K} H={H}: ok")
 
 
+def triton_plan(case: fuzz.FuzzCase) -> str:
+    """The contiguous `triton` path's plan for the case on this GPU (path, tiles, TMA loads), so
+    the log shows which kernels' variants the tools covered."""
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+    from fusedmoe.quant.scheme import get_scheme
+
+    local = case.num_experts if case.local_experts is None else len(case.local_experts)
+    problem = GemmProblem(case.num_tokens * case.top_k, local, case.hidden, case.inter, case.top_k,
+                          is_gated(case.activation), case.torch_dtype)
+    d = describe_plan(problem, get_scheme(case.quant), torch.device("cuda"))
+    tiles = ", ".join(f"{g} {tuple(d[g]['tile'].__dict__.values())}{' tma ' + d[g]['tma'] if d[g]['tma'] else ''}"
+                      for g in ("gemm1", "gemm2"))
+    return f"{d['path']} ({d['launches']}): {tiles}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--big", action="store_true", help="also the int32-overflow case (~12 GB)")
@@ -129,8 +145,10 @@ def main() -> int:
                         print(f"{label:<100} {name:<16} ran", flush=True)
                 continue
             result = fuzz.run_case(case, "cuda", backends=BACKENDS)
+            plan = triton_plan(case)
         for o in result.outcomes:
             print(f"{label:<100} {o.backend:<16} {o.status} {o.detail or ''}", flush=True)
+        print(f"{'':<100} triton plan: {plan}", flush=True)
         failures += len(result.failures)
     if args.big and not args.list:
         big()

@@ -373,7 +373,11 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
 
 
 def test_direct_gemm2_heuristic_tiles_are_valid():
-    from fusedmoe.backends.triton.tiles import DIRECT_SPLIT_WORK, direct_gemm2_heuristic
+    from fusedmoe.backends.triton.tiles import (
+        DIRECT_SPLIT_PROGRAMS,
+        DIRECT_SPLIT_WORK,
+        direct_gemm2_heuristic,
+    )
 
     for tokens in (1, 2, 7, 64):
         for hidden, inter in ((2048, 768), (7168, 256), (5120, 1024), (2880, 2880), (65, 37), (4096, 14336)):
@@ -386,14 +390,16 @@ def test_direct_gemm2_heuristic_tiles_are_valid():
                         assert check_tile(tile, dtype=dtype, quant=quant, group=group, allow_split=True) is None
                         per = -(-top_k // tile.split_k)
                         assert tile.split_k < 2 * top_k and (per - 1) * tile.split_k < top_k, tile
-                        assert tile.split_k == 1 or tokens * -(-hidden // tile.block_n) * tile.split_k // 2 < 132 \
-                            or 2 * per * inter > DIRECT_SPLIT_WORK, tile  # split only where it was wanted
+                        half = tile.split_k // 2  # split only where it was wanted
+                        assert tile.split_k == 1 or tokens * -(-hidden // tile.block_n) * half < \
+                            DIRECT_SPLIT_PROGRAMS * 132 or -(-top_k // half) * inter > DIRECT_SPLIT_WORK, tile
     # measured at M=1 (tiles.direct_gemm2_heuristic): 32-wide tiles, the slots in 4 / 4 / 2 shares
     for (hidden, inter, top_k), split in (((2048, 768, 8), 4), ((2880, 2880, 4), 4), ((4096, 14336, 2), 2),
                                           ((7168, 256, 8), 1), ((5120, 1024, 1), 1)):
         tile = direct_gemm2_heuristic(1, hidden, inter, torch.bfloat16, top_k=top_k)
         assert (tile.block_n, tile.split_k) == (32, split), (hidden, tile)
     assert direct_gemm2_heuristic(64, 2048, 768, torch.bfloat16, top_k=8).block_n == 128
+    assert direct_gemm2_heuristic(4, 2048, 768, torch.bfloat16, top_k=8).split_k == 1  # Qwen3 M=4: 81 us split
 
 
 def test_swiglu_clamp_applied():

@@ -208,7 +208,8 @@ def heuristic(
     return tile
 
 
-DIRECT_SPLIT_WORK = 4096  # K elements (slots x I) one direct GEMM2 program streams before splitting
+DIRECT_SPLIT_WORK = 8192  # K elements (slots x I) one direct GEMM2 program streams before splitting
+DIRECT_SPLIT_PROGRAMS = 1.5  # direct GEMM2 programs per SM the slot shares aim for
 
 
 def direct_gemm2_heuristic(
@@ -218,10 +219,12 @@ def direct_gemm2_heuristic(
     """A valid tile for the direct decode GEMM2 (`kernels.moe_gemm2_direct_kernel`): one program
     per (token, N tile, slot share) streams its N rows of its slots' w2. N tiles narrow (to 32)
     until the tokens' tiles cover the SMs; then `split_k` (here: the slot shares) doubles while
-    the programs still do not cover the SMs or one program would stream more than
-    DIRECT_SPLIT_WORK K elements. H200, M=1 (benchmarks/bench_direct_split.py,
-    2026-11-23_h200_split.txt), us: Qwen3-30B 30.4 -> 27.9 (32 wide, 4 shares), gpt-oss
-    73.6 -> 59.5 (32, 2), Mixtral 202.7 -> 170.3 (32, 2); 16-wide tiles were the slowest.
+    the programs are fewer than DIRECT_SPLIT_PROGRAMS per SM or one program would stream more
+    than DIRECT_SPLIT_WORK K elements. H200, M=1 (benchmarks/bench_direct_split.py,
+    2026-11-23_h200_split.txt), us: Qwen3-30B 30.4 -> 27.9 (32 wide, 4 shares: 256 programs;
+    8 shares 32.0), gpt-oss 73.6 -> 58.0 (32, 4: 360; 2 shares 59.5), Mixtral 202.7 -> 170.3
+    (32, 2); 16-wide tiles were the slowest. Qwen3-30B M=4 (256 programs of 8 x 768) ran 72 us
+    unsplit and 81 in 2 shares.
     BLOCK_M is the 16 rows of a tl.dot operand whose row 0 is the slot's activation row; the
     launch runs cdiv(top_k, cdiv(top_k, split_k)) shares (none without slots).
     """
@@ -244,6 +247,7 @@ def direct_gemm2_heuristic(
             break
     programs = num_tokens * -(-hidden // block_n)
     split = 1
-    while split < top_k and (programs * split < num_sms or -(-top_k // split) * inter > DIRECT_SPLIT_WORK):
+    while split < top_k and (programs * split < DIRECT_SPLIT_PROGRAMS * num_sms
+                             or -(-top_k // split) * inter > DIRECT_SPLIT_WORK):
         split *= 2
     return replace(tile, split_k=split)

@@ -1,0 +1,166 @@
+"""Would a persistent (optionally warp-specialised) GEMM2 beat the library's at large M? (H100/H200)
+
+    python benchmarks/bench_persistent_gemm.py [--presets a,b] [--tokens 4096] [--json out.json]
+    TRITON_INTERPRET=1 FUSEDMOE_TRITON_TMA=force python benchmarks/bench_persistent_gemm.py --smoke
+
+The M=4096 cells are compute-bound and run at 51-71% of the bf16 matmul rate (README). The
+library's aligned GEMM2 (`kernels.moe_gemm2_kernel`, TMA descriptor loads at these sizes) launches
+one program per (row block, N tile) of the *largest possible* aligned row count, and programs past
+the real count exit at once. This prototype runs NUM_SMS programs that loop over the real
+(row block, N tile) tiles in the library's grouped order (`tl.range` over tiles, optionally
+`warp_specialize=True`: a producer warp group issuing the TMA loads while the others run the
+MMAs and the epilogue), so one tile's epilogue (routed weight, scattered store) overlaps the next
+tile's loads and no wave is left part-empty.
+
+GEMM1 and the alignment are the library's (`experts.prepare_launch`, `launch_gemm1` with the
+tiles it would choose); the timed calls are GEMM2 alone, the library's against each persistent
+variant, each output checked against the library's (bitwise: the same tile order within a
+program gives the same fp32 sums). First run (H200, results/2026-11-23_h200_persistent-gemm2.txt):
+Qwen3-30B M=4096 GEMM2 library 234.4 us (440 TFLOP/s), persistent at best 236.3 (two programs
+per SM), 251.6-313.8 otherwise; the first warp_specialize=True variant did not finish compiling
+or running within the call's limit. Not adopted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def persistent_gemm2_kernel(
+    a_desc, w_desc, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, hidden, inter, stride_ys,
+    NUM_PROGRAMS: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[slot(r), n] = w[slot(r)] * sum_i a[r, i] * w2[e, n, i] over every real (row block,
+    N tile), NUM_PROGRAMS programs striding over them. Unquantized, no bias (prototype)."""
+    num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    k_tiles = tl.cdiv(inter, BLOCK_K)
+    per_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WS):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        expert = tl.load(block_expert_ptr + pid_m)
+        w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            w = w_desc.load([w_row, kk * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        row_ok = slot < num_slots
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        weight = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+        tl.store(y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+
+
+def persistent_call(L, w2, tile, programs, ws, warps, stages):
+    from fusedmoe.backends.triton.experts import GROUP_M, _descriptor
+
+    a, y = L.a, L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    persistent_gemm2_kernel[(programs,)](
+        _descriptor(a, (tile.block_m, tile.block_k)), _descriptor(w2, (tile.block_n, tile.block_k)), y,
+        L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, y.shape[0], hidden, inter, y.stride(0),
+        NUM_PROGRAMS=programs, GROUP_M=GROUP_M, WS=ws, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=warps, num_stages=stages,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b,gpt-oss-120b")
+    parser.add_argument("--tokens", default="4096")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        _num_sms,
+        choose_tiles,
+        launch_gemm1,
+        launch_gemm2,
+        prepare_launch,
+    )
+    from fusedmoe.backends.triton.tiles import TileConfig
+    from fusedmoe.presets import get_preset
+    from fusedmoe.routing import select_experts
+
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float16 if smoke else torch.bfloat16
+    shapes = ({"smoke": (6, 2, 64, 48, "silu", 1)} if smoke else
+              {name: (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp, p.activation, 4)
+               for name, p in ((n, get_preset(n)) for n in args.presets.split(","))})
+    sms = 4 if smoke else _num_sms(device)
+    if not smoke:
+        from fusedmoe.bench import measure_ceilings, time_rotated
+
+        ceilings = measure_ceilings(device)
+        print(f"{ceilings.device}: {ceilings.peak(None) / 1e12:.0f} bf16 TFLOP/s, {sms} SMs", flush=True)
+    rows = []
+    for name, (E, K, H, inter, act, copies) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        w13 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype)
+        w2s = [(torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype) for _ in range(copies)]
+        for tokens in ([40] if smoke else [int(t) for t in args.tokens.split(",")]):
+            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
+            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
+            problem = GemmProblem(tokens * K, E, H, inter, K, is_gated(act), dtype)
+            t1, t2 = (TileConfig(16, 16, 32, 4, 1), TileConfig(16, 32, 16, 4, 1)) if smoke else choose_tiles(problem,
+                                                                                                               device)
+            variants = ([(t2, sms, False, 4, 1), (t2, 3, False, 4, 2)] if smoke else
+                        [(TileConfig(t2.block_m, bn, 64, warps, stages), mult * sms, ws, warps, stages)
+                         for bn, warps, stages, mult, ws in ((128, 8, 3, 1, False), (256, 8, 3, 1, False),
+                                                             (128, 4, 4, 1, False), (128, 8, 3, 2, False),
+                                                             (128, 4, 3, 1, True), (256, 4, 3, 1, True))])
+            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, 1.702, None, t2.block_m)
+            launch_gemm1(L, w13, None, t1)
+            flops = 2 * tokens * K * H * inter
+            L.y.fill_(float("nan"))
+            launch_gemm2(L, w2s[0], None, t2)
+            ref = L.y.clone()
+            cells = [("library", [lambda w=w, L=L, t2=t2: launch_gemm2(L, w, None, t2) for w in w2s])]
+            for tile, programs, ws, warps, stages in variants:
+                label = f"persistent {tile.block_m}x{tile.block_n}x{tile.block_k} w{warps} s{stages} " \
+                        f"p{programs}{' ws' if ws else ''}"
+                cells.append((label, [lambda w=w, L=L, v=(tile, programs, ws, warps, stages):
+                                      persistent_call(L, w, *v) for w in w2s]))
+            for label, calls in cells:
+                try:
+                    L.y.fill_(float("nan"))
+                    calls[0]()
+                    same = bool(torch.equal(L.y, ref))
+                    err = ((L.y.float() - ref.float()).norm() / ref.float().norm()).item()
+                    us = None if smoke else time_rotated(calls) * 1e6
+                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                tflops = None if us is None else flops / (us * 1e-6) / 1e12
+                rows.append(dict(preset=name, tokens=tokens, variant=label, us=us, tflops=tflops,
+                                 bitwise_equal_to_library=same, rel_err=err))
+                timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
+                print(f"{name:16s} M={tokens:<5d} {label:44s} {timing}  equal {same} rel err {err:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,
+                      indent=1)
+    return 0 if all(r["rel_err"] < 1e-2 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

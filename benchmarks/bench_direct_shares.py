@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import torch
 
@@ -23,6 +24,8 @@ def main() -> int:
     parser.add_argument("--presets", default="llama-4-maverick,qwen3-30b-a3b,deepseek-v3,gpt-oss-120b,mixtral-8x7b")
     parser.add_argument("--tokens", default="1,4")
     parser.add_argument("--shares", default="1,2,4,8")
+    parser.add_argument("--repeat", type=int, default=1, help="time every row this many times, in turn (the "
+                        "differences between share counts are 5-10%%, about a run's noise)")
     args = parser.parse_args()
     from fusedmoe.activations import is_gated
     from fusedmoe.backends.triton.experts import GemmProblem, direct_tiles, triton_experts
@@ -58,13 +61,14 @@ def main() -> int:
             rows = [("aligned", calls(False)), (f"direct {t2.split_k}*", calls(True))]
             rows += [(f"direct {s}", calls(True, (t1, dataclasses.replace(t2, split_k=s))))
                      for s in (int(v) for v in args.shares.split(",")) if s != t2.split_k]
-            for label, cs in rows:
+            for rep, (label, cs) in itertools.product(range(args.repeat), rows):
                 out = cs[0]()
                 same = torch.equal(out, cs[0]())
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 us = time_rotated(cs) * 1e6
-                print(f"{name:18s} M={tokens:<3d} {label:12s} gemm2 tile {t2.block_n}x{t2.block_k} {us:8.1f} us "
-                      f"{100 * t_roof / (us * 1e-6):6.1f}%  rel err {err:.1e}  repeat equal {same}", flush=True)
+                print(f"{name:18s} M={tokens:<3d} {label:12s} gemm2 tile {t2.block_n}x{t2.block_k} run {rep} "
+                      f"{us:8.1f} us {100 * t_roof / (us * 1e-6):6.1f}%  rel err {err:.1e}  repeat equal {same}",
+                      flush=True)
     return 0
 
 

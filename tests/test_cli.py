@@ -48,12 +48,12 @@ def test_explain_shows_the_split_and_batched_dispatch(capsys):
 
 def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the plan is for this machine's device
-    rc = main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1,64"])
+    rc = main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1,4,64"])
     out = capsys.readouterr().out
     assert rc == 0
     plan = out[out.index("triton plan on cpu (no GPU here"):]
     assert re.search(r"M=1 +direct: gemm1 .*\+ gemm2; gemm1 \[16, ", plan)
-    assert "few slots, experts rarely repeated" in plan
+    assert "one token: always direct" in plan and "few slots, experts rarely repeated" in plan  # M=4
     assert re.search(r"M=64 +aligned: align \+ gemm1 .*\+ gemm2 \+ reduce", plan) and "why: 512 slots > 64" in plan
     # why the aligned path: each rule names its number; W8A8; the knob; marlin's weight-only twin
     rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--tokens", "1,2", "--json"])

@@ -264,7 +264,8 @@ def format_plans(plans: list[dict] | dict) -> str:
         return "triton plan: " + plans["none"]
     device = plans[0]["device"]
     where = device if device != "cpu" else "cpu (no GPU here: the tile rules assume 132 SMs, no tuned table, no TMA)"
-    lines = [f"triton plan on {where} (tile = block_m, block_n, block_k, warps, stages, split_k):"]
+    lines = [f"triton plan on {where} (tile = block_m, block_n, block_k, warps, stages, split_k; a direct "
+             "gemm2's split_k is its slot shares per token):"]
     for p in plans:
         gemms = []
         for name in ("gemm1", "gemm2"):

@@ -464,6 +464,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         is_direct, t1, t2 = choose_plan(problem, scheme, device)
         if is_direct:
             why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
+                   else "one token: always direct, GEMM2's slot shares fill the SMs (experts.direct_auto)"
+                   if problem.num_slots == problem.top_k
                    else "few slots, experts rarely repeated, enough GEMM2 programs (experts.direct_auto)")
         elif mode is False:
             why = "FUSEDMOE_TRITON_DIRECT=0"

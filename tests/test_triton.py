@@ -353,6 +353,9 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     assert not direct_auto(problem(2, 256, 8), num_sms=400)
     # weight-only: one token only (measured)
     assert direct_wanted(problem(1, 256, 8), weight_only=True)
+    # and by the rule measured before the slot shares: Qwen3-30B one token stays aligned (untimed)
+    assert direct_wanted(problem(1, 128, 8, 2048, 768)) and not direct_wanted(problem(1, 128, 8, 2048, 768),
+                                                                              weight_only=True)
     assert direct_wanted(problem(4, 256, 8)) and not direct_wanted(problem(4, 256, 8), weight_only=True)
     dev = torch.device("cpu")
     is_direct, t1, t2 = choose_plan(problem(1, 256, 8), None, dev)

@@ -111,7 +111,7 @@ def triton_plan(case: fuzz.FuzzCase) -> str:
     problem = GemmProblem(case.num_tokens * case.top_k, local, case.hidden, case.inter, case.top_k,
                           is_gated(case.activation), case.torch_dtype)
     d = describe_plan(problem, get_scheme(case.quant), torch.device("cuda"))
-    tiles = ", ".join(f"{g} {tuple(d[g]['tile'].__dict__.values())}{' tma ' + d[g]['tma'] if d[g]['tma'] else ''}"
+    tiles = ", ".join(f"{g} {dataclasses.astuple(d[g]['tile'])}{' tma ' + d[g]['tma'] if d[g]['tma'] else ''}"
                       for g in ("gemm1", "gemm2"))
     return f"{d['path']} ({d['launches']}): {tiles}"
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
-from fusedmoe.backends.triton.tiles import TileConfig, heuristic
+from fusedmoe.backends.triton.tiles import SPLIT_KS, TileConfig, heuristic
 from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op
 
 ACT_CODES = {name: i for i, name in enumerate(
@@ -495,9 +495,9 @@ def check_direct_tiles(t1: TileConfig, t2: TileConfig) -> None:
     for name, tile in (("gemm1", t1), ("gemm2", t2)):
         if tile.block_m != DIRECT_BLOCK_M:
             raise ValueError(f"the direct path's {name} tile needs block_m={DIRECT_BLOCK_M}, got {tile}")
-    if t2.split_k not in (1, 2, 4, 8, 16):
-        raise ValueError(f"the direct gemm2's split_k (slot shares per token) must be one of 1, 2, 4, 8, 16, "
-                         f"got {t2}")
+    if t2.split_k not in SPLIT_KS:
+        raise ValueError(f"the direct gemm2's split_k (slot shares per token) must be one of "
+                         f"{', '.join(map(str, SPLIT_KS))}, got {t2}")
 
 
 # TMA descriptors ------------------------------------------------------------------------------
@@ -694,9 +694,7 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
     sorted_slot, block_expert, num_rows, slot_ok = align(
         topk_ids_TK, expert_map, num_global_experts, num_local, block_m, launch_kw
     )
-    weights_N = topk_weights_TK.reshape(-1)
-    if not weights_N.is_contiguous():
-        weights_N = weights_N.contiguous()
+    weights_N = topk_weights_TK.reshape(-1).contiguous()  # contiguous(): no copy when it already is
     n_slots = topk_ids_TK.numel()
     a = torch.empty(sorted_slot.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
     y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
@@ -709,14 +707,9 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
                           inter, activation, apply_router_weight_on_input, swiglu_alpha,
                           swiglu_limit) -> Launch:
     """The direct decode path's launch: no alignment, a [T*K, I] indexed by slot."""
-    weights_N = topk_weights_TK.reshape(-1)
-    if not weights_N.is_contiguous():
-        weights_N = weights_N.contiguous()
-    ids = topk_ids_TK.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    if expert_map is not None and not expert_map.is_contiguous():
-        expert_map = expert_map.contiguous()
+    weights_N = topk_weights_TK.reshape(-1).contiguous()  # contiguous(): no copy when it already is
+    ids = topk_ids_TK.reshape(-1).contiguous()
+    expert_map = expert_map.contiguous() if expert_map is not None else None
     a = torch.empty(ids.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
     return Launch(x_TH, weights_N, None, None, None, None, a, None, topk_ids_TK.shape[1], activation,
                   apply_router_weight_on_input, not apply_router_weight_on_input, swiglu_alpha,
@@ -822,12 +815,8 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
         IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, part_ptr=part, SPLIT=split, PER=per,
         **tile.as_kwargs(), **(quant_args or {}), **L.launch_kw,
     )
-    if split > 1:  # a token's shares, summed in order
-        block_h = min(1024, triton_next_pow2(hidden))
-        kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
-            part, out, part, hidden, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
-            TOP_K=split, BLOCK_H=block_h, FLAGS=False, num_warps=4, **L.launch_kw,
-        )
+    if split > 1:  # a token's shares, summed in order (every row valid)
+        _reduce(part, out, None, split, L.launch_kw)
 
 
 def _ieee(operand: torch.Tensor, quant_args: dict | None) -> bool:
@@ -837,15 +826,21 @@ def _ieee(operand: torch.Tensor, quant_args: dict | None) -> bool:
 
 
 def launch_reduce(L: Launch, out: torch.Tensor) -> None:
+    _reduce(L.y, out, L.slot_ok, L.top_k, L.launch_kw)
+
+
+def _reduce(y: torch.Tensor, out: torch.Tensor, slot_ok: torch.Tensor | None, rows_per_token: int,
+            launch_kw: dict) -> None:
+    """out[t] = the fp32 sum of y's rows t*rows_per_token .. in order, skipping rows whose
+    slot_ok flag is 0 (None: every row counts)."""
     from fusedmoe.backends.triton import kernels
 
-    y = L.y
     hidden = y.shape[1]
     block_h = min(1024, triton_next_pow2(hidden))
     kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
-        y, out, L.slot_ok, hidden,
+        y, out, y if slot_ok is None else slot_ok, hidden,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=L.top_k, BLOCK_H=block_h, num_warps=4, **L.launch_kw,
+        TOP_K=rows_per_token, BLOCK_H=block_h, FLAGS=slot_ok is not None, num_warps=4, **launch_kw,
     )
 
 

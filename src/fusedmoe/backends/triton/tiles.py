@@ -17,6 +17,8 @@ QUANT_GRANULARITIES = ("tensor", "channel", "block")  # W8A8 weight scale layout
 # Weight-only modes: "w8" fp8 / int8 codes with per-channel scales, "w4" 4-bit codes packed two
 # per byte along K with a scale per `group` inputs (activations stay 16/32-bit).
 WEIGHT_ONLY_MODES = ("w8", "w4")
+# split_k values: GEMM1's K shares, or the direct GEMM2's slot shares per token
+SPLIT_KS = (1, 2, 4, 8, 16)
 # Operands a GEMM loads through TMA descriptors: the weights, or the sorted rows and the weights.
 TMA_LOADS = ("w", "a+w")
 
@@ -71,8 +73,8 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
     K share starts on a group. Shared memory counts weights at their stored width (1 byte, 1/2
     for "w4") and activations at 1 byte for W8A8 (4 for "tensor": the fp32 intermediate).
     """
-    if tile.split_k not in (1, 2, 4, 8, 16):
-        return f"split_k={tile.split_k} must be one of 1, 2, 4, 8, 16"
+    if tile.split_k not in SPLIT_KS:
+        return f"split_k={tile.split_k} must be one of {', '.join(map(str, SPLIT_KS))}"
     if tile.split_k > 1 and not allow_split:
         return f"split_k={tile.split_k}: only GEMM1 splits K"
     for name in ("block_m", "block_n", "block_k"):

@@ -29,7 +29,7 @@ def main() -> int:
     args = parser.parse_args()
     from fusedmoe.activations import is_gated
     from fusedmoe.backends.triton.experts import GemmProblem, direct_tiles, triton_experts
-    from fusedmoe.bench import measure_ceilings, roofline, time_rotated
+    from fusedmoe.bench import check_and_time, measure_ceilings, roofline
     from fusedmoe.presets import get_preset
     from fusedmoe.routing import select_experts
 
@@ -62,10 +62,7 @@ def main() -> int:
             rows += [(f"direct {s}", calls(True, (t1, dataclasses.replace(t2, split_k=s))))
                      for s in (int(v) for v in args.shares.split(",")) if s != t2.split_k]
             for rep, (label, cs) in itertools.product(range(args.repeat), rows):
-                out = cs[0]()
-                same = torch.equal(out, cs[0]())
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                us = time_rotated(cs) * 1e6
+                us, err, same = check_and_time(cs, ref)
                 print(f"{name:18s} M={tokens:<3d} {label:12s} gemm2 tile {t2.block_n}x{t2.block_k} run {rep} "
                       f"{us:8.1f} us {100 * t_roof / (us * 1e-6):6.1f}%  rel err {err:.1e}  repeat equal {same}",
                       flush=True)

@@ -139,6 +139,7 @@ def main() -> int:
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.experts import triton_experts
+    from fusedmoe.bench import check_and_time
     from fusedmoe.presets import get_preset
     from fusedmoe.routing import select_experts
 
@@ -150,7 +151,7 @@ def main() -> int:
     variants = ([(2, True, 16, 32, 2), (2, False, 16, 32, 2), (3, True, 32, 16, 2)] if smoke else
                 [(s, last, n, 256, 4) for s, last, n in itertools.product((2, 4, 8), (True, False), (16, 32, 64))])
     if not smoke:
-        from fusedmoe.bench import measure_ceilings, roofline, time_rotated
+        from fusedmoe.bench import measure_ceilings, roofline
 
         ceilings = measure_ceilings(device)
         print(f"{ceilings.device}: {ceilings.bandwidth / 1e12:.2f} TB/s")
@@ -179,11 +180,7 @@ def main() -> int:
                                       for c in ws]))
             for label, calls in cells:
                 try:
-                    out = calls[0]()
-                    out2 = calls[0]()
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    same = bool(torch.equal(out, out2))
-                    us = None if smoke else time_rotated(calls) * 1e6
+                    us, err, same = check_and_time(calls, ref, timed=not smoke)
                 except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
                     print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
                     continue

@@ -169,6 +169,18 @@ def test_python_dash_m():
     assert "chosen cpu" in out
 
 
+def test_bench_check_and_time_reports_error_and_repeatability():
+    import torch
+
+    from fusedmoe.bench import check_and_time
+
+    ref = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    us, err, same = check_and_time([lambda: ref * 1.01], ref, timed=False)
+    assert us is None and abs(err - 0.01) < 1e-6 and same
+    calls = iter([ref, ref + 1])  # two calls that differ: not repeatable
+    assert check_and_time([lambda: next(calls)], ref, timed=False) == (None, 0.0, False)
+
+
 def test_bench_roofline_takes_the_8bit_ceiling_for_w8a8():
     from fusedmoe.bench import Ceilings, quant_operand, roofline
     from fusedmoe.presets import get_preset

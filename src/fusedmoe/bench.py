@@ -166,6 +166,17 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
 QUANT_BACKENDS = ("triton", "marlin")
 
 
+def check_and_time(calls: Sequence[Callable[[], torch.Tensor]], ref: torch.Tensor, *,
+                   timed: bool = True) -> tuple[float | None, float, bool]:
+    """One kernel variant of a prototype benchmark: (us per call by `time_rotated`, None when not
+    `timed`; relative Frobenius error of calls[0]() against `ref`; whether two calls of it are
+    bitwise equal)."""
+    out, again = calls[0](), calls[0]()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    us = time_rotated(calls) * 1e6 if timed else None
+    return us, err, bool(torch.equal(out, again))
+
+
 def quant_backend(scheme: str | None) -> str:
     """The backend --quant times: marlin for the schemes it runs weight-only, else triton."""
     from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN

@@ -86,6 +86,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="4096")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default=None, help="time only the variants whose label contains this (e.g. 'ws')")
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.activations import is_gated
@@ -141,6 +142,8 @@ def main() -> int:
                 cells.append((label, [lambda w=w, L=L, v=(tile, programs, ws, warps, stages):
                                       persistent_call(L, w, *v) for w in w2s]))
             for label, calls in cells:
+                if args.only is not None and args.only not in label and label != "library":
+                    continue
                 try:
                     L.y.fill_(float("nan"))
                     calls[0]()

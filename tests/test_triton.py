@@ -351,13 +351,17 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
     assert not direct_auto(problem(2, 128, 8, 2048, 768)) and not direct_auto(problem(4, 128, 4, 2880, 2880))
     assert not direct_auto(problem(4, 8, 2, 4096, 1024)) and not direct_auto(problem(16, 256, 8))
     assert not direct_auto(problem(2, 256, 8), num_sms=400)
-    # weight-only: one token only (measured)
-    assert direct_wanted(problem(1, 256, 8), weight_only=True)
-    # and by the rule measured before the slot shares: Qwen3-30B one token stays aligned (untimed)
-    assert direct_wanted(problem(1, 128, 8, 2048, 768)) and not direct_wanted(problem(1, 128, 8, 2048, 768),
-                                                                              weight_only=True)
-    assert direct_wanted(problem(4, 256, 8)) and not direct_wanted(problem(4, 256, 8), weight_only=True)
+    assert direct_wanted(problem(1, 128, 8, 2048, 768)) and direct_wanted(problem(4, 256, 8))
     dev = torch.device("cpu")
+    # weight-only calls take the same rule (measured with 4-bit weights: every preset at M=1,
+    # DeepSeek-V3 / Qwen3 / Llama-4 at M=4 direct, gpt-oss and Mixtral at M=4 aligned)
+    from fusedmoe.quant.scheme import get_scheme
+
+    int4 = get_scheme("int4_w4a16_g32")
+    for prob, want in ((problem(1, 128, 8, 2048, 768), True), (problem(1, 8, 2, 4096, 14336), True),
+                       (problem(4, 256, 8), True), (problem(4, 128, 1, 5120, 1024), True),
+                       (problem(4, 128, 4, 2880, 2880), False), (problem(4, 8, 2, 4096, 14336), False)):
+        assert choose_plan(prob, int4, dev)[0] is want and choose_plan(prob, None, dev)[0] is want
     is_direct, t1, t2 = choose_plan(problem(1, 256, 8), None, dev)
     assert is_direct and t1.block_m == t2.block_m == 16 and check_tile(t2, dtype=torch.bfloat16) is None
     with knobs.override(TRITON_DIRECT=False):

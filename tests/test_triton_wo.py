@@ -68,17 +68,16 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "fp8_w8a16"])
 def test_one_token_direct_path_with_slot_shares(scheme):
     """Weight-only at one token on the direct path: GEMM2 spreads the slots over programs whose
-    partials are combined (the heuristic's split_k), as emulation. Auto keeps the rule measured
-    for weight-only (here: too few GEMM2 programs, so aligned); unquantized one-token calls always
-    go direct."""
+    partials are combined (the heuristic's split_k), as emulation. Auto takes it, as for
+    unquantized calls: every one-token call goes direct."""
     from fusedmoe.backends.triton.experts import GemmProblem, choose_plan, direct_tiles
     from fusedmoe.quant.scheme import get_scheme
 
     config, x, w, weights, ids, _ = problem(Case("one", T=1, E=6, K=4, H=64, I=32), scheme, torch.float32)
     p = GemmProblem(4, 6, 64, 32, 4, True, torch.float32)
-    assert not choose_plan(p, get_scheme(scheme), x.device)[0] and choose_plan(p, None, x.device)[0]
+    assert choose_plan(p, get_scheme(scheme), x.device)[0] and choose_plan(p, None, x.device)[0]
     assert direct_tiles(p, get_scheme(scheme), x.device)[1].split_k == 4
-    out = run(config, x, w, weights, ids, None, direct=True)
+    out = run(config, x, w, weights, ids, None)
     assert rel_err(out, EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)) < TOL[torch.float32]
 
 

@@ -347,16 +347,16 @@ def direct_reason(problem: GemmProblem) -> str | None:
     return None
 
 
-def direct_auto_reason(problem: GemmProblem, num_sms: int = 132, one_token: bool = True) -> str | None:
+def direct_auto_reason(problem: GemmProblem, num_sms: int = 132) -> str | None:
     """Why the auto rule keeps the aligned path, or None when it takes the direct one (measured,
-    above): one token (`one_token`; measured unquantized only), or few slots with experts rarely
-    repeated among them, a short intermediate, and enough GEMM2 programs to fill the SMs."""
+    above): one token, or few slots with experts rarely repeated among them, a short
+    intermediate, and enough GEMM2 programs to fill the SMs."""
     n, L = problem.num_slots, max(1, problem.num_local_experts)
     distinct = L * (1.0 - (1.0 - 1.0 / L) ** n)
     programs = (n // problem.top_k) * -(-problem.hidden // 32)
     if n > DIRECT_MAX_SLOTS:
         return f"{n} slots > {DIRECT_MAX_SLOTS}"
-    if one_token and n == problem.top_k:  # distinct experts; GEMM2's slot shares fill the SMs, bound K loops
+    if n == problem.top_k:  # distinct experts; GEMM2's slot shares fill the SMs, bound K loops
         return None
     if n > DIRECT_MAX_REPEAT * distinct:
         return (f"{n} slots over ~{distinct:.1f} distinct experts (uniform routing): each repeat "
@@ -368,19 +368,18 @@ def direct_auto_reason(problem: GemmProblem, num_sms: int = 132, one_token: bool
     return None
 
 
-def direct_auto(problem: GemmProblem, num_sms: int = 132, one_token: bool = True) -> bool:
+def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
     """The auto rule: `direct_auto_reason` finds nothing against the direct path."""
-    return direct_auto_reason(problem, num_sms, one_token) is None
+    return direct_auto_reason(problem, num_sms) is None
 
 
-def direct_wanted(problem: GemmProblem, num_sms: int = 132, weight_only: bool = False) -> bool:
+def direct_wanted(problem: GemmProblem, num_sms: int = 132) -> bool:
     """FUSEDMOE_TRITON_DIRECT: unset/1 = `direct_auto`, 0 = never, force = wherever it can run.
 
-    Weight-only schemes take auto at one token only: int4 g32 on an H200 (fusedmoe bench
-    --quant, 2026-11-23_h200_89bd289_wo_direct*.txt) went DeepSeek-V3 M=1 51.2 -> 49.8 us,
-    Llama-4 M=1 33.5 -> 31.6, but Qwen3-30B M=4 49.8 -> 55.6 and Llama-4 M=4 39.2 -> 41.5; and
-    without the every-one-token rule, which was measured with unquantized weights only (the
-    weight-only one-token cells it would add, Qwen3-30B, gpt-oss, Mixtral, are untimed).
+    Unquantized and weight-only calls share the rule. Weight-only, H200, int4 g32 with the 4-bit
+    split-K GEMM1 and 64-wide GEMM2 tiles (`tiles.heuristic`, `tiles.direct_gemm2_heuristic`;
+    benchmarks/bench_wo_decode.py, VERIFY): one token went direct in all six presets
+    ... M=4 direct where the rule says so ...
     """
     from fusedmoe import knobs
 
@@ -389,8 +388,6 @@ def direct_wanted(problem: GemmProblem, num_sms: int = 132, weight_only: bool = 
         return False
     if mode == "force":
         return True
-    if weight_only:
-        return problem.num_slots == problem.top_k and direct_auto(problem, num_sms, one_token=False)
     return direct_auto(problem, num_sms)
 
 
@@ -419,7 +416,7 @@ def direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[Ti
 def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
     names no tiles and no path: `direct_wanted` decides, one memoized lookup per eager call."""
-    if direct_wanted(problem, _num_sms(device), weight_only=scheme is not None):
+    if direct_wanted(problem, _num_sms(device)):
         return (True, *direct_tiles(problem, scheme, device))
     return (False, *_aligned_tiles(problem, scheme, device))
 
@@ -469,13 +466,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         if is_direct:
             why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
                    else "one token: always direct, GEMM2's slot shares fill the SMs (experts.direct_auto)"
-                   if problem.num_slots == problem.top_k and scheme is None
+                   if problem.num_slots == problem.top_k
                    else "few slots, experts rarely repeated, enough GEMM2 programs (experts.direct_auto)")
         elif mode is False:
             why = "FUSEDMOE_TRITON_DIRECT=0"
         else:
-            why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device), scheme is None) or (
-                "weight-only schemes take the direct path at one token only")
+            why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device))
     split = " + act" if t1.split_k > 1 else ""
     if is_direct:
         src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"

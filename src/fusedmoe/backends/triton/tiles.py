@@ -21,6 +21,7 @@ WEIGHT_ONLY_MODES = ("w8", "w4")
 SPLIT_KS = (1, 2, 4, 8, 16)
 # Operands a GEMM loads through TMA descriptors: the weights, or the sorted rows and the weights.
 TMA_LOADS = ("w", "a+w")
+W4_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM a 4-bit decode's K shares aim for (heuristic)
 
 
 @dataclass(frozen=True)
@@ -185,15 +186,28 @@ def heuristic(
             block_k, block_n = min(block_k, 128), min(block_n, 128)
     elif quant == "w4":
         # 4-bit decode in registers (H200 grid, benchmarks/bench_quant_tiles.py at 28f7f8f, int4 g32
-        # and mxfp4 on Mixtral / Qwen3-30B / DeepSeek-V3): at 16-row blocks BLOCK_N 32-64 with
-        # BLOCK_K 256 on long K at decode (Mixtral M=1 119 us against 159 with 128), 128 past
-        # ~2 slots per expert; larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us
-        # against 1184 for the bf16 tile 128 x 64). No split-K: its partials cost more than the
-        # few programs lose.
+        # and mxfp4 on Mixtral / Qwen3-30B / DeepSeek-V3): at 16-row blocks BLOCK_K 256 on long K
+        # at decode (Mixtral M=1 119 us against 159 with 128), 128 past ~2 slots per expert;
+        # larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us against 1184 for the
+        # bf16 tile 128 x 64).
+        # 16-row GEMM1 blocks (gated: GEMM2 cannot split) split K while the working programs (one
+        # block per expert in use) stay within W4_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200,
+        # int4 g32, M=1 and 4 over six
+        # presets, benchmarks/bench_wo_decode.py, 2026-11-23_h200_a8899f1_wo_decode.txt; this
+        # rule picks the best split of that grid in all 12 cells): Llama-4 M=1 GEMM1 unsplit 35.6
+        # -> 13.8 us in 8 shares (16 programs -> 128), DeepSeek-V3 M=1 62.1 -> 25.1 (8),
+        # Qwen3-30B M=1 26.3 -> 23.9 (4; 8 shares, 768 programs: 26.3), gpt-oss M=1 60.6 ->
+        # 50.7 (2), Llama-4 M=4 46.7 -> 30.0 (4; 8: 33.1), Mixtral unsplit (448 programs).
         split = 1
         if block_m == 16:
-            block_n = max(32, min(block_n, 64))
+            block_n = 64
             block_k = 256 if num_slots <= 2 * num_local_experts and k >= 4096 else 128
+            working = min(num_local_experts, num_slots) * -(-n // block_n)
+            while (gated and split < 8 and working * 2 * split <= W4_SPLIT_PROGRAMS * num_sms
+                   and k // (2 * split) >= 256):
+                split *= 2
+            if split > 1:
+                block_k = 128
         else:
             block_n, block_k = 64, 128
             num_warps = 8 if block_m >= 128 else 4
@@ -226,12 +240,15 @@ def direct_gemm2_heuristic(
     2026-11-23_h200_split.txt), us: Qwen3-30B 30.4 -> 27.9 (32 wide, 4 shares: 256 programs;
     8 shares 32.0), gpt-oss 73.6 -> 58.0 (32, 4: 360; 2 shares 59.5), Mixtral 202.7 -> 170.3
     (32, 2); 16-wide tiles were the slowest. Qwen3-30B M=4 (256 programs of 8 x 768) ran 72 us
-    unsplit and 81 in 2 shares.
+    unsplit and 81 in 2 shares. 4-bit weights ("w4") stream a quarter of bf16's bytes per tile:
+    their tiles stop at 64 wide and the shares make up the programs (H200, int4 g32, M=1,
+    benchmarks/bench_wo_decode.py: DeepSeek-V3 32 wide 25.1 us, 64 wide in 2 shares 23.5; Qwen3-
+    235B 27.2 -> 23.0; Llama-4 and Qwen3-30B 64 wide was the grid's best).
     BLOCK_M is the 16 rows of a tl.dot operand whose row 0 is the slot's activation row; the
     launch runs cdiv(top_k, cdiv(top_k, split_k)) shares (none without slots).
     """
-    block_n = 128
-    while block_n > 32 and num_tokens * -(-hidden // block_n) < num_sms:
+    block_n, narrowest = 128, 64 if quant == "w4" else 32
+    while block_n > narrowest and num_tokens * -(-hidden // block_n) < num_sms:
         block_n //= 2
     block_k = 128 if dtype == torch.float32 else 256
     while block_k > 32 and block_k >= 2 * inter:

@@ -376,10 +376,15 @@ def direct_auto(problem: GemmProblem, num_sms: int = 132) -> bool:
 def direct_wanted(problem: GemmProblem, num_sms: int = 132) -> bool:
     """FUSEDMOE_TRITON_DIRECT: unset/1 = `direct_auto`, 0 = never, force = wherever it can run.
 
-    Unquantized and weight-only calls share the rule. Weight-only, H200, int4 g32 with the 4-bit
+    Unquantized and weight-only calls share the rule. Weight-only on an H200 with the 4-bit
     split-K GEMM1 and 64-wide GEMM2 tiles (`tiles.heuristic`, `tiles.direct_gemm2_heuristic`;
-    benchmarks/bench_wo_decode.py, VERIFY): one token went direct in all six presets
-    ... M=4 direct where the rule says so ...
+    benchmarks/bench_wo_decode.py, 2026-11-23_h200_f7c3ac4_wo_verify.txt), aligned -> direct in
+    us, int4 g32: M=1 Llama-4 18.8 -> 14.0, Qwen3-30B 26.9 -> 21.4, DeepSeek-V3 28.4 -> 23.4,
+    Qwen3-235B 23.9 -> 22.8, gpt-oss 65.5 -> 53.7, Mixtral 138.9 -> 132.0 (mxfp4 alike); M=4
+    direct where the rule takes it (Llama-4 32.7 -> 29.6, DeepSeek-V3 69.4 -> 59.1, Qwen3-30B
+    50.7 -> 50.2, Qwen3-235B 57.5 -> 57.9) and lost where it does not (gpt-oss 153.9 -> 163.2,
+    Mixtral 307.4 -> 390.4); M=16 Llama-4, which the rule takes direct, 76.1 -> 81.3 (int4;
+    mxfp4 93.8 -> 92.5): the one cell it loses.
     """
     from fusedmoe import knobs
 

@@ -9,6 +9,7 @@ the bf16 triton time of the same call, each with % of the roofline at the quanti
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="mxfp4_w4a16,int4_w4a16_g32,fp8_w8a8_block")
     ap.add_argument("--presets", default="mixtral-8x7b,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,64,1024")
+    ap.add_argument("--splits", default="1", help="GEMM1 split_k values to add to the grid (decode)")
     args = ap.parse_args()
     ceil = bench.measure_ceilings()
     grid = [(bn, bk, nw) for bn, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 128), (64, 256), (32, 256),
@@ -70,14 +72,14 @@ def main() -> None:
                 else:
                     h1, h2 = choose_quant_tiles(prob, sch, x.device)
                 best = (float("inf"), None)
-                for bn, bk, nw in grid:
-                    t1 = TileConfig(h1.block_m, bn, bk, nw, 3, 1)
+                for (bn, bk, nw), split in itertools.product(grid, (int(s) for s in args.splits.split(","))):
+                    t1 = TileConfig(h1.block_m, bn, bk, nw, 3, split)
                     t2 = TileConfig(h1.block_m, bn, bk, nw, 3, 1)
                     t = timed((t1, t2))
-                    best = min(best, (t, (bn, bk, nw)), key=lambda r: r[0])
+                    best = min(best, (t, (bn, bk, nw, split)), key=lambda r: r[0])
                 pct = 100 * t_roof
                 print(f"{name:15} {scheme:16} M={m:<5} heur {h1} / {h2}: {heur * 1e6:8.1f} us {pct / heur:5.1f}% | "
-                      f"best bn,bk,w={best[1]} {best[0] * 1e6:8.1f} us {pct / best[0]:5.1f}% | bf16 triton "
+                      f"best bn,bk,w,split={best[1]} {best[0] * 1e6:8.1f} us {pct / best[0]:5.1f}% | bf16 triton "
                       f"{bf16 * 1e6:8.1f} us", flush=True)
 
 

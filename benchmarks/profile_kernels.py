@@ -1,6 +1,6 @@
 """Per-kernel device time of one fused_experts call (torch.profiler), for decode/prefill shapes.
 
-    python benchmarks/profile_kernels.py --presets qwen3-30b-a3b,deepseek-v3 --tokens 1,16,256
+    python benchmarks/profile_kernels.py --presets qwen3-30b-a3b,deepseek-v3 --tokens 1,16,256 [--quant SCHEME]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections import defaultdict
 import torch
 
 from fusedmoe import fused_experts, select_experts
+from fusedmoe.bench import _quantized_copy
 from fusedmoe.presets import get_preset
 
 
@@ -19,6 +20,7 @@ def main() -> None:
     ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,llama-4-maverick")
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--backend", default="triton")
+    ap.add_argument("--quant", default=None, help="a scheme `fusedmoe bench --quant` takes (weights quantized)")
     args = ap.parse_args()
     for name in args.presets.split(","):
         p = get_preset(name)
@@ -27,25 +29,30 @@ def main() -> None:
         copies = 4
         ws = [((torch.randn(p.num_experts, (2 if gated else 1) * inter, p.hidden_size, device="cuda") / 50).bfloat16(),
                (torch.randn(p.num_experts, p.hidden_size, inter, device="cuda") / 30).bfloat16()) for _ in range(copies)]
+        if args.quant is not None:  # (q13, q2, QuantParams) per copy
+            ws = [(q13, q2, prm) for q13, q2, _, _, prm in (_quantized_copy(w13, w2, None, None, args.quant)
+                                                            for w13, w2 in ws)]
+        else:
+            ws = [(w13, w2, None) for w13, w2 in ws]
         for t in (int(v) for v in args.tokens.split(",")):
             x = torch.randn(t, p.hidden_size, device="cuda").bfloat16()
             w, ids = select_experts(x, torch.randn(t, p.num_experts, device="cuda"), p.top_k)
             kw = dict(activation=p.activation, backend=args.backend,
                       apply_router_weight_on_input=p.apply_router_weight_on_input)
-            for w13, w2 in ws:
-                fused_experts(x, w13, w2, w, ids, **kw)
+            for w13, w2, prm in ws:
+                fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    for w13, w2 in ws:
-                        fused_experts(x, w13, w2, w, ids, **kw)
+                    for w13, w2, prm in ws:
+                        fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
                 torch.cuda.synchronize()
             totals = defaultdict(float)
             for evt in prof.events():
                 if evt.device_type == torch.autograd.DeviceType.CUDA:
                     totals[evt.name[:60]] += evt.device_time / (5 * copies)
             total = sum(totals.values())
-            print(f"{name} M={t}: device total {total:.1f} us over {len(totals)} kernels")
+            print(f"{name} {args.quant or 'bf16'} M={t}: device total {total:.1f} us over {len(totals)} kernels")
             for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {v:8.1f} us  {k}")
 

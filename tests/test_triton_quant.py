@@ -175,45 +175,6 @@ def test_weight_only_direct_decode_matches_emulation(case, scheme):
     assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
 
 
-QLOAD_TILES = ((16, 64, 128, 4, 1), (16, 64, 128, 4, 1))
-QLOAD_CASES = [
-    Case("qload-basic", tiles=QLOAD_TILES),  # I = 64: GEMM2's one group is partial
-    Case("qload-top1-weight-on-input", K=1, T=8, bias=True, on_input=True, tiles=QLOAD_TILES),
-    Case("qload-expert-map", T=7, E=6, K=3, bias=True, expert_map=True, tiles=QLOAD_TILES),
-    Case("qload-partial-groups", H=200, I=160, tiles=QLOAD_TILES),
-    Case("qload-split-k", H=384, tiles=((16, 64, 128, 4, 1, 2), (16, 128, 128, 4, 1))),
-    Case("qload-relu2", activation="relu2_no_mul", I=48, tiles=QLOAD_TILES),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", QLOAD_CASES, ids=[c.id for c in QLOAD_CASES])
-def test_block_quantize_on_load_equals_separate_passes(case, dtype):
-    """fp8 block with the activations quantized in the GEMMs' loads (QLOAD: 16-row tiles of
-    BLOCK_K 128, the auto rule at decode) gives bitwise the output of the separate quantization
-    launches (the same codes and scales, the same sums), and emulation's within tolerance."""
-    from fusedmoe import knobs
-    from fusedmoe.backends.triton.quant import qload_wanted
-    from fusedmoe.quant.scheme import get_scheme
-
-    scheme = get_scheme("fp8_w8a8_block")
-    tiles = tuple(TileConfig(*t) for t in case.tiles)
-    assert qload_wanted(scheme, *tiles)
-    with knobs.override(TRITON_QLOAD=False):
-        assert not qload_wanted(scheme, *tiles)
-    assert not qload_wanted(scheme, TileConfig(16, 64, 64), TileConfig(16, 64, 128))
-    assert not qload_wanted(scheme, TileConfig(64, 64, 128), TileConfig(64, 64, 128))  # auto: decode only
-    with knobs.override(TRITON_QLOAD="force"):
-        assert qload_wanted(scheme, TileConfig(64, 64, 128), TileConfig(64, 64, 128))
-    config, x, w, weights, ids, expert_map = problem(case, "fp8_w8a8_block", dtype)
-    out = run(config, x, w, weights, ids, expert_map, case.tiles)
-    with knobs.override(TRITON_QLOAD=False):
-        separate = run(config, x, w, weights, ids, expert_map, case.tiles)
-    assert torch.equal(out, separate)
-    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(out, emulated) < TOL[dtype]
-
-
 def test_direct_decode_refuses_w8a8():
     config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "int8_w8a8", torch.float32)
     with pytest.raises(ValueError, match="direct decode path runs unquantized and weight-only schemes, not int8_w8a8"):

@@ -96,10 +96,6 @@ KNOBS: dict[str, Knob] = {
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "
              "0 = never (align, GEMMs, reduce), force = whenever top_k <= 16."),
-        Knob("TRITON_QLOAD", _on_off_force, None,
-             "fp8 block W8A8 (Triton): quantize the activations in the GEMMs' loads, one 1x128 group "
-             "per K step, instead of separate quantization launches: unset/1 = at decode tiles "
-             "(16-row blocks, BLOCK_K 128), 0 = never, force = whenever both tiles have BLOCK_K 128."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
              "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
     )

@@ -21,8 +21,7 @@ by token and stay on pointers. Off, the pointer loads below are unchanged.
 W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
 per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
 each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
-load (Q_TENSOR: one scale per expert; Q_BLOCK with QLOAD: BLOCK_K = 128, each K step quantizes
-its rows' 1x128 group, at decode). Host side: quant.py.
+load (Q_TENSOR: one scale per expert). Host side: quant.py.
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
@@ -44,13 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe.backends.triton.quant_kernels import (
-    FP8_MAX,
-    _max_nan,
-    _quantize,
-    _quantize_group,
-    _scale_of,
-)
+from fusedmoe.backends.triton.quant_kernels import FP8_MAX, _max_nan, _quantize, _scale_of
 
 # Activation codes (constexpr): keep in sync with experts.ACT_CODES.
 ACT_SILU = tl.constexpr(0)
@@ -370,9 +363,6 @@ def moe_gemm1_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     W_DESC: tl.constexpr = False,
-    # QLOAD (Q_BLOCK, BLOCK_K == 128): x arrives unquantized; each K step quantizes its rows' 1x128
-    # group on load (no separate activation quantization launch; decode)
-    QLOAD: tl.constexpr = False,
     # DIRECT (decode, no alignment): row block b is slot b alone (row 0 live), its expert read
     # from the top-k ids (ids_ptr, through emap_ptr when HAS_MAP); a / hpart rows are slots.
     ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
@@ -422,8 +412,8 @@ def moe_gemm1_kernel(
         ws_base = ws_ptr + expert * stride_ws0
     if QUANT == Q_TENSOR:
         x_scale = _load_scale(xs_ptr + expert * stride_xs0, X_STATIC)
-    if X_ROW_W:  # router weight on input, applied before quantizing (as the reference)
-        row_w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        if X_ROW_W:  # router weight on input, applied before quantizing (as the reference)
+            row_w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
     if ACC_INT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -471,14 +461,7 @@ def moe_gemm1_kernel(
                 wg = wg.to(x_ptr.dtype.element_ty)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
                 kb = k0 // 128
-                if QLOAD:  # the step is the rows' whole 1x128 group: quantize it here
-                    xf = xa.to(tl.float32)
-                    if X_ROW_W:
-                        xf = xf * row_w[:, None]
-                    xq, sx = _quantize_group(xf, SOFT_FP8)
-                    xa = xq.to(w13_ptr.dtype.element_ty)
-                else:
-                    sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
+                sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
                 sg = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
                 acc_g += tl.dot(xa, wg) * (sx[:, None] * sg.to(tl.float32)[None, :])
             else:
@@ -618,7 +601,6 @@ def moe_gemm2_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
-    QLOAD: tl.constexpr = False,  # Q_BLOCK, BLOCK_K == 128: a is fp32, each K step quantizes its 1x128 group
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
 
@@ -688,11 +670,7 @@ def moe_gemm2_kernel(
                 ww = ww.to(a_ptr.dtype.element_ty)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
                 kb = k0 // 128
-                if QLOAD:  # as in moe_gemm1_kernel
-                    aq, sa = _quantize_group(aa.to(tl.float32), SOFT_FP8)
-                    aa = aq.to(w2_ptr.dtype.element_ty)
-                else:
-                    sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
+                sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
                 sw = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
                 acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
             else:

@@ -10,9 +10,7 @@ The activations are quantized exactly where and how the `emulation` backend fake
                               aligned rows) or the static a13/a2 scale; GEMMs quantize on load
     fp8_w8a8_channel, int8    one scale per token (x) / per aligned row (a): quantize_rows_kernel
     fp8_w8a8_block            1x128 groups; GEMM1 quantizes its output in the epilogue when its
-                              N tile is one group (BLOCK_N 128, no split-K), else a separate pass;
-                              at decode tiles (BLOCK_K 128) both GEMMs quantize their A rows on
-                              load instead, no quantization launch (`qload_wanted`)
+                              N tile is one group (BLOCK_N 128, no split-K), else a separate pass
 Router weight on input scales x before quantization. The intermediate is kept in fp32 between
 GEMM1 and its quantization, as the reference computes it. No host sync: CUDA-graph safe.
 Batched layout [L, max_tokens, H]: the same launches with buffer rows as slots (top_k 1, no
@@ -270,7 +268,7 @@ def triton_quant_experts(
     _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype)
     q = prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                              num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
-                             swiglu_limit, scheme, a13_scale, t1.block_m, qload=qload_wanted(scheme, t1, t2))
+                             swiglu_limit, scheme, a13_scale, t1.block_m)
     launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
     launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
     launch_reduce(q.L, out)
@@ -292,29 +290,12 @@ class QuantLaunch:
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
     a_static: bool = False
-    qload: bool = False  # (block) x and the intermediate stay in float; the GEMMs quantize on load
-
-
-def qload_wanted(scheme: QuantScheme, t1: TileConfig, t2: TileConfig) -> bool:
-    """Whether the GEMMs quantize fp8 block activations on load (kernels' QLOAD): each K step
-    of 128 is a row's whole 1x128 group, so GEMM1 quantizes the x rows it loads and GEMM2 the
-    fp32 intermediate, with the arithmetic of quantize_rows_kernel (the same codes and scales),
-    and the two quantization launches go. Every N tile re-quantizes its rows, so auto
-    (FUSEDMOE_TRITON_QLOAD unset) takes it at decode tiles only (16-row blocks); 0 never, force
-    whenever both tiles have BLOCK_K 128."""
-    from fusedmoe import knobs
-
-    mode = knobs.get("TRITON_QLOAD")
-    if mode is False or scheme.weight.granularity != "block" or t1.block_k != ACT_GROUP or t2.block_k != ACT_GROUP:
-        return False
-    return mode == "force" or t1.block_m == 16
 
 
 def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                          num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
-                         swiglu_limit, scheme: QuantScheme, a13_scale, block_m, qload: bool = False) -> QuantLaunch:
-    """Align the slots and quantize x: per token / group, or (tensor) one scale per expert;
-    `qload` (`qload_wanted`): x stays as it is, GEMM1 quantizes it on load."""
+                         swiglu_limit, scheme: QuantScheme, a13_scale, block_m) -> QuantLaunch:
+    """Align the slots and quantize x: per token / group, or (tensor) one scale per expert."""
     device = x_TH.device
     sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
                                                          num_local, block_m)
@@ -328,17 +309,13 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-    return _quantize_input(L, scheme, a13_scale, row_w, num_local, qload)
+    return _quantize_input(L, scheme, a13_scale, row_w, num_local)
 
 
-def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int,
-                    qload: bool = False) -> QuantLaunch:
-    """x's codes per token / group, or (tensor, qload) one scale per expert / none: GEMM1
-    quantizes on load. Shared by the contiguous and batched layouts (L.x: the tokens, or the
-    batched rows)."""
+def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:
+    """x's codes per token / group, or (tensor) one scale per expert (GEMM1 quantizes on load).
+    Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
     x_TH = L.x
-    if qload:  # the scale pointer is a placeholder the kernel does not read
-        return QuantLaunch(L, scheme, num_local, x_TH, x_TH, False, row_w is not None, qload=True)
     if scheme.weight.granularity == "tensor":
         x_static = a13_scale is not None
         x_scales = _per_expert(a13_scale, num_local) if x_static else _expert_amax(L, x_TH, row_w, num_local, gather=True)
@@ -356,9 +333,9 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     rows, inter = a.shape
     soft = _soft_fp8(device)
     xs_strides = (q.x_scales.stride(0), 0 if gran == "tensor" else q.x_scales.stride(1))
-    fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1 and not q.qload
+    fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1
     a_codes = a_scales = None
-    if gran != "tensor" and not q.qload:
+    if gran != "tensor":
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
@@ -368,16 +345,12 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         xs_ptr=q.x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_STATIC=q.x_static,
         X_ROW_W=q.x_row_w, ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=soft, FUSE_AQ=fuse, **fused,
-        QLOAD=q.qload,
     ), x=q.x_in)
     if gran == "tensor":
         q.a_static = a2_scale is not None
         q.a_in = a
         q.a_scales = (_per_expert(a2_scale, q.num_local) if q.a_static
                       else _expert_amax(L, a, None, q.num_local, gather=False))
-        return
-    if q.qload:  # GEMM2 quantizes the fp32 rows on load (the scale pointer is a placeholder)
-        q.a_in, q.a_scales = a, a
         return
     if not fuse:
         group = inter if gran == "channel" else ACT_GROUP
@@ -392,7 +365,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig) 
     launch_gemm2(q.L, w2, w2_bias, tile, dict(
         as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
         **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], A_STATIC=q.a_static,
-        ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device), QLOAD=q.qload,
+        ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device),
     ), a=q.a_in)
 
 

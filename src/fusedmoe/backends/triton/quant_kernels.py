@@ -78,14 +78,6 @@ def _quantize(v, scale, IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr):
 
 
 @triton.jit
-def _quantize_group(v, SOFT_FP8: tl.constexpr):
-    """(fp8 codes as fp32, scale [R]) of fp32 v [R, 128]: each row one 1x128 group, as
-    quantize_rows_kernel computes it (the GEMMs' quantize-on-load, QLOAD)."""
-    scale = _scale_of(tl.reduce(tl.abs(v), 1, _max_nan), FP8_MAX)
-    return _quantize(v, scale[:, None], False, SOFT_FP8), scale
-
-
-@triton.jit
 def quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, row_w_ptr, scale_in_ptr, num_rows_ptr,
     num_rows, width, group,

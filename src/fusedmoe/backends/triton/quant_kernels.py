@@ -84,12 +84,14 @@ def quantize_rows_kernel(
     stride_xr, stride_xk, stride_qr, stride_qk, stride_sr, stride_sg,
     IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr, SCALE_IN: tl.constexpr,
     HAS_ROW_W: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr = False,
 ):
     """q[r, k] = code(x[r, k] (* w[r]) / s[r, g]) for BLOCK_R rows and group g = program_id(1).
 
     SCALE_IN: 0 = s is the group's amax / qmax (written to s[r, g]); 1 = s = scale_in[0]
     (static); 2 = s = scale_in[0] / qmax with scale_in[0] an amax (dynamic per tensor).
     HAS_NUM_ROWS: rows at or past num_rows_ptr[0] are skipped (the unused tail of aligned rows).
+    ONE_PASS (SCALE_IN 0, group <= BLOCK_K): the group is loaded once and quantized from registers.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_NUM_ROWS:
@@ -105,6 +107,16 @@ def quantize_rows_kernel(
     q_rows = q_ptr + rows[:, None] * stride_qr
     if HAS_ROW_W:  # router weight on input: quantize w * x, as the reference does
         w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if ONE_PASS:  # SCALE_IN == 0 and the group fits one tile: load it once, quantize from registers
+        ok = row_ok[:, None] & (start + offs < end)[None, :]
+        x = tl.load(x_rows + (start + offs)[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+        if HAS_ROW_W:
+            x = x * w
+        scale = _scale_for(tl.reduce(tl.abs(x), 1, _max_nan), IS_INT)[:, None]
+        tl.store(s_ptr + rows[:, None] * stride_sr + tl.program_id(1) * stride_sg, scale, mask=row_ok[:, None])
+        q = _quantize(x, scale, IS_INT, SOFT_FP8)
+        tl.store(q_rows + (start + offs)[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
+        return
     if SCALE_IN == 0:
         amax = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         for k0 in range(start, end, BLOCK_K):

@@ -189,28 +189,15 @@ def heuristic(
         # and mxfp4 on Mixtral / Qwen3-30B / DeepSeek-V3): at 16-row blocks BLOCK_K 256 on long K
         # at decode (Mixtral M=1 119 us against 159 with 128), 128 past ~2 slots per expert;
         # larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us against 1184 for the
-        # bf16 tile 128 x 64).
-        # 16-row GEMM1 blocks (gated: GEMM2 cannot split) split K while the working programs (one
-        # block per expert in use) stay within W4_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200,
-        # int4 g32, M=1 and 4 over six
-        # presets, benchmarks/bench_wo_decode.py, 2026-11-23_h200_a8899f1_wo_decode.txt; this
-        # rule picks the best split of that grid in all 12 cells): Llama-4 M=1 GEMM1 unsplit 35.6
-        # -> 13.8 us in 8 shares (16 programs -> 128), DeepSeek-V3 M=1 62.1 -> 25.1 (8),
-        # Qwen3-30B M=1 26.3 -> 23.9 (4; 8 shares, 768 programs: 26.3), gpt-oss M=1 60.6 ->
-        # 50.7 (2), Llama-4 M=4 46.7 -> 30.0 (4; 8: 33.1), Mixtral unsplit (448 programs).
+        # bf16 tile 128 x 64). 16-row blocks: `_narrow_decode`.
         split = 1
         if block_m == 16:
-            block_n = 64
             block_k = 256 if num_slots <= 2 * num_local_experts and k >= 4096 else 128
-            working = min(num_local_experts, num_slots) * -(-n // block_n)
-            while (gated and split < 8 and working * 2 * split <= W4_SPLIT_PROGRAMS * num_sms
-                   and k // (2 * split) >= 256):
-                split *= 2
-            if split > 1:
-                block_k = 128
         else:
             block_n, block_k = 64, 128
             num_warps = 8 if block_m >= 128 else 4
+    if block_m == 16 and quant == "w4":
+        block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:
@@ -222,6 +209,30 @@ def heuristic(
             tile = TileConfig(block_m, block_n, block_k, num_warps, 1, split)
             break
     return tile
+
+
+def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated: bool, num_sms: int,
+                   block_k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, split_k, BLOCK_K) of a 16-row block over 4-bit weights (decode).
+
+    GEMM1 (gated: GEMM2 cannot split) splits K while the working programs (one block per expert
+    in use x 64-wide N tiles) stay within W4_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200, int4
+    g32, M=1 and 4 over six presets, benchmarks/bench_wo_decode.py,
+    2026-11-23_h200_a8899f1_wo_decode.txt; the rule picks the best split of that grid in all 12
+    cells): Llama-4 M=1 GEMM1 unsplit 35.6 -> 13.8 us in 8 shares (16 programs -> 128),
+    DeepSeek-V3 M=1 62.1 -> 25.1 (8), Qwen3-30B M=1 26.3 -> 23.9 (4; 8 shares, 768 programs:
+    26.3), gpt-oss M=1 60.6 -> 50.7 (2), Llama-4 M=4 46.7 -> 30.0 (4; 8: 33.1), Mixtral
+    unsplit (448 programs). The same rule for GEMM1 over 8-bit weights (W8A8, "w8") was mixed
+    (H200, one process, `2026-11-23_h200_506a87c_narrow8_ab.txt`): M=1 fp8 block DeepSeek-V3
+    43.5 -> 36.5 us, Qwen3-235B 36.0 -> 32.8, fp8_w8a16 Qwen3-30B 49.5 -> 29.0, but fp8 block
+    gpt-oss 50.2 -> 53.9, Mixtral 133.2 -> 141.4, DeepSeek-V3 M=16 179.6 -> 195.7, fp8_w8a16
+    gpt-oss M=1 51.6 -> 58.7: 8-bit keeps the bf16 rule.
+    """
+    split = 1
+    working = min(num_local_experts, num_slots) * -(-n // 64)
+    while gated and split < 8 and working * 2 * split <= W4_SPLIT_PROGRAMS * num_sms and k // (2 * split) >= 256:
+        split *= 2
+    return 64, split, 128 if split > 1 else block_k
 
 
 DIRECT_SPLIT_WORK = 8192  # K elements (slots x I) one direct GEMM2 program streams before splitting

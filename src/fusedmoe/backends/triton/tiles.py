@@ -21,6 +21,8 @@ WEIGHT_ONLY_MODES = ("w8", "w4")
 SPLIT_KS = (1, 2, 4, 8, 16)
 # Operands a GEMM loads through TMA descriptors: the weights, or the sorted rows and the weights.
 TMA_LOADS = ("w", "a+w")
+# 8-bit modes whose GEMM1 takes the 4-bit decode rule where the bf16 rule's tile is 16 wide
+NARROW_8BIT = ("block", "w8")
 W4_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM a 4-bit decode's K shares aim for (heuristic)
 
 
@@ -196,7 +198,7 @@ def heuristic(
         else:
             block_n, block_k = 64, 128
             num_warps = 8 if block_m >= 128 else 4
-    if block_m == 16 and quant == "w4":
+    if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
@@ -213,7 +215,8 @@ def heuristic(
 
 def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated: bool, num_sms: int,
                    block_k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, split_k, BLOCK_K) of a 16-row block over 4-bit weights (decode).
+    """(BLOCK_N, split_k, BLOCK_K) of a 16-row block over 4-bit weights, or of a 16-wide GEMM1
+    over 8-bit ones (`NARROW_8BIT`; decode).
 
     GEMM1 (gated: GEMM2 cannot split) splits K while the working programs (one block per expert
     in use x 64-wide N tiles) stay within W4_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200, int4
@@ -226,7 +229,13 @@ def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated
     (H200, one process, `2026-11-23_h200_506a87c_narrow8_ab.txt`): M=1 fp8 block DeepSeek-V3
     43.5 -> 36.5 us, Qwen3-235B 36.0 -> 32.8, fp8_w8a16 Qwen3-30B 49.5 -> 29.0, but fp8 block
     gpt-oss 50.2 -> 53.9, Mixtral 133.2 -> 141.4, DeepSeek-V3 M=16 179.6 -> 195.7, fp8_w8a16
-    gpt-oss M=1 51.6 -> 58.7: 8-bit keeps the bf16 rule.
+    gpt-oss M=1 51.6 -> 58.7. The wins were the cells whose bf16-rule GEMM1 tile is 16 wide (16
+    one-byte columns: small loads), the losses 32 wide or more; int8 W8A8 moved -2 to +4%: GEMM1
+    of fp8 block and of the "w8" weight-only schemes takes this rule in place of 16-wide tiles
+    (the same A/B, `2026-11-23_h200_<commit>_narrow8_16wide_ab.txt`: M=1 fp8 block DeepSeek-V3
+    43.0 -> 36.6, Qwen3-235B 35.9 -> 32.4, Qwen3-30B 32.9 -> 30.9; fp8_w8a16 DeepSeek-V3 56.0 ->
+    29.6, Qwen3-30B 49.7 -> 29.9; int8_w8a16 Qwen3-30B 33.2 -> 24.5; Llama-4 M=4 fp8_w8a16 82.2
+    -> 45.3; every other cell within 1%).
     """
     split = 1
     working = min(num_local_experts, num_slots) * -(-n // 64)

@@ -232,7 +232,7 @@ def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated
     gpt-oss M=1 51.6 -> 58.7. The wins were the cells whose bf16-rule GEMM1 tile is 16 wide (16
     one-byte columns: small loads), the losses 32 wide or more; int8 W8A8 moved -2 to +4%: GEMM1
     of fp8 block and of the "w8" weight-only schemes takes this rule in place of 16-wide tiles
-    (the same A/B, `2026-11-23_h200_<commit>_narrow8_16wide_ab.txt`: M=1 fp8 block DeepSeek-V3
+    (the same A/B, `2026-11-23_h200_02c8a46_narrow8_16wide_ab.txt`: M=1 fp8 block DeepSeek-V3
     43.0 -> 36.6, Qwen3-235B 35.9 -> 32.4, Qwen3-30B 32.9 -> 30.9; fp8_w8a16 DeepSeek-V3 56.0 ->
     29.6, Qwen3-30B 49.7 -> 29.9; int8_w8a16 Qwen3-30B 33.2 -> 24.5; Llama-4 M=4 fp8_w8a16 82.2
     -> 45.3; every other cell within 1%).

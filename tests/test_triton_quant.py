@@ -367,3 +367,24 @@ def test_heuristic_quant_tiles_are_valid(quant):
                 tile = heuristic(slots, experts, n, k, torch.bfloat16, gated=gated, quant=quant)
                 assert check_tile(tile, dtype=torch.bfloat16, operands=2 if gated else 1,
                                   allow_split=gated, quant=quant) is None, tile
+
+
+def test_decode_gemm1_rule_for_narrow_weights():
+    """16-row GEMM1 over 4-bit weights, and over fp8 block / w8 weights where the bf16 rule would
+    take 16-wide tiles, runs 64-wide tiles with K split until ~3 working programs per SM (H200
+    measurements in tiles._narrow_decode); other 8-bit tiles keep the bf16 rule."""
+    def tile(quant, tokens, experts, top_k, hidden, inter):
+        return heuristic(tokens * top_k, experts, inter, hidden, torch.bfloat16, gated=True, quant=quant,
+                         group=32 if quant == "w4" else None)
+
+    ds, qwen, gpt_oss = (256, 8, 7168, 256), (128, 8, 2048, 768), (128, 4, 2880, 2880)
+    for quant in ("w4", "block", "w8"):
+        t = tile(quant, 1, *ds)  # 8 experts x 4 tiles = 32 working programs -> 8 shares
+        assert (t.block_n, t.block_k, t.split_k) == (64, 128, 8), (quant, t)
+        t = tile(quant, 1, *qwen)  # 96 programs -> 4 shares (768 would be past 3 per SM)
+        assert (t.block_n, t.split_k) == (64, 4), (quant, t)
+    assert tile("w4", 1, *gpt_oss).split_k == 2
+    for quant in ("block", "w8", "channel"):  # 32 wide by the bf16 rule: unchanged
+        assert tile(quant, 1, *gpt_oss).block_n == 32
+    assert tile("channel", 1, *ds).block_n == 16  # int8 W8A8 (and fp8 channel): the bf16 rule
+    assert tile("w4", 1, 8, 2, 4096, 14336).split_k == 1  # Mixtral: 448 programs unsplit

@@ -23,7 +23,7 @@ SPLIT_KS = (1, 2, 4, 8, 16)
 TMA_LOADS = ("w", "a+w")
 # 8-bit modes whose GEMM1 takes the 4-bit decode rule where the bf16 rule's tile is 16 wide
 NARROW_8BIT = ("block", "w8")
-W4_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM a 4-bit decode's K shares aim for (heuristic)
+NARROW_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM the K shares of a 4- or 8-bit decode aim for
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated
     over 8-bit ones (`NARROW_8BIT`; decode).
 
     GEMM1 (gated: GEMM2 cannot split) splits K while the working programs (one block per expert
-    in use x 64-wide N tiles) stay within W4_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200, int4
+    in use x 64-wide N tiles) stay within NARROW_SPLIT_PROGRAMS per SM, in 64 x 128 tiles (H200, int4
     g32, M=1 and 4 over six presets, benchmarks/bench_wo_decode.py,
     2026-11-23_h200_a8899f1_wo_decode.txt; the rule picks the best split of that grid in all 12
     cells): Llama-4 M=1 GEMM1 unsplit 35.6 -> 13.8 us in 8 shares (16 programs -> 128),
@@ -239,7 +239,7 @@ def _narrow_decode(num_slots: int, num_local_experts: int, n: int, k: int, gated
     """
     split = 1
     working = min(num_local_experts, num_slots) * -(-n // 64)
-    while gated and split < 8 and working * 2 * split <= W4_SPLIT_PROGRAMS * num_sms and k // (2 * split) >= 256:
+    while gated and split < 8 and working * 2 * split <= NARROW_SPLIT_PROGRAMS * num_sms and k // (2 * split) >= 256:
         split *= 2
     return 64, split, 128 if split > 1 else block_k
 

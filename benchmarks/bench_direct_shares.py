@@ -29,7 +29,7 @@ def main() -> int:
     args = parser.parse_args()
     from fusedmoe.activations import is_gated
     from fusedmoe.backends.triton.experts import GemmProblem, direct_tiles, triton_experts
-    from fusedmoe.bench import check_and_time, measure_ceilings, roofline
+    from fusedmoe.bench import check_and_time, measure_ceilings, random_expert_weights, roofline
     from fusedmoe.presets import get_preset
     from fusedmoe.routing import select_experts
 
@@ -41,13 +41,10 @@ def main() -> int:
         E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
         g = torch.Generator(device=device).manual_seed(0)
 
-        def randn(*shape, scale=1.0, g=g):
-            return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
-
-        ws = [(randn(E, 2 * inter, H, scale=H**-0.5), randn(E, H, inter, scale=inter**-0.5),
-               randn(E, 2 * inter) if p.has_bias else None, randn(E, H) if p.has_bias else None) for _ in range(4)]
+        ws = [random_expert_weights(E, H, inter, p.activation, device=device, dtype=dtype, generator=g,
+                                    bias=p.has_bias) for _ in range(4)]
         for tokens in (int(t) for t in args.tokens.split(",")):
-            x = randn(tokens, H)
+            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
             topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
             problem = GemmProblem(tokens * K, E, H, inter, K, is_gated(p.activation), dtype)
             t1, t2 = direct_tiles(problem, None, device)

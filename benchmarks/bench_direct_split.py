@@ -139,15 +139,14 @@ def main() -> int:
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.experts import triton_experts
-    from fusedmoe.bench import check_and_time
+    from fusedmoe.bench import check_and_time, preset_shapes, random_expert_weights
     from fusedmoe.presets import get_preset
     from fusedmoe.routing import select_experts
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
     shapes = ({"smoke": (6, 4, 40, 24, "silu", 1)} if smoke else
-              {name: (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp, p.activation, 4)
-               for name, p in ((n, get_preset(n)) for n in args.presets.split(","))})
+              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     variants = ([(2, True, 16, 32, 2), (2, False, 16, 32, 2), (3, True, 32, 16, 2)] if smoke else
                 [(s, last, n, 256, 4) for s, last, n in itertools.product((2, 4, 8), (True, False), (16, 32, 64))])
     if not smoke:
@@ -159,8 +158,8 @@ def main() -> int:
     counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)  # self-resetting tile counters
     for name, (E, K, H, inter, act, copies) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
-        ws = [((torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype),
-               (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype)) for _ in range(copies)]
+        ws = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
+              for _ in range(copies)]
         for tokens in ([3] if smoke else [int(t) for t in args.tokens.split(",")]):
             x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
             topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)

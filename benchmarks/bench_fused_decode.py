@@ -140,7 +140,7 @@ def main() -> int:
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.experts import pdl, triton_experts
-    from fusedmoe.bench import check_and_time
+    from fusedmoe.bench import check_and_time, preset_shapes, random_expert_weights
     from fusedmoe.presets import get_preset
     from fusedmoe.routing import select_experts
 
@@ -148,8 +148,7 @@ def main() -> int:
     dtype = torch.float16 if smoke else torch.bfloat16
     use_pdl = bool(pdl(device)) if not smoke else False
     shapes = ({"smoke": (6, 4, 40, 24, "silu", 1)} if smoke else
-              {name: (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp, p.activation, 4)
-               for name, p in ((n, get_preset(n)) for n in args.presets.split(","))})
+              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     if not smoke:
         from fusedmoe.bench import measure_ceilings, roofline
 
@@ -158,8 +157,8 @@ def main() -> int:
     rows = []
     for name, (E, K, H, inter, act, copies) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
-        ws = [((torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype),
-               (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype)) for _ in range(copies)]
+        ws = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
+              for _ in range(copies)]
         # I-major w2: the same values, rows of one intermediate index contiguous over H
         ws_t = [(w13, w2.transpose(1, 2).contiguous().transpose(1, 2)) for w13, w2 in ws]
         for tokens in ([3] if smoke else [int(t) for t in args.tokens.split(",")]):

@@ -99,14 +99,13 @@ def main() -> int:
         prepare_launch,
     )
     from fusedmoe.backends.triton.tiles import TileConfig
-    from fusedmoe.presets import get_preset
+    from fusedmoe.bench import preset_shapes
     from fusedmoe.routing import select_experts
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
     shapes = ({"smoke": (6, 2, 64, 48, "silu", 1)} if smoke else
-              {name: (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp, p.activation, 4)
-               for name, p in ((n, get_preset(n)) for n in args.presets.split(","))})
+              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     sms = 4 if smoke else _num_sms(device)
     if not smoke:
         from fusedmoe.bench import measure_ceilings, time_rotated

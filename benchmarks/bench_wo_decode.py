@@ -55,6 +55,7 @@ def main() -> int:
         check_and_time,
         measure_ceilings,
         quant_bytes,
+        random_expert_weights,
         roofline,
     )
     from fusedmoe.presets import get_preset
@@ -72,17 +73,12 @@ def main() -> int:
         E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
         gated = is_gated(p.activation)
         g = torch.Generator(device=device).manual_seed(0)
-
-        def randn(*shape, scale=1.0, g=g):
-            return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
-
-        copies = [_quantized_copy(randn(E, (2 if gated else 1) * inter, H, scale=H**-0.5),
-                                  randn(E, H, inter, scale=inter**-0.5),
-                                  randn(E, (2 if gated else 1) * inter) if p.has_bias else None,
-                                  randn(E, H) if p.has_bias else None, scheme_name) for _ in range(4)]
+        copies = [_quantized_copy(*random_expert_weights(E, H, inter, p.activation, device=device, dtype=dtype,
+                                                         generator=g, bias=p.has_bias), scheme_name)
+                  for _ in range(4)]
         w_bytes, a_bytes = quant_bytes(scheme_name)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            x = randn(tokens, H)
+            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
             topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
             problem = GemmProblem(tokens * K, E, H, inter, K, gated, dtype)
             _, _, t_roof, _ = roofline(p, tokens, int(torch.unique(ids).numel()), inter, ceilings, w_bytes, a_bytes)

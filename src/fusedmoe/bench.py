@@ -234,12 +234,37 @@ def roofline(preset: Preset, tokens: int, experts_touched: int, inter: int, ceil
              w_bytes: float = 2.0, a_bytes: float = 2, operand: str | None = None) -> tuple[float, float, float, str]:
     """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call; `operand` "fp8"/"int8"
     takes that matmul rate as the compute ceiling (W8A8), None bf16's."""
-    gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
-    g = 2 * inter if gated else inter
+    from fusedmoe.activations import is_gated
+
+    g = 2 * inter if is_gated(preset.activation) else inter
     bytes_ = experts_touched * (g + inter) * preset.hidden_size * w_bytes + tokens * preset.hidden_size * 2 * a_bytes
     flops = 2 * tokens * preset.top_k * preset.hidden_size * (g + inter)
     t_mem, t_cmp = bytes_ / ceilings.bandwidth, flops / ceilings.peak(operand)
     return bytes_, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute"
+
+
+def preset_shapes(names: str) -> dict[str, tuple[int, int, int, int, str]]:
+    """{name: (experts, top_k, hidden, intermediate at the preset's benchmark TP split,
+    activation)} of comma-separated preset names (the prototype benchmarks' shape table)."""
+    from fusedmoe.presets import get_preset
+
+    return {name: (p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp, p.activation)
+            for name, p in ((n, get_preset(n)) for n in names.split(","))}
+
+
+def random_expert_weights(experts: int, hidden: int, inter: int, activation: str, *, device: torch.device,
+                          dtype: torch.dtype, generator: torch.Generator, bias: bool = False) -> tuple:
+    """(w13 [E, G, H], w2 [E, H, I], b13 [E, G] or None, b2 [E, H] or None) of N(0, 1) values
+    scaled by 1/sqrt(fan-in), so the layer's outputs stay O(1); G = 2I for gated activations."""
+    from fusedmoe.activations import is_gated
+
+    rows = 2 * inter if is_gated(activation) else inter
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=generator) * scale).to(dtype)
+
+    return (randn(experts, rows, hidden, scale=hidden**-0.5), randn(experts, hidden, inter, scale=inter**-0.5),
+            randn(experts, rows) if bias else None, randn(experts, hidden) if bias else None)
 
 
 def bench_preset(
@@ -264,18 +289,14 @@ def bench_preset(
 
     device = torch.device("cuda")
     inter = preset.intermediate_size // preset.bench_tp
-    gated = preset.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
-    rows_w13 = 2 * inter if gated else inter
     gen = torch.Generator(device=device).manual_seed(seed)
     h = preset.hidden_size
     w_bytes, a_bytes = quant_bytes(quant)
     keep_float = quant is None or any(b not in QUANT_BACKENDS for b in backends)
     weights, quantized = [], []
     for _ in range(copies):
-        w13 = (torch.randn(preset.num_experts, rows_w13, h, device=device, generator=gen) / h**0.5).to(dtype)
-        w2 = (torch.randn(preset.num_experts, h, inter, device=device, generator=gen) / inter**0.5).to(dtype)
-        b13 = torch.randn(preset.num_experts, rows_w13, device=device, generator=gen).to(dtype) if preset.has_bias else None
-        b2 = torch.randn(preset.num_experts, h, device=device, generator=gen).to(dtype) if preset.has_bias else None
+        w13, w2, b13, b2 = random_expert_weights(preset.num_experts, h, inter, preset.activation, device=device,
+                                                 dtype=dtype, generator=gen, bias=preset.has_bias)
         if quant is not None:
             quantized.append(_quantized_copy(w13, w2, b13, b2, quant))
         weights.append((w13, w2, b13, b2) if keep_float else None)

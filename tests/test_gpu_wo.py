@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
+from fusedmoe.backends.triton.weight_only import kernel_scale_layout
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
 from gpu_checks import capture, poison_allocator, rel_err, replayed
 
@@ -53,6 +54,12 @@ def make_tokens(T, E, K, H, *, seed=0):
 def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     poison_allocator()
     out = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
+    laid = dataclasses.replace(params, w13_scale=kernel_scale_layout(params.w13_scale),
+                               w2_scale=kernel_scale_layout(params.w2_scale))
+    if laid.w13_scale is not params.w13_scale or laid.w2_scale is not params.w2_scale:
+        # int4's group-major scales (process_weights): other strides, the same bits out
+        again = fused_experts(x, q13, q2, w, ids, quant=laid, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
+        assert torch.equal(again, out)
     emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2,
                              backend="emulation", **kw)
     assert rel_err(out, emulated) < TOL

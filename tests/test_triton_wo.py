@@ -45,7 +45,7 @@ def one_thread():
 def test_experts_class_heuristic_tiles_in_place_and_errors():
     config, x, w, weights, ids, _ = problem(Case("class", T=3, H=64, I=32), "nvfp4_w4a16", torch.float32)
     experts = TritonExperts(config)
-    assert experts.process_weights(w) is w  # the kernels read the checkpoint packing as stored
+    assert experts.process_weights(w) is w  # the kernels read the checkpoint packing (and e4m3 scales) as stored
     out = experts.apply(x, w, weights, ids, expert_map_E=None)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(out, emulated) < TOL[torch.float32]
@@ -63,6 +63,50 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
     with pytest.raises(ValueError, match=r"gemm1 tile .* cannot run int4_w4a16_g32: block_k=16: 4-bit weights"):
         run(*problem(Case("bad-tile"), "int4_w4a16_g32", torch.float32),
              tiles=((16, 64, 16, 4, 1), (16, 64, 64, 4, 1)))
+
+
+@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "int4_w4a16_g64", "mxfp4_w4a16", "nvfp4_w4a16",
+                                    "int8_w8a16"])
+def test_process_weights_lays_int4_scales_group_major(scheme):
+    """int4's float group scales come back group-major (same values, strides (N * K/g, 1, N)),
+    the byte scales (e8m0, e4m3) and per-channel 8-bit scales as stored; the kernels give the
+    same output bit for bit from either layout, on both the aligned path and the direct one."""
+    from fusedmoe.backends.triton.weight_only import kernel_scale_layout
+
+    for T in (1, 5):
+        config, x, w, weights, ids, _ = problem(Case("layout", T=T, H=64, I=64), scheme, torch.float32)
+        processed = TritonExperts(config).process_weights(w)
+        if not scheme.startswith("int4"):
+            assert processed is w
+            continue
+        for name in ("w13_scale", "w2_scale"):
+            before, after = getattr(w.quant, name), getattr(processed.quant, name)
+            E, N, G = before.shape
+            assert torch.equal(before, after) and kernel_scale_layout(after) is after
+            assert after.stride() == (N * G, 1, N) if G > 1 else after is before  # one group: as stored
+        assert processed.w13 is w.w13 and processed.w2 is w.w2
+        experts = TritonExperts(config)
+        out = experts.apply(x, w, weights, ids, expert_map_E=None)
+        assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
+
+
+def test_layer_keeps_the_scales_its_backend_re_lays():
+    """FusedMoE adopts the scales process_weights returns: buffers and QuantParams alike."""
+    from fusedmoe import FusedMoE, Platform, select_experts
+
+    E, K, H, I = 4, 2, 64, 32
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.float32, quant="int4_w4a16_g32", backend="triton",
+                     platform=Platform("cuda", (9, 0)))  # CPU tensors, the interpreter runs the kernels
+    with torch.no_grad():
+        layer.w13_weight.copy_(torch.randn(E, 2 * I, H) / H**0.5)
+        layer.w2_weight.copy_(torch.randn(E, H, I) / I**0.5)
+    layer.process_weights_after_loading()
+    assert layer.w13_scale.stride(1) == 1 and layer.w2_scale.stride(1) == 1
+    assert layer.quant_params.w13_scale is layer.w13_scale and layer.quant_params.w2_scale is layer.w2_scale
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    w, ids = select_experts(x, logits, K, renormalize=True)
+    emulated = EmulationExperts(layer.config).apply(x, layer._expert_weights(), w, ids, expert_map_E=None)
+    assert rel_err(layer(x, logits), emulated) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "fp8_w8a16"])

@@ -341,7 +341,8 @@ def bench_preset(
 
 
 def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
-    """(q13, q2, b13, b2, QuantParams); static activation scales calibrated for N(0, 1) inputs."""
+    """(q13, q2, b13, b2, QuantParams); static activation scales calibrated for N(0, 1) inputs;
+    on a GPU the scales in the layout the triton backend's process_weights gives a layer."""
     from fusedmoe.quant.weights import quantize_weights
 
     static = scheme.endswith("_static")
@@ -350,6 +351,11 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
                                      w2_scale=params.w2_scale.to(torch.bfloat16))
+    if q13.is_cuda:  # as the layer's process_weights leaves them for the triton backend
+        from fusedmoe.backends.triton.weight_only import prepare_weights
+        from fusedmoe.modular import ExpertWeights
+
+        params = prepare_weights(ExpertWeights(q13, q2, b13, b2, params)).quant
     return q13, q2, b13, b2, params
 
 

@@ -968,8 +968,14 @@ triton_experts_op, triton_experts_out_op = experts_ops("triton_experts", _triton
 
 class TritonExperts(Experts):
     """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
-    weight-only schemes through quant.py. Every layout is read as stored: process_weights is the
-    identity (the 4-bit kernels take the checkpoints' packing, even k in the low nibble)."""
+    weight-only schemes through quant.py. Payloads are read as stored (the 4-bit kernels take the
+    checkpoints' packing, even k in the low nibble); process_weights re-lays int4's group scales
+    group-major (`weight_only.kernel_scale_layout`)."""
+
+    def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        from fusedmoe.backends.triton.weight_only import prepare_weights
+
+        return prepare_weights(weights)
 
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
               out_TH=None) -> torch.Tensor:
@@ -1098,6 +1104,11 @@ def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swigl
 class BatchedTritonExperts(BatchedExperts):
     """Experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch): unquantized,
     and the quantized schemes (W8A8 and weight-only) through quant.py."""
+
+    def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        from fusedmoe.backends.triton.weight_only import prepare_weights
+
+        return prepare_weights(weights)
 
     def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
         c = self.config

@@ -191,12 +191,15 @@ def heuristic(
         # and mxfp4 on Mixtral / Qwen3-30B / DeepSeek-V3): at 16-row blocks BLOCK_K 256 on long K
         # at decode (Mixtral M=1 119 us against 159 with 128), 128 past ~2 slots per expert;
         # larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us against 1184 for the
-        # bf16 tile 128 x 64). 16-row blocks: `_narrow_decode`.
+        # bf16 tile 128 x 64). 16-row blocks: `_narrow_decode`. With int4's scales group-major
+        # (weight_only.kernel_scale_layout) BLOCK_N 128, 3 stages took the larger blocks (H200,
+        # int4 g32, `2026-11-23_h200_*_w4_tiles_large.txt`): Qwen3-30B M=1024 484 -> 388 us,
+        # M=4096 1765 -> 1110 (at 64 rows), Mixtral M=1024 3946 -> 2381, M=4096 12312 -> 7634.
         split = 1
         if block_m == 16:
             block_k = 256 if num_slots <= 2 * num_local_experts and k >= 4096 else 128
         else:
-            block_n, block_k = 64, 128
+            block_n, block_k, num_stages = 128, 128, 3
             num_warps = 8 if block_m >= 128 else 4
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)

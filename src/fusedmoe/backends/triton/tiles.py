@@ -193,8 +193,11 @@ def heuristic(
         # larger blocks BLOCK_N 64-128 x BLOCK_K 128 (Mixtral M=256 918 us against 1184 for the
         # bf16 tile 128 x 64). 16-row blocks: `_narrow_decode`. With int4's scales group-major
         # (weight_only.kernel_scale_layout) BLOCK_N 128, 3 stages took the larger blocks (H200,
-        # int4 g32, `2026-11-23_h200_*_w4_tiles_large.txt`): Qwen3-30B M=1024 484 -> 388 us,
-        # M=4096 1765 -> 1110 (at 64 rows), Mixtral M=1024 3946 -> 2381, M=4096 12312 -> 7634.
+        # int4 g32, `2026-11-23_h200_73de619_w4_tiles_large.txt`): Qwen3-30B M=1024 484 -> 388
+        # us, M=4096 1765 -> 1110 (at 64 rows), Mixtral M=1024 3946 -> 2381, M=4096 12312 ->
+        # 7634. Old / new over six presets (`_94f7184_w4_tiles_ab.txt`): int4 -7 to -39% at
+        # M=1024-4096; mxfp4 / nvfp4 (row-major byte scales) -3 to -26% at M=4096 but Mixtral
+        # M=256 +10 / +14% and gpt-oss M=1024 +4%.
         split = 1
         if block_m == 16:
             block_k = 256 if num_slots <= 2 * num_local_experts and k >= 4096 else 128

@@ -57,7 +57,7 @@ def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     that the kernels load in wide vectors and pipeline with the weights. Row-major, a step's
     2-4 scales per column are scattered 2-byte loads waited on in every K step (ncu: ~45% of the
     gpt-oss int4 GEMM1's stall samples). Measured on an H200, int4 g32: 9-23% faster from M=1 to
-    256 on six presets (benchmarks/results/2026-11-23_h200_*_scale_layout.txt). Byte scales
+    256 on six presets (benchmarks/results/2026-11-23_h200_f1f2acb_scale_layout.txt). Byte scales
     (mxfp4 e8m0, nvfp4 e4m3) stay row-major: group-major measured up to 10% slower for them.
     A per-tensor or per-channel scale (last dim 1) and one already group-major come back as is.
     """

@@ -969,8 +969,8 @@ triton_experts_op, triton_experts_out_op = experts_ops("triton_experts", _triton
 class TritonExperts(Experts):
     """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
     weight-only schemes through quant.py. Payloads are read as stored (the 4-bit kernels take the
-    checkpoints' packing, even k in the low nibble); process_weights re-lays int4's group scales
-    group-major (`weight_only.kernel_scale_layout`)."""
+    checkpoints' packing, even k in the low nibble); process_weights re-lays int4's and nvfp4's
+    group scales group-major (`weight_only.kernel_scale_layout`)."""
 
     def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
         from fusedmoe.backends.triton.weight_only import prepare_weights

@@ -4,8 +4,8 @@
     (decode: gemm1 by slot -> gemm2 with the top-k sum, no alignment: experts.choose_plan)
 The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
 4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); int4's
-float group scales are re-laid group-major by `process_weights` (`kernel_scale_layout`; any
-strides run, that one fastest). Nothing
+and nvfp4's group scales are re-laid group-major by `process_weights` (`kernel_scale_layout`;
+any strides run, that one fastest). Nothing
 dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels
 are the unquantized ones with QUANT = Q_W8 (per-channel scales on the accumulator) or Q_W4
 (group scales per element inside the K loop, nvfp4's global scale on the accumulator): see
@@ -52,25 +52,28 @@ Q_W8, Q_W4 = 4, 5  # kernels.Q_W8 / Q_W4
 def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     """A 4-bit weight's group scales [L, N, K / group] in the storage the GEMMs read fastest.
 
-    Float scales (int4's bf16 / fp16 / fp32) are stored group-major: the same values and shape,
+    int4's float scales and nvfp4's e4m3 ones are stored group-major: the same values and shape,
     strides (N * K / group, 1, N), so a K step's scales are one contiguous run of N per group
     that the kernels load in wide vectors and pipeline with the weights. Row-major, a step's
-    2-4 scales per column are scattered 2-byte loads waited on in every K step (ncu: ~45% of the
-    gpt-oss int4 GEMM1's stall samples). Measured on an H200, int4 g32: 9-23% faster from M=1 to
-    256 on six presets (benchmarks/results/2026-11-23_h200_f1f2acb_scale_layout.txt). Byte scales
-    (mxfp4 e8m0, nvfp4 e4m3) stay row-major: group-major measured up to 10% slower for them.
-    A per-tensor or per-channel scale (last dim 1) and one already group-major come back as is.
+    scales are a few bytes per column, loaded apart and waited on in every K step (ncu: ~45% of
+    the gpt-oss int4 GEMM1's stall samples). Measured on an H200, one process, the same scales
+    either way: int4 g32 9-23% faster from M=1 to 256 on six presets
+    (benchmarks/results/2026-11-23_h200_f1f2acb_scale_layout.txt), nvfp4 9-30% at M=1-4096 on
+    three (`_545f54a_scale_layout_bytes.txt`). mxfp4's e8m0 codes (uint8) stay row-major: for
+    them group-major was -21% to +19%, mostly slower. A per-tensor or per-channel scale (last
+    dim 1) and one already group-major come back as they are.
     """
-    if scale.dim() != 3 or scale.shape[2] == 1 or scale.element_size() == 1 or scale.stride(1) == 1:
+    if scale.dim() != 3 or scale.shape[2] == 1 or scale.dtype == torch.uint8 or scale.stride(1) == 1:
         return scale
     return scale.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """`process_weights` of the Triton experts: 4-bit group scales in `kernel_scale_layout`;
-    everything else (payloads, 8-bit scales, the unquantized weights) is read as stored."""
+    """`process_weights` of the Triton experts: int4 and nvfp4 group scales in
+    `kernel_scale_layout`; everything else (payloads, mxfp4's e8m0 scales, 8-bit scales, the
+    unquantized weights) is read as stored."""
     q = weights.quant
-    if q is None or q.scheme.weight.dtype != "int4":
+    if q is None or q.scheme.weight.dtype not in ("int4", "nvfp4"):
         return weights
     w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
     if w13_scale is q.w13_scale and w2_scale is q.w2_scale:

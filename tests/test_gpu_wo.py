@@ -71,6 +71,27 @@ def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     return out
 
 
+def test_fp8_ptx_decode_is_exact_on_every_code():
+    """kernels._w8_codes with PTX: each of the 254 finite e4m3 codes (normals, subnormals, +-0)
+    gives torch's own bf16 conversion bit for bit."""
+    import triton
+    import triton.language as tl
+
+    from fusedmoe.backends.triton import kernels
+
+    @triton.jit
+    def decode(src, dst, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(dst + offs, kernels._w8_codes(tl.load(src + offs), tl.bfloat16, True))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(3)[:512].cuda()  # NaN codes are refused at load
+    w = codes.view(torch.float8_e4m3fn)
+    out = torch.full((512,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    decode[(1,)](w, out, N=512)
+    assert torch.equal(out.view(torch.int16), w.to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_presets(scheme, shape):

@@ -91,6 +91,23 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
         assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
 
 
+def test_fp8_nan_codes_are_refused_at_load():
+    """The GPU's fp8 decode has no NaN (kernels.W8_PTX_E4M3): process_weights refuses e4m3 NaN
+    codes (0x7F, 0xFF) in either weight, naming the weight and the count; finite codes pass."""
+    from fusedmoe.backends.triton.weight_only import check_fp8_codes
+
+    config, x, w, weights, ids, _ = problem(Case("nan", T=3, H=64, I=32), "fp8_w8a16", torch.float32)
+    experts = TritonExperts(config)
+    assert experts.process_weights(w) is w
+    check_fp8_codes(w.w13, "w13")
+    for name, nan_codes in (("w13", (0x7F,)), ("w2", (0xFF, 0x7F, 0xFF))):
+        bad = getattr(w, name).clone()
+        bad.view(torch.uint8).view(-1)[torch.randperm(bad.numel())[:len(nan_codes)]] = torch.tensor(
+            nan_codes, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=rf"{name} holds {len(nan_codes)} fp8 NaN codes"):
+            experts.process_weights(w.replace(**{name: bad}))
+
+
 def test_layer_keeps_the_scales_its_backend_re_lays():
     """FusedMoE adopts the scales process_weights returns: buffers and QuantParams alike."""
     from fusedmoe import FusedMoE, Platform, select_experts

@@ -32,7 +32,7 @@ registers after their load and never written back; each byte is read once per (r
           and no nibble interleave; s = the group scale of each element (int4 any float, mxfp4
           e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in registers
           (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global scale on the
-          accumulator. bf16 on a GPU (W4_PTX): the codes are decoded and scaled by inline PTX
+          accumulator. bf16 on a GPU (PTX_DECODE): the codes are decoded and scaled by inline PTX
           (`_w4_ptx_decode`: prmt / lop3 / fma.bf16x2, ~2-3 instructions per weight, no
           conversion instructions); elsewhere (fp16, fp32, the interpreter) in fp32.
 Host side: weight_only.py.
@@ -223,6 +223,43 @@ def _w4_ptx_decode(b, s, FMT: tl.constexpr):
     return lo, hi
 
 
+# fp8 (e4m3) codes -> bf16 with integer and packed-bf16 instructions, where Triton's cast goes
+# through the conversion unit (fp8 weight-only decode ran slower than int8's on an H200). One asm
+# block takes 4 codes ($2 = b0..b3) and returns their bf16 values ($0 = b0 | b1 << 16, $1 = b2,
+# b3): prmt puts each code in the high byte of a 16-bit lane (s eeee mmm 0000 0000), the sign
+# stays at bit 15 and exponent + mantissa shift right by 4 into bf16's fields (the value times
+# 2^-120: e4m3's bias 7 against bf16's 127), and one fma.rn.bf16x2 by 2^120 restores it, exact
+# for normals and subnormals alike. The NaN codes (0x7F, 0xFF) would come out as +-480:
+# `weight_only.check_fp8_codes` refuses them before a decode can meet one.
+W8_PTX_E4M3 = tl.constexpr("""
+{
+.reg .b32 t0, t1, s0, s1, k, neg0;
+mov.b32 k, 0x7B807B80;
+mov.b32 neg0, 0x80008000;
+prmt.b32 t0, $2, 0, 0x1404;
+prmt.b32 t1, $2, 0, 0x3424;
+and.b32 s0, t0, 0x80008000;
+and.b32 s1, t1, 0x80008000;
+shr.u32 t0, t0, 4;
+shr.u32 t1, t1, 4;
+lop3.b32 t0, t0, 0x07F007F0, s0, 0xEA;
+lop3.b32 t1, t1, 0x07F007F0, s1, 0xEA;
+fma.rn.bf16x2 $0, t0, k, neg0;
+fma.rn.bf16x2 $1, t1, k, neg0;
+}
+""")
+
+
+@triton.jit
+def _w8_codes(w, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """fp8 / int8 weight codes in the activation dtype DTYPE (exact); PTX (e4m3 codes, bf16 on a
+    GPU): decoded by W8_PTX_E4M3 instead of a cast."""
+    if PTX:
+        return tl.inline_asm_elementwise(W8_PTX_E4M3, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+    return w.to(DTYPE)
+
+
 @triton.jit
 def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexpr, GROUP: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
@@ -359,7 +396,7 @@ def moe_gemm1_kernel(
     stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
     QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     W_DESC: tl.constexpr = False,
@@ -438,12 +475,12 @@ def moe_gemm1_kernel(
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)  # K shares start on BLOCK_K multiples: 16 B aligned
             w_off = (j0 + offs_j)[:, None] * stride_wh
             lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
-                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, W4_PTX)
+                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, PTX_DECODE)
             acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE), IEEE)
             if GATED:
                 lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
                                    k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty,
-                                   W4_PTX)
+                                   PTX_DECODE)
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
         else:
             k_ok = offs_k < k_end - k0
@@ -458,7 +495,7 @@ def moe_gemm1_kernel(
             else:
                 wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
-                wg = wg.to(x_ptr.dtype.element_ty)
+                wg = _w8_codes(wg, x_ptr.dtype.element_ty, PTX_DECODE)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
                 kb = k0 // 128
                 sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
@@ -472,7 +509,7 @@ def moe_gemm1_kernel(
                 else:
                     wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if QUANT == Q_W8:
-                    wu = wu.to(x_ptr.dtype.element_ty)
+                    wu = _w8_codes(wu, x_ptr.dtype.element_ty, PTX_DECODE)
                 if QUANT == Q_BLOCK:
                     su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
                                  mask=n_ok, other=0.0)
@@ -597,7 +634,7 @@ def moe_gemm2_kernel(
     stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     QUANT: tl.constexpr = 0, A_STATIC: tl.constexpr = False, ACC_INT: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
@@ -652,7 +689,7 @@ def moe_gemm2_kernel(
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty,
-                               W4_PTX)
+                               PTX_DECODE)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
         else:
             k_ok = offs_k < inter - k0
@@ -667,7 +704,7 @@ def moe_gemm2_kernel(
             else:
                 ww = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
-                ww = ww.to(a_ptr.dtype.element_ty)
+                ww = _w8_codes(ww, a_ptr.dtype.element_ty, PTX_DECODE)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
                 kb = k0 // 128
                 sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
@@ -714,7 +751,7 @@ def moe_gemm2_direct_kernel(
     # weight-only, as in moe_gemm2_kernel (Q_W8, Q_W4); W8A8 modes take the aligned path
     ws_ptr=None, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     QUANT: tl.constexpr = 0,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, W4_PTX: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     # SPLIT > 1: program (t, n, s) sums slots s*PER .. s*PER + PER - 1 and writes its fp32 row to
@@ -796,7 +833,7 @@ def moe_gemm2_direct_kernel(
             sq_cols = ws_ptr + e * stride_ws0 + offs_n[None, :] * stride_ws1
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_e, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N,
-                               a_ptr.dtype.element_ty, W4_PTX)
+                               a_ptr.dtype.element_ty, PTX_DECODE)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
             if W4_FMT == W4_NVFP4:
                 acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)
@@ -805,7 +842,7 @@ def moe_gemm2_direct_kernel(
                          + (k0 + offs_k)[:, None] * stride_wi,
                          mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
-                ww = ww.to(a_ptr.dtype.element_ty)
+                ww = _w8_codes(ww, a_ptr.dtype.element_ty, PTX_DECODE)
             acc = _dot(aa, ww, acc, IEEE)
             if QUANT == Q_W8:
                 acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,

@@ -39,6 +39,7 @@ from fusedmoe.backends.triton.experts import (
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic, tile_mode
 from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.scheme import QuantScheme
+from fusedmoe.validation import should_validate
 
 WEIGHT_ONLY_SCHEMES = frozenset((
     "fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
@@ -68,11 +69,35 @@ def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     return scale.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def check_fp8_codes(w: torch.Tensor, name: str) -> None:
+    """Refuse e4m3 NaN codes (0x7F, 0xFF) in fp8 weights: the kernels' inline-PTX decode
+    (kernels.W8_PTX_E4M3) has no NaN and would read them as +-480. Reads every code, one
+    device-to-host sync: at load time (`prepare_weights`) and in calls with validation on."""
+    if w.dtype != torch.float8_e4m3fn or w.numel() == 0:
+        return
+    codes = w.view(torch.uint8)
+    nan = sum(((chunk & 0x7F) == 0x7F).sum() for chunk in codes.split(16))  # bounded temporaries
+    if int(nan):
+        raise ValueError(f"{name} holds {int(nan)} fp8 NaN codes (0x7F / 0xFF): the triton fp8 weight-only "
+                         f"kernels decode finite codes only")
+
+
+def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """fp8 NaN codes, in calls with validation on (they need a sync); layers check at load."""
+    if scheme.weight.dtype == "fp8" and x.is_cuda and should_validate(None, x):
+        check_fp8_codes(w13, "w13")
+        check_fp8_codes(w2, "w2")
+
+
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     """`process_weights` of the Triton experts: int4 and nvfp4 group scales in
-    `kernel_scale_layout`; everything else (payloads, mxfp4's e8m0 scales, 8-bit scales, the
-    unquantized weights) is read as stored."""
+    `kernel_scale_layout`, fp8 weight-only payloads checked for NaN codes (`check_fp8_codes`);
+    everything else (payloads, mxfp4's e8m0 scales, 8-bit scales, the unquantized weights) is
+    read as stored."""
     q = weights.quant
+    if q is not None and q.scheme.weight_only and q.scheme.weight.dtype == "fp8":
+        check_fp8_codes(weights.w13, "w13")
+        check_fp8_codes(weights.w2, "w2")
     if q is None or q.scheme.weight.dtype not in ("int4", "nvfp4"):
         return weights
     w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
@@ -135,6 +160,7 @@ def triton_weight_only_experts(
     decode path without alignment: GEMM1 by slot, GEMM2 with the top-k sum).
     """
     _require_weight_only(scheme)
+    _validate_codes(scheme, x_TH, w13, w2)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
@@ -182,6 +208,7 @@ def triton_batched_weight_only_experts(
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
     weight), through the same kernels as `triton_weight_only_experts`."""
     _require_weight_only(scheme)
+    _validate_codes(scheme, x_LMH, w13, w2)
 
     def gemms(launch, t1, t2):
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
@@ -233,13 +260,14 @@ def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantSchem
 
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,
                  x: torch.Tensor) -> dict:
-    """The GEMM kernels' weight-only keyword arguments for one weight's scales; 4-bit codes are
-    decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot run it)."""
+    """The GEMM kernels' weight-only keyword arguments for one weight's scales; 4-bit and fp8
+    codes are decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot run
+    it)."""
     key = scheme.weight
     ptx = x.is_cuda and x.dtype == torch.bfloat16
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
-    if key.dtype in ("fp8", "int8"):
-        return dict(args, QUANT=Q_W8)
-    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, W4_PTX=ptx,
+    if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
+        return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
+    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
                 wgs_ptr=global_scale if global_scale is not None else scale)

@@ -25,13 +25,16 @@ load (Q_TENSOR: one scale per expert). Host side: quant.py.
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
-    Q_W8  fp8 / int8 codes -> activation dtype -> dot; per-channel scale on the fp32 accumulator
+    Q_W8  fp8 / int8 codes -> activation dtype -> dot; per-channel scale on the fp32 accumulator;
+          e4m3 codes into bf16 on a GPU by inline PTX (PTX_DECODE, `_w8_codes`: bit placement and
+          one fma.bf16x2 rebias, 2.5 instructions a weight, no conversion unit)
     Q_W4  a byte holds k = 2j (low nibble) and 2j + 1 (high): x is read contiguously and split
           into its even and odd columns in registers, so
               acc += x[:, 0::2] @ (lo * s) + x[:, 1::2] @ (hi * s)   with two K/2 dots
           and no nibble interleave; s = the group scale of each element (int4 any float, mxfp4
           e8m0, nvfp4 e4m3), loaded once per group and K step and broadcast in registers
-          (BLOCK_K a multiple or a divisor of the group), nvfp4's per-expert global scale on the
+          (BLOCK_K a multiple or a divisor of the group; int4's and nvfp4's stored group-major:
+          weight_only.kernel_scale_layout), nvfp4's per-expert global scale on the
           accumulator. bf16 on a GPU (PTX_DECODE): the codes are decoded and scaled by inline PTX
           (`_w4_ptx_decode`: prmt / lop3 / fma.bf16x2, ~2-3 instructions per weight, no
           conversion instructions); elsewhere (fp16, fp32, the interpreter) in fp32.

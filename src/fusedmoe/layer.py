@@ -565,7 +565,7 @@ class FusedMoE(nn.Module):
                 param = getattr(self, f"{name}_weight")
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
-            if processed.quant is not self.quant_params:  # re-laid scales (Triton: int4 group-major)
+            if processed.quant is not self.quant_params:  # re-laid scales (Triton: int4 / nvfp4 group-major)
                 for name in ("w13_scale", "w2_scale"):
                     if getattr(processed.quant, name) is not getattr(self.quant_params, name):
                         self.register_buffer(name, getattr(processed.quant, name))

@@ -57,7 +57,7 @@ def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     laid = dataclasses.replace(params, w13_scale=kernel_scale_layout(params.w13_scale),
                                w2_scale=kernel_scale_layout(params.w2_scale))
     if laid.w13_scale is not params.w13_scale or laid.w2_scale is not params.w2_scale:
-        # int4's group-major scales (process_weights): other strides, the same bits out
+        # group-major scales (process_weights' storage for int4 / nvfp4): other strides, the same bits out
         again = fused_experts(x, q13, q2, w, ids, quant=laid, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
         assert torch.equal(again, out)
     emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2,

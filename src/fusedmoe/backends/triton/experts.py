@@ -1105,10 +1105,7 @@ class BatchedTritonExperts(BatchedExperts):
     """Experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch): unquantized,
     and the quantized schemes (W8A8 and weight-only) through quant.py."""
 
-    def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        from fusedmoe.backends.triton.weight_only import prepare_weights
-
-        return prepare_weights(weights)
+    process_weights = TritonExperts.process_weights  # the same weights as the contiguous layout
 
     def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
         c = self.config

@@ -50,21 +50,24 @@ W4_FORMATS = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 Q_W8, Q_W4 = 4, 5  # kernels.Q_W8 / Q_W4
 
 
-def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
-    """A 4-bit weight's group scales [L, N, K / group] in the storage the GEMMs read fastest.
+# Weight formats whose group scales `prepare_weights` stores group-major (`kernel_scale_layout`).
+# Measured on an H200, one process, the same scales either way: int4 g32 9-23% faster from M=1
+# to 256 on six presets (benchmarks/results/2026-11-23_h200_f1f2acb_scale_layout.txt), nvfp4
+# 9-30% at M=1-4096 on three (`_545f54a_scale_layout_bytes.txt`); mxfp4's e8m0 codes measured
+# -21% to +19%, mostly slower, and stay row-major.
+GROUP_MAJOR_SCALES = ("int4", "nvfp4")
 
-    int4's float scales and nvfp4's e4m3 ones are stored group-major: the same values and shape,
-    strides (N * K / group, 1, N), so a K step's scales are one contiguous run of N per group
-    that the kernels load in wide vectors and pipeline with the weights. Row-major, a step's
-    scales are a few bytes per column, loaded apart and waited on in every K step (ncu: ~45% of
-    the gpt-oss int4 GEMM1's stall samples). Measured on an H200, one process, the same scales
-    either way: int4 g32 9-23% faster from M=1 to 256 on six presets
-    (benchmarks/results/2026-11-23_h200_f1f2acb_scale_layout.txt), nvfp4 9-30% at M=1-4096 on
-    three (`_545f54a_scale_layout_bytes.txt`). mxfp4's e8m0 codes (uint8) stay row-major: for
-    them group-major was -21% to +19%, mostly slower. A per-tensor or per-channel scale (last
-    dim 1) and one already group-major come back as they are.
+
+def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [L, N, K / group] stored group-major: the same values and shape, strides
+    (N * K / group, 1, N), so a K step's scales are one contiguous run of N per group that the
+    kernels load in wide vectors and pipeline with the weights. Row-major, a step's scales are
+    a few bytes per column, loaded apart and waited on in every K step (ncu: ~45% of the gpt-oss
+    int4 GEMM1's stall samples). The kernels run any strides; this one is fastest for the
+    `GROUP_MAJOR_SCALES` formats. A per-tensor or per-channel scale (last dim 1) and one already
+    group-major come back as they are.
     """
-    if scale.dim() != 3 or scale.shape[2] == 1 or scale.dtype == torch.uint8 or scale.stride(1) == 1:
+    if scale.dim() != 3 or scale.shape[2] == 1 or scale.stride(1) == 1:
         return scale
     return scale.transpose(1, 2).contiguous().transpose(1, 2)
 
@@ -90,7 +93,7 @@ def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2:
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """`process_weights` of the Triton experts: int4 and nvfp4 group scales in
+    """`process_weights` of the Triton experts: the `GROUP_MAJOR_SCALES` formats' group scales in
     `kernel_scale_layout`, fp8 weight-only payloads checked for NaN codes (`check_fp8_codes`);
     everything else (payloads, mxfp4's e8m0 scales, 8-bit scales, the unquantized weights) is
     read as stored."""
@@ -98,7 +101,7 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     if q is not None and q.scheme.weight_only and q.scheme.weight.dtype == "fp8":
         check_fp8_codes(weights.w13, "w13")
         check_fp8_codes(weights.w2, "w2")
-    if q is None or q.scheme.weight.dtype not in ("int4", "nvfp4"):
+    if q is None or q.scheme.weight.dtype not in GROUP_MAJOR_SCALES:
         return weights
     w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
     if w13_scale is q.w13_scale and w2_scale is q.w2_scale:

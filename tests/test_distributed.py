@@ -22,6 +22,12 @@ from fusedmoe.launch import LaunchError, launch
 TIMEOUT_S = 90.0
 F32_TOL = 2e-5  # float32 end to end: ids are exact, sums differ only in order
 BF16_TOL = 3e-2  # bf16 output and intermediates against the fp32 reference (8 mantissa bits)
+# Quantized cases against the same layer unsplit: each expert's GEMM1 sees a different batch of
+# rows split than unsplit, so its fp32 sums differ in order (~1e-6); an intermediate value that
+# close to a code boundary quantizes to the neighbouring code: one element one fp8/int8 step off,
+# one output row off by ~5e-4 of the output's max (seen: 4.1e-4, fp8 block, seed 2180344183).
+# Rarely more than one per run; a wrong scale or row on the wire is off by O(1) in most rows.
+QUANT_TOL, QUANT_ROWS_OFF = 1e-2, 2
 
 C = DistCase
 CASES_2 = [
@@ -122,8 +128,12 @@ def test_split_layer_equals_reference(case: DistCase, results) -> None:
         r = per_case[case.name]
         where = f"{case} rank {rank} (seed {seed})"
         assert r["shape"] == r["want_shape"], where
-        tol = F32_TOL if case.dtype == torch.float32 else BF16_TOL
-        assert r["rel_err"] < tol, f"{where}: relative error {r['rel_err']:.2e}"
+        if case.quant:
+            assert r["rows_off"] <= QUANT_ROWS_OFF, f"{where}: {r['rows_off']} rows off, relative error {r['rel_err']:.2e}"
+            assert r["rel_err"] < QUANT_TOL, f"{where}: relative error {r['rel_err']:.2e}"
+        else:
+            tol = F32_TOL if case.dtype == torch.float32 else BF16_TOL
+            assert r["rel_err"] < tol, f"{where}: relative error {r['rel_err']:.2e}"
         assert r["rerun_equal"], f"{where}: a second forward differs bitwise"
         assert r["local_experts"] == (case.experts + case.redundant) // case.ep, where
         if case.routing == "skewed" and r["routed_owners"] and not case.redundant:

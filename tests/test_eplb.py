@@ -18,6 +18,8 @@ from fusedmoe import (
 from fusedmoe.backends import REGISTRY
 from fusedmoe.eplb import PhysicalPlacement, move_plan, rebalance, record_load, to_physical
 from fusedmoe.errors import NoBackendError
+from fusedmoe.quant import SCHEMES
+from quant_problems import assert_close_up_to_code_flips
 
 E, K, H, I = 8, 2, 32, 24
 
@@ -193,8 +195,10 @@ def test_quantized_experts_move_with_their_scales(scheme: str) -> None:
     plain, balanced = build(), build(enable_eplb=True, num_redundant_experts=2)
     x, logits = torch.randn(24, h, generator=gen), torch.randn(24, E, generator=gen)
     want = plain(x, logits)
-    torch.testing.assert_close(balanced(x, logits), want, rtol=1e-5, atol=1e-5)
+    # Replicas split an expert's rows into two GEMMs: fp8 block activations may flip a code.
+    flips = 2 if SCHEMES[scheme].activation is not None else 0
+    assert_close_up_to_code_flips(balanced(x, logits), want, max_rows=flips)
     load = torch.tensor([1, 1, 1, 50, 1, 1, 30, 1])
     new = balanced.rebalance_experts(load)
     assert new.replica_counts()[3] >= 2 and new != PhysicalPlacement.initial(E, 2, 1)
-    torch.testing.assert_close(balanced(x, logits), want, rtol=1e-5, atol=1e-5)
+    assert_close_up_to_code_flips(balanced(x, logits), want, max_rows=flips)

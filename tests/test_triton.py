@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -368,11 +368,16 @@ def test_direct_decode_rule_knob_and_errors(monkeypatch):
         assert not choose_plan(problem(1, 256, 8), None, dev)[0]
     with knobs.override(TRITON_DIRECT="force"):
         assert choose_plan(problem(16, 128, 8, 2048, 768), None, dev)[0]
-    assert plan_tiles(problem(1, 256, 8), None, dev, DIRECT_TILES, None) == (False, *DIRECT_TILES)  # explicit tiles: aligned
+    aligned = (DIRECT_TILES[0], replace(DIRECT_TILES[1], split_k=1))
+    assert plan_tiles(problem(1, 256, 8), None, dev, aligned, None) == (False, *aligned)  # explicit tiles: aligned
+    with pytest.raises(ValueError, match=r"gemm2 tile .*: split_k=2: only GEMM1 splits K"):  # slot shares: direct only
+        plan_tiles(problem(1, 256, 8), None, dev, DIRECT_TILES, None)
+    with pytest.raises(ValueError, match=r"gemm1 tile .*: block_n=24 must be a power of two"):
+        plan_tiles(problem(64, 256, 8), None, dev, (TileConfig(64, 24, 64), TileConfig(64, 64, 64)), False)
     assert not plan_tiles(problem(1, 256, 8), None, dev, None, False)[0]
     with pytest.raises(ValueError, match="top_k=17 > 16"):
         plan_tiles(problem(1, 128, 17), None, dev, None, True)
-    with pytest.raises(ValueError, match="needs block_m=16"):
+    with pytest.raises(ValueError, match="direct path's tiles need block_m=16"):
         plan_tiles(problem(1, 128, 8), None, dev, (TileConfig(32, 16, 32), DIRECT_TILES[1]), True)
     monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "sometimes")
     with pytest.raises(ValueError, match="FUSEDMOE_TRITON_DIRECT='sometimes'.*'force'"):
@@ -582,7 +587,7 @@ def test_tuned_table_parse_and_nearest():
 @pytest.mark.parametrize("bad,match", [
     (_entry(1, g1=(16, 24, 64, 4, 4)), "power of two"),
     (_entry(1, g1=(16, 256, 256, 8, 6)), "shared memory"),
-    (_entry(1, g2=(32, 64, 64, 4, 4)), "different block_m"),
+    (_entry(1, g2=(32, 64, 64, 4, 4)), "the same block_m"),
     ({"dtype": "bfloat16"}, "malformed"),
     (_entry(1, dtype="float99"), "malformed|unknown dtype"),
     (_entry(0), "tokens=0"),
@@ -591,9 +596,9 @@ def test_tuned_table_parse_and_nearest():
     (_entry(1, quant="nvfp4"), "no Triton tiles for nvfp4"),
     # the predicates of the schemes (tiles.check_tile with the scheme's tile_mode)
     (_entry(1, g1=(16, 64, 256, 4, 3), quant="fp8_w8a8_block"),
-     r"gemm1 tile .* is invalid for fp8_w8a8_block: block_k=256, block_n=64: 128x128 block scales"),
-    (_entry(1, g2=(16, 64, 16, 4, 3), quant="int8_w8a8"), "gemm2 .* for int8_w8a8: block_k=16: 8-bit tl.dot"),
-    (_entry(1, g1=(16, 64, 16, 4, 3), quant="mxfp4_w4a16"), "for mxfp4_w4a16: block_k=16: 4-bit weights"),
+     r"is invalid: gemm1 tile .* cannot run fp8_w8a8_block: block_k=256, block_n=64: 128x128 block scales"),
+    (_entry(1, g2=(16, 64, 16, 4, 3), quant="int8_w8a8"), "gemm2 .* cannot run int8_w8a8: block_k=16: 8-bit tl.dot"),
+    (_entry(1, g1=(16, 64, 16, 4, 3), quant="mxfp4_w4a16"), "cannot run mxfp4_w4a16: block_k=16: 4-bit weights"),
 ])
 def test_tuned_table_rejects_invalid(bad, match):
     from fusedmoe.backends.triton.tuning import parse_table
@@ -666,7 +671,105 @@ def test_tuned_table_lookup_by_scheme(tmp_path, monkeypatch, caplog):
         assert choose_quant_tiles(problem, SCHEMES["fp8_w8a8_block"], torch.device("cpu")) != fp8
     reports = [r.getMessage() for r in caplog.records]
     assert len(reports) == 1 and "ignoring entry 3" in reports[0], reports  # once, with the reason
-    assert "invalid for fp8_w8a8_block: block_k=256" in reports[0]
+    assert "cannot run fp8_w8a8_block: block_k=256" in reports[0]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_entry(1, path="sideways"), "path='sideways' .*aligned, direct"),
+    (_entry(1, path="direct", g1=(32, 32, 128, 4, 4), g2=(32, 64, 64, 4, 4)), "direct path's tiles need block_m=16"),
+    (_entry(1, path="direct", quant="fp8_w8a8_block", g1=(16, 128, 128, 4, 3), g2=(16, 64, 128, 4, 3)),
+     "W8A8 schemes have no direct path"),
+    (_entry(1, path="direct", g2=(16, 64, 64, 4, 4, 3)), "gemm2 tile .*: split_k=3 must be one of"),
+    (_entry(1, path="aligned", g2=(16, 64, 64, 4, 4, 2)), "gemm2 tile .*: split_k=2: only GEMM1 splits K"),
+])
+def test_tuned_table_rejects_invalid_paths(bad, match):
+    from fusedmoe.backends.triton.tuning import parse_table
+
+    with pytest.raises(ValueError, match=match):
+        parse_table(_table([bad]), "t.json")
+
+
+def test_tuned_table_paths_nearest_and_plan():
+    """Entries of format 3 name their path; undecided ones (formats 1-2) serve the aligned path's
+    tiles only; a direct entry decides no larger token count than its own."""
+    from fusedmoe.backends.triton.tuning import Tuned, nearest, nearest_entry, parse_table
+
+    direct = dict(path="direct", g1=(16, 32, 256, 4, 3, 2), g2=(16, 32, 128, 4, 4, 4))
+    table = parse_table(_table([_entry(1, **direct), _entry(4, path="aligned"), _entry(16),
+                                _entry(64, path="direct", g2=(16, 64, 64, 4, 4, 1))]), "t.json")
+    key = ("bfloat16", 128, 2048, 768, 8, True, None)
+    assert nearest_entry(table, key, 1) == Tuned(1, TileConfig(16, 32, 256, 4, 3, 2), TileConfig(16, 32, 128, 4, 4, 4), "direct")
+    assert nearest_entry(table, key, 1).direct and not nearest_entry(table, key, 4).direct
+    assert nearest_entry(table, key, 1, ("aligned", None)) is None  # M=4 is 2 octaves off
+    assert nearest_entry(table, key, 2, ("aligned", None)).tokens == 4
+    assert nearest(table, key, 2) == (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
+    assert nearest(table, key, 32)[0] == TileConfig(16, 32, 128, 4, 4)  # the M=16 entry, not the direct M=64
+    assert nearest_entry(table, key, 32, ("aligned", "direct")).tokens == 64  # M=16 decides no path
+    assert nearest_entry(table, key, 2, ("direct",)).tokens == 1
+
+
+def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
+    """choose_plan takes the path of a tuned entry that timed both (over the rule, both ways);
+    FUSEDMOE_TRITON_DIRECT=0 / force still decide; explain says where tiles and path came from."""
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        choose_plan,
+        describe_plan,
+        direct_auto,
+        direct_heuristic,
+    )
+    from fusedmoe.quant.scheme import SCHEMES
+
+    int4 = SCHEMES["int4_w4a16_g32"]
+    d1, d2 = TileConfig(16, 64, 128, 4, 3, 4), TileConfig(16, 64, 64, 4, 4, 2)
+    a1, a2 = TileConfig(16, 64, 128, 4, 3), TileConfig(16, 128, 64, 4, 3)
+    tiles = lambda t1, t2: dict(g1=tuple(t1.__dict__.values()), g2=tuple(t2.__dict__.values()))  # noqa: E731
+    ds = dict(hidden=7168, inter=256, experts=256)
+    entries = [_entry(1, path="aligned", **tiles(a1, a2)),  # Qwen3-30B: the rule says direct at M=1 ...
+               _entry(2, path="direct", **tiles(d1, d2)),  # ... and aligned at M=2
+               _entry(16, **tiles(a1, a2)),  # format 2: the aligned path's tiles, no path decided
+               _entry(8, path="direct", **tiles(d1, d2), **ds),
+               _entry(1, path="direct", **tiles(d1, d2), quant=int4.name)]
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps(_table(entries)))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+
+    def problem(tokens, experts=128, hidden=2048, inter=768):
+        return GemmProblem(tokens * 8, experts, hidden, inter, 8, True, torch.bfloat16)
+
+    qwen1, qwen2, ds16 = problem(1), problem(2), problem(16, 256, 7168, 256)
+    assert direct_auto(qwen1) and not direct_auto(qwen2) and not direct_auto(ds16)
+    with knobs.override(TUNED_DIR=str(tmp_path), TRITON_TMA=False):
+        assert choose_plan(qwen1, None, cuda) == (False, a1, a2)  # tuned aligned over the rule's direct
+        assert choose_plan(qwen2, None, cuda) == (True, d1, d2)  # tuned direct over the rule's aligned
+        assert choose_plan(problem(16), None, cuda) == (False, a1, a2)  # no path decided: the rule's
+        assert choose_plan(problem(4, 256, 7168, 256), None, cuda) == (True, d1, d2)  # fewer tokens: served
+        # a direct entry decides no larger M: at M=16 the rule does (aligned, heuristic tiles)
+        assert choose_plan(ds16, None, cuda)[0] is False and choose_plan(ds16, None, cuda)[1] != d1
+        assert choose_plan(qwen1, int4, cuda) == (True, d1, d2)  # its scheme's entry
+        assert choose_plan(problem(4), int4, cuda)[1:] != (d1, d2)  # 2 octaves: the rule, heuristic tiles
+        plan = describe_plan(qwen1, None, cuda)
+        assert plan["path"] == "aligned" and "timed both paths at M=1, aligned was faster" in plan["why"]
+        assert plan["gemm1"]["source"] == plan["gemm2"]["source"] == "tuned table"
+        plan = describe_plan(qwen2, None, cuda)
+        assert plan["path"] == "direct" and plan["gemm2"] == dict(tile=d2, source="tuned table", tma=None)
+        with knobs.override(TRITON_DIRECT=False):
+            assert choose_plan(qwen2, None, cuda)[0] is False
+        with knobs.override(TRITON_DIRECT="force"):
+            assert choose_plan(qwen1, None, cuda) == (True, d1, d2)  # the direct entry's tiles (M=2)
+            plan = describe_plan(problem(64), None, cuda)  # no entry within an octave
+            assert plan["why"] == "FUSEDMOE_TRITON_DIRECT=force" and plan["path"] == "direct"
+            assert plan["gemm2"] == dict(tile=direct_heuristic(problem(64), None, 132)[1], source="direct heuristic",
+                                         tma=None)
+            assert plan["gemm1"]["source"] == "heuristic"
+    with knobs.override(TRITON_TMA=False):  # the heuristic asks no CUDA device about TMA (none here)
+        assert choose_plan(qwen2, None, cuda)[0] is False  # no table: the rule
 
 
 def test_tile_choice_is_memoized_per_knobs_and_cleared_by_tune(tmp_path, monkeypatch):

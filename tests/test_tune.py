@@ -63,3 +63,98 @@ def test_tuner_gemms_match_the_experts_op(quant):
                                    w13_global_scale=params.w13_global_scale,
                                    w2_global_scale=params.w2_global_scale)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("quant", [None, "int4_w4a16_g32"], ids=str)
+def test_tuner_direct_gemms_match_the_direct_path(quant):
+    """The direct path's GEMMs as the tuner times them (a timed GEMM1 with split-K, GEMM2 in two
+    slot shares) give bitwise what the experts op's direct path gives with the same tiles."""
+    from fusedmoe.tune import _direct_gemms
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, H, generator=gen)
+    weights, ids = select_experts(x, torch.randn(3, E, generator=gen), K)
+    scheme = get_scheme(quant)
+    copies = []
+    for _ in range(2):
+        w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+        copies.append((w13, w2, None) if scheme is None else quantize_weights(w13, w2, scheme))
+    fill, other, tile2 = TileConfig(16, 64, 32, 4, 1), TileConfig(16, 32, 64, 4, 1, 2), TileConfig(16, 64, 64, 4, 1, 2)
+    gemm1, gemm2, _, out = _direct_gemms(scheme, copies, x, weights, ids, E, I, "silu", fill)
+    gemm1(1, other)  # timed: GEMM2 keeps reading the intermediate `fill` made
+    out.fill_(float("nan"))
+    gemm2(0, tile2)
+    q13, q2, params = copies[0]
+    if scheme is None:
+        ref = triton_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
+                             tiles=(fill, tile2), direct=True)
+    else:
+        ref = triton_quant_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702,
+                                   None, scheme, params.w13_scale, params.w2_scale, None, None,
+                                   tiles=(fill, tile2), direct=True)
+    assert torch.equal(out, ref)
+
+
+def _model_timer(costs: dict, seen: list):
+    """A timer for tune_shape: costs[kind](tile) in us; runs each kind's launch once (it must
+    run) and records every (kind, tile) timed."""
+
+    def timer(kind, tile, fn):
+        if all(k != kind for k, _ in seen):
+            fn(1)
+        seen.append((kind, tile))
+        return costs[kind](tile)
+
+    return timer
+
+
+def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
+    """tune_shape's search on a cost model (the kernels launch under the interpreter; only the
+    timing is modelled): the faster path's entry is written, naming its path, when it beats the
+    rule's path on heuristic tiles by > 3%; every pair it times is valid; the entry parses."""
+    import dataclasses
+
+    from fusedmoe.backends.triton.experts import GemmProblem, direct_auto, direct_heuristic
+    from fusedmoe.backends.triton.tiles import check_plan, check_tile
+    from fusedmoe.backends.triton.tuning import parse_table
+    from fusedmoe.tune import tune_shape, write_table
+
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2, device=cpu)
+    problem = GemmProblem(K, E, H, I, K, True, torch.float32)
+    assert direct_auto(problem)  # one token: the rule runs the direct path
+    d1, d2 = direct_heuristic(problem, None, 132)
+    faster2 = dataclasses.replace(d2, num_stages=d2.num_stages - 1)  # one step from the heuristic
+    flat = lambda us: lambda tile: us  # noqa: E731
+    base = {"gemm1": flat(100.0), "gemm2": flat(100.0), "direct gemm1": flat(40.0), "direct gemm2": flat(40.0)}
+
+    seen = []
+    costs = dict(base, **{"direct gemm2": lambda tile: 30.0 if tile == faster2 else 40.0})
+    [entry] = tune_shape(**shape, timer=_model_timer(costs, seen))
+    assert entry["path"] == "direct" and entry["heuristic_path"] == "direct"
+    assert (entry["us"], entry["heuristic_us"]) == (70.0, 80.0)
+    assert entry["gemm1"] == list(d1.__dict__.values()) and entry["gemm2"] == list(faster2.__dict__.values())
+    for kind, tile in seen:  # every timed tile passes the predicates
+        if kind.startswith("direct"):
+            t1, t2 = (tile, d2) if kind.endswith("gemm1") else (d1, tile)
+            assert check_plan(t1, t2, direct=True, dtype=torch.float32, gated=True) is None, (kind, tile)
+            assert t2.split_k <= K
+        else:
+            gemm1 = kind == "gemm1"
+            assert check_tile(tile, dtype=torch.float32, operands=2 if gemm1 else 1, allow_split=gemm1) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    path = write_table([entry], tmp_path)
+    import json
+
+    assert len(parse_table(json.loads(path.read_text()), str(path))) == 1  # strict: every entry valid
+
+    # the aligned path faster than the rule's direct one: an aligned entry
+    costs = dict(base, gemm1=flat(30.0), gemm2=flat(30.0))
+    [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
+    assert (entry["path"], entry["heuristic_path"], entry["us"], entry["heuristic_us"]) == ("aligned", "direct", 60.0, 80.0)
+    # within 3% of the rule's path: nothing written
+    assert tune_shape(**shape, timer=_model_timer(dict(base, gemm1=flat(39.5), gemm2=flat(39.5)), [])) == []
+    # too many slots for the direct path: only the aligned one is timed
+    seen = []
+    tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(base, seen))
+    assert seen and all(not kind.startswith("direct") for kind, _ in seen)

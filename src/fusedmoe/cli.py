@@ -625,7 +625,7 @@ def cmd_tune(args) -> int:
                      activation=args.activation or "silu")
     tokens = [int(t) for t in args.tokens.split(",")]
     folder = args.out or knobs.get("TUNED_DIR") or PACKAGED
-    progress = progress_printer(3 * len(tokens))
+    progress = progress_printer(4 * len(tokens))  # up to 3 block_m of the aligned path + the direct one
     written = 0
     for count in tokens:  # written after each token count, so an interrupted run keeps its work
         entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
@@ -635,8 +635,8 @@ def cmd_tune(args) -> int:
             print(f"M={count:>5}: the heuristic is within 3% of the best config found; nothing written")
             continue
         e = entries[0]
-        print(f"M={count:>5}: {e['us']:8.1f} us (heuristic {e['heuristic_us']:8.1f} us)  "
-              f"gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
+        print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
+              f"{e['heuristic_us']:8.1f} us)  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
         path = write_table(entries, folder)
         written += 1
     if written:

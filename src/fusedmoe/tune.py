@@ -2,12 +2,16 @@
 
 For each token count: draw uniform routing, then for block_m in {heuristic/2, heuristic,
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
-num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and keep the block_m whose
-two GEMMs sum fastest. An entry is written only when it beats the heuristic by more than 3%
-(tuned tables age: a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies
-from a CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for.
-With a quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the
-tiles its predicate accepts, and the entries carry the scheme.
+num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
+keep the block_m whose two GEMMs sum fastest. Where the direct decode path can run (unquantized
+and weight-only, at most `experts.DIRECT_MAX_SLOTS` slots) its pair descends too (GEMM1 by slot;
+GEMM2 with the top-k sum, its split_k the slot shares), from `experts.direct_heuristic`. The
+faster path's entry is written, naming its path, only when it beats what runs without a table
+(the rule's path, `experts.direct_auto`, on heuristic tiles) by more than 3% (tuned tables age:
+a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
+(median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
+quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
+its predicate accepts, and the entries carry the scheme.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe.backends.triton.experts import clear_tile_caches
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile
+from fusedmoe.backends.triton.tiles import TileConfig, check_plan, check_tile
 from fusedmoe.backends.triton.tuning import FORMAT, READ_FORMATS, device_file_name
 
 BLOCK_N = (16, 32, 64, 128, 256)
@@ -32,6 +36,9 @@ BLOCK_K = (32, 64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SPLITS = (1, 2, 4, 8)
+# timer(kind, tile, fn) -> us: one GEMM launch fn(i) on weight copy i, timed; kind is "gemm1",
+# "gemm2", "direct gemm1" or "direct gemm2" (the default ignores it and the tile; tests model them)
+Timer = Callable[[str, TileConfig, Callable[[int], None]], float]
 
 
 def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float:
@@ -103,23 +110,33 @@ def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
 def tune_shape(
     *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
-    copies: int = 4, progress: Callable[[str], None] | None = None,
+    copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
+    timer: Timer | None = None,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
     quant: a scheme the triton backend runs (W8A8 or weight-only); its GEMMs run on the rotated
     copies quantized by `quantize_weights` (as `fusedmoe bench --quant` runs them), descending
     over the tiles the scheme's predicate accepts. None: the unquantized GEMMs in `dtype`.
+    device / timer: a CUDA device and CUDA-graph timing (`_median_us`) unless given.
     """
     from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton.experts import GemmProblem, _num_sms, tma_planned
+    from fusedmoe.backends.triton.experts import (
+        DIRECT_MAX_SLOTS,
+        GemmProblem,
+        _num_sms,
+        direct_auto,
+        direct_reason,
+        tma_planned,
+    )
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
 
     scheme = get_scheme(quant)
     mode, group = tile_mode(scheme)
-    device = torch.device("cuda")
+    device = device or torch.device("cuda")
+    timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen) for _ in range(copies)]
@@ -127,6 +144,7 @@ def tune_shape(
     operands = 2 if gated else 1
     ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)
     ok2 = functools.partial(check_tile, dtype=dtype, quant=mode, group=group)
+    label = f"{scheme or str(dtype).replace('torch.', '')} E={experts} H={hidden} I={inter} k={top_k}"
     entries = []
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
@@ -140,16 +158,15 @@ def tune_shape(
 
         def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
             gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)
-            return (lambda tile: _median_us(lambda i: gemm1(i, tile), copies),
-                    lambda tile: _median_us(lambda i: gemm2(i, tile), copies))
+            return (lambda tile: timer("gemm1", tile, lambda i: gemm1(i, tile)),
+                    lambda tile: timer("gemm2", tile, lambda i: gemm2(i, tile)))
 
         time1, time2 = timers(h1)
-        heuristic_us = time1(h1) + time2(h2)
-        best = None
+        default = ("aligned", time1(h1) + time2(h2))
+        found = []  # (us, path, gemm1 tile, gemm2 tile)
         for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
             if progress:
-                progress(f"{scheme or str(dtype).replace('torch.', '')} E={experts} H={hidden} I={inter} "
-                         f"k={top_k} M={tokens} block_m={block_m}")
+                progress(f"{label} M={tokens} block_m={block_m}")
             s1 = dataclasses.replace(h1, block_m=block_m)
             s2 = dataclasses.replace(h2, block_m=block_m)
             if ok1(s1) or ok2(s2):
@@ -157,17 +174,29 @@ def tune_shape(
             time1, time2 = timers(s1)
             b1, u1 = _descend(time1, s1, ok1, allow_split=True)
             b2, u2 = _descend(time2, s2, ok2)
-            if best is None or u1 + u2 < best[0]:
-                best = (u1 + u2, b1, b2)
-        if best is None or best[0] > 0.97 * heuristic_us:
+            found.append((u1 + u2, "aligned", b1, b2))
+        if (scheme is None or scheme.weight_only) and direct_reason(problem) is None \
+                and problem.num_slots <= DIRECT_MAX_SLOTS:
+            if progress:
+                progress(f"{label} M={tokens} direct")
+            heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
+                                                activation, timer)
+            if direct_auto(problem, sms):
+                default = ("direct", heuristic_us)
+            found.append(best)
+        if not found:
+            continue
+        best = min(found, key=lambda f: f[0])
+        if best[0] > 0.97 * default[1]:
             continue
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:
             entry["quant"] = scheme.name
         entries.append({
-            **entry, "gemm1": list(best[1].__dict__.values()), "gemm2": list(best[2].__dict__.values()),
-            "us": round(best[0], 2), "heuristic_us": round(heuristic_us, 2),
+            **entry, "path": best[1], "gemm1": list(best[2].__dict__.values()),
+            "gemm2": list(best[3].__dict__.values()), "us": round(best[0], 2),
+            "heuristic_path": default[0], "heuristic_us": round(default[1], 2),
         })
     return entries
 
@@ -217,18 +246,81 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
     launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False, 1.702,
                             None, fill.block_m)
     timed = dataclasses.replace(launch, a=torch.empty_like(launch.a))
-    args13, args2 = [None] * len(weights), [None] * len(weights)
-    if scheme is not None:
-        from fusedmoe.backends.triton.weight_only import _kernel_args
-
-        args13 = [_kernel_args(scheme, p.w13_scale, p.w13_global_scale, x) for _, _, p in weights]
-        args2 = [_kernel_args(scheme, p.w2_scale, p.w2_global_scale, x) for _, _, p in weights]
+    args13, args2 = _weight_only_args(scheme, weights, x)
 
     def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
         launch_gemm1(launch, weights[i][0], None, tile, args13[i])
 
     gemm1(0, fill, launch)
     return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], None, tile, args2[i]), launch
+
+
+def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
+                   timer: Timer) -> tuple[float, tuple]:
+    """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
+    each GEMM descends from the heuristic's tile over the pairs `tiles.check_plan` accepts as
+    direct (GEMM2's split_k: slot shares, at most top_k)."""
+    from fusedmoe.backends.triton.experts import direct_heuristic
+    from fusedmoe.backends.triton.tiles import tile_mode
+
+    d1, d2 = direct_heuristic(problem, scheme, sms)
+    gemm1, gemm2, _, _ = _direct_gemms(scheme, weights, x, topk_w, topk_ids, problem.num_local_experts,
+                                       problem.inter, activation, d1)
+    quant, group = tile_mode(scheme)
+    plan = dict(direct=True, dtype=problem.dtype, gated=problem.gated, quant=quant, group=group)
+
+    def time1(tile: TileConfig) -> float:
+        return timer("direct gemm1", tile, lambda i: gemm1(i, tile))
+
+    def time2(tile: TileConfig) -> float:
+        return timer("direct gemm2", tile, lambda i: gemm2(i, tile))
+
+    def ok2(tile: TileConfig) -> str | None:
+        if tile.split_k > problem.top_k:
+            return f"{tile.split_k} slot shares > top_k={problem.top_k}"
+        return check_plan(d1, tile, **plan)
+
+    heuristic_us = time1(d1) + time2(d2)
+    b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True)
+    b2, u2 = _descend(time2, d2, ok2, allow_split=True)
+    return heuristic_us, (u1 + u2, "direct", b1, b2)
+
+
+def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill: TileConfig):
+    """(gemm1(i, tile), gemm2(i, tile), the Launch, out) of the direct path (unquantized or
+    weight-only) on weight copy i. GEMM1 runs once with `fill` on copy 0 to make the intermediate
+    GEMM2 reads; timed GEMM1 calls write their own. GEMM2 writes `out` [T, H] (with the top-k
+    sum; its slot shares add the combine launch)."""
+    from fusedmoe.backends.triton.experts import (
+        launch_gemm1,
+        launch_gemm2_direct,
+        prepare_direct_launch,
+    )
+
+    launch = prepare_direct_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
+                                   1.702, None)
+    timed = dataclasses.replace(launch, a=torch.empty_like(launch.a))
+    out = torch.empty_like(x)
+    args13, args2 = _weight_only_args(scheme, weights, x)
+
+    def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
+        launch_gemm1(launch, weights[i][0], None, tile, args13[i])
+
+    def gemm2(i: int, tile: TileConfig) -> None:
+        launch_gemm2_direct(launch, weights[i][1], None, tile, out, args2[i])
+
+    gemm1(0, fill, launch)
+    return gemm1, gemm2, launch, out
+
+
+def _weight_only_args(scheme, weights, x) -> tuple[list, list]:
+    """Per weight copy, the GEMMs' weight-only kernel arguments (None: unquantized)."""
+    if scheme is None:
+        return [None] * len(weights), [None] * len(weights)
+    from fusedmoe.backends.triton.weight_only import _kernel_args
+
+    return ([_kernel_args(scheme, p.w13_scale, p.w13_global_scale, x) for _, _, p in weights],
+            [_kernel_args(scheme, p.w2_scale, p.w2_global_scale, x) for _, _, p in weights])
 
 
 def write_table(entries: list[dict], folder: str | Path) -> Path:

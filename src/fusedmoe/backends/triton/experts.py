@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
-from fusedmoe.backends.triton.tiles import SPLIT_KS, TileConfig, heuristic
+from fusedmoe.backends.triton.tiles import (
+    DIRECT_BLOCK_M,
+    TileConfig,
+    heuristic,
+    require_plan,
+    tile_mode,
+)
 from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op
 
 ACT_CODES = {name: i for i, name in enumerate(
@@ -330,7 +336,6 @@ def choose_tiles(problem: GemmProblem, device: torch.device) -> tuple[TileConfig
 # M > 1 keeps the rule measured without shares.
 # An expert routed twice is streamed twice (a slot is its own block): auto also wants experts
 # rarely repeated among the slots under uniform routing.
-DIRECT_BLOCK_M = 16
 DIRECT_MAX_TOP_K = 16  # the GEMM2 kernel holds a token's K ids and weights in registers
 DIRECT_MAX_SLOTS = 64
 DIRECT_MAX_REPEAT = 1.15  # slots / expected distinct experts under uniform routing
@@ -396,31 +401,50 @@ def direct_wanted(problem: GemmProblem, num_sms: int = 132) -> bool:
     return direct_auto(problem, num_sms)
 
 
+def direct_heuristic(problem: GemmProblem, scheme, num_sms: int) -> tuple[TileConfig, TileConfig]:
+    """The direct path's (gemm1, gemm2) tiles without a table: GEMM1 the heuristic with one block
+    per slot, GEMM2 `direct_gemm2_heuristic`."""
+    from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic
+
+    p = problem
+    quant, group = tile_mode(scheme)
+    t1 = heuristic(p.num_slots, p.num_slots, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=num_sms,
+                   quant=quant, group=group)
+    t2 = direct_gemm2_heuristic(p.num_slots // p.top_k, p.hidden, p.inter, p.dtype, num_sms=num_sms,
+                                quant=quant, group=group, top_k=p.top_k)
+    return t1, t2
+
+
 @memoized_tiles
 def direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
-    """(gemm1, direct gemm2) tiles of the direct path. GEMM1 takes a tuned 16-row entry when the
-    table has one (its blocks are one expert's slot either way), else the heuristic with one block
-    per slot; GEMM2 `direct_gemm2_heuristic`. Whether the path runs is `choose_plan`'s question."""
-    from fusedmoe.backends.triton.tiles import direct_gemm2_heuristic, tile_mode
+    """(gemm1, direct gemm2) tiles of the direct path: a tuned direct entry's when the table has
+    one; else `direct_heuristic`, whose GEMM1 gives way to an aligned entry's 16-row tile (its
+    blocks are one expert's slot either way). Whether the path runs is `choose_plan`'s question."""
     from fusedmoe.backends.triton.tuning import lookup
 
-    p, sms = problem, _num_sms(device)
-    quant, group = tile_mode(scheme)
-    tuned = lookup(p, device) if scheme is None else lookup(p, device, scheme)
-    if tuned is not None and tuned[0].block_m == DIRECT_BLOCK_M:
-        t1 = tuned[0]
-    else:
-        t1 = heuristic(p.num_slots, p.num_slots, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
-                       quant=quant, group=group)
-    t2 = direct_gemm2_heuristic(p.num_slots // p.top_k, p.hidden, p.inter, p.dtype, num_sms=sms,
-                                quant=quant, group=group, top_k=p.top_k)
+    tuned = lookup(problem, device, scheme, path="direct")
+    if tuned is not None:
+        return tuned
+    t1, t2 = direct_heuristic(problem, scheme, _num_sms(device))
+    aligned = lookup(problem, device, scheme)
+    if aligned is not None and aligned[0].block_m == DIRECT_BLOCK_M:
+        t1 = aligned[0]
     return t1, t2
 
 
 @memoized_tiles
 def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
-    names no tiles and no path: `direct_wanted` decides, one memoized lookup per eager call."""
+    names no tiles and no path, one memoized lookup per eager call. The path: a tuned entry's
+    that timed both (`tuning.lookup_plan`) unless FUSEDMOE_TRITON_DIRECT is 0 or force, else
+    `direct_wanted`."""
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.tuning import lookup_plan
+
+    if knobs.get("TRITON_DIRECT") not in (False, "force") and direct_reason(problem) is None:
+        tuned = lookup_plan(problem, device, scheme)
+        if tuned is not None:
+            return tuned.direct, tuned.gemm1, tuned.gemm2
     if direct_wanted(problem, _num_sms(device)):
         return (True, *direct_tiles(problem, scheme, device))
     return (False, *_aligned_tiles(problem, scheme, device))
@@ -438,17 +462,24 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
                tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) for a call. direct None: `choose_plan`, or the aligned
     path when `tiles` are given; False: aligned; True: the direct path (`tiles`, when given, are
-    its (gemm1, direct gemm2) tiles), a ValueError when it cannot run."""
-    if direct is None:
-        return choose_plan(problem, scheme, device) if tiles is None else (False, *tiles)
-    if not direct:
-        return (False, *(tiles if tiles is not None else _aligned_tiles(problem, scheme, device)))
-    reason = direct_reason(problem)
-    if reason is not None:
-        raise ValueError(f"the direct decode path cannot run this call: {reason}")
-    tiles = tiles if tiles is not None else direct_tiles(problem, scheme, device)
-    check_direct_tiles(*tiles)
-    return (True, *tiles)
+    its (gemm1, direct gemm2) tiles), a ValueError when it cannot run. Given tiles are held to
+    `tiles.check_plan` (a ValueError naming the reason)."""
+    if tiles is None:
+        if direct is None:
+            return choose_plan(problem, scheme, device)
+        if not direct:
+            return (False, *_aligned_tiles(problem, scheme, device))
+    is_direct = bool(direct)
+    if is_direct:
+        reason = direct_reason(problem)
+        if reason is not None:
+            raise ValueError(f"the direct decode path cannot run this call: {reason}")
+        if tiles is None:
+            return (True, *direct_tiles(problem, scheme, device))
+    quant, group = tile_mode(scheme)
+    require_plan(*tiles, direct=is_direct, dtype=problem.dtype, gated=problem.gated, quant=quant, group=group,
+                 running=None if scheme is None else scheme.name)
+    return (is_direct, *tiles)
 
 
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
@@ -456,11 +487,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     {path, why, launches, gemm1, gemm2 (tile, source, tma)} for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.tuning import lookup
+    from fusedmoe.backends.triton.tuning import lookup, lookup_plan
 
-    tuned = lookup(problem, device) if scheme is None else lookup(problem, device, scheme)
-    source = "tuned table" if tuned is not None else "heuristic"
     mode = knobs.get("TRITON_DIRECT")
+    aligned, plan = lookup(problem, device, scheme), None
+    src1 = src2 = "tuned table" if aligned is not None else "heuristic"  # the aligned path's
     if scheme is not None and not scheme.weight_only:
         from fusedmoe.backends.triton.quant import choose_quant_tiles
 
@@ -468,7 +499,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
     else:
         is_direct, t1, t2 = choose_plan(problem, scheme, device)
-        if is_direct:
+        if mode not in (False, "force") and direct_reason(problem) is None:
+            plan = lookup_plan(problem, device, scheme)
+        if plan is not None:
+            why = f"tuned table: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
+        elif is_direct:
             why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
                    else "one token: always direct, GEMM2's slot shares fill the SMs (experts.direct_auto)"
                    if problem.num_slots == problem.top_k
@@ -477,28 +512,23 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             why = "FUSEDMOE_TRITON_DIRECT=0"
         else:
             why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device))
+        if plan is not None or is_direct and lookup(problem, device, scheme, path="direct") == (t1, t2):
+            src1 = src2 = "tuned table"
+        elif is_direct:  # direct_tiles: a 16-row aligned entry's GEMM1, else the heuristic's
+            src1 = "tuned table" if aligned is not None and aligned[0] == t1 else "heuristic"
+            src2 = "direct heuristic"
     split = " + act" if t1.split_k > 1 else ""
     if is_direct:
-        src1 = source if tuned is not None and tuned[0] == t1 else "heuristic"
         shares = " + combine" if t2.split_k > 1 else ""
         return dict(path="direct", why=why, launches=f"gemm1{split} + gemm2{shares}",
-                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source="direct heuristic", tma=None))
+                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source=src2, tma=None))
     tma1 = tma2 = None
     if scheme is None:
         tma1, tma2 = tma_planned(problem, device)
         tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
     return dict(path="aligned", why=why, launches=f"align + gemm1{split} + gemm2 + reduce",
-                gemm1=dict(tile=t1, source=source, tma=tma1), gemm2=dict(tile=t2, source=source, tma=tma2))
-
-
-def check_direct_tiles(t1: TileConfig, t2: TileConfig) -> None:
-    for name, tile in (("gemm1", t1), ("gemm2", t2)):
-        if tile.block_m != DIRECT_BLOCK_M:
-            raise ValueError(f"the direct path's {name} tile needs block_m={DIRECT_BLOCK_M}, got {tile}")
-    if t2.split_k not in SPLIT_KS:
-        raise ValueError(f"the direct gemm2's split_k (slot shares per token) must be one of "
-                         f"{', '.join(map(str, SPLIT_KS))}, got {t2}")
+                gemm1=dict(tile=t1, source=src1, tma=tma1), gemm2=dict(tile=t2, source=src2, tma=tma2))
 
 
 # TMA descriptors ------------------------------------------------------------------------------

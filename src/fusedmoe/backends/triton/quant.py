@@ -42,7 +42,7 @@ from fusedmoe.backends.triton.experts import (
     triton_cdiv,
     triton_next_pow2,
 )
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic
+from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
@@ -209,12 +209,7 @@ def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
 
 
 def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype) -> None:
-    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, False)):
-        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=granularity)
-        if reason:
-            raise ValueError(f"{name} tile {tile} cannot run {granularity} W8A8: {reason}")
-    if t1.block_m != t2.block_m:
-        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+    require_plan(t1, t2, direct=False, dtype=dtype, gated=gated, quant=granularity, running=f"{granularity} W8A8")
 
 
 # The experts ---------------------------------------------------------------------------------

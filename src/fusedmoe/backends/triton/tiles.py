@@ -3,6 +3,7 @@
     tile = heuristic(problem)           # always valid (asserted by tests over many shapes)
     tile = direct_gemm2_heuristic(...)  # the decode path's GEMM2 + top-k sum (no alignment)
     check_tile(tile, ...) -> reason     # the one predicate; tuned tables are held to it too
+    check_plan(t1, t2, direct=...)      # a (gemm1, gemm2) pair of the aligned or the direct path
     tile_mode(scheme) -> (quant, group) # what the predicate and the heuristic take for a scheme
 """
 
@@ -120,6 +121,36 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             f"memory exceeds {SMEM_BYTES} B"
         )
     return None
+
+
+DIRECT_BLOCK_M = 16  # the direct path: one 16-row tl.dot block per slot, row 0 live
+
+
+def check_plan(t1: TileConfig, t2: TileConfig, *, direct: bool, dtype: torch.dtype, gated: bool,
+               quant: str | None = None, group: int | None = None, running: str | None = None) -> str | None:
+    """The reason a (gemm1, gemm2) tile pair cannot run, or None: each tile held to `check_tile`
+    (GEMM1 may split K), both with one block_m. direct: the decode path's pair (GEMM1 by slot,
+    `kernels.moe_gemm2_direct_kernel`): block_m DIRECT_BLOCK_M, GEMM2's split_k its slot shares
+    per token; W8A8 modes (`QUANT_GRANULARITIES`) have no direct path. running: what the tiles
+    were meant to run (a scheme's name), named in a tile's reason."""
+    if direct and quant in QUANT_GRANULARITIES:
+        return "W8A8 schemes have no direct path (their activation quantizers work on sorted rows)"
+    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, direct)):
+        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=quant, group=group)
+        if reason:
+            return f"{name} tile {tile}{f' cannot run {running}' if running else ''}: {reason}"
+    if direct and (t1.block_m, t2.block_m) != (DIRECT_BLOCK_M, DIRECT_BLOCK_M):
+        return f"the direct path's tiles need block_m={DIRECT_BLOCK_M}, got {t1.block_m} and {t2.block_m}"
+    if t1.block_m != t2.block_m:
+        return f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}"
+    return None
+
+
+def require_plan(t1: TileConfig, t2: TileConfig, **kw) -> None:
+    """`check_plan`, raising ValueError with its reason."""
+    reason = check_plan(t1, t2, **kw)
+    if reason:
+        raise ValueError(reason)
 
 
 def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> int:

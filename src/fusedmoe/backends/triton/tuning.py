@@ -1,15 +1,20 @@
 """Tuned tile tables: JSON files per device, written by `fusedmoe tune`, read as overrides.
 
     lookup(problem, device, scheme) -> (gemm1 tile, gemm2 tile) | None   (None: the heuristic)
+    lookup_plan(problem, device, scheme) -> Tuned | None                  (the timed path's entry)
 
 Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first) and in the packaged
 `tuned/` folder. They are data only (json.load, never executed). An entry names its shape, its
 activation dtype and its quantization scheme ("quant", absent = unquantized; format 1 tables
-have none), and serves that scheme only. Every entry is held to the same validity predicate as
-the heuristic (`tiles.check_tile` with the scheme's `tile_mode`): an invalid entry is reported
-once and ignored; a file that does not parse, or was tuned with another Triton major.minor, is
-reported once and ignored whole. Among the entries for a shape the one with the nearest token
-count (in log2) wins, if it is within a factor of two.
+have none), and serves that scheme only. An entry's "path" (format 3) says which path its tiles
+run and that the tuner timed both there: "aligned" (align + gemm1 + gemm2 + reduce) or "direct"
+(the decode path: gemm1 by slot + gemm2 with the top-k sum, `experts.direct_reason`); without
+it (formats 1 and 2) the tiles are the aligned path's and the path is left to the rule. Every
+entry is held to the same validity predicate as the heuristic (`tiles.check_plan` with the
+scheme's `tile_mode`): an invalid entry is reported once and ignored; a file that does not
+parse, or was tuned with another Triton major.minor, is reported once and ignored whole. Among
+the entries for a shape the one with the nearest token count (in log2) wins, if it is within a
+factor of two.
 """
 
 from __future__ import annotations
@@ -20,17 +25,35 @@ import logging
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from fusedmoe import knobs
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile, tile_mode
+from fusedmoe.backends.triton.tiles import TileConfig, check_plan, tile_mode
 from fusedmoe.quant.scheme import get_scheme
 
 logger = logging.getLogger("fusedmoe")
 PACKAGED = Path(__file__).parent / "tuned"
-FORMAT = 2  # 2: entries may carry "quant" (a reader of format 1 would take them for bf16 tiles)
-READ_FORMATS = (1, 2)
+# 2: entries may carry "quant" (a reader of format 1 would take them for bf16 tiles); 3: "path"
+# (a reader of format 2 would take a direct entry's tiles for the aligned path's)
+FORMAT = 3
+READ_FORMATS = (1, 2, 3)
+PATHS = ("aligned", "direct")
+
+
+class Tuned(NamedTuple):
+    """One entry: its token count, tiles, and path ("aligned" / "direct"; None: the aligned
+    path's tiles from a table that timed no other path)."""
+
+    tokens: int
+    gemm1: TileConfig
+    gemm2: TileConfig
+    path: str | None = None
+
+    @property
+    def direct(self) -> bool:
+        return self.path == "direct"
 
 
 def device_file_name(device_name: str) -> str:
@@ -51,8 +74,8 @@ def _major_minor(version: str) -> str:
 
 
 def parse_table(data: object, source: str, *, strict: bool = True
-                ) -> dict[tuple, list[tuple[int, TileConfig, TileConfig]]]:
-    """Validate a loaded table; returns {shape key: [(tokens, tile1, tile2), ...]}.
+                ) -> dict[tuple, list[Tuned]]:
+    """Validate a loaded table; returns {shape key: [Tuned, ...]}.
 
     Shape key: (dtype, experts, hidden, inter, top_k, gated, scheme name or None). Raises
     ValueError for a file that is not a table; for an invalid entry too when `strict`, else logs
@@ -63,16 +86,16 @@ def parse_table(data: object, source: str, *, strict: bool = True
     entries = data.get("entries")
     if not isinstance(entries, list):
         raise ValueError(f"{source}: 'entries' must be a list")
-    table: dict[tuple, list] = {}
+    table: dict[tuple, list[Tuned]] = {}
     for i, e in enumerate(entries):
         try:
-            key, tokens, t1, t2 = _parse_entry(e)
+            key, tuned = _parse_entry(e)
         except ValueError as exc:
             if strict:
                 raise ValueError(f"{source}: entry {i} {exc}") from None
             logger.warning("fusedmoe: ignoring entry %d of tuned table %s: %s", i, source, exc)
             continue
-        table.setdefault(key, []).append((tokens, t1, t2))
+        table.setdefault(key, []).append(tuned)
     return table
 
 
@@ -87,10 +110,11 @@ def _int(value: object) -> int:
     return value
 
 
-def _parse_entry(e: object) -> tuple[tuple, int, TileConfig, TileConfig]:
+def _parse_entry(e: object) -> tuple[tuple, Tuned]:
     try:
         dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         quant = e.get("quant")
+        path = e.get("path")
         if not isinstance(e["gated"], bool):
             raise TypeError(f"gated={e['gated']!r} is not true/false")
         key = (e["dtype"], _int(e["experts"]), _int(e["hidden"]), _int(e["inter"]), _int(e["top_k"]),
@@ -105,20 +129,19 @@ def _parse_entry(e: object) -> tuple[tuple, int, TileConfig, TileConfig]:
         raise ValueError(f"has tokens={tokens} (must be >= 1)")
     if not isinstance(quant, str | None):
         raise ValueError(f"has quant={quant!r} (a scheme name, or absent for unquantized)")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"has path={path!r} (one of {', '.join(PATHS)}, or absent)")
     try:
         scheme = get_scheme(quant)
         mode, group = tile_mode(scheme)
     except ValueError as exc:
         raise ValueError(f"has quant={quant!r}: {exc}") from None
     key += (None if scheme is None else scheme.name,)
-    for name, tile, operands, split in (("gemm1", t1, 2 if key[5] else 1, True), ("gemm2", t2, 1, False)):
-        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=mode, group=group)
-        if reason:
-            under = "" if scheme is None else f" for {scheme.name}"
-            raise ValueError(f"{name} tile {tile} is invalid{under}: {reason}")
-    if t1.block_m != t2.block_m:
-        raise ValueError("has different block_m for the two GEMMs")
-    return key, tokens, t1, t2
+    reason = check_plan(t1, t2, direct=path == "direct", dtype=dtype, gated=key[5], quant=mode, group=group,
+                        running=None if scheme is None else scheme.name)
+    if reason:
+        raise ValueError(f"is invalid: {reason}")
+    return key, Tuned(tokens, t1, t2, path)
 
 
 @functools.cache
@@ -156,30 +179,60 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def lookup(problem, device: torch.device, scheme=None) -> tuple[TileConfig, TileConfig] | None:
-    """The tuned tiles of `scheme` (a `QuantScheme`, None = unquantized) for this shape."""
+def _key(problem, scheme) -> tuple:
+    return (str(problem.dtype).replace("torch.", ""), problem.num_local_experts, problem.hidden,
+            problem.inter, problem.top_k, problem.gated, None if scheme is None else scheme.name)
+
+
+def _tokens(problem) -> int:
+    return max(1, problem.num_slots // max(1, problem.top_k))
+
+
+def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
-    key = (str(problem.dtype).replace("torch.", ""), problem.num_local_experts, problem.hidden,
-           problem.inter, problem.top_k, problem.gated, None if scheme is None else scheme.name)
-    tokens = max(1, problem.num_slots // max(1, problem.top_k))
+    key, tokens = _key(problem, scheme), _tokens(problem)
     for table in _tables(_device_name(device)):
-        found = nearest(table, key, tokens)
+        found = nearest_entry(table, key, tokens, paths)
         if found is not None:
             return found
     return None
 
 
+def lookup(problem, device: torch.device, scheme=None, path: str = "aligned") -> tuple[TileConfig, TileConfig] | None:
+    """The tuned tiles of `scheme` (a `QuantScheme`, None = unquantized) for this shape on
+    `path` ("aligned": entries of that path or of none; "direct": the direct path's)."""
+    found = _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
+    return None if found is None else (found.gemm1, found.gemm2)
+
+
+def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:
+    """The nearest entry whose tuner timed both paths (it names its path), or None: the path is
+    then the rule's (`experts.direct_wanted`). A direct entry decides no larger token count than
+    its own (a direct GEMM2 program streams every slot of its token: more tokens, more repeats)."""
+    found = _find(problem, device, scheme, PATHS)
+    if found is None or found.direct and _tokens(problem) > found.tokens:
+        return None
+    return found
+
+
 MAX_OCTAVES = 1.0  # an entry tuned at M serves M/2 .. 2M; farther off, the heuristic knows better
 
 
-def nearest(table: dict, key: tuple, tokens: int) -> tuple[TileConfig, TileConfig] | None:
-    """The entry for `key` nearest to `tokens` in log2 (ties: the smaller), within one octave."""
-    entries = table.get(key)
+def nearest_entry(table: dict, key: tuple, tokens: int, paths: tuple = ("aligned", "direct", None)) -> Tuned | None:
+    """The entry for `key` on one of `paths` nearest to `tokens` in log2 (ties: the smaller),
+    within one octave."""
+    entries = [e for e in table.get(key, ()) if e.path in paths]
     if not entries:
         return None
-    distance = lambda e: abs(math.log2(e[0]) - math.log2(tokens))  # noqa: E731
-    best = min(entries, key=lambda e: (distance(e), e[0]))
+    distance = lambda e: abs(math.log2(e.tokens) - math.log2(tokens))  # noqa: E731
+    best = min(entries, key=lambda e: (distance(e), e.tokens))
     if distance(best) > MAX_OCTAVES:
         return None
-    return best[1], best[2]
+    return best
+
+
+def nearest(table: dict, key: tuple, tokens: int) -> tuple[TileConfig, TileConfig] | None:
+    """The aligned path's tiles of `nearest_entry`."""
+    found = nearest_entry(table, key, tokens, ("aligned", None))
+    return None if found is None else (found.gemm1, found.gemm2)

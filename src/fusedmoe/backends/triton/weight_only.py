@@ -36,7 +36,7 @@ from fusedmoe.backends.triton.experts import (
     prepare_launch,
     run_batched,
 )
-from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic, tile_mode
+from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan, tile_mode
 from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
@@ -172,8 +172,7 @@ def triton_weight_only_experts(
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
-    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)
-    _check_tiles(t1, t2, gated, scheme, x_TH.dtype, direct=is_direct)
+    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)  # given tiles: checked
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
@@ -249,16 +248,9 @@ def _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale,
     launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, x))
 
 
-def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype,
-                 direct: bool = False) -> None:
-    """Both tiles held to the predicate; the direct GEMM2's split_k is its slot shares."""
+def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype) -> None:
     mode, group = weight_only_mode(scheme)
-    for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, direct)):
-        reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=mode, group=group)
-        if reason:
-            raise ValueError(f"{name} tile {tile} cannot run {scheme.name}: {reason}")
-    if t1.block_m != t2.block_m:
-        raise ValueError(f"both GEMMs need the same block_m, got {t1.block_m} and {t2.block_m}")
+    require_plan(t1, t2, direct=False, dtype=dtype, gated=gated, quant=mode, group=group, running=scheme.name)
 
 
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,

@@ -128,6 +128,10 @@ CASES = [  # (case, schemes): the paths each case exercises differently
     (Case("relu2-no-mul", activation="relu2_no_mul", I=48), ["fp8_w8a8_tensor", "fp8_w8a8_block", "int8_w8a8"]),
     (Case("k-not-multiple-of-128", H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))), MODES),
     (Case("fused-group-epilogue", I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
+    # 2I = 384 rows in three scale blocks, H = 256 in two: gate, up and down N tiles each read
+    # another block (the up tiles' from I on; 64-wide tiles lie in one block each)
+    (Case("scale-block-per-n-tile", H=256, I=192, tiles=((16, 64, 64, 4, 1), (16, 64, 64, 4, 1))),
+     ["fp8_w8a8_block"]),
     (Case("split-k", H=256, tiles=((16, 64, 64, 4, 1, 2), (16, 128, 64, 4, 1))), MODES + ["int8_w8a8"]),
     # weight-only: 4-bit groups across and inside K steps, 8-bit codes cast in registers
     (Case("wo-basic", I=128), WEIGHT_ONLY),

@@ -253,13 +253,18 @@ def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantSchem
     require_plan(t1, t2, direct=False, dtype=dtype, gated=gated, quant=mode, group=group, running=scheme.name)
 
 
+def ptx_decode(x: torch.Tensor) -> bool:
+    """Whether the weight decode takes the inline PTX (bf16 activations on a GPU)."""
+    return x.is_cuda and x.dtype == torch.bfloat16
+
+
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,
                  x: torch.Tensor) -> dict:
     """The GEMM kernels' weight-only keyword arguments for one weight's scales; 4-bit and fp8
     codes are decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot run
     it)."""
     key = scheme.weight
-    ptx = x.is_cuda and x.dtype == torch.bfloat16
+    ptx = ptx_decode(x)
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast

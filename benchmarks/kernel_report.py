@@ -1,0 +1,155 @@
+"""Registers, spills, shared memory and SASS mix of the kernels a preset's call would launch,
+compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kernel_report`).
+
+    python benchmarks/kernel_report.py --presets mixtral-8x7b --tokens 1,4096 [--quant fp8_w8a8_block]
+        [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3] [--json out.json]
+
+The plan (path, tiles) is the one the library would pick for the preset's problem on an sm90 GPU
+of 132 SMs with --device-name's packaged tuned table (default NVIDIA H200; 'none': the tile
+rules alone); --tiles overrides it (gemm1/gemm2). The kernels are recorded from a call on CPU
+tensors with the preset's H and I and two experts, quantized as `process_weights` lays them out,
+with the GPU's launch decisions (TMA descriptors, the PTX weight decode: `as_on_gpu`), so every
+constexpr and stride specialisation is the real call's. Registers and SASS
+come from this machine's Triton and ptxas: compare variants here, time them on the GPU.
+Programs per SM: min(65536 registers / (regs x threads), 227 KiB / shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+from fusedmoe import knobs  # noqa: E402
+from fusedmoe.backends.triton import kernel_report  # noqa: E402
+from fusedmoe.backends.triton.tiles import TileConfig, tile_mode  # noqa: E402
+from fusedmoe.presets import get_preset  # noqa: E402
+from fusedmoe.quant.scheme import get_scheme  # noqa: E402
+
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
+        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE")
+
+
+def as_on_gpu(device_name: str | None) -> torch.device:
+    """Make the tile and launch rules decide as on an sm90 GPU of 132 SMs (named `device_name`:
+    its packaged tuned table serves; None: the heuristic alone) for CPU tensors: TMA descriptors
+    where their rules allow, the PTX weight decode for bf16. Returns the device to plan for."""
+    from fusedmoe.backends.triton import experts, quant, tuning, weight_only
+
+    tuning._device_name = lambda d: device_name or "no tuned table"
+    for module in (experts, quant, weight_only):
+        module._num_sms = lambda d: 132
+    experts._sm90 = lambda index: True
+    torch.cuda.current_device = lambda: 0
+    weight_only.ptx_decode = lambda x: x.dtype == torch.bfloat16
+    return torch.device("cuda")
+
+
+def plan(problem, scheme, device: torch.device, tiles: str | None) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, aligned)."""
+    from fusedmoe.backends.triton import experts, quant
+
+    if tiles:
+        t1, t2 = (TileConfig(*map(int, t.split(","))) for t in tiles.split("/"))
+        return False, t1, t2
+    if scheme is not None and not scheme.weight_only:
+        return (False, *quant.choose_quant_tiles(problem, scheme, device))
+    return experts.choose_plan(problem, scheme, device)
+
+
+def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2: TileConfig):
+    """The launches of one call with the preset's H and I, two experts, the given plan."""
+    from fusedmoe.backends.triton.experts import triton_experts
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+    from fusedmoe.backends.triton.weight_only import prepare_weights
+    from fusedmoe.modular import ExpertWeights
+    from fusedmoe.quant.weights import quantize_weights
+
+    E, K, H = 2, preset.top_k, preset.hidden_size
+    inter = preset.intermediate_size // preset.bench_tp
+    gated = preset.activation not in ("relu2_no_mul",)
+    rows = 2 * inter if gated else inter
+    x = torch.zeros(tokens, H, dtype=dtype)
+    ids = (torch.arange(tokens * K) % E).view(tokens, K).to(torch.int32)
+    w = torch.full((tokens, K), 1.0 / K)
+    w13, w2 = torch.zeros(E, rows, H, dtype=dtype), torch.zeros(E, H, inter, dtype=dtype)
+    common = (None, None, None, E, preset.activation, False, 1.702, None)
+    with kernel_report.recording() as calls:
+        if scheme is None:
+            triton_experts(x, w13, w2, w, ids, *common, tiles=(t1, t2), direct=direct)
+        else:
+            q13, q2, params = quantize_weights(w13.float(), w2.float(), scheme)
+            weights = prepare_weights(ExpertWeights(q13, q2, quant=params))
+            p = weights.quant
+            a13 = torch.ones(1) if p.a13_scale is None and scheme.name.endswith("static") else p.a13_scale
+            a2 = torch.ones(1) if p.a2_scale is None and scheme.name.endswith("static") else p.a2_scale
+            triton_quant_experts(x, weights.w13, weights.w2, w, ids, *common, scheme, p.w13_scale, p.w2_scale,
+                                 a13, a2, tiles=(t1, t2), w13_global_scale=p.w13_global_scale,
+                                 w2_global_scale=p.w2_global_scale, direct=direct or None)
+    return calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,64,4096")
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--device-name", default="NVIDIA H200",
+                    help="plan with this GPU's packaged tuned table ('none': the heuristic alone)")
+    ap.add_argument("--tiles", default=None, help="gemm1/gemm2 tiles, e.g. 128,64,128,8,3/128,64,128,8,3")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    reason = kernel_report.unavailable()
+    if reason:
+        print(f"cannot compile for sm90 here: {reason}", file=sys.stderr)
+        return 2
+    import triton
+
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton.experts import GemmProblem
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    scheme = get_scheme(args.quant)
+    tile_mode(scheme)  # a scheme the Triton GEMMs run, or a clear error
+    rows = []
+    device = as_on_gpu(None if args.device_name.lower() == "none" else args.device_name)
+    with knobs.override(TRITON_TMA="force"):  # sm90: descriptors where tma_reasons allows
+        for name in args.presets.split(","):
+            preset = get_preset(name)
+            for tokens in map(int, args.tokens.split(",")):
+                inter = preset.intermediate_size // preset.bench_tp
+                problem = GemmProblem(tokens * preset.top_k, preset.num_experts, preset.hidden_size, inter,
+                                      preset.top_k, is_gated(preset.activation), dtype)
+                direct, t1, t2 = plan(problem, scheme, device, args.tiles)
+                for call in record(preset, tokens, scheme, dtype, direct, t1, t2):
+                    if not call.name.startswith("moe_gemm"):
+                        continue
+                    u = kernel_report.usage(kernel_report.compile_call(call))
+                    threads = 32 * call.kwargs.get("num_warps", 4)
+                    per_sm = min(65536 // max(1, u["regs"] * threads), 227 * 1024 // max(1, u["shared"]))
+                    rows.append({"preset": name, "tokens": tokens, "path": "direct" if direct else "aligned",
+                                 "kernel": call.name, **{k: call.kwargs[k] for k in KEYS if k in call.kwargs},
+                                 **u, "programs_per_sm": per_sm})
+    print(f"sm90 compile with Triton {triton.__version__} ({args.quant or args.dtype})")
+    print(f"{'preset':16} {'M':>5} {'path':7} {'kernel':26} {'tile (m,n,k,w,s)':20} {'regs':>4} {'stack':>5} "
+          f"{'smem':>7} {'/SM':>3} {'instr':>6}  key opcodes")
+    for r in rows:
+        tile = ",".join(str(r.get(k, "-")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+        ops = " ".join(f"{k}={v}" for k, v in r["opcodes"].items() if v)
+        print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:20} {r['regs']:>4} "
+              f"{r['stack']:>5} {r['shared']:>7} {r['programs_per_sm']:>3} {r['instructions']:>6}  {ops}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "quant": args.quant, "dtype": args.dtype, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Compile the Triton kernels a call would launch for a GPU, on any machine (no GPU needed).
+
+    with recording() as calls:                      # every jitted kernel of kernels.py and
+        triton_experts(x, w13, w2, ..., tiles=...)  # quant_kernels.py records its launch instead
+    for call in calls:
+        compiled = compile_call(call)               # triton.compile for GPUTarget("cuda", 90, 32)
+        usage(compiled)                             # registers, spill stack, shared memory, SASS
+
+What a launch on an H100/H200 would compile: the recorded arguments are typed and specialised as
+Triton's launcher does (ints of 1 and None as constexprs, 16-divisible ints and 16-byte aligned
+tensors marked divisible), so the PTX, ptxas' register allocation and the SASS are the GPU's, for
+the Triton and ptxas of this machine (a GPU with another Triton version compiles differently).
+Needs Triton's CUDA backend (ptxas, cuobjdump ship with the wheel); run without TRITON_INTERPRET
+(under the interpreter @triton.jit functions cannot be compiled). `benchmarks/kernel_report.py`
+prints a preset's kernels; `tests/tma_compile.py` checks the descriptor loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16",
+         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+@dataclass
+class Call:
+    """One recorded launch: the kernel (a JITFunction), its grid and arguments."""
+
+    name: str
+    fn: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, name: str, fn, calls: list[Call]):
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(Call(self.name, self.fn, tuple(grid), args, kwargs))
+
+
+@contextlib.contextmanager
+def recording():
+    """Replace every jitted kernel of `kernels` and `quant_kernels` with a recorder; yields the
+    list the launches are appended to (nothing runs: outputs stay as allocated)."""
+    from triton.runtime.jit import JITFunction
+
+    from fusedmoe.backends.triton import kernels, quant_kernels
+
+    calls: list[Call] = []
+    saved = []
+    for module in (kernels, quant_kernels):
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                saved.append((module, name, fn))
+                setattr(module, name, _Recorder(name, fn, calls))
+    try:
+        yield calls
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def source(call: Call):
+    """(ASTSource, compile options) of a recorded launch, specialised as Triton's launcher would."""
+    from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kwargs = dict(call.kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    if kwargs.pop("launch_pdl", False):
+        options["launch_pdl"] = True
+    bound = inspect.signature(call.fn.fn).bind(*call.args, **kwargs)
+    bound.apply_defaults()
+    constexpr = [p.is_constexpr for p in call.fn.params]
+    signature, constants, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if constexpr[i] or value is None or (type(value) is int and value == 1):
+            signature[name] = "constexpr"
+            constants[(i,)] = value
+        elif isinstance(value, TensorDescriptor):
+            signature[name] = f"tensordesc<{TYPES[value.base.dtype]}[{', '.join(map(str, value.block_shape))}]>"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(call.fn, signature, constants, attrs), options
+
+
+def compile_call(call: Call, capability: int = 90):
+    """triton.compile of a recorded launch for GPUTarget("cuda", capability, 32)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src, options = source(call)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+# SASS opcodes worth counting in a GEMM: tensor-core MMAs, global / shared / TMA traffic, barriers,
+# byte permutes and LOP3s (the weight decodes), fp32 FMAs / multiplies (scaling).
+OPCODES = ("HGMMA", "HMMA", "IMMA", "QGMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM",
+           "BAR", "SYNCS", "WARPGROUP", "PRMT", "LOP3", "FFMA", "FMUL", "HFMA2", "F2FP", "I2F")
+
+
+def usage(compiled) -> dict:
+    """{regs, stack (bytes per thread: spills), shared (bytes, dynamic + static), instructions,
+    opcodes (counts of `OPCODES` by prefix)} from the cubin (cuobjdump)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", res))
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    counts = Counter(op.split(".")[0] for op in ops)
+    return {
+        "regs": int(fields.get("REG", 0)),
+        "stack": int(fields.get("STACK", 0)),
+        "shared": int(fields.get("SHARED", 0)) + int(compiled.metadata.shared),
+        "instructions": len(ops),
+        "opcodes": {p: sum(n for op, n in counts.items() if op.startswith(p)) for p in OPCODES},
+    }
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot compile for sm90 (no CUDA backend, no ptxas, the interpreter on),
+    or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: jitted functions run in the interpreter, not compiled"
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        @triton.jit
+        def _copy(src_ptr, dst_ptr, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+
+        src = ASTSource(_copy, {"src_ptr": "*fp32", "dst_ptr": "*fp32", "BLOCK": "constexpr"}, {(2,): 16})
+        usage(triton.compile(src, target=GPUTarget("cuda", 90, 32)))
+    except Exception as exc:  # the reason is the report: callers skip with it
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None

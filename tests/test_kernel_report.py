@@ -1,0 +1,45 @@
+"""benchmarks/kernel_report.py: the kernels a preset's call would launch, compiled for sm90 on
+the CPU (ptxas from Triton's wheel), with their registers, shared memory and SASS mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def _report(tmp_path, *args) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "src"), env.get("PYTHONPATH"))))
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), *args, "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 2 and "cannot compile for sm90 here" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
+    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "1,256", "--quant", "int4_w4a16_g32")
+    kernels = [(r["tokens"], r["path"], r["kernel"]) for r in rows]
+    assert kernels == [(1, "direct", "moe_gemm1_kernel"), (1, "direct", "moe_gemm2_direct_kernel"),
+                       (256, "aligned", "moe_gemm1_kernel"), (256, "aligned", "moe_gemm2_kernel")]
+    for r in rows:
+        assert r["QUANT"] == 5 and r["regs"] > 0 and r["shared"] > 0 and r["instructions"] > 100, r
+        assert r["opcodes"]["HMMA"] + r["opcodes"]["HGMMA"] > 0, r  # tensor-core MMAs
+        assert r["opcodes"]["PRMT"] + r["opcodes"]["LOP3"] > 0, r  # the 4-bit decode
+        assert 1 <= r["programs_per_sm"] <= 32
+    assert rows[0]["DIRECT"] is True and rows[0]["BLOCK_M"] == 16
+
+
+def test_report_of_fp8_block_at_large_m_uses_fp8_wgmma(tmp_path):
+    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "4096", "--quant", "fp8_w8a8_block")
+    assert [r["kernel"] for r in rows] == ["moe_gemm1_kernel", "moe_gemm2_kernel"]
+    assert all(r["opcodes"]["QGMMA"] > 0 and r["BLOCK_M"] == 128 for r in rows), rows

@@ -3,6 +3,7 @@ compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kern
 
     python benchmarks/kernel_report.py --presets mixtral-8x7b --tokens 1,4096 [--quant fp8_w8a8_block]
         [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3] [--json out.json]
+    python benchmarks/kernel_report.py --diff old.json new.json     # e.g. two trees' reports
 
 The plan (path, tiles) is the one the library would pick for the preset's problem on an sm90 GPU
 of 132 SMs with --device-name's packaged tuned table (default NVIDIA H200; 'none': the tile
@@ -94,6 +95,28 @@ def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2:
     return calls
 
 
+def diff(old_path: str, new_path: str) -> int:
+    """Per cell and kernel of two reports: registers, spill stack, instructions, global loads and
+    programs per SM, old -> new."""
+    with open(old_path) as f:
+        old = json.load(f)
+    with open(new_path) as f:
+        new = json.load(f)
+    cell = lambda r: (r["preset"], r["tokens"], r["path"], r["kernel"])  # noqa: E731
+    by_cell = {cell(r): r for r in new["rows"]}
+    print(f"Triton {old['triton']} -> {new['triton']} ({old['quant'] or old['dtype']})")
+    print(f"{'preset':16} {'M':>5} {'kernel':24} {'regs':>10} {'stack':>9} {'instr':>13} {'LDG':>9} {'/SM':>6}")
+    for a in old["rows"]:
+        b = by_cell.get(cell(a))
+        if b is None:
+            print(f"{a['preset']:16} {a['tokens']:>5} {a['kernel']:24} (not in {new_path})")
+            continue
+        print(f"{a['preset']:16} {a['tokens']:>5} {a['kernel']:24} {a['regs']:>4} -> {b['regs']:<3} "
+              f"{a['stack']:>3} -> {b['stack']:<3} {a['instructions']:>5} -> {b['instructions']:<5} "
+              f"{a['opcodes']['LDG']:>3} -> {b['opcodes']['LDG']:<3} {a['programs_per_sm']:>2} -> {b['programs_per_sm']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="qwen3-30b-a3b")
@@ -104,7 +127,11 @@ def main(argv=None) -> int:
                     help="plan with this GPU's packaged tuned table ('none': the heuristic alone)")
     ap.add_argument("--tiles", default=None, help="gemm1/gemm2 tiles, e.g. 128,64,128,8,3/128,64,128,8,3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), default=None,
+                    help="compare two --json reports of the same cells (e.g. two source trees) and exit")
     args = ap.parse_args(argv)
+    if args.diff:
+        return diff(*args.diff)
     reason = kernel_report.unavailable()
     if reason:
         print(f"cannot compile for sm90 here: {reason}", file=sys.stderr)

@@ -37,6 +37,13 @@ def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
         assert r["opcodes"]["PRMT"] + r["opcodes"]["LOP3"] > 0, r  # the 4-bit decode
         assert 1 <= r["programs_per_sm"] <= 32
     assert rows[0]["DIRECT"] is True and rows[0]["BLOCK_M"] == 16
+    report = tmp_path / "report.json"  # --diff of a report with itself: every cell, unchanged
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--diff", str(report),
+                           str(report)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()[2:]
+    assert all(f"{r['regs']:>4} -> {r['regs']:<3}" in line for r, line in zip(rows, lines, strict=True))
 
 
 def test_report_of_fp8_block_at_large_m_uses_fp8_wgmma(tmp_path):

@@ -432,19 +432,25 @@ def direct_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[Ti
     return t1, t2
 
 
-@memoized_tiles
-def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
-    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
-    names no tiles and no path, one memoized lookup per eager call. The path: a tuned entry's
-    that timed both (`tuning.lookup_plan`) unless FUSEDMOE_TRITON_DIRECT is 0 or force, else
-    `direct_wanted`."""
+def tuned_plan(problem: GemmProblem, scheme, device: torch.device):
+    """The tuned entry that decides this call's path (`tuning.lookup_plan`: it timed both), or
+    None: FUSEDMOE_TRITON_DIRECT 0 or force, a call the direct path cannot run, or no such entry."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import lookup_plan
 
-    if knobs.get("TRITON_DIRECT") not in (False, "force") and direct_reason(problem) is None:
-        tuned = lookup_plan(problem, device, scheme)
-        if tuned is not None:
-            return tuned.direct, tuned.gemm1, tuned.gemm2
+    if knobs.get("TRITON_DIRECT") in (False, "force") or direct_reason(problem) is not None:
+        return None
+    return lookup_plan(problem, device, scheme)
+
+
+@memoized_tiles
+def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
+    names no tiles and no path, one memoized lookup per eager call. The path: `tuned_plan`'s,
+    else `direct_wanted`."""
+    tuned = tuned_plan(problem, scheme, device)
+    if tuned is not None:
+        return tuned.direct, tuned.gemm1, tuned.gemm2
     if direct_wanted(problem, _num_sms(device)):
         return (True, *direct_tiles(problem, scheme, device))
     return (False, *_aligned_tiles(problem, scheme, device))
@@ -487,7 +493,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     {path, why, launches, gemm1, gemm2 (tile, source, tma)} for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.tuning import lookup, lookup_plan
+    from fusedmoe.backends.triton.tuning import lookup
 
     mode = knobs.get("TRITON_DIRECT")
     aligned, plan = lookup(problem, device, scheme), None
@@ -499,8 +505,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
     else:
         is_direct, t1, t2 = choose_plan(problem, scheme, device)
-        if mode not in (False, "force") and direct_reason(problem) is None:
-            plan = lookup_plan(problem, device, scheme)
+        plan = tuned_plan(problem, scheme, device)
         if plan is not None:
             why = f"tuned table: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
         elif is_direct:

@@ -16,6 +16,7 @@ import torch
 from fusedmoe import FusedMoE, ParallelConfig, fused_experts_ref
 from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.shared import SharedExperts
+from quant_problems import code_flip_stats
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def _batch(case: DistCase, gen: torch.Generator, rank: int):
 def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
               device: str = "cpu") -> dict[str, dict]:
     """Every rank: each case's {rel_err, rows_off, rerun_equal, shape, local_experts,
-    routed_owners}; rows_off counts output rows off the reference by more than 2e-5 of its max.
+    routed_owners}; rows_off: `quant_problems.code_flip_stats`'s rows off the reference.
 
     device "cuda": rank r runs on cuda:r (nccl). The reference runs in fp32 on the CPU, on the
     inputs rounded to the case's dtype.
@@ -182,7 +183,7 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
         scale = ref.abs().max().item() if ref.numel() else 0.0
         err = (out - ref).abs().max().item() if ref.numel() else 0.0
         owner = layer.placement.owner_E()[topk_ids.long()] if topk_ids.numel() else topk_ids
-        rows_off = int(((out - ref).abs().amax(1) > 2e-5 * scale).sum()) if ref.numel() else 0
+        rows_off = code_flip_stats(out, ref)[0]
         results[case.name] = after | {
             "rel_err": err / max(scale, 1e-30),
             "rows_off": rows_off,

@@ -19,8 +19,19 @@ from fusedmoe.backends.triton.tiles import TileConfig
 from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
 
+CODE_FLIP_ROWS, CODE_FLIP_TOL = 2, 1e-2
 
-def assert_close_up_to_code_flips(out, want, *, max_rows: int = 2, tol: float = 1e-2) -> None:
+
+def code_flip_stats(out, want) -> tuple[int, float]:
+    """(rows of out off want by more than 2e-5 of want's max, the largest such error / max)."""
+    assert out.shape == want.shape, (out.shape, want.shape)
+    if want.numel() == 0:
+        return 0, 0.0
+    row_err = (out.float() - want.float()).abs().amax(-1) / want.abs().max().clamp_min(1e-30)
+    return int((row_err > 2e-5).sum()), float(row_err.max())
+
+
+def assert_close_up_to_code_flips(out, want, *, max_rows: int = CODE_FLIP_ROWS, tol: float = CODE_FLIP_TOL) -> None:
     """out == want in fp32, except where a dynamically quantized activation flipped a code.
 
     Two computations of one quantized layer that batch an expert's rows differently (EP splits,
@@ -29,13 +40,8 @@ def assert_close_up_to_code_flips(out, want, *, max_rows: int = 2, tol: float = 
     max. At most `max_rows` rows may differ by more than 2e-5 of that max, none by `tol`; a wrong
     scale or weight moves most rows by O(1).
     """
-    assert out.shape == want.shape, (out.shape, want.shape)
-    if want.numel() == 0:
-        return
-    scale = want.abs().max().clamp_min(1e-30)
-    row_err = (out.float() - want.float()).abs().amax(-1) / scale
-    off = int((row_err > 2e-5).sum())
-    assert off <= max_rows and row_err.max() < tol, f"{off} rows off, max relative error {row_err.max():.2e}"
+    off, err = code_flip_stats(out, want)
+    assert off <= max_rows and err < tol, f"{off} rows off, max relative error {err:.2e}"
 
 
 def rel_err(out, ref):

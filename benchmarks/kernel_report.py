@@ -84,13 +84,12 @@ def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2:
         if scheme is None:
             triton_experts(x, w13, w2, w, ids, *common, tiles=(t1, t2), direct=direct)
         else:
-            q13, q2, params = quantize_weights(w13.float(), w2.float(), scheme)
+            static = (1.0, 1.0) if scheme.name.endswith("_static") else None  # static activation scales
+            q13, q2, params = quantize_weights(w13.float(), w2.float(), scheme, activation_amax=static)
             weights = prepare_weights(ExpertWeights(q13, q2, quant=params))
             p = weights.quant
-            a13 = torch.ones(1) if p.a13_scale is None and scheme.name.endswith("static") else p.a13_scale
-            a2 = torch.ones(1) if p.a2_scale is None and scheme.name.endswith("static") else p.a2_scale
             triton_quant_experts(x, weights.w13, weights.w2, w, ids, *common, scheme, p.w13_scale, p.w2_scale,
-                                 a13, a2, tiles=(t1, t2), w13_global_scale=p.w13_global_scale,
+                                 p.a13_scale, p.a2_scale, tiles=(t1, t2), w13_global_scale=p.w13_global_scale,
                                  w2_global_scale=p.w2_global_scale, direct=direct or None)
     return calls
 

@@ -399,6 +399,7 @@ def moe_gemm1_kernel(
     stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
     QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
+    UP_UNIFORM: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -500,10 +501,12 @@ def moe_gemm1_kernel(
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
                 wg = _w8_codes(wg, x_ptr.dtype.element_ty, PTX_DECODE)
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
+                # and so does the N tile (BLOCK_N divides 128): one weight scale per step, a
+                # scalar; the up half's too when I is a multiple of BLOCK_N (UP_UNIFORM)
                 kb = k0 // 128
                 sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
-                sg = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
-                acc_g += tl.dot(xa, wg) * (sx[:, None] * sg.to(tl.float32)[None, :])
+                sg = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
+                acc_g += tl.dot(xa, wg) * (sx * sg)[:, None]
             else:
                 acc_g = _dot(xa, wg, acc_g, IEEE)
             if GATED:
@@ -514,9 +517,14 @@ def moe_gemm1_kernel(
                 if QUANT == Q_W8:
                     wu = _w8_codes(wu, x_ptr.dtype.element_ty, PTX_DECODE)
                 if QUANT == Q_BLOCK:
-                    su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
-                                 mask=n_ok, other=0.0)
-                    acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
+                    if UP_UNIFORM:
+                        su = tl.load(ws_base + ((pid_n * BLOCK_N + inter) // 128) * stride_ws1
+                                     + kb * stride_ws2).to(tl.float32)
+                        acc_u += tl.dot(xa, wu) * (sx * su)[:, None]
+                    else:  # the N tile straddles two scale blocks of the up rows
+                        su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
+                                     mask=n_ok, other=0.0)
+                        acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
                 else:
                     acc_u = _dot(xa, wu, acc_u, IEEE)
             x_ptrs += BLOCK_K * stride_xh
@@ -711,8 +719,8 @@ def moe_gemm2_kernel(
             if QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block (BLOCK_K divides 128)
                 kb = k0 // 128
                 sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
-                sw = tl.load(ws_base + (offs_n // 128) * stride_ws1 + kb * stride_ws2, mask=n_ok, other=0.0)
-                acc += tl.dot(aa, ww) * (sa[:, None] * sw.to(tl.float32)[None, :])
+                sw = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
+                acc += tl.dot(aa, ww) * (sa * sw)[:, None]  # one scale block per N tile (as gemm1)
             else:
                 acc = _dot(aa, ww, acc, IEEE)
             if not A_DESC:

@@ -347,6 +347,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         xs_ptr=q.x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_STATIC=q.x_static,
         X_ROW_W=q.x_row_w, ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=soft, FUSE_AQ=fuse, **fused,
+        UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
     ), x=q.x_in)
     if gran == "tensor":
         q.a_static = a2_scale is not None

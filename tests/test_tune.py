@@ -126,7 +126,8 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     d1, d2 = direct_heuristic(problem, None, 132)
     faster2 = dataclasses.replace(d2, num_stages=d2.num_stages - 1)  # one step from the heuristic
     flat = lambda us: lambda tile: us  # noqa: E731
-    base = {"gemm1": flat(100.0), "gemm2": flat(100.0), "direct gemm1": flat(40.0), "direct gemm2": flat(40.0)}
+    base = {"gemm1": flat(100.0), "gemm2": flat(100.0), "direct gemm1": flat(40.0), "direct gemm2": flat(40.0),
+            "align": flat(5.0)}
 
     seen = []
     costs = dict(base, **{"direct gemm2": lambda tile: 30.0 if tile == faster2 else 40.0})
@@ -134,7 +135,11 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     assert entry["path"] == "direct" and entry["heuristic_path"] == "direct"
     assert (entry["us"], entry["heuristic_us"]) == (70.0, 80.0)
     assert entry["gemm1"] == list(d1.__dict__.values()) and entry["gemm2"] == list(faster2.__dict__.values())
+    aligned_rows = sorted({tile.block_m for kind, tile in seen if kind == "gemm1"})
+    assert sorted(tile.block_m for kind, tile in seen if kind == "align") == aligned_rows  # once each
     for kind, tile in seen:  # every timed tile passes the predicates
+        if kind == "align":
+            continue
         if kind.startswith("direct"):
             t1, t2 = (tile, d2) if kind.endswith("gemm1") else (d1, tile)
             assert check_plan(t1, t2, direct=True, dtype=torch.float32, gated=True) is None, (kind, tile)
@@ -151,9 +156,13 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     # the aligned path faster than the rule's direct one: an aligned entry
     costs = dict(base, gemm1=flat(30.0), gemm2=flat(30.0))
     [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
-    assert (entry["path"], entry["heuristic_path"], entry["us"], entry["heuristic_us"]) == ("aligned", "direct", 60.0, 80.0)
+    assert (entry["path"], entry["heuristic_path"], entry["us"], entry["heuristic_us"]) == ("aligned", "direct", 65.0, 80.0)
     # within 3% of the rule's path: nothing written
-    assert tune_shape(**shape, timer=_model_timer(dict(base, gemm1=flat(39.5), gemm2=flat(39.5)), [])) == []
+    assert tune_shape(**shape, timer=_model_timer(dict(base, gemm1=flat(37.0), gemm2=flat(37.0)), [])) == []
+    # aligned GEMMs faster than the direct ones, but not with the alignment and the top-k sum
+    # they need (the path comparison counts them): nothing written
+    assert tune_shape(**shape, timer=_model_timer(dict(base, gemm1=flat(36.0), gemm2=flat(36.0),
+                                                       align=flat(9.0)), [])) == []
     # too many slots for the direct path: only the aligned one is timed
     seen = []
     tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(base, seen))

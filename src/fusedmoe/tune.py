@@ -36,8 +36,9 @@ BLOCK_K = (32, 64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SPLITS = (1, 2, 4, 8)
-# timer(kind, tile, fn) -> us: one GEMM launch fn(i) on weight copy i, timed; kind is "gemm1",
-# "gemm2", "direct gemm1" or "direct gemm2" (the default ignores it and the tile; tests model them)
+# timer(kind, tile, fn) -> us: one launch fn(i) on weight copy i, timed; kind is "gemm1", "gemm2",
+# "direct gemm1", "direct gemm2" or "align" (the aligned path's alignment at tile.block_m and its
+# top-k sum); the default ignores kind and tile, tests model them
 Timer = Callable[[str, TileConfig, Callable[[int], None]], float]
 
 
@@ -120,6 +121,9 @@ def tune_shape(
     copies quantized by `quantize_weights` (as `fusedmoe bench --quant` runs them), descending
     over the tiles the scheme's predicate accepts. None: the unquantized GEMMs in `dtype`.
     device / timer: a CUDA device and CUDA-graph timing (`_median_us`) unless given.
+    An entry's `us` is its path's launches without routing: for the aligned path the alignment
+    and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), so the two
+    paths compare as the layer runs them.
     """
     from fusedmoe.activations import is_gated
     from fusedmoe.backends.triton.experts import (
@@ -162,8 +166,14 @@ def tune_shape(
             return (lambda tile: timer("gemm1", tile, lambda i: gemm1(i, tile)),
                     lambda tile: timer("gemm2", tile, lambda i: gemm2(i, tile)))
 
+        def align_us(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids, h1=h1) -> float:
+            # the aligned path's own launches (alignment, top-k sum), which the direct path does
+            # without: part of every aligned total, or the path comparison favours aligned
+            run = _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m)
+            return timer("align", dataclasses.replace(h1, block_m=block_m), run)
+
         heuristic_timers = timers(h1)
-        h_us = (heuristic_timers[0](h1), heuristic_timers[1](h2))
+        h_us = (heuristic_timers[0](h1), heuristic_timers[1](h2), align_us(h1.block_m))
         default = ("aligned", sum(h_us))
         found = []  # (us, path, gemm1 tile, gemm2 tile)
         for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
@@ -177,7 +187,7 @@ def tune_shape(
             time1, time2 = heuristic_timers if same else timers(s1)
             b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None)
             b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None)
-            found.append((u1 + u2, "aligned", b1, b2))
+            found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
         if (scheme is None or scheme.weight_only) and direct_reason(problem) is None \
                 and problem.num_slots <= DIRECT_MAX_SLOTS:
             if progress:
@@ -256,6 +266,21 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
 
     gemm1(0, fill, launch)
     return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], None, tile, args2[i]), launch
+
+
+def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m) -> Callable[[int], None]:
+    """fn(i) running the aligned path's launches other than its GEMMs: the alignment at block_m
+    and the top-k sum (the same for every weight copy i)."""
+    from fusedmoe.backends.triton.experts import launch_reduce, prepare_launch
+
+    out = torch.empty_like(x)
+
+    def run(i: int) -> None:
+        launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
+                                1.702, None, block_m)
+        launch_reduce(launch, out)
+
+    return run
 
 
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,

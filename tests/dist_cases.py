@@ -8,6 +8,7 @@ single-process reference `fused_experts_ref` with the full weights, plus a bitwi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -157,7 +158,8 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
         x, logits = _batch(case, gen, rank)
         x = x.to(dev, case.dtype)
         logits = logits.to(dev)
-        out = layer(x, logits)
+        with _wire_spy() as wire:
+            out = layer(x, logits)
         again = layer(x, logits)
         _, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(case.dtype).float()
                                for t in weights)
@@ -192,8 +194,31 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
             "want_shape": tuple(x.shape),
             "local_experts": layer.w13_weight.shape[0],
             "routed_owners": sorted(set(owner.flatten().tolist())),
+            "wire": sorted(set(wire)),
         }
     return results
+
+
+@contextlib.contextmanager
+def _wire_spy():
+    """Records (dtype, row width) of every tensor `distributed.send_rows` moves between ranks
+    (the token rows, or their codes and scales when they travel quantized)."""
+    import fusedmoe.distributed as fd
+
+    moved, real = [], fd.send_rows
+
+    def spy(rows_SH, key, move):
+        def recording(t):
+            moved.append((str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])))
+            return move(t)
+
+        return real(rows_SH, key, recording)
+
+    fd.send_rows = spy
+    try:
+        yield moved
+    finally:
+        fd.send_rows = real
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

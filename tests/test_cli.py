@@ -213,6 +213,16 @@ def test_bench_ep_gloo_smoke(tmp_path, capsys):
     assert [r["tokens_per_rank"] for r in rows] == [0, 5]
     assert all(r["backend"] == "cpu" and r["us"] > 0 for r in rows)
     assert rows[0]["speedup"] is None and rows[1]["us_one_device"] > 0
+    assert all(r["us_sequential"] is None for r in rows)
+
+
+def test_bench_ep_shared_expert_gloo_smoke(capsys):
+    """--shared: every row also times the shared expert in sequence (FUSEDMOE_SHARED_OVERLAP=0)."""
+    rc = main(["bench", "--ep", "2", "--device", "cpu", "--scale", "64", "--tokens", "3",
+               "--presets", "deepseek-v3", "--iters", "2", "--shared"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "seq. us" in text and "overlap" in text
 
 
 def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
@@ -240,8 +250,9 @@ def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
         (["--ep", "2", "--quant", "fp8_w8a8_block"], r"--ep benchmarks unquantized layers"),
         (["--ep", "2", "--presets", "nope"], r"nope"),
         (["--ep", "0"], r"--ep 0 must be >= 1"),
+        (["--shared"], r"--shared times shared experts .* give --ep N > 1"),
     ],
-    ids=("two_backends", "quant", "preset", "ep0"),
+    ids=("two_backends", "quant", "preset", "ep0", "shared_without_ep"),
 )
 def test_bench_ep_bad_arguments(argv, match, capsys):
     assert main(["bench", "--device", "cpu", *argv]) == 2

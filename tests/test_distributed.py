@@ -119,6 +119,25 @@ def results() -> dict[int, tuple[int, list[dict]]]:
     return out
 
 
+# Schemes whose activations may cross the wire quantized (dynamic per-row scales): (code width
+# of a row, scale groups of a row) for a case's hidden size.
+WIRE_SCHEMES = {"fp8_w8a8_channel": lambda h: 1, "fp8_w8a8_block": lambda h: -(-h // 128),
+                "int8_w8a8": lambda h: 1}
+
+
+def _check_wire(case: DistCase, wire: list, where: str) -> None:
+    """What send_rows moved: codes (uint8, H wide) and fp32 scales where the scheme quantizes
+    dispatch, else rows in the activation dtype. Replicated tokens without EP move no rows."""
+    if not wire:
+        assert case.ep == 1 or sum(case.tokens) == 0, f"{where}: no rows crossed the wire"
+        return
+    if case.quant in WIRE_SCHEMES and case.quantize_dispatch:
+        want = {("uint8", (case.hidden,)), ("float32", (WIRE_SCHEMES[case.quant](case.hidden),))}
+    else:
+        want = {(str(case.dtype).removeprefix("torch."), (case.hidden,))}
+    assert {(d, tuple(s)) for d, s in wire} == want, f"{where}: moved {wire}, want {sorted(want)}"
+
+
 @pytest.mark.parametrize("case", CASES_2 + CASES_4 + FUZZ[2] + FUZZ[4], ids=lambda c: c.name)
 def test_split_layer_equals_reference(case: DistCase, results) -> None:
     seed, by_rank = results[case.world]
@@ -136,6 +155,7 @@ def test_split_layer_equals_reference(case: DistCase, results) -> None:
         assert r["local_experts"] == (case.experts + case.redundant) // case.ep, where
         if case.routing == "skewed" and r["routed_owners"] and not case.redundant:
             assert r["routed_owners"] == [case.hot_rank], where
+        _check_wire(case, r["wire"], where)
         if case.redundant:
             assert r["rel_err_after_rebalance"] < F32_TOL, f"{where}: after rebalancing {r['rel_err_after_rebalance']:.2e}"
             assert r["physical_to_logical"] == by_rank[0][case.name]["physical_to_logical"], where
@@ -270,8 +290,14 @@ def test_nccl_split_layer_equals_reference() -> None:
         for case in GPU_CASES:
             r = per_case[case.name]
             after = r.get("rel_err_after_rebalance", 0.0)
+            print(f"rank {rank} {case.name}: rel_err {r['rel_err']:.2e} after rebalance {after:.2e} "
+                  f"rerun_equal {r['rerun_equal']} wire {r['wire']}")
             if r["shape"] != r["want_shape"] or max(r["rel_err"], after) >= BF16_TOL or not r["rerun_equal"]:
                 bad.append((case.name, rank, r))
+            try:
+                _check_wire(case, r["wire"], case.name)
+            except AssertionError as exc:
+                bad.append((case.name, rank, str(exc)))
     assert not bad, f"seed {seed}: {bad}"
 
 
@@ -333,3 +359,20 @@ def test_eight_ranks_tp_and_replica_subgroups() -> None:
             where = f"{case} rank {rank} (seed {seed})"
             assert r["shape"] == r["want_shape"] and r["rerun_equal"], where
             assert max(r["rel_err"], r.get("rel_err_after_rebalance", 0.0)) < F32_TOL, where
+
+
+def test_batched_dispatch_refuses_rows_past_its_buffers(monkeypatch) -> None:
+    """max_num_tokens fixes the batched buffers at max_num_tokens x outer ranks rows per local
+    expert: a rank handed more tokens than that gets a named error, not an out-of-bounds write.
+    The all-to-all is stubbed: what arrives is 9 rows for local expert 1."""
+    from fusedmoe.distributed import AllToAllBatchedPrepareFinalize
+
+    parallel = ParallelConfig(dp_size=2, dp_rank=0, ep_size=2, ep_rank=0)
+    pf = AllToAllBatchedPrepareFinalize.__new__(AllToAllBatchedPrepareFinalize)
+    pf.config = MoEConfig(4, 1, 8, 8, max_num_tokens=4, parallel=parallel)
+    pf.parallel = parallel
+    ids_R = torch.full((9,), 1, dtype=torch.int32)
+    monkeypatch.setattr(pf, "_send", lambda x, w, ids: (torch.randn(9, 8), ids_R, None))
+    expert_map = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"received 9 rows but the batched buffers hold max_num_tokens=4 x 2 ranks = 8"):
+        pf.dispatch(torch.randn(9, 8), torch.ones(9, 1), torch.ones(9, 1, dtype=torch.int32), expert_map, 2)

@@ -96,3 +96,26 @@ def test_partly_loaded_shared_refused() -> None:
     se.load("down_proj", torch.zeros(H, IS))
     with pytest.raises(RuntimeError, match=r"shared-expert tensors never loaded: \['gate', 'up_proj'\]"):
         se(torch.zeros(2, H))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_switch_gpu(monkeypatch) -> None:
+    """The shared MLP goes to the side stream unless FUSEDMOE_SHARED_OVERLAP=0; both give the
+    same sum."""
+    from fusedmoe import knobs, shared
+
+    se = SharedExperts(64, 32, params_dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        se.gate_up.normal_(std=0.1)
+        se.down.normal_(std=0.1)
+    x = torch.randn(5, 64, device="cuda")
+    overlapped = shared.run_overlapped(se, x, lambda: x * 2)
+    real = shared._side_stream
+    monkeypatch.setattr(shared, "_side_stream", lambda device: pytest.fail("side stream with overlap off"))
+    with knobs.override(SHARED_OVERLAP=False):
+        in_sequence = shared.run_overlapped(se, x, lambda: x * 2)
+    monkeypatch.setattr(shared, "_side_stream", real)
+    torch.cuda.synchronize()
+    for a, b in zip(overlapped, in_sequence, strict=True):
+        assert torch.equal(a, b)

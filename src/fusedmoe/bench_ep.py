@@ -3,7 +3,10 @@
     t_ep  = max over ranks of the median time of dispatch -> experts -> combine (M tokens a rank)
     t_one = median time of the unsplit layer on one device for the same N * M tokens
     speedup = t_one / t_ep   (N devices doing the work of one; N is the ideal)
-Routing is drawn once before timing (as in `fusedmoe bench`). No CUDA graphs: the dispatch
+With `shared` (`--shared`): one shared expert of the routed experts' size (DeepSeek style) is
+added to every timed call, and each row also times it in sequence after the routed experts
+(FUSEDMOE_SHARED_OVERLAP=0): us_sequential / us says what the side-stream overlap with the
+dispatch and combine buys. Routing is drawn once before timing (as in `fusedmoe bench`). No CUDA graphs: the dispatch
 exchanges split sizes through the host. One weight copy per rank: decode shapes whose local
 experts fit in L2 read less HBM than a real model step would.
 
@@ -23,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fusedmoe import knobs
 from fusedmoe.presets import Preset
 
 
@@ -37,6 +41,7 @@ class EpBenchSpec:
     iters: int = 20
     backend: str = "auto"
     baseline: bool = True  # also time the unsplit layer on rank 0's device
+    shared: bool = False  # add a shared expert (intermediate size of a routed one) to every call
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("alltoall", "alltoall_batched", "allgather"):
@@ -59,6 +64,7 @@ class EpRow:
     us: float  # slowest rank's median
     us_one_device: float | None
     speedup: float | None  # t_one / t_ep; ideal = ep
+    us_sequential: float | None = None  # with shared: the shared expert after the routed ones
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, iters: int, barrier) -> float:
@@ -120,17 +126,25 @@ def run_rank(rank: int, world: int, spec: EpBenchSpec) -> list[dict]:
         parallel = ParallelConfig.for_rank(rank, ep_size=world, dp_size=world, dispatch=spec.dispatch)
         gen = torch.Generator(device=device).manual_seed(1000 + rank)
         layer = _layer(preset, parallel, spec, device, gen, group)
+        shared = _shared(preset, spec, device, gen) if spec.shared else None
         for tokens in spec.tokens:
             x = torch.randn(tokens, preset.hidden_size, generator=gen, device=device).to(spec.dtype)
             logits = torch.randn(tokens, preset.num_experts, generator=gen, device=device)
             topk_w, topk_ids = layer.route(x, logits)
             weights = layer._expert_weights()
 
-            split = functools.partial(layer._kernel, x, weights, topk_w, topk_ids,
-                                      expert_map_E=layer.expert_map)
+            split = _with_shared(functools.partial(layer._kernel, x, weights, topk_w, topk_ids,
+                                                   expert_map_E=layer.expert_map), shared, x)
             t = torch.tensor([_median_seconds(split, device, spec.iters, barrier)], dtype=torch.float64,
                              device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            seq = None
+            if shared is not None:
+                with knobs.override(SHARED_OVERLAP=False):
+                    t_seq = torch.tensor([_median_seconds(split, device, spec.iters, barrier)],
+                                         dtype=torch.float64, device=device)
+                dist.all_reduce(t_seq, op=dist.ReduceOp.MAX, group=group)
+                seq = float(t_seq) * 1e6
             t_one = torch.zeros(1, dtype=torch.float64, device=device)
             if spec.baseline and rank == 0:
                 t_one[0] = _one_device(preset, spec, device, tokens * world)
@@ -138,9 +152,9 @@ def run_rank(rank: int, world: int, spec: EpBenchSpec) -> list[dict]:
             one = float(t_one) if spec.baseline and tokens else None
             rows.append(asdict(EpRow(
                 preset.name, world, spec.dispatch, layer.selection.name, tokens, float(t) * 1e6,
-                None if one is None else one * 1e6, None if one is None else one / float(t),
+                None if one is None else one * 1e6, None if one is None else one / float(t), seq,
             )))
-        layer = None  # free this preset's weights before the next one's
+        layer = shared = None  # free this preset's weights before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -157,7 +171,28 @@ def _one_device(preset: Preset, spec: EpBenchSpec, device: torch.device, tokens:
     if tokens == 0:
         return 0.0
     call = functools.partial(layer._kernel, x, weights, topk_w, topk_ids)
-    return _median_seconds(call, device, spec.iters, lambda: None)
+    shared = _shared(preset, spec, device, gen) if spec.shared else None
+    return _median_seconds(_with_shared(call, shared, x), device, spec.iters, lambda: None)
+
+
+def _shared(preset: Preset, spec: EpBenchSpec, device: torch.device, gen: torch.Generator):
+    """One shared expert of a routed expert's size (silu gated MLP), random N(0, 1/fan_in)."""
+    from fusedmoe.shared import SharedExperts
+
+    se = SharedExperts(preset.hidden_size, preset.intermediate_size, params_dtype=spec.dtype, device=device)
+    with torch.no_grad():
+        for p in (se.gate_up, se.down):
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[-1] ** 0.5)
+    return se
+
+
+def _with_shared(routed: Callable[[], torch.Tensor], shared, x: torch.Tensor) -> Callable[[], object]:
+    """routed(), plus the shared expert on x as the layer runs it (`shared.run_overlapped`)."""
+    if shared is None:
+        return routed
+    from fusedmoe.shared import run_overlapped
+
+    return lambda: run_overlapped(shared, x, routed)
 
 
 def _torchrun_rank() -> tuple[int, int] | None:
@@ -192,11 +227,15 @@ def run(spec: EpBenchSpec, ep: int, *, timeout_s: float = 1800.0) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
+    shared = any(r.get("us_sequential") is not None for r in rows)
     head = f"{'preset':22} {'ep':>3} {'dispatch':17} {'backend':14} {'M/rank':>6} {'us':>10} {'1-dev us':>10} {'speedup':>8}"
+    if shared:
+        head += f" {'seq. us':>10} {'overlap':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         one = "-" if r["us_one_device"] is None else f"{r['us_one_device']:.1f}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"{r['preset']:22} {r['ep']:>3} {r['dispatch']:17} {r['backend']:14} "
-                     f"{r['tokens_per_rank']:>6} {r['us']:>10.1f} {one:>10} {speed:>8}")
+                     f"{r['tokens_per_rank']:>6} {r['us']:>10.1f} {one:>10} {speed:>8}"
+                     + (f" {r['us_sequential']:>10.1f} {r['us_sequential'] / r['us']:>7.2f}x" if shared else ""))
     return "\n".join(lines)

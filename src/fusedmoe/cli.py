@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--scale", type=int, default=1,
                        help="with --ep: divide hidden/intermediate sizes by this (smoke tests)")
     bench.add_argument("--iters", type=int, default=20, help="with --ep: timed iterations per shape")
+    bench.add_argument("--shared", action="store_true",
+                       help="with --ep: add a shared expert (a routed expert's size) and also time it "
+                            "in sequence instead of overlapped with the dispatch / combine")
     tune = sub.add_parser("tune", help="search Triton tiles for a shape on this GPU, write the table")
     tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split)")
     tune.add_argument("--experts", type=int)
@@ -408,6 +411,8 @@ def cmd_bench(args) -> int:
         return cmd_bench_ep(args)
     if args.ep < 1:
         raise ValueError(f"--ep {args.ep} must be >= 1")
+    if args.shared:
+        raise ValueError("--shared times shared experts against expert-parallel communication: give --ep N > 1")
     bench.quant_bytes(args.quant)  # a scheme neither triton nor marlin runs fails before any GPU work
     quant_backend = bench.quant_backend(args.quant)
     if args.backends is None:
@@ -468,7 +473,7 @@ def cmd_bench_ep(args) -> int:
     tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (1, 16, 256, 1024)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     spec = bench_ep.EpBenchSpec(presets, tokens, args.dispatch, args.device, dtype, args.scale,
-                                args.iters, backend)
+                                args.iters, backend, shared=args.shared)
     rows = bench_ep.run(spec, args.ep)
     launched = bench_ep._torchrun_rank()
     if launched is not None and launched[0] != 0:

@@ -96,8 +96,15 @@ KNOBS: dict[str, Knob] = {
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "
              "0 = never (align, GEMMs, reduce), force = whenever top_k <= 16."),
+        Knob("SHARED_OVERLAP", _tristate, None,
+             "Shared experts on a CUDA side stream while the routed experts (dispatch, experts, "
+             "combine) run: unset/1 = on, 0 = in sequence after them (`fusedmoe bench --ep N "
+             "--shared` times both)."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
              "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
+        Knob("REQUIRE_HF", _tristate, None,
+             "Tests only: tests/test_hf.py fails instead of skipping when transformers does not "
+             "import (scripts/test.sh, hence CI, sets 1)."),
     )
 }
 

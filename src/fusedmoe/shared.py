@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusedmoe import knobs
 from fusedmoe.activations import apply_activation, is_gated
 
 _NAME = re.compile(r"(?:^|\.)(shared_experts?|shared_expert_gate)(?:\.(gate_proj|up_proj|down_proj))?\.weight$")
@@ -87,9 +88,9 @@ class SharedExperts(nn.Module):
 
 def run_overlapped(shared: SharedExperts, x_TH: torch.Tensor, routed) -> tuple[torch.Tensor, torch.Tensor]:
     """(routed(), shared(x)): on CUDA the shared MLP runs on a side stream while `routed` (dispatch,
-    experts, combine: mostly communication waits under EP) runs on the current one; elsewhere in
-    sequence."""
-    if not x_TH.is_cuda:
+    experts, combine: mostly communication waits under EP) runs on the current one; elsewhere, or
+    with FUSEDMOE_SHARED_OVERLAP=0, in sequence."""
+    if not x_TH.is_cuda or knobs.get("SHARED_OVERLAP") is False:
         return routed(), shared(x_TH)
     main = torch.cuda.current_stream(x_TH.device)
     side = _side_stream(x_TH.device)

@@ -179,6 +179,12 @@ def heuristic(
     if tma is not None and tma not in TMA_LOADS:
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
     block_m = block_m_for(num_slots, num_local_experts, dtype)
+    if quant == "block":
+        # fp8 block scales: the K loop waits on each step's wgmma to scale it, so smaller programs
+        # (two or three per SM) hide each other's waits: `fusedmoe tune --quant fp8_w8a8_block`
+        # chose 64-row blocks at 256 rows per expert (H200: Qwen3-30B M=4096 736 -> 660 us,
+        # DeepSeek-V3 M=1024 702 -> 518 with gemm2 128 wide)
+        block_m = min(block_m, 64)
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
     split = 1
@@ -215,6 +221,8 @@ def heuristic(
             # bf16-shaped tile (BLOCK_N 128, 4 warps) and Qwen3-30B in 308 us against 686 us.
             block_k, block_n = 128, 64
             num_warps = 8 if block_m >= 128 else 4
+            if quant == "block" and not gated:  # gemm2: the tuner's 64 x 128 x 128 (above)
+                block_n = 128
         if quant == "block":
             block_k, block_n = min(block_k, 128), min(block_n, 128)
     elif quant == "w4":

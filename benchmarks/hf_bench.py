@@ -1,26 +1,38 @@
 """One transformers MoE block at a real model's layer size, bf16 on a GPU: fusedmoe against
-transformers' own experts implementations.
+transformers' own experts implementations, each launched eagerly and replayed as a CUDA graph.
 
     modes   eager | batched_mm | grouped_mm      transformers' experts (router and shared in HF)
             fusedmoe                             experts_implementation="fusedmoe" (experts only)
             patch                                fusedmoe.hf.patch: router + experts + shared fused
+            MODE+graph (--graph)                 the same blocks captured once and replayed as one
+                                                 CUDA graph: batched_mm, grouped_mm (written to
+                                                 be capturable: histc, not bincount),
+                                                 fusedmoe, patch; eager only where it is
+                                                 transformers' one implementation (experts not
+                                                 dispatched: Llama-4). A mode that cannot be
+                                                 captured (a host sync) is a row with the reason.
     timing  the block's forward on x [1, T, H], 4 block copies rotated (decode reads HBM, not L2),
-            median of CUDA-event timings, every mode launched eagerly (as transformers runs it);
-            with --graph also "patch+graph": the patched blocks replayed as one CUDA graph
-            (transformers' eager experts sync the host and cannot be captured)
-    check   each mode's output against eager's: relative error (bf16 agreement at this size)
+            median of CUDA-event timings (a graph replay covers the copies; us is per block)
+    speedup like with like: eager-launched rows against transformers' eager-launched modes,
+            +graph rows against transformers' +graph rows; vs eager, vs grouped_mm, and vs the
+            fastest transformers mode of the same launch (best_hf names it; in `generate`
+            transformers itself runs grouped_mm for prefill and batched_mm for decode)
+    check   each mode's output against eager's (a +graph row: the replayed output): relative
+            error, bf16 agreement at this size
 
 Sizes are the presets' (`fusedmoe.presets`, per-GPU intermediate = intermediate / bench_tp).
 Usage (GPU):  python benchmarks/hf_bench.py [--families mixtral,qwen3_moe,deepseek_v3,gpt_oss,llama4_text]
-              [--tokens 1,16,256,4096] [--out benchmarks/results/DATE_DEVICE_COMMIT_hf]
+              [--tokens 1,16,256,4096] [--graph] [--out benchmarks/results/DATE_DEVICE_COMMIT_hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
+import math
 import statistics
 import sys
 from importlib import import_module
@@ -29,6 +41,9 @@ import torch
 
 import fusedmoe.hf as fh
 from fusedmoe.presets import get_preset
+
+GRAPH = "+graph"
+HF_MODES = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations
 
 # family -> (preset, config keywords of that preset's shape). Shared experts as the real models.
 SHAPES = {
@@ -49,6 +64,51 @@ SHAPES = {
         hidden_size=p.hidden_size, intermediate_size=i, intermediate_size_mlp=i,
         num_local_experts=p.num_experts, num_experts_per_tok=p.top_k)),
 }
+
+
+class CaptureError(RuntimeError):
+    """A CUDA graph capture failed; the message gives the first error (inside it, or at its end)."""
+
+
+def modes_for(fam: fh.Family, *, graph: bool) -> list[str]:
+    """The family's modes in table order: eager-launched ones, then (graph) the +graph ones."""
+    dispatched = fam.layout not in ("transposed", "dbrx")  # experts classes transformers dispatches
+    hf = list(HF_MODES) if dispatched else ["eager"]
+    hook = ["fusedmoe"] if fam.layout in ("fused", "up_only") else []  # read as they are
+    modes = [*hf, *hook, "patch"]
+    if graph:
+        # transformers' eager experts loop over the hit experts (`nonzero`: a host sync); tried
+        # only where it is transformers' one implementation, as its graph baseline.
+        captured = [m for m in hf if m != "eager"] if dispatched else hf
+        modes += [m + GRAPH for m in (*captured, *hook, "patch")]
+    return modes
+
+
+def run_order(modes: list[str]) -> list[str]:
+    """Execution order: every transformers and hook mode before `patch` changes the blocks."""
+    return sorted(modes, key=lambda m: m.startswith("patch"))
+
+
+def launch(mode: str) -> str:
+    return "graph" if mode.endswith(GRAPH) else "eager"
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speed-ups of one (family, tokens) group's rows, each against transformers' modes of the
+    same launch: eager rows vs eager rows, +graph rows vs +graph rows (nan where that baseline
+    did not run)."""
+    for kind in ("eager", "graph"):
+        suffix = GRAPH if kind == "graph" else ""
+        timed = {r["mode"]: r["us"] for r in rows if launch(r["mode"]) == kind and "error" not in r}
+        hf = {m: timed[m + suffix] for m in HF_MODES if m + suffix in timed}
+        best = min(hf, key=hf.get) if hf else None
+        for r in rows:
+            if launch(r["mode"]) != kind or "error" in r:
+                continue
+            r["speedup_vs_eager"] = hf.get("eager", math.nan) / r["us"]
+            r["speedup_vs_grouped_mm"] = hf.get("grouped_mm", math.nan) / r["us"]
+            r["speedup_vs_best_hf"] = hf[best] / r["us"] if best else math.nan
+            r["best_hf"] = best + suffix if best else ""
 
 
 def make_blocks(family: str, copies: int, device: torch.device, seed: int = 0):
@@ -86,28 +146,45 @@ def _events_median(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_blocks(blocks, x, *, graph: bool, iters: int = 20) -> float:
-    """Median seconds per block call, rotating over the copies; eager launches or one CUDA graph."""
+def capture(fn):
+    """(CUDA graph of fn(), fn's output in the graph's memory); raises CaptureError with the
+    first error inside the capture (a host sync, a pageable copy, an allocation failure)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream: lazy allocations, cuBLAS workspaces
+        torch.cuda.synchronize()
+        graph.capture_begin()
+        try:
+            out = fn()
+        except Exception as exc:
+            # The capture is invalid already; capture_end only ends it (and says so).
+            with contextlib.suppress(RuntimeError):
+                graph.capture_end()
+            raise CaptureError(f"capture failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            graph.capture_end()
+        except RuntimeError as exc:
+            raise CaptureError(f"capture failed at its end: {exc}") from exc
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
+def time_blocks(blocks, x, *, graph: bool, iters: int = 20) -> tuple[float, torch.Tensor]:
+    """(median seconds per block call rotating over the copies, the first block's output);
+    eager launches, or one CUDA graph of all copies (the output then from its replay)."""
     def run():
-        for block in blocks:
-            block(x)
+        return [first_output(block(x)) for block in blocks]
 
     with torch.no_grad():
-        run()  # warm-up: Triton JIT, tile lookup, transformers' lazy kernels
+        out = run()[0].float()  # warm-up: Triton JIT, tile lookup, transformers' lazy kernels
         torch.cuda.synchronize()
         if not graph:
-            return _events_median(run, iters) / len(blocks)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
+            return _events_median(run, iters) / len(blocks), out
+        g, outs = capture(run)
         g.replay()
-        torch.cuda.synchronize()
-        return _events_median(g.replay, iters) / len(blocks)
+        out = outs[0].float()  # a copy outside the graph's memory pool
+        return _events_median(g.replay, iters) / len(blocks), out
 
 
 def first_output(out):
@@ -116,43 +193,37 @@ def first_output(out):
 
 def bench_family(family: str, tokens_list, device, *, copies: int, graph: bool) -> list[dict]:
     fam, preset, inter, config, blocks = make_blocks(family, copies, device)
-    modes = ["patch", "patch+graph"] if graph else ["patch"]
-    if fam.layout not in ("transposed", "dbrx"):  # experts classes transformers dispatches
-        modes[:0] = ["eager", "batched_mm", "grouped_mm"]
-        if fam.layout in ("fused", "up_only"):  # the hook reads these layouts as they are
-            modes.insert(3, "fusedmoe")
-    else:
-        modes.insert(0, "eager")
+    modes = modes_for(fam, graph=graph)
+    dispatched = "batched_mm" in modes
     rows = []
     gen = torch.Generator(device=device).manual_seed(1)
     for tokens in tokens_list:
         x = torch.randn(1, tokens, preset.hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
-        results, ref, these = {}, None, []
-        for mode in modes:
+        ref, these = None, []
+        for mode in run_order(modes):
+            impl = mode.removesuffix(GRAPH)
             row = dict(family=fam.name, preset=preset.name, experts=preset.num_experts, top_k=preset.top_k,
-                       hidden=preset.hidden_size, intermediate=inter, tokens=tokens, mode=mode)
+                       hidden=preset.hidden_size, intermediate=inter, tokens=tokens, mode=mode,
+                       launch=launch(mode))
             try:
-                if mode.startswith("patch") and not fh.is_patched(blocks):
-                    fh.patch(blocks)
-                elif mode != "eager" or "batched_mm" in modes:
-                    config._experts_implementation = mode
-                with torch.no_grad():
-                    out = first_output(blocks[0](x)).float()
-                if ref is None:
+                if impl == "patch":
+                    if not fh.is_patched(blocks):
+                        fh.patch(blocks)
+                elif dispatched:
+                    config._experts_implementation = impl
+                t, out = time_blocks(blocks, x, graph=mode.endswith(GRAPH))
+                if mode == "eager":  # runs first: every row's reference
                     ref = out
-                t = time_blocks(blocks, x, graph=mode == "patch+graph")
-                row.update(us=t * 1e6, rel_err=((out - ref).norm() / ref.norm()).item())
-                results[mode] = t
+                err = math.nan if ref is None else ((out - ref).norm() / ref.norm()).item()
+                row.update(us=t * 1e6, rel_err=err)
             except Exception as exc:  # a mode that cannot run here is a row with its reason
-                row.update(us=float("nan"), error=f"{type(exc).__name__}: {exc}"[:200])
-            finally:
-                if mode == modes[-1] and fh.is_patched(blocks):
-                    fh.unpatch(blocks)
+                reason = " ".join(str(exc).split())  # CUDA errors span lines
+                row.update(us=math.nan, error=f"{type(exc).__name__}: {reason}"[:200])
             these.append(row)
-        for row in these:
-            if row["mode"] in results:
-                row["speedup_vs_eager"] = results.get("eager", float("nan")) / results[row["mode"]]
-                row["speedup_vs_grouped_mm"] = results.get("grouped_mm", float("nan")) / results[row["mode"]]
+        if fh.is_patched(blocks):
+            fh.unpatch(blocks)
+        these.sort(key=lambda r: modes.index(r["mode"]))
+        add_speedups(these)
         rows += these
     del blocks
     torch.cuda.empty_cache()
@@ -160,28 +231,32 @@ def bench_family(family: str, tokens_list, device, *, copies: int, graph: bool) 
 
 
 def format_rows(rows) -> str:
-    head = (f"{'family':12} {'M':>5} {'mode':11} {'us':>10} {'rel_err':>9} "
-            f"{'vs eager':>9} {'vs grouped_mm':>13}")
+    head = (f"{'family':12} {'M':>5} {'mode':16} {'us':>10} {'rel_err':>9} "
+            f"{'vs eager':>9} {'vs grouped_mm':>13} {'vs best HF':>11}  best HF")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['family']:12} {r['tokens']:>5} {r['mode']:11}  error: {r['error']}")
+            lines.append(f"{r['family']:12} {r['tokens']:>5} {r['mode']:16}  error: {r['error']}")
             continue
         lines.append(
-            f"{r['family']:12} {r['tokens']:>5} {r['mode']:11} {r['us']:>10.1f} "
-            f"{r['rel_err']:>9.2e} {r.get('speedup_vs_eager', float('nan')):>8.2f}x "
-            f"{r.get('speedup_vs_grouped_mm', float('nan')):>12.2f}x"
+            f"{r['family']:12} {r['tokens']:>5} {r['mode']:16} {r['us']:>10.1f} "
+            f"{r['rel_err']:>9.2e} {r.get('speedup_vs_eager', math.nan):>8.2f}x "
+            f"{r.get('speedup_vs_grouped_mm', math.nan):>12.2f}x "
+            f"{r.get('speedup_vs_best_hf', math.nan):>10.2f}x  {r.get('best_hf', '')}"
         )
+    lines.append("speed-ups: eager-launched rows against transformers' eager-launched modes, "
+                 "+graph rows against its +graph modes")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--families", default=",".join(SHAPES))
     parser.add_argument("--tokens", default="1,16,256,4096")
     parser.add_argument("--copies", type=int, default=4, help="block copies rotated per timing (>= 4)")
     parser.add_argument("--graph", action="store_true",
-                        help="add a patch+graph row: the patched blocks replayed as a CUDA graph")
+                        help="add the MODE+graph rows: each mode's blocks replayed as one CUDA graph "
+                             "(transformers' modes too, where they capture)")
     parser.add_argument("--out", default=None, help="write OUT.txt, OUT.csv and OUT.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -230,6 +230,11 @@ def bench_family(family: str, tokens_list, device, *, copies: int, graph: bool) 
     return rows
 
 
+def _times(x) -> str:
+    """A speed-up as "1.23x", "-" where the row has no such baseline (nan / missing)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.2f}x"
+
+
 def format_rows(rows) -> str:
     head = (f"{'family':12} {'M':>5} {'mode':16} {'us':>10} {'rel_err':>9} "
             f"{'vs eager':>9} {'vs grouped_mm':>13} {'vs best HF':>11}  best HF")
@@ -240,9 +245,9 @@ def format_rows(rows) -> str:
             continue
         lines.append(
             f"{r['family']:12} {r['tokens']:>5} {r['mode']:16} {r['us']:>10.1f} "
-            f"{r['rel_err']:>9.2e} {r.get('speedup_vs_eager', math.nan):>8.2f}x "
-            f"{r.get('speedup_vs_grouped_mm', math.nan):>12.2f}x "
-            f"{r.get('speedup_vs_best_hf', math.nan):>10.2f}x  {r.get('best_hf', '')}"
+            f"{r['rel_err']:>9.2e} {_times(r.get('speedup_vs_eager')):>9} "
+            f"{_times(r.get('speedup_vs_grouped_mm')):>13} "
+            f"{_times(r.get('speedup_vs_best_hf')):>11}  {r.get('best_hf', '')}"
         )
     lines.append("speed-ups: eager-launched rows against transformers' eager-launched modes, "
                  "+graph rows against its +graph modes")

@@ -43,39 +43,28 @@ def gemm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
     nkb = K // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MODE == 0:  # scale each step's dot
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-            kb = k0 // 128
-            sa = tl.load(sa_ptr + offs_m * nkb + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sb_ptr + (pid_n * BLOCK_N // 128) * nkb + kb)
-            acc += tl.dot(a, b) * (sa * sb)[:, None]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-    elif MODE == 1:  # lagged: dot of step k issued, then scale step k-1's
-        prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-            kb = k0 // 128
-            sa = tl.load(sa_ptr + offs_m * nkb + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sb_ptr + (pid_n * BLOCK_N // 128) * nkb + kb)
-            cur = tl.dot(a, b)
-            acc += prev * s_prev[:, None]
-            prev = cur
-            s_prev = sa * sb
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        acc += prev * s_prev[:, None]
-    else:  # MODE 2: no scales (the dense fp8 rate of this loop)
-        for _ in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
+    prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # MODE 1: the previous step's product
+    s_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)  # and its scale
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs)
+        if MODE == 2:  # no scales (the dense fp8 rate of this loop)
             acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        else:
+            kb = k0 // 128
+            sa = tl.load(sa_ptr + offs_m * nkb + kb, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptr + (pid_n * BLOCK_N // 128) * nkb + kb)
+            if MODE == 0:  # scale each step's dot
+                acc += tl.dot(a, b) * (sa * sb)[:, None]
+            else:  # lagged: step k's dot issued, then step k-1's product scaled
+                cur = tl.dot(a, b)
+                acc += prev * s_prev[:, None]
+                prev = cur
+                s_prev = sa * sb
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MODE == 1:
+        acc += prev * s_prev[:, None]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None])
 

@@ -6,9 +6,9 @@
 With `shared` (`--shared`): one shared expert of the routed experts' size (DeepSeek style) is
 added to every timed call, and each row also times it in sequence after the routed experts
 (FUSEDMOE_SHARED_OVERLAP=0): us_sequential / us says what the side-stream overlap with the
-dispatch and combine buys. Routing is drawn once before timing (as in `fusedmoe bench`). No CUDA graphs: the dispatch
-exchanges split sizes through the host. One weight copy per rank: decode shapes whose local
-experts fit in L2 read less HBM than a real model step would.
+dispatch and combine buys. Routing is drawn once before timing (as in `fusedmoe bench`). No CUDA
+graphs: the dispatch exchanges split sizes through the host. One weight copy per rank: decode
+shapes whose local experts fit in L2 read less HBM than a real model step would.
 
 GPU: `torchrun --nproc-per-node N -m fusedmoe bench --ep N ...` (nccl, one GPU per rank), or
 `fusedmoe bench --ep N` alone, which starts the N ranks itself. CPU smoke test (gloo, shrunken
@@ -94,9 +94,8 @@ def _layer(preset: Preset, parallel, spec: EpBenchSpec, device: torch.device, ge
         apply_router_weight_on_input=preset.apply_router_weight_on_input,
         parallel=parallel, backend=spec.backend, device=device, group=group, **routing,
     )
+    _fill_random((layer.w13_weight, layer.w2_weight), gen, device)
     with torch.no_grad():
-        for p in (layer.w13_weight, layer.w2_weight):
-            p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[-1] ** 0.5)
         for b in (layer.w13_bias, layer.w2_bias):
             if b is not None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, device=device))
@@ -180,10 +179,15 @@ def _shared(preset: Preset, spec: EpBenchSpec, device: torch.device, gen: torch.
     from fusedmoe.shared import SharedExperts
 
     se = SharedExperts(preset.hidden_size, preset.intermediate_size, params_dtype=spec.dtype, device=device)
-    with torch.no_grad():
-        for p in (se.gate_up, se.down):
-            p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[-1] ** 0.5)
+    _fill_random((se.gate_up, se.down), gen, device)
     return se
+
+
+def _fill_random(params, gen: torch.Generator, device: torch.device) -> None:
+    """Weights N(0, 1 / fan_in), fan_in = the last dimension."""
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[-1] ** 0.5)
 
 
 def _with_shared(routed: Callable[[], torch.Tensor], shared, x: torch.Tensor) -> Callable[[], object]:

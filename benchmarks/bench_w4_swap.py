@@ -1,0 +1,292 @@
+"""4-bit weight-only GEMM at 64 rows per expert: the weight tile as wgmma's B operand (shipped)
+or as its A operand (swap AB), on an H100/H200.
+
+    python benchmarks/bench_w4_swap.py [--fmt int4|e2m1] [--shapes mixtral-gemm1,...] [--json out.json]
+    python benchmarks/bench_w4_swap.py --ir        # sm90 TTGIR of each variant, no GPU needed
+
+Where a row block has 64 rows (Mixtral at M=256: 512 slots over 8 experts) the weight-only
+GEMMs run on wgmma, whose B operand must sit in shared memory: the shipped kernel decodes each
+4-bit weight tile in registers and stores it back to shared memory (STS) before the MMA reads it.
+wgmma's A operand may come from registers, so computing the transposed product
+acc^T [N, M] = W [N, K] . x^T [K, M] lets the decoded weights go straight into the MMA:
+    bf16      bf16 weights, the shipped orientation (the bf16 kernel's GEMM)
+    shipped   4-bit, x [M, K] . W^T (decoded tile stored to shared memory for wgmma's B)
+    swap      4-bit, W . x^T with x split into even / odd columns in registers (as shipped)
+    swapjoin  4-bit, W . x^T with the two nibbles' values interleaved back into k order, so x
+              is read as loaded (no split)
+One expert's x (64 rows, all live) against E experts' weights stacked along N, 4 rotated weight
+copies, CUDA-graph replay; each variant's output is checked against an fp32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import itertools
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe.backends.triton.kernels import _w4_ptx_decode
+
+SHAPES = {  # name: (N = experts x rows of W, K)
+    "mixtral-gemm1": (8 * 28672, 4096),
+    "mixtral-gemm2": (8 * 4096, 14336),
+    "gptoss-gemm1": (32 * 5760, 2880),
+}
+
+
+@triton.jit
+def _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(lo, hi) decoded [BLOCK_K / 2, BLOCK_N] tiles of rows offs_n (the shipped orientation)."""
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[:, None])
+    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(s_ptr + offs_n[None, :] * stride_sn + groups[:, None]).to(tl.bfloat16)
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    return _w4_ptx_decode(b, s, FMT)
+
+
+@triton.jit
+def w4_gated_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The library's GEMM1 form: gate rows n and up rows N/2 + n in one program, two accumulators,
+    out [M, N/2] = silu(gate) * up."""
+    pid_n = tl.program_id(0)
+    half = N // 2
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
+        x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+        lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
+        acc_g = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc_g))
+        lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n + half, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
+        acc_u = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc_u))
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(out_ptr + offs_m[:, None] * half + offs_n[None, :], act)
+
+
+@triton.jit
+def w4_interleaved_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Gate and up rows interleaved (row 2i gate i, row 2i + 1 up i): one accumulator of BLOCK_N
+    rows holds BLOCK_N / 2 gate / up pairs, split in the epilogue. out [M, N/2]."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
+        x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+        lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
+        acc = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc))
+    g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+    act = g / (1.0 + tl.exp(-g)) * u
+    offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(out_ptr + offs_m[:, None] * (N // 2) + offs_o[None, :], act)
+
+
+@triton.jit
+def w4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                   W4: tl.constexpr, SWAP: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
+        if not W4:
+            w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None])
+            acc = tl.dot(xa, w, acc)
+        elif SWAP == 0:
+            b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[:, None])
+            groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_ptr + offs_n[None, :] * stride_sn + groups[:, None]).to(tl.bfloat16)
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
+                           (BLOCK_K // 2, BLOCK_N))
+            lo, hi = _w4_ptx_decode(b, s, FMT)
+            x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+            acc = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc))
+        else:
+            b = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[None, :])
+            groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :]).to(tl.bfloat16)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)),
+                           (BLOCK_N, BLOCK_K // 2))
+            lo, hi = _w4_ptx_decode(b, s, FMT)
+            if SWAP == 1:
+                x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc = tl.dot(hi, tl.trans(x_odd), tl.dot(lo, tl.trans(x_even), acc))
+            else:
+                w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+                acc = tl.dot(w, tl.trans(xa), acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
+
+
+VARIANTS = {"bf16": (0, 0), "shipped": (1, 0), "swap": (1, 1), "swapjoin": (1, 2), "gated": (1, 0),
+            "interleaved": (1, 0)}
+GATED = ("gated", "interleaved")
+TILES = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((128, 256), (64, 128), ((4, 3), (4, 4), (8, 3)))]
+
+
+def _launch(x, w, s, out, *, variant, fmt, group, bn, bk, warps, stages):
+    w4, swap = VARIANTS[variant]
+    N, K = w.shape[0], x.shape[1]
+    if variant in ("gated", "interleaved"):
+        kernel = w4_gated_kernel if variant == "gated" else w4_interleaved_kernel
+        if variant == "gated":  # half the tile's rows from the gate half, half from the up half
+            bn //= 2
+        grid = (triton.cdiv(N // 2, bn) if variant == "gated" else triton.cdiv(N, bn),)
+        return kernel[grid](x, w, s, out, N, K, w.stride(0), s.stride(0), FMT=fmt, GROUP=group, BLOCK_M=x.shape[0],
+                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return w4_rows_kernel[(triton.cdiv(N, bn),)](
+        x, w, s, out, N, K, w.stride(0), s.stride(0), W4=w4, SWAP=swap, FMT=fmt, GROUP=group,
+        BLOCK_M=x.shape[0], BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def _run(x, ws, ss, ref, *, variant, fmt, group, tile) -> dict | None:
+    """One variant and tile: checked against `ref`, then timed over the rotated copies."""
+    from fusedmoe.bench import time_rotated
+
+    bn, bk, warps, stages = tile
+    cols = ws[0].shape[0] // (2 if variant in GATED else 1)
+    out = torch.full((x.shape[0], cols), float("nan"), device=x.device)
+    calls = [functools.partial(_launch, x, w, s, out, variant=variant, fmt=fmt, group=group, bn=bn, bk=bk,
+                               warps=warps, stages=stages) for w, s in zip(ws, ss, strict=True)]
+    label = f"  {variant:9s} {bn}x{bk} w{warps} s{stages}"
+    try:
+        calls[0]()
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            print(f"{label}: WRONG, rel err {err:.2e}")
+            return None
+        us = time_rotated(calls) * 1e6
+    except Exception as e:  # noqa: BLE001 - a tile that cannot compile is a row
+        print(f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}")
+        return None
+    return dict(variant=variant, tile=list(tile), us=us, rel_err=err)
+
+
+def _ir_report(fmt: int, group: int) -> None:
+    """TTGIR facts per variant for sm90, compiled on this machine (Triton's CUDA backend)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fusedmoe.backends.triton import kernel_report
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "K": "i32",
+           "stride_wn": "i32", "stride_sn": "i32"}
+    for variant, (w4, swap) in VARIANTS.items():
+        for bn, bk, warps, stages in ((128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3)):
+            kernel = {"gated": w4_gated_kernel, "interleaved": w4_interleaved_kernel}.get(variant, w4_rows_kernel)
+            consts = dict(FMT=fmt, GROUP=group, BLOCK_M=64, BLOCK_N=bn // 2 if variant == "gated" else bn,
+                          BLOCK_K=bk)
+            if variant not in GATED:
+                consts.update(W4=w4, SWAP=swap)
+            s = dict(sig, **{k: "constexpr" for k in inspect.signature(kernel.fn).parameters if k not in sig})
+            if not w4:
+                s["w_ptr"] = "*bf16"
+            src = ASTSource(kernel, s, {(list(s).index(k),): v for k, v in consts.items()},
+                            {(i,): [["tt.divisibility", 16]] for i in range(8)})
+            try:
+                c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=warps, num_stages=stages))
+            except Exception as e:  # noqa: BLE001
+                print(f"{variant:9s} {bn}x{bk} w{warps} s{stages}: {type(e).__name__}: {str(e).splitlines()[-1][:150]}")
+                continue
+            ir, u = c.asm["ttgir"], kernel_report.usage(c)
+            dots = [ln for ln in ir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
+            reg_a = sum("#ttg.dot_op" in ln.split(":")[-1].split(",")[0] for ln in dots)
+            print(f"{variant:9s} {bn}x{bk} w{warps} s{stages}: mma {'v3' if 'versionMajor = 3' in ir else 'v2'}, "
+                  f"dots {len(dots)} (A in registers {reg_a}), local_alloc {ir.count('ttg.local_alloc')}, "
+                  f"local_store {ir.count('ttg.local_store')}, regs {u['regs']}, stack {u['stack']}, "
+                  f"shared {u['shared']}, STS {u['opcodes']['STS']}, HGMMA {u['opcodes']['HGMMA']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="e2m1", choices=("int4", "e2m1"))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variants", default="bf16,shipped,swapjoin")
+    ap.add_argument("--ir", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    fmt, group = (0, 32) if args.fmt == "int4" else (1, 16)
+    if args.ir:
+        _ir_report(fmt, group)
+        return
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"fmt {args.fmt}, group {group}")
+    rows = []
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
+        x = torch.randn(64, K, device=dev, dtype=torch.bfloat16)
+        qs = [torch.randint(0, 256, (N, K // 2), device=dev, dtype=torch.uint8) for _ in range(4)]
+        if fmt == 0:
+            ss = [(torch.rand(N, K // group, device=dev) * 0.02 + 0.001).to(torch.bfloat16).float() for _ in range(4)]
+        else:
+            ss = [torch.exp2(torch.randint(-8, 2, (N, K // group), device=dev).float()) for _ in range(4)]
+        lo, hi = (qs[0] & 15).int(), (qs[0] >> 4).int()
+        codes = torch.stack((lo, hi), dim=-1).reshape(N, K)
+        if fmt == 0:
+            vals = ((codes ^ 8) - 8).float()
+        else:
+            table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=dev)
+            vals = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
+        wref = vals * ss[0].repeat_interleave(group, dim=1)
+        ref4 = x.float() @ wref.t()
+        del vals, codes, lo, hi
+        wb = [wref.bfloat16()] + [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+        ref16 = x.float() @ wb[0].float().t()
+        del wref
+        flops = 2 * 64 * N * K
+        print(f"\n{name}: N={N} K={K}, 64 rows; bf16 {N * K * 2 / 1e6:.0f} MB, 4-bit {N * K // 2 / 1e6:.0f} MB "
+              f"+ scales; {flops / 1e9:.1f} GFLOP")
+        for variant in args.variants.split(","):
+            best = None
+            for tile in TILES:
+                ref = ref4 if VARIANTS[variant][0] else ref16
+                if variant == "gated":
+                    ref = torch.nn.functional.silu(ref[:, :N // 2]) * ref[:, N // 2:]
+                elif variant == "interleaved":
+                    ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
+                row = _run(x, qs if VARIANTS[variant][0] else wb, ss, ref, variant=variant, fmt=fmt, group=group,
+                           tile=tile)
+                if row is None:
+                    continue
+                row.update(shape=name, tflops=flops / row["us"] / 1e6)
+                rows.append(row)
+                if best is None or row["us"] < best["us"]:
+                    best = row
+            if best:
+                print(f"  {variant:9s} best {best['tile']}: {best['us']:8.1f} us {best['tflops']:6.0f} TFLOP/s "
+                      f"rel err {best['rel_err']:.1e}", flush=True)
+        del qs, ss, wb
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, fmt=args.fmt, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -50,3 +50,14 @@ def test_report_of_fp8_block_at_large_m_uses_fp8_wgmma(tmp_path):
     rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "4096", "--quant", "fp8_w8a8_block")
     assert [r["kernel"] for r in rows] == ["moe_gemm1_kernel", "moe_gemm2_kernel"]
     assert all(r["opcodes"]["QGMMA"] > 0 and r["BLOCK_M"] == 64 for r in rows), rows
+
+
+def test_unquantized_kernels_do_not_spill(tmp_path):
+    """A guard for Triton upgrades (Triton is not pinned): every bf16 kernel the five presets'
+    decode and prefill calls launch compiles for sm90 without spilling registers to local memory
+    (the tuned table's tiles where this Triton has one, else the heuristic's)."""
+    rows = _report(tmp_path, "--presets", "mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-120b,llama-4-maverick",
+                   "--tokens", "1,4096")
+    assert len(rows) == 20, [(r["preset"], r["tokens"], r["kernel"]) for r in rows]
+    spills = [(r["preset"], r["tokens"], r["kernel"], r["stack"]) for r in rows if r["stack"] > 0]
+    assert not spills, f"kernels spill registers (bytes of stack per thread): {spills}"

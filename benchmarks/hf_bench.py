@@ -4,6 +4,9 @@ transformers' own experts implementations, each launched eagerly and replayed as
     modes   eager | batched_mm | grouped_mm      transformers' experts (router and shared in HF)
             fusedmoe                             experts_implementation="fusedmoe" (experts only)
             patch                                fusedmoe.hf.patch: router + experts + shared fused
+            patch-cg                             patch(cuda_graphs=True): launched eagerly, each
+                                                 block replays its own CUDA graph per input shape
+                                                 (up to 64 tokens; longer inputs run as patch)
             MODE+graph (--graph)                 the same blocks captured once and replayed as one
                                                  CUDA graph: batched_mm, grouped_mm (written to
                                                  be capturable: histc, not bincount),
@@ -75,7 +78,7 @@ def modes_for(fam: fh.Family, *, graph: bool) -> list[str]:
     dispatched = fam.layout not in ("transposed", "dbrx")  # experts classes transformers dispatches
     hf = list(HF_MODES) if dispatched else ["eager"]
     hook = ["fusedmoe"] if fam.layout in ("fused", "up_only") else []  # read as they are
-    modes = [*hf, *hook, "patch"]
+    modes = [*hf, *hook, "patch", "patch-cg"]
     if graph:
         # transformers' eager experts loop over the hit experts (`nonzero`: a host sync); tried
         # only where it is transformers' one implementation, as its graph baseline.
@@ -200,15 +203,20 @@ def bench_family(family: str, tokens_list, device, *, copies: int, graph: bool) 
     for tokens in tokens_list:
         x = torch.randn(1, tokens, preset.hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
         ref, these = None, []
+        patched_graphs = None  # how the blocks are patched now: None (not), False, True (cuda_graphs)
         for mode in run_order(modes):
             impl = mode.removesuffix(GRAPH)
             row = dict(family=fam.name, preset=preset.name, experts=preset.num_experts, top_k=preset.top_k,
                        hidden=preset.hidden_size, intermediate=inter, tokens=tokens, mode=mode,
                        launch=launch(mode))
             try:
-                if impl == "patch":
-                    if not fh.is_patched(blocks):
-                        fh.patch(blocks)
+                if impl in ("patch", "patch-cg"):
+                    if patched_graphs is not None and patched_graphs != (impl == "patch-cg"):
+                        fh.unpatch(blocks)
+                        patched_graphs = None
+                    if patched_graphs is None:
+                        fh.patch(blocks, cuda_graphs=impl == "patch-cg")
+                        patched_graphs = impl == "patch-cg"
                 elif dispatched:
                     config._experts_implementation = impl
                 t, out = time_blocks(blocks, x, graph=mode.endswith(GRAPH))

@@ -416,6 +416,23 @@ def test_patch_is_idempotent():
     assert fh.unpatch(model) == 2
 
 
+def test_cuda_graphs_argument():
+    """patch(model, cuda_graphs=...): a bool or a positive token count, checked before any block
+    changes; off the GPU the blocks run eagerly (the same outputs, no graph)."""
+    model = build("qwen3_moe")
+    for bad in (0, -4, 2.5, "yes"):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            fh.patch(model, cuda_graphs=bad)
+    assert not fh.is_patched(model)
+    ids = prompt()
+    want = run(model, ids)
+    blocks = [m for m in model.modules() if _is_block(m)]
+    fh.patch(model, cuda_graphs=8)
+    assert_same_outputs(run(model, ids), want)
+    assert blocks and all(b._fusedmoe_patch.graphs.max_tokens == 8 and not b._fusedmoe_patch.graphs.graphs
+                          for b in blocks)
+
+
 def test_table_is_consistent():
     for f in fh.FAMILIES:
         assert f.refused or (f.routing in fam_table.ROUTINGS and f.config), f.name
@@ -742,16 +759,17 @@ def test_hf_bench_modes_and_like_for_like_speedups(capsys):
     eager-launched rows with transformers' eager-launched modes and +graph rows with +graph."""
     bench = _hf_bench()
     assert bench.modes_for(fh.family("mixtral"), graph=False) == [
-        "eager", "batched_mm", "grouped_mm", "fusedmoe", "patch"]
-    assert bench.modes_for(fh.family("mixtral"), graph=True)[5:] == [
+        "eager", "batched_mm", "grouped_mm", "fusedmoe", "patch", "patch-cg"]
+    assert bench.modes_for(fh.family("mixtral"), graph=True)[6:] == [
         "batched_mm+graph", "grouped_mm+graph", "fusedmoe+graph", "patch+graph"]
     assert bench.modes_for(fh.family("gpt_oss"), graph=True) == [
-        "eager", "batched_mm", "grouped_mm", "patch", "batched_mm+graph", "grouped_mm+graph",
+        "eager", "batched_mm", "grouped_mm", "patch", "patch-cg", "batched_mm+graph", "grouped_mm+graph",
         "patch+graph"]
     assert bench.modes_for(fh.family("llama4_text"), graph=True) == [
-        "eager", "patch", "eager+graph", "patch+graph"]
+        "eager", "patch", "patch-cg", "eager+graph", "patch+graph"]
     order = bench.run_order(bench.modes_for(fh.family("qwen3_moe"), graph=True))
-    assert order[0] == "eager" and order[-2:] == ["patch", "patch+graph"]
+    assert order[0] == "eager" and order[-3:] == ["patch", "patch-cg", "patch+graph"]
+    assert bench.launch("patch-cg") == "eager"  # its speed-ups are against transformers' eager launches
 
     us = {"eager": 800.0, "batched_mm": 600.0, "grouped_mm": 500.0, "patch": 400.0,
           "batched_mm+graph": 300.0, "patch+graph": 100.0}
@@ -771,3 +789,67 @@ def test_hf_bench_modes_and_like_for_like_speedups(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--families", "mixtral"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3"])
+def test_block_cuda_graphs_gpu(model_type):
+    """patch(model, cuda_graphs=True): a block's input runs eagerly once, is captured the second
+    time and replayed after, each call on fresh values, bit for bit the eager block's output
+    (tuples too); moved weights are captured again; gradients, more tokens than the limit and
+    FUSEDMOE_VALIDATE run eagerly."""
+    from fusedmoe.hf.patch import _fused_forward_eager
+
+    model = build(model_type, scale=16, device="cuda", dtype=torch.bfloat16)
+    hidden = model.config.get_text_config().hidden_size
+    block = next(m for m in model.modules() if _is_block(m))
+    fh.patch(model, cuda_graphs=4)
+    graphs = block._fusedmoe_patch.graphs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def check(tokens: int, calls: int = 4) -> None:
+        for _ in range(calls):
+            x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            got, want = block(x), _fused_forward_eager(block, x)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                            strict=True):
+                assert torch.equal(g, w)
+
+    with torch.no_grad():
+        check(3)
+        assert len(graphs.graphs) == 1 and next(iter(graphs.graphs.values())).graph is not None
+        check(1)
+        assert len(graphs.graphs) == 2
+        experts = getattr(block, block._fusedmoe_patch.family.experts)
+        name, param = next((n, p) for n, p in experts.named_parameters() if p.dim() == 3)
+        key3 = next(k for k in graphs.graphs if k[0][1] == 3)
+        old = graphs.graphs[key3].weights
+        setattr(experts, name, torch.nn.Parameter(param.detach() * 1.5, requires_grad=False))  # new storage
+        check(3)
+        assert graphs.graphs[key3].graph is not None and graphs.graphs[key3].weights != old
+        check(5, calls=2)  # more than max_tokens: eager
+        with knobs.override(VALIDATE=True):
+            check(2, calls=2)
+    assert all(k[0][1] in (1, 3) for k in graphs.graphs)
+    x = torch.randn(1, 2, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    block(x), block(x)  # gradients enabled: eager
+    assert all(k[0][1] in (1, 3) for k in graphs.graphs)
+
+
+@pytest.mark.gpu
+def test_generate_with_block_cuda_graphs_gpu():
+    """Greedy generate of a patched model with and without block graphs: the same tokens and
+    logits (decode steps replay, the prefill of 7 tokens per sequence too)."""
+    model = build("qwen3_moe", scale=16, device="cuda", dtype=torch.bfloat16)
+    blocks = [m for m in model.modules() if _is_block(m)]
+    fh.patch(model)
+    ids = prompt().cuda()
+    want = run(model, ids)
+    fh.unpatch(model)
+    fh.patch(model, cuda_graphs=True)
+    run(model, ids)  # first sightings and captures
+    got = run(model, ids)
+    (logits, seq, steps), (ref_logits, ref_seq, ref_steps) = got, want
+    assert torch.equal(logits, ref_logits) and torch.equal(seq, ref_seq) and torch.equal(steps, ref_steps)
+    assert blocks and all(any(e.graph is not None for e in b._fusedmoe_patch.graphs.graphs.values())
+                          for b in blocks)

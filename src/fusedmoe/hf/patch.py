@@ -7,11 +7,16 @@ experts) through fusedmoe.
 
 The block keeps its submodules, parameter names and return convention (tuples for gpt-oss and
 Llama-4); state-dict hooks keep the checkpoint format for families whose tensors were converted.
+
+`patch(model, cuda_graphs=True)` also replays each block as a CUDA graph per input shape
+(`_BlockGraphs`): for models run eagerly, as transformers runs them, where one block's host
+work (routing ops, checks, kernel launches: ~0.5-1 ms) outweighs its GPU work at decode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +35,108 @@ from fusedmoe.hf.layouts import LAYOUTS, Layout
 _STATE = "_fusedmoe_patch"
 
 
+# patch(model, cuda_graphs=True): inputs of at most this many tokens are replayed as graphs
+# (decode; longer inputs amortise the host work over their GPU work, and every new length
+# would be a new capture).
+GRAPH_MAX_TOKENS = 64
+GRAPH_MAX_SHAPES = 32  # graphs kept per block; inputs of further shapes run eagerly
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph, or None: this input cannot be captured (runs eagerly)
+    x: torch.Tensor | None  # the static input the graph reads
+    out: Any  # the block's output in the graph's memory (a tensor or a tuple of them)
+    weights: tuple  # data pointers of the block's parameters and buffers when it was captured
+
+
+@dataclass
+class _BlockGraphs:
+    """One patched block's CUDA graphs, one per input (shape, strides, dtype, device).
+
+    An input runs eagerly the first time it is seen (Triton compiles, the tile plan is chosen),
+    is captured the second time and replayed from then on: copied into the static input, one
+    graph launch, outputs cloned (a later replay overwrites the graph's). Eager instead when
+    gradients are enabled, in training mode, under torch.compile or another capture, with
+    FUSEDMOE_VALIDATE (its checks read the device), while transformers collects router logits,
+    for inputs of more than `max_tokens` tokens, past GRAPH_MAX_SHAPES shapes, or off the GPU;
+    an input whose forward cannot be captured runs eagerly from then on. A graph whose weights
+    moved (new storage: `.to()`, a reload into new tensors) is captured again; weights changed
+    in place are read as they are. A block's graphs share one memory pool per device: they
+    replay one at a time on the caller's stream, and every captured output stays referenced.
+    """
+
+    max_tokens: int
+    graphs: dict = field(default_factory=dict)
+    seen: set = field(default_factory=set)
+    pools: dict = field(default_factory=dict)
+
+    def run(self, block: nn.Module, hidden_states: torch.Tensor):
+        """The block's output through its graph for this input, or None (run it eagerly)."""
+        if not self._eligible(block, hidden_states):
+            return None
+        key = (tuple(hidden_states.shape), hidden_states.stride(), hidden_states.dtype, hidden_states.device,
+               torch.is_inference_mode_enabled())  # a static input made in inference mode stays there
+        weights = tuple(t.data_ptr() for t in (*block.parameters(), *block.buffers()))
+        entry = self.graphs.get(key)
+        if entry is not None and entry.weights != weights:
+            del self.graphs[key]  # the weights moved: capture again
+            entry = None
+        if entry is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return None
+            if len(self.graphs) >= GRAPH_MAX_SHAPES:
+                return None
+            entry = self.graphs[key] = self._capture(block, hidden_states, weights)
+        if entry.graph is None:
+            return None
+        entry.x.copy_(hidden_states)
+        entry.graph.replay()
+        return _clone(entry.out)
+
+    def _eligible(self, block: nn.Module, x: torch.Tensor) -> bool:
+        from fusedmoe import knobs
+
+        if not x.is_cuda or block.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        if x.numel() // x.shape[-1] > self.max_tokens or torch.cuda.is_current_stream_capturing():
+            return False
+        return not knobs.get("VALIDATE") and not _collecting_router_logits()
+
+    def _capture(self, block: nn.Module, hidden_states: torch.Tensor, weights: tuple) -> _Graph:
+        device = hidden_states.device
+        if device not in self.pools:
+            self.pools[device] = torch.cuda.graph_pool_handle()
+        x = hidden_states.clone()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                _fused_forward_eager(block, x)  # warm-up on the capture stream
+            torch.cuda.current_stream(device).wait_stream(stream)
+            with torch.cuda.graph(graph, pool=self.pools[device], stream=stream):
+                out = _fused_forward_eager(block, x)
+        except RuntimeError:  # something in the forward cannot be captured: this input runs eagerly
+            torch.cuda.synchronize(device)
+            return _Graph(None, None, None, weights)
+        return _Graph(graph, x, out, weights)
+
+
+def _clone(out):
+    return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
+
+
+def _collecting_router_logits() -> bool:
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "router_logits" in collected
+
+
 @dataclass
 class _PatchState:
     family: Family
@@ -37,6 +144,7 @@ class _PatchState:
     layout: Layout
     math: ExpertsMath
     hooks: tuple
+    graphs: _BlockGraphs | None = None
 
 
 def block_family(module: nn.Module) -> Family | None:
@@ -48,14 +156,25 @@ def block_family(module: nn.Module) -> Family | None:
     return None
 
 
-def patch(model: nn.Module) -> list[tuple[str, str]]:
+def patch(model: nn.Module, *, cuda_graphs: bool | int = False) -> list[tuple[str, str]]:
     """Run every MoE block of `model` through fusedmoe; returns [(module name, family)] patched.
 
     Raises UnsupportedModel (naming the missing feature) before changing anything when a block
     cannot be expressed, and ValueError when the model has no MoE block fusedmoe knows.
     Already patched blocks are left as they are. Inference only: training-time jitter and
     sampling routers are refused at run time.
+
+    cuda_graphs: replay each block as a CUDA graph per input shape for inputs of at most
+    GRAPH_MAX_TOKENS tokens (an int: at most that many), under torch.no_grad / inference_mode in
+    eval mode (`_BlockGraphs`). For eagerly run models at decode; torch.compile users capture the
+    whole model instead (mode="reduce-overhead").
     """
+    if isinstance(cuda_graphs, bool):
+        max_graph_tokens = GRAPH_MAX_TOKENS if cuda_graphs else 0
+    elif isinstance(cuda_graphs, int) and cuda_graphs > 0:
+        max_graph_tokens = cuda_graphs
+    else:
+        raise ValueError(f"cuda_graphs must be a bool or a positive token count, got {cuda_graphs!r}")
     found: list[tuple[str, nn.Module, Family]] = []
     already = 0
     for name, module in model.named_modules():
@@ -76,7 +195,7 @@ def patch(model: nn.Module) -> list[tuple[str, str]]:
         )
     plans = [(name, module, fam, _plan(module, fam)) for name, module, fam in found]  # checks first
     for _name, module, fam, math in plans:
-        _patch_block(module, fam, math)
+        _patch_block(module, fam, math, _BlockGraphs(max_graph_tokens) if max_graph_tokens else None)
     return [(name, fam.name) for name, _, fam, _ in plans]
 
 
@@ -144,7 +263,7 @@ def _patched_class(cls: type) -> type:
     return _PATCHED_CLASSES[cls]
 
 
-def _patch_block(block: nn.Module, fam: Family, math: ExpertsMath) -> None:
+def _patch_block(block: nn.Module, fam: Family, math: ExpertsMath, graphs: _BlockGraphs | None) -> None:
     experts = getattr(block, fam.experts)
     layout = LAYOUTS[fam.layout]
     layout.adopt(experts)
@@ -160,10 +279,19 @@ def _patch_block(block: nn.Module, fam: Family, math: ExpertsMath) -> None:
         )
     original = type(block)
     block.__class__ = _patched_class(original)
-    setattr(block, _STATE, _PatchState(fam, original, layout, math, hooks))
+    setattr(block, _STATE, _PatchState(fam, original, layout, math, hooks, graphs))
 
 
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    graphs = getattr(self, _STATE).graphs
+    if graphs is not None and not args and not kwargs:
+        out = graphs.run(self, hidden_states)
+        if out is not None:
+            return out
+    return _fused_forward_eager(self, hidden_states, *args, **kwargs)
+
+
+def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     state: _PatchState = getattr(self, _STATE)
     fam = state.family
     if self.training:

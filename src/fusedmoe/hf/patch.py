@@ -128,12 +128,19 @@ def _clone(out):
     return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
 
 
-def _collecting_router_logits() -> bool:
+def _collector():
+    """transformers' ContextVar of the outputs being collected (output_router_logits=True, ...),
+    or None for a transformers without output capturing."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return False
-    collected = _active_collector.get()
+        return None
+    return _active_collector
+
+
+def _collecting_router_logits() -> bool:
+    collector = _collector()
+    collected = collector.get() if collector is not None else None
     return collected is not None and "router_logits" in collected
 
 
@@ -331,16 +338,15 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
 def _record_router_logits(logits_TE: torch.Tensor) -> None:
     """With output_router_logits=True transformers collects the router's logits through a hook
     on the router module, which a patched block does not call: hand it ours (the same values)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output capturing: nothing collects
+    collector = _collector()
+    if collector is None:  # a transformers without output capturing: nothing collects
         return
-    if torch.compiler.is_compiling() and not getattr(_active_collector, "compiling", False):
+    if torch.compiler.is_compiling() and not getattr(collector, "compiling", False):
         # Traced without transformers' collector set inside the compiled region (e.g. a block
         # compiled on its own): its ContextVar.get does not trace on torch 2.11's Dynamo, and
         # nothing in this region collects.
         return
-    collected = _active_collector.get()
+    collected = collector.get()
     if collected is not None and "router_logits" in collected:
         collected["router_logits"].append(logits_TE)
 

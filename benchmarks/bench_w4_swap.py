@@ -42,7 +42,7 @@ SHAPES = {  # name: (N = experts x rows of W, K)
 @triton.jit
 def _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(lo, hi) decoded [BLOCK_K / 2, BLOCK_N] tiles of rows offs_n (the shipped orientation)."""
+    """(lo, hi) decoded [BLOCK_K / 2, BLOCK_N] tiles of rows offs_n (the shipped orientation: B)."""
     offs_j = tl.arange(0, BLOCK_K // 2)
     b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[:, None])
     groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -52,48 +52,52 @@ def _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT: tl.constexp
 
 
 @triton.jit
-def w4_gated_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The library's GEMM1 form: gate rows n and up rows N/2 + n in one program, two accumulators,
-    out [M, N/2] = silu(gate) * up."""
+def _w4_tile_nj(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(lo, hi) decoded [BLOCK_N, BLOCK_K / 2] tiles of rows offs_n (swapped: wgmma's A operand)."""
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[None, :])
+    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :]).to(tl.bfloat16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
+    return _w4_ptx_decode(b, s, FMT)
+
+
+@triton.jit
+def _x_step(x_ptr, offs_m, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's rows at K step k0 as loaded, and their even / odd columns (split in registers)."""
+    xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :])
+    x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+    return xa, x_even, x_odd
+
+
+@triton.jit
+def w4_gated_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, INTERLEAVED: tl.constexpr,
+                    FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """out [M, N/2] = silu(gate) * up, the library's GEMM1 form. Not INTERLEAVED: gate rows n and up
+    rows N/2 + n in one program, two accumulators; INTERLEAVED: row 2i is gate i and 2i + 1 up i,
+    one accumulator of BLOCK_N rows, its BLOCK_N / 2 gate / up pairs split in the epilogue."""
     pid_n = tl.program_id(0)
     half = N // 2
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
-        x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+        _, x_even, x_odd = _x_step(x_ptr, offs_m, k0, K, BLOCK_M, BLOCK_K)
         lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
         acc_g = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc_g))
-        lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n + half, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
-        acc_u = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc_u))
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(out_ptr + offs_m[:, None] * half + offs_n[None, :], act)
-
-
-@triton.jit
-def w4_interleaved_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FMT: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """Gate and up rows interleaved (row 2i gate i, row 2i + 1 up i): one accumulator of BLOCK_N
-    rows holds BLOCK_N / 2 gate / up pairs, split in the epilogue. out [M, N/2]."""
-    pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
-        x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
-        lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
-        acc = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc))
-    g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-    act = g / (1.0 + tl.exp(-g)) * u
-    offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(out_ptr + offs_m[:, None] * (N // 2) + offs_o[None, :], act)
+        if not INTERLEAVED:
+            lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n + half, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N,
+                                 BLOCK_K)
+            acc_u = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc_u))
+    if INTERLEAVED:
+        g, u = tl.split(tl.reshape(acc_g, (BLOCK_M, BLOCK_N // 2, 2)))
+        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        g, u, offs_o = acc_g, acc_u, offs_n
+    tl.store(out_ptr + offs_m[:, None] * half + offs_o[None, :], g / (1.0 + tl.exp(-g)) * u)
 
 
 @triton.jit
@@ -104,38 +108,24 @@ def w4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, BLOCK_K // 2)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xa = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
+        xa, x_even, x_odd = _x_step(x_ptr, offs_m, k0, K, BLOCK_M, BLOCK_K)
         if not W4:
             w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None])
             acc = tl.dot(xa, w, acc)
         elif SWAP == 0:
-            b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[:, None])
-            groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s = tl.load(s_ptr + offs_n[None, :] * stride_sn + groups[:, None]).to(tl.bfloat16)
-            s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
-                           (BLOCK_K // 2, BLOCK_N))
-            lo, hi = _w4_ptx_decode(b, s, FMT)
-            x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
+            lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc))
         else:
-            b = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 2 + offs_j)[None, :])
-            groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :]).to(tl.bfloat16)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)),
-                           (BLOCK_N, BLOCK_K // 2))
-            lo, hi = _w4_ptx_decode(b, s, FMT)
+            lo, hi = _w4_tile_nj(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
             if SWAP == 1:
-                x_even, x_odd = tl.split(tl.reshape(xa, (BLOCK_M, BLOCK_K // 2, 2)))
                 acc = tl.dot(hi, tl.trans(x_odd), tl.dot(lo, tl.trans(x_even), acc))
             else:
-                w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-                acc = tl.dot(w, tl.trans(xa), acc)
+                acc = tl.dot(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)), tl.trans(xa), acc)
     if SWAP:
         acc = tl.trans(acc)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
@@ -150,13 +140,14 @@ TILES = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((128, 256), (64,
 def _launch(x, w, s, out, *, variant, fmt, group, bn, bk, warps, stages):
     w4, swap = VARIANTS[variant]
     N, K = w.shape[0], x.shape[1]
-    if variant in ("gated", "interleaved"):
-        kernel = w4_gated_kernel if variant == "gated" else w4_interleaved_kernel
-        if variant == "gated":  # half the tile's rows from the gate half, half from the up half
+    if variant in GATED:
+        interleaved = variant == "interleaved"
+        if not interleaved:  # half the tile's rows from the gate half, half from the up half
             bn //= 2
-        grid = (triton.cdiv(N // 2, bn) if variant == "gated" else triton.cdiv(N, bn),)
-        return kernel[grid](x, w, s, out, N, K, w.stride(0), s.stride(0), FMT=fmt, GROUP=group, BLOCK_M=x.shape[0],
-                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        grid = (triton.cdiv(N if interleaved else N // 2, bn),)
+        return w4_gated_kernel[grid](x, w, s, out, N, K, w.stride(0), s.stride(0), INTERLEAVED=interleaved, FMT=fmt,
+                                     GROUP=group, BLOCK_M=x.shape[0], BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                     num_stages=stages)
     return w4_rows_kernel[(triton.cdiv(N, bn),)](
         x, w, s, out, N, K, w.stride(0), s.stride(0), W4=w4, SWAP=swap, FMT=fmt, GROUP=group,
         BLOCK_M=x.shape[0], BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
@@ -196,10 +187,12 @@ def _ir_report(fmt: int, group: int) -> None:
            "stride_wn": "i32", "stride_sn": "i32"}
     for variant, (w4, swap) in VARIANTS.items():
         for bn, bk, warps, stages in ((128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3)):
-            kernel = {"gated": w4_gated_kernel, "interleaved": w4_interleaved_kernel}.get(variant, w4_rows_kernel)
+            kernel = w4_gated_kernel if variant in GATED else w4_rows_kernel
             consts = dict(FMT=fmt, GROUP=group, BLOCK_M=64, BLOCK_N=bn // 2 if variant == "gated" else bn,
                           BLOCK_K=bk)
-            if variant not in GATED:
+            if variant in GATED:
+                consts.update(INTERLEAVED=variant == "interleaved")
+            else:
                 consts.update(W4=w4, SWAP=swap)
             s = dict(sig, **{k: "constexpr" for k in inspect.signature(kernel.fn).parameters if k not in sig})
             if not w4:
@@ -214,7 +207,7 @@ def _ir_report(fmt: int, group: int) -> None:
                 continue
             ir, u = c.asm["ttgir"], kernel_report.usage(c)
             dots = [ln for ln in ir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
-            reg_a = sum("#ttg.dot_op" in ln.split(":")[-1].split(",")[0] for ln in dots)
+            reg_a = sum("dot_op" in ln.split(" : ")[-1].split(" * ")[0] for ln in dots)  # A's type: registers
             print(f"{variant:9s} {bn}x{bk} w{warps} s{stages}: mma {'v3' if 'versionMajor = 3' in ir else 'v2'}, "
                   f"dots {len(dots)} (A in registers {reg_a}), local_alloc {ir.count('ttg.local_alloc')}, "
                   f"local_store {ir.count('ttg.local_store')}, regs {u['regs']}, stack {u['stack']}, "

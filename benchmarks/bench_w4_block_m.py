@@ -22,13 +22,14 @@ import json
 
 import torch
 
+from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import GemmProblem, triton_experts
 from fusedmoe.backends.triton.tiles import TileConfig
 from fusedmoe.backends.triton.weight_only import (
     choose_weight_only_tiles,
     triton_weight_only_experts,
 )
-from fusedmoe.bench import _quantized_copy, time_rotated
+from fusedmoe.bench import _quantized_copy, random_expert_weights, time_rotated
 from fusedmoe.presets import get_preset
 from fusedmoe.quant.scheme import get_scheme
 from fusedmoe.routing import select_experts
@@ -55,10 +56,10 @@ def main() -> None:
         name, tokens = cell.split(":")
         p, tokens = get_preset(name), int(tokens)
         inter = p.intermediate_size // p.bench_tp
-        h, gated = p.hidden_size, p.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
+        h, gated = p.hidden_size, is_gated(p.activation)
         g = torch.Generator(device=dev).manual_seed(0)
-        floats = [((torch.randn(p.num_experts, (2 if gated else 1) * inter, h, device=dev, generator=g) / h**0.5),
-                   (torch.randn(p.num_experts, h, inter, device=dev, generator=g) / inter**0.5)) for _ in range(4)]
+        floats = [random_expert_weights(p.num_experts, h, inter, p.activation, device=dev, dtype=torch.float32,
+                                        generator=g)[:2] for _ in range(4)]
         x = torch.randn(tokens, h, device=dev, generator=g).bfloat16()
         topk_w, ids = select_experts(x, torch.randn(tokens, p.num_experts, device=dev, generator=g), p.top_k,
                                      renormalize=not p.apply_router_weight_on_input)
@@ -86,7 +87,7 @@ def main() -> None:
             ref = calls(None)[0]().float()
             candidates = [("library", None)] + [("bm128", (t1, t2)) for t1 in GEMM1 for t2 in GEMM2[:1]]
             candidates += [("bm128", (GEMM1[0], t2)) for t2 in GEMM2[1:]]
-            best = None
+            best, lib = None, None
             for label, tiles in candidates:
                 try:
                     out = calls(tiles)[0]().float()
@@ -107,7 +108,7 @@ def main() -> None:
                 print(f"  {scheme_name:16s} {label:8s} g1 {t1.block_m}x{t1.block_n}x{t1.block_k} w{t1.num_warps} "
                       f"s{t1.num_stages}  g2 {t2.block_m}x{t2.block_n}x{t2.block_k} w{t2.num_warps} s{t2.num_stages}"
                       f"  {us:8.1f} us  ({us / bf16_us:.2f}x bf16)  err {err:.1e}", flush=True)
-            if best is not None:
+            if best is not None and lib is not None:  # the library's plan ran, and a 128-row pair
                 print(f"  {scheme_name}: library {lib:.1f} us, best 128-row {best['us']:.1f} us "
                       f"({best['us'] / lib - 1:+.1%}), bf16 {bf16_us:.1f}")
             del copies

@@ -15,6 +15,7 @@ work (routing ops, checks, kernel launches: ~0.5-1 ms) outweighs its GPU work at
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,7 @@ def _clone(out):
     return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
 
 
+@functools.cache
 def _collector():
     """transformers' ContextVar of the outputs being collected (output_router_logits=True, ...),
     or None for a transformers without output capturing."""

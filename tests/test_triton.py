@@ -872,6 +872,30 @@ def test_batched_kernels_match_reference(dtype, act):
         assert (y[e, n:] == 0).all()
 
 
+def test_batched_launch_packs_live_blocks():
+    """Only blocks holding counted rows are work (packed first, expert order); the rest lie past
+    num_rows, so their programs exit before loading weights. Counts past max_tokens are clamped."""
+    from fusedmoe.backends.triton.experts import prepare_batched_launch
+
+    L, M, H, bm = 4, 40, 8, 16  # 3 blocks of 16 per expert (48 padded rows)
+    x = torch.randn(L, M, H)
+    counts = torch.tensor([17, 0, 99, 1], dtype=torch.int32)  # 2, 0, 3 (clamped to 40), 1 live blocks
+    launch = prepare_batched_launch(x, counts, 6, x.dtype, "silu", 1.702, None, bm)
+    assert int(launch.num_rows) == 6 * bm
+    assert launch.block_expert[:6].tolist() == [0, 0, 2, 2, 2, 3]
+    slots = launch.sorted_slot.view(-1, bm)
+    sentinel = L * 48
+    assert slots[0].tolist() == list(range(16))
+    assert slots[1].tolist() == [16] + [sentinel] * 15
+    assert slots[2:5].flatten().tolist() == list(range(96, 136)) + [sentinel] * 8
+    assert slots[5].tolist() == [144] + [sentinel] * 15
+    assert (slots[6:] == sentinel).all()
+    want_ok = torch.zeros(L, 48, dtype=torch.int8)
+    for e, n in enumerate((17, 0, 40, 1)):
+        want_ok[e, :n] = 1
+    assert torch.equal(launch.slot_ok, want_ok.flatten())
+
+
 def test_batched_end_to_end_through_modular():
     """dispatch -> batched kernels -> combine equals the contiguous result (expert_map included)."""
     from fusedmoe.backends.triton.experts import BatchedTritonExperts

@@ -1077,8 +1077,13 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
                            block_m) -> Launch:
     """The batched buffers as aligned rows: a Launch with top_k = 1 and no routed weight.
 
-    Each expert's max_tokens rows are padded to P = whole BLOCK_M blocks (R = L * P rows); row r
-    is "slot" r when r % P < num_tokens[r // P], else padding (slot R), so the kernels skip it.
+    Each expert's max_tokens rows are padded to P = whole BLOCK_M blocks (buffer row e*P + j is
+    "slot" e*P + j). Only the blocks holding some of expert e's num_tokens[e] rows are launched
+    work: they are packed first (expert order), so `num_rows` ends at the last of them and every
+    program past it exits before loading a weight; within a block, rows past the count are
+    padding (slot L*P), skipped. A dispatch buffer sized for the worst case (EP: max_tokens much
+    larger than the typical count) streams each expert's weights once per live block, not once
+    per buffer block. All on the device: no host sync, graph-capturable.
     """
     num_local, max_tokens, hidden = x_LMH.shape
     padded = triton_cdiv(max_tokens, block_m) * block_m
@@ -1089,17 +1094,24 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     else:
         x_pad = x_LMH.contiguous()
     rows = num_local * padded
-    r = torch.arange(rows, device=device)
-    valid = (r % padded) < num_tokens_L.to(device).long().clamp(max=max_tokens).repeat_interleave(padded)
-    sorted_slot = torch.where(valid, r, rows).to(torch.int32)
-    block_expert = (torch.arange(rows // block_m, device=device) * block_m // padded).to(torch.int32)
-    num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
+    counts = num_tokens_L.to(device=device, dtype=torch.int64).clamp(min=0, max=max_tokens)
+    live_blocks = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(live_blocks, 0)
+    blocks = torch.arange(rows // block_m, device=device)
+    block_expert = torch.searchsorted(ends, blocks, right=True).clamp(max=num_local - 1)
+    first = (ends - live_blocks)[block_expert]
+    j = (blocks - first)[:, None] * block_m + torch.arange(block_m, device=device)  # row within the expert
+    slot = block_expert[:, None] * padded + j
+    valid = (blocks[:, None] < ends[-1]) & (j < counts[block_expert][:, None])
+    sorted_slot = torch.where(valid, slot, rows).flatten().to(torch.int32)
+    num_rows = (ends[-1:] * block_m).to(torch.int32)
+    slot_ok = (torch.arange(padded, device=device) < counts[:, None]).flatten().to(torch.int8)
     # Zeros: gemm2 writes valid rows only, so padding rows stay 0 without a masking pass over y
     # (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
     y_pad = torch.zeros(rows, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
-        x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert, num_rows,
-        valid.to(torch.int8), torch.empty(rows, inter, dtype=a_dtype, device=device), y_pad,
+        x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert.to(torch.int32), num_rows,
+        slot_ok, torch.empty(rows, inter, dtype=a_dtype, device=device), y_pad,
         1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
     return launch

@@ -162,6 +162,9 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
+# The batched layout's local dispatch allocates [E, M, H] buffers per call (max_tokens = M).
+BATCHED_BUFFER_LIMIT = 4 << 30
+
 # Backends that run the quantized copies under --quant (the others time the bf16 baseline).
 QUANT_BACKENDS = ("triton", "marlin")
 
@@ -285,6 +288,7 @@ def bench_preset(
     other backends keep bf16 weights: the baseline).
     """
     from fusedmoe.api import fused_experts
+    from fusedmoe.backends import REGISTRY
     from fusedmoe.routing import select_experts
 
     device = torch.device("cuda")
@@ -316,6 +320,15 @@ def bench_preset(
                 progress(f"{preset.name} M={tokens} {backend}")
             kw = dict(activation=preset.activation, backend=backend,
                       apply_router_weight_on_input=preset.apply_router_weight_on_input)
+            if REGISTRY[backend].layout == "batched":  # local dispatch into [E, M, H] buffers, then combine
+                kw["activation_format"] = "batched"
+                buffers = preset.num_experts * tokens * h * torch.finfo(dtype).bits // 8
+                if buffers > BATCHED_BUFFER_LIMIT:
+                    out.append(Row(preset.name, backend, tokens, touched, float("nan"), float("nan"),
+                                   float("nan"), float("nan"), bound,
+                                   error=f"batched buffers [{preset.num_experts}, {tokens}, {h}] of "
+                                         f"{buffers / 2**30:.1f} GiB > {BATCHED_BUFFER_LIMIT / 2**30:.0f}: not run"))
+                    continue
             # (w13, w2, b13, b2, QuantParams or None) per rotated copy
             copies_here = quantized if quant is not None and backend in QUANT_BACKENDS else [(*w, None) for w in weights]
             calls = [

@@ -534,8 +534,13 @@ def source_digest() -> str:
 def _bench_backends(spec: str) -> list[str]:
     from fusedmoe.backends import REGISTRY
 
-    if spec == "all":
-        return [n for n in ("triton", "grouped_mm", "torch") if n in REGISTRY]
+    if spec == "all":  # every backend this machine can run (an unsupported preset is a row with its reason)
+        from fusedmoe.platform import Platform
+
+        platform = Platform.current()
+        return [name for name, b in REGISTRY.items()
+                if platform.kind in b.kinds and all(platform.has(p) for p in b.packages)
+                and (platform.has_triton or not b.needs_triton) and name not in ("cpu", "emulation")]
     names = [b.strip() for b in spec.split(",") if b.strip()]
     unknown = [b for b in names if b not in REGISTRY]
     if unknown:
@@ -589,7 +594,7 @@ def _plot(path: str, rows, meta: dict) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(preset)
         ax.set_xlabel("tokens")
-        ax.set_ylim(0, 100)
+        ax.set_ylim(0, max([100.0] + [r.roof_pct for r in rows if not r.error]) * 1.05)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("% of roofline")
     axes[0][0].legend()

@@ -101,7 +101,9 @@ KNOBS: dict[str, Knob] = {
              "combine) run: unset/1 = on, 0 = in sequence after them (`fusedmoe bench --ep N "
              "--shared` times both)."),
         Knob("MXFP4_ACTIVATION", _choice("bf16", "mxfp8"), None,
-             "Preferred activation format for MXFP4 weights (bf16 keeps weight-only)."),
+             "MXFP4 rows allowed: only those computing with these activations (bf16: weight-only "
+             "execution or mxfp4_w4a16; mxfp8: mxfp4_w4a8 with MXFP8 activations, e.g. FlashInfer on "
+             "SM100); no row left is a NoBackendError."),
         Knob("REQUIRE_HF", _tristate, None,
              "Tests only: tests/test_hf.py fails instead of skipping when transformers does not "
              "import (scripts/test.sh, hence CI, sets 1)."),

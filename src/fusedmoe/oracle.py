@@ -161,27 +161,28 @@ class _Decision:
 def knob_state() -> tuple:
     """The FUSEDMOE_* values selection depends on (part of every cache key)."""
     names = ("BACKEND", "USE_FLASHINFER", "FLASHINFER_MODE", "USE_DEEP_GEMM", "USE_AITER",
-             "ALLOW_CUTLASS", "BATCH_INVARIANT")
+             "ALLOW_CUTLASS", "BATCH_INVARIANT", "MXFP4_ACTIVATION")
     return tuple(knobs.get(n) for n in names)
 
 
 @functools.lru_cache(maxsize=1024)
 def _decide_cached(config: MoEConfig, platform: Platform, knobs_now: tuple, gen: int) -> _Decision:
     del gen  # part of the cache key only: registrations invalidate earlier decisions
-    request, use_fi, fi_mode, use_dg, use_aiter, allow_cutlass, batch_invariant = knobs_now
+    request, use_fi, fi_mode, use_dg, use_aiter, allow_cutlass, batch_invariant, mxfp4_act = knobs_now
     if batch_invariant:
         config = config.replace(batch_invariant=True)
     if allow_cutlass is not None:
         config = config.replace(allow_cutlass=allow_cutlass)
     checks = _checks(config, platform)
     try:
-        chosen, via = _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aiter)
+        chosen, via = _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aiter, mxfp4_act)
     except (BackendRequestError, NoBackendError) as exc:
         return _Decision(None, None, _verdicts(config, platform, checks), exc)
     return _Decision(chosen, via, _verdicts(config, platform, checks, chosen=chosen))
 
 
-def _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aiter) -> tuple[str, str]:
+def _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aiter,
+            mxfp4_act=None) -> tuple[str, str]:
     """(chosen name, via) or raise. Writes knob exclusions into `checks` for the verdicts."""
     order = _auto_order(config, platform)
 
@@ -204,6 +205,12 @@ def _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aite
         return name, via
 
     # 3. include / exclude / require knobs (LoRA narrows the choice before any knob) ---------
+    if mxfp4_act is not None and config.family == "mxfp4":  # a filter every later knob obeys
+        for name in order:
+            runs = row_activation(REGISTRY[name], config)
+            if runs != mxfp4_act:
+                checks[name] = checks[name] or (f"runs {config.quant.name} with {runs} activations, "
+                                                f"FUSEDMOE_MXFP4_ACTIVATION={mxfp4_act}")
     excluded: dict[str, str] = {}
     if not config.lora:
         forced = _apply_group_knobs(
@@ -378,6 +385,15 @@ def _split(config: MoEConfig) -> str:
         return ""
     how = f"{p.dispatch} dispatch, " if p.use_ep else ""
     return f", {' '.join(sizes)} ({how}{config.activation_format} layout)"
+
+
+def row_activation(backend: Backend, config: MoEConfig) -> str:
+    """The activation format a row computes `config`'s scheme with: the scheme's (e.g. mxfp8 for
+    mxfp4_w4a8), or "bf16" for 16-bit activations (weight-only schemes, weight-only execution)."""
+    scheme = config.quant
+    if scheme is None or scheme.activation is None or backend.weight_only_execution:
+        return "bf16"
+    return scheme.activation.dtype
 
 
 def execution_note(backend: Backend, config: MoEConfig) -> str | None:

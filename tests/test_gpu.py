@@ -43,20 +43,23 @@ SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "llama
 
 
 @pytest.mark.parametrize("name", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 16, 300])
-def test_presets_bf16(name, tokens):
+@pytest.mark.parametrize("dtype,tokens", [(torch.bfloat16, 1), (torch.bfloat16, 16), (torch.bfloat16, 300),
+                                          (torch.float16, 1), (torch.float16, 300),
+                                          (torch.float32, 1), (torch.float32, 300)])
+def test_presets(name, dtype, tokens):
     p = PRESETS[name]
     inter = p.intermediate_size // p.bench_tp
-    x, w13, w2, b13, b2, w, ids = make(tokens, p.num_experts, p.top_k, p.hidden_size, inter, torch.bfloat16,
+    x, w13, w2, b13, b2, w, ids = make(tokens, p.num_experts, p.top_k, p.hidden_size, inter, dtype,
                                        act=p.activation, bias=p.has_bias, on_input=p.apply_router_weight_on_input)
     kw = dict(activation=p.activation, apply_router_weight_on_input=p.apply_router_weight_on_input)
     poison_allocator()
     out = fused_experts(x, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
-    assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, **kw)) < TOL[torch.bfloat16]
+    assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, **kw)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ["silu", "gelu", "swigluoai", "relu2_no_mul", "silu_no_mul"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai", "relu2_no_mul", "silu_no_mul",
+                                 "gelu_no_mul"])
 def test_dtypes_and_activations(dtype, act):
     x, w13, w2, b13, b2, w, ids = make(77, 12, 3, 256, 192, dtype, act=act, bias=True, seed=1)
     poison_allocator()
@@ -64,14 +67,15 @@ def test_dtypes_and_activations(dtype, act):
     assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids, activation=act)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("T,E,K,H,I", [(0, 8, 2, 128, 64), (1, 8, 2, 128, 64), (5, 7, 3, 65, 37),
                                        (33, 6, 6, 4096, 128), (9, 257, 8, 256, 96)])
-def test_edge_shapes(T, E, K, H, I):
-    x, w13, w2, b13, b2, w, ids = make(T, E, K, H, I, torch.bfloat16, seed=2)
+def test_edge_shapes(T, E, K, H, I, dtype):
+    x, w13, w2, b13, b2, w, ids = make(T, E, K, H, I, dtype, seed=2)
     out = fused_experts(x, w13, w2, w, ids, backend="triton")
     assert out.shape == (T, H)
     if T:
-        assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids)) < TOL[torch.bfloat16]
+        assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids)) < TOL[dtype]
 
 
 def test_all_tokens_one_expert_and_empty_experts():
@@ -181,6 +185,29 @@ def test_batched_layout(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+def test_batched_sparse_counts():
+    """Buffers far larger than the counts (EP dispatch sized for the worst case): only the live
+    row blocks run; an empty expert, a full one, and rows past each count stay zero."""
+    from fusedmoe.backends.triton.experts import triton_batched_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    L, M, H, I = 16, 512, 256, 192
+    x = torch.randn(L, M, H, device="cuda", generator=gen).to(torch.bfloat16)
+    counts = torch.randint(0, 40, (L,), device="cuda", generator=gen, dtype=torch.int32)
+    counts[3], counts[7] = 0, M
+    w13 = (torch.randn(L, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(L, H, I, device="cuda", generator=gen) / I**0.5).to(torch.bfloat16)
+    poison_allocator()
+    y = triton_batched_experts(x, counts, w13, w2, None, None, "silu", 1.702, None)
+    for e in range(L):
+        n = int(counts[e])
+        if n:
+            h = x[e, :n].float() @ w13[e].float().T
+            want = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2[e].float().T
+            assert rel_err(y[e, :n], want) < TOL[torch.bfloat16]
+        assert (y[e, n:] == 0).all()
 
 
 def test_in_place():

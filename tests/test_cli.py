@@ -257,3 +257,20 @@ def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
 def test_bench_ep_bad_arguments(argv, match, capsys):
     assert main(["bench", "--device", "cpu", *argv]) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_bench_backends_all_is_what_runs_here_for_the_scheme(monkeypatch):
+    """`--backends all`: the backends this machine runs for the scheme or the bf16 baseline;
+    batched rows included (bench times them in their layout), nothing for another platform."""
+    from fusedmoe.cli import _bench_backends
+    from fusedmoe.platform import Platform
+
+    h100 = Platform("cuda", (9, 0), device_name="NVIDIA H100", has_triton=True)
+    monkeypatch.setattr(Platform, "current", staticmethod(lambda: h100))
+    assert _bench_backends("all") == ["torch", "batched_torch", "triton", "batched_triton", "grouped_mm"]
+    assert "marlin" in _bench_backends("all", "nvfp4") and "batched_marlin" in _bench_backends("all", "nvfp4")
+    assert "marlin" not in _bench_backends("all", "int4_w4a16_g32")  # pending there: triton runs it
+    monkeypatch.setattr(Platform, "current", staticmethod(lambda: Platform("cpu")))
+    assert _bench_backends("all") == ["torch", "batched_torch", "grouped_mm"]
+    with pytest.raises(ValueError, match="unknown backends"):
+        _bench_backends("triton,nope")

@@ -874,23 +874,25 @@ def test_batched_kernels_match_reference(dtype, act):
 
 def test_batched_launch_packs_live_blocks():
     """Only blocks holding counted rows are work (packed first, expert order); the rest lie past
-    num_rows, so their programs exit before loading weights. Counts past max_tokens are clamped."""
+    num_rows, so their programs exit before loading weights. Counts past max_tokens are clamped;
+    slots index x and y as [L*M, H] views, no padded copies."""
     from fusedmoe.backends.triton.experts import prepare_batched_launch
 
-    L, M, H, bm = 4, 40, 8, 16  # 3 blocks of 16 per expert (48 padded rows)
+    L, M, H, bm = 4, 40, 8, 16  # 3 blocks of 16 per expert in the worst case
     x = torch.randn(L, M, H)
     counts = torch.tensor([17, 0, 99, 1], dtype=torch.int32)  # 2, 0, 3 (clamped to 40), 1 live blocks
     launch = prepare_batched_launch(x, counts, 6, x.dtype, "silu", 1.702, None, bm)
-    assert int(launch.num_rows) == 6 * bm
+    assert int(launch.num_rows) == 6 * bm and launch.a.shape == (L * 48, 6)
+    assert launch.x.data_ptr() == x.data_ptr() and launch.y.shape == (L * M, H)
     assert launch.block_expert[:6].tolist() == [0, 0, 2, 2, 2, 3]
     slots = launch.sorted_slot.view(-1, bm)
-    sentinel = L * 48
+    sentinel = L * M
     assert slots[0].tolist() == list(range(16))
     assert slots[1].tolist() == [16] + [sentinel] * 15
-    assert slots[2:5].flatten().tolist() == list(range(96, 136)) + [sentinel] * 8
-    assert slots[5].tolist() == [144] + [sentinel] * 15
+    assert slots[2:5].flatten().tolist() == list(range(80, 120)) + [sentinel] * 8
+    assert slots[5].tolist() == [120] + [sentinel] * 15
     assert (slots[6:] == sentinel).all()
-    want_ok = torch.zeros(L, 48, dtype=torch.int8)
+    want_ok = torch.zeros(L, M, dtype=torch.int8)
     for e, n in enumerate((17, 0, 40, 1)):
         want_ok[e, :n] = 1
     assert torch.equal(launch.slot_ok, want_ok.flatten())

@@ -162,6 +162,8 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
+# The references: timed eagerly (batched_torch copies host tensors, which a capture refuses).
+EAGER_BACKENDS = ("torch", "batched_torch")
 # The batched layout's local dispatch allocates [E, M, H] buffers per call (max_tokens = M).
 BATCHED_BUFFER_LIMIT = 4 << 30
 
@@ -337,7 +339,7 @@ def bench_preset(
                 for c in copies_here
             ]
             try:
-                t = time_rotated(calls, graph=backend != "torch")
+                t = time_rotated(calls, graph=backend not in EAGER_BACKENDS)
             except Exception as exc:  # a backend that cannot run here is a row with its reason
                 out.append(Row(preset.name, backend, tokens, touched, float("nan"), float("nan"),
                                float("nan"), float("nan"), bound, error=f"{type(exc).__name__}: {exc}"[:200]))

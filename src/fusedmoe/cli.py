@@ -423,7 +423,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--copies {args.copies}: rotate at least 4 weight copies so decode does not time L2")
     presets = [get_preset(p) for p in (args.presets.split(",") if args.presets else bench.TARGET_PRESETS)]
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(bench.DEFAULT_TOKENS)
-    backends = _bench_backends(args.backends)
+    backends = _bench_backends(args.backends, args.quant)
     operand = bench.quant_operand(args.quant)
     ceilings = bench.measure_ceilings(eight_bit=operand is not None)
     meta = _bench_meta(ceilings, args.commit)
@@ -531,16 +531,18 @@ def source_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def _bench_backends(spec: str) -> list[str]:
+def _bench_backends(spec: str, quant: str | None = None) -> list[str]:
     from fusedmoe.backends import REGISTRY
 
-    if spec == "all":  # every backend this machine can run (an unsupported preset is a row with its reason)
-        from fusedmoe.platform import Platform
+    if spec == "all":  # every backend this machine runs for the scheme (or the bf16 baseline);
+        from fusedmoe.platform import Platform  # a preset one cannot run is a row with its reason
 
         platform = Platform.current()
+        schemes = {"unquantized"} | ({quant} if quant else set())
         return [name for name, b in REGISTRY.items()
                 if platform.kind in b.kinds and all(platform.has(p) for p in b.packages)
-                and (platform.has_triton or not b.needs_triton) and name not in ("cpu", "emulation")]
+                and (platform.has_triton or not b.needs_triton) and name not in ("cpu", "emulation")
+                and (schemes & (b.schemes - b.pending_schemes))]
     names = [b.strip() for b in spec.split(",") if b.strip()]
     unknown = [b for b in names if b not in REGISTRY]
     if unknown:

@@ -1077,23 +1077,19 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
                            block_m) -> Launch:
     """The batched buffers as aligned rows: a Launch with top_k = 1 and no routed weight.
 
-    Each expert's max_tokens rows are padded to P = whole BLOCK_M blocks (buffer row e*P + j is
-    "slot" e*P + j). Only the blocks holding some of expert e's num_tokens[e] rows are launched
-    work: they are packed first (expert order), so `num_rows` ends at the last of them and every
-    program past it exits before loading a weight; within a block, rows past the count are
-    padding (slot L*P), skipped. A dispatch buffer sized for the worst case (EP: max_tokens much
-    larger than the typical count) streams each expert's weights once per live block, not once
-    per buffer block. All on the device: no host sync, graph-capturable.
+    Buffer row (e, j) is slot e*M + j of x viewed [L*M, H] (no copy when x is contiguous) and of
+    y [L*M, H]; it is live when j < num_tokens[e]. Expert e's live rows fill cdiv(count, BLOCK_M)
+    row blocks of the aligned rows (a, the GEMMs' grid), packed first in expert order, so
+    `num_rows` ends at the last of them and every program past it exits before loading a weight;
+    within a block, rows past the count are padding (slot L*M), skipped. A dispatch buffer sized
+    for the worst case (EP: max_tokens much larger than the typical count) streams each expert's
+    weights once per live block, not once per buffer block. All on the device: no host sync,
+    graph-capturable.
     """
     num_local, max_tokens, hidden = x_LMH.shape
-    padded = triton_cdiv(max_tokens, block_m) * block_m
     device = x_LMH.device
-    if padded != max_tokens:
-        x_pad = torch.zeros(num_local, padded, hidden, dtype=x_LMH.dtype, device=device)
-        x_pad[:, :max_tokens] = x_LMH
-    else:
-        x_pad = x_LMH.contiguous()
-    rows = num_local * padded
+    num_slots = num_local * max_tokens
+    rows = num_local * triton_cdiv(max_tokens, block_m) * block_m  # aligned rows, worst case
     counts = num_tokens_L.to(device=device, dtype=torch.int64).clamp(min=0, max=max_tokens)
     live_blocks = (counts + block_m - 1) // block_m
     ends = torch.cumsum(live_blocks, 0)
@@ -1101,26 +1097,24 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     block_expert = torch.searchsorted(ends, blocks, right=True).clamp(max=num_local - 1)
     first = (ends - live_blocks)[block_expert]
     j = (blocks - first)[:, None] * block_m + torch.arange(block_m, device=device)  # row within the expert
-    slot = block_expert[:, None] * padded + j
     valid = (blocks[:, None] < ends[-1]) & (j < counts[block_expert][:, None])
-    sorted_slot = torch.where(valid, slot, rows).flatten().to(torch.int32)
+    sorted_slot = torch.where(valid, block_expert[:, None] * max_tokens + j, num_slots).flatten().to(torch.int32)
     num_rows = (ends[-1:] * block_m).to(torch.int32)
-    slot_ok = (torch.arange(padded, device=device) < counts[:, None]).flatten().to(torch.int8)
-    # Zeros: gemm2 writes valid rows only, so padding rows stay 0 without a masking pass over y
-    # (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
-    y_pad = torch.zeros(rows, hidden, dtype=x_LMH.dtype, device=device)
+    slot_ok = (torch.arange(max_tokens, device=device) < counts[:, None]).flatten().to(torch.int8)
+    # Zeros: gemm2 writes live rows only, so the rows past each count stay 0 without a masking
+    # pass over y (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
+    y = torch.zeros(num_slots, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
-        x_pad.view(rows, hidden), torch.empty(0, device=device), sorted_slot, block_expert.to(torch.int32), num_rows,
-        slot_ok, torch.empty(rows, inter, dtype=a_dtype, device=device), y_pad,
+        x_LMH.reshape(num_slots, hidden), torch.empty(0, device=device), sorted_slot, block_expert.to(torch.int32),
+        num_rows, slot_ok, torch.empty(rows, inter, dtype=a_dtype, device=device), y,
         1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
     return launch
 
 
 def batched_output(launch: Launch, num_local: int, max_tokens: int) -> torch.Tensor:
-    """y [L, max_tokens, H] from the aligned rows, zero past each expert's count (y starts zeroed)."""
-    y = launch.y
-    return y.view(num_local, -1, y.shape[1])[:, :max_tokens]
+    """y [L, max_tokens, H], zero past each expert's count (y starts zeroed)."""
+    return launch.y.view(num_local, max_tokens, launch.y.shape[1])
 
 
 def _triton_batched_experts_op_impl(

@@ -274,3 +274,28 @@ def test_bench_backends_all_is_what_runs_here_for_the_scheme(monkeypatch):
     assert _bench_backends("all") == ["torch", "batched_torch", "grouped_mm"]
     with pytest.raises(ValueError, match="unknown backends"):
         _bench_backends("triton,nope")
+
+
+def test_bench_progress_counts_every_cell(monkeypatch, capsys):
+    """The [n/N] counter advances per (preset, M, backend) cell, not per preset."""
+    import torch
+
+    from fusedmoe import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda eight_bit=False: bench.Ceilings("fake", 4e12, 8e14))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake", raising=False)
+
+    def fake_preset(preset, backends, tokens_list, ceilings, *, progress, **kw):
+        rows = []
+        for t in tokens_list:
+            for b in backends:
+                progress(f"{preset.name} M={t} {b}")
+                rows.append(bench.Row(preset.name, b, t, 1, 1.0, 1.0, 1.0, 50.0, "memory"))
+        return rows
+
+    monkeypatch.setattr(bench, "bench_preset", fake_preset)
+    assert main(["bench", "--presets", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "1,4", "--backends",
+                 "triton,torch", "--commit", "x"]) == 0
+    err = capsys.readouterr().err
+    assert re.findall(r"\[\s*(\d+)/8\]", err) == [str(i) for i in range(1, 9)]

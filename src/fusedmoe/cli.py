@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform as pyplatform
 import statistics
@@ -438,10 +439,10 @@ def cmd_bench(args) -> int:
           + (f"; {quant_backend} runs {args.quant}" if args.quant else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
+    started = itertools.count(1)
 
     def progress(label: str) -> None:
-        done = len(rows) + 1
-        print(f"\r[{done:>3}/{total}] {label:<50}", end="", file=sys.stderr, flush=True)
+        print(f"\r[{next(started):>3}/{total}] {label:<50}", end="", file=sys.stderr, flush=True)
 
     for preset in presets:
         rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress,

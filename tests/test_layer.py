@@ -43,13 +43,13 @@ class LayerCase:
     def id(self) -> str:
         return f"{self.name}-{str(self.dtype).removeprefix('torch.')}"
 
-    def layer(self, parallel: ParallelConfig | None = None) -> FusedMoE:
+    def layer(self, parallel: ParallelConfig | None = None, **options) -> FusedMoE:
         return FusedMoE(
             self.num_experts, self.top_k, self.hidden, self.intermediate,
             params_dtype=self.dtype, activation=self.activation, has_bias=self.has_bias,
             has_correction_bias=self.correction_bias,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
-            parallel=parallel, **dict(self.routing),
+            parallel=parallel, **dict(self.routing), **options,
         )
 
 
@@ -176,8 +176,8 @@ LOADERS: dict[str, Callable[[FusedMoE, Checkpoint], None]] = {
 
 
 def build(case: LayerCase, ckpt: Checkpoint, parallel: ParallelConfig | None = None,
-          loader: str = "load_expert_weight") -> FusedMoE:
-    layer = case.layer(parallel)
+          loader: str = "load_expert_weight", **options) -> FusedMoE:
+    layer = case.layer(parallel, **options)
     LOADERS[loader](layer, ckpt)
     if ckpt.correction_bias is not None:
         layer.e_score_correction_bias.copy_(ckpt.correction_bias)
@@ -223,6 +223,32 @@ def test_leading_batch_dims(dtype: torch.dtype) -> None:
     out = layer(x.reshape(2, 7, case.hidden), logits.reshape(2, 7, case.num_experts))
     assert out.shape == (2, 7, case.hidden)
     assert torch.equal(out.reshape(14, case.hidden), layer(x, logits))
+
+
+@pytest.mark.parametrize("backend", ("auto", "torch"))
+def test_inplace_overwrites_hidden_states(backend: str) -> None:
+    """inplace=True (the seeds' use_inplace): forward returns hidden_states, overwritten with the
+    output the out-of-place layer gives; a non-contiguous input is written back too; an input
+    autograd tracks is left alone."""
+    case = LAYER_CASES[0]
+    ckpt = make_checkpoint(case)
+    ref_layer = build(case, ckpt, backend=backend)
+    layer = build(case, ckpt, backend=backend, inplace=True)
+    assert layer.selection.name == ("cpu" if backend == "auto" else "torch")
+    x, logits = make_batch(case, num_tokens=9)
+    want = ref_layer(x, logits)
+    h = x.clone()
+    got = layer(h, logits)
+    assert got is h and torch.equal(h, want)
+    x2, logits2 = make_batch(case, num_tokens=14)
+    want2 = ref_layer(x2, logits2).reshape(2, 7, case.hidden)
+    h2 = torch.empty(7, 2, case.hidden, dtype=x2.dtype).transpose(0, 1)  # [2, 7, H]: forward's reshape copies
+    h2.copy_(x2.reshape(2, 7, case.hidden))
+    assert not h2.is_contiguous()
+    assert layer(h2, logits2.reshape(2, 7, -1)) is h2 and torch.equal(h2, want2)
+    tracked = x.clone().requires_grad_()
+    out = layer(tracked, logits)
+    assert out is not tracked and torch.equal(tracked.detach(), x)
 
 
 def test_zero_tokens() -> None:

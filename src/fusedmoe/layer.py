@@ -112,8 +112,14 @@ class FusedMoE(nn.Module):
         shared_experts: nn.Module | None = None,
         enable_eplb: bool = False,
         num_redundant_experts: int = 0,
+        inplace: bool = False,
     ):
         super().__init__()
+        # inplace (the seeds' use_inplace): forward overwrites hidden_states with the output and
+        # returns it; the backend writes there directly when it allows it (`supports_inplace`),
+        # else the output is copied in. Calls that cannot (shared experts reading the input on a
+        # side stream, a process group's dispatch, autograd on the input) return a new tensor.
+        self.inplace = inplace
         params_dtype = params_dtype or torch.get_default_dtype()
         parallel = parallel or ParallelConfig()
         if activation_format is None:
@@ -685,10 +691,16 @@ class FusedMoE(nn.Module):
         if x.shape[0] == 0 and self.groups is None:
             return hidden_states.new_empty(hidden_states.shape)
 
-        def routed() -> torch.Tensor:
+        def routed(inplace: bool = False) -> torch.Tensor:
             return self._kernel(x, self._expert_weights(), topk_weights, topk_ids,
-                                expert_map_E=self.expert_map)
+                                expert_map_E=self.expert_map, inplace=inplace)
 
+        if self.inplace and self.groups is None and (self.shared_experts is None or not self._adds_shared) \
+                and not (hidden_states.requires_grad and torch.is_grad_enabled()):
+            out = routed(inplace=True)  # x: hidden_states' rows (a view when contiguous)
+            if out.data_ptr() != hidden_states.data_ptr() or not hidden_states.is_contiguous():
+                hidden_states.copy_(out.view(hidden_states.shape))
+            return hidden_states
         if self.shared_experts is None or not self._adds_shared:
             out = routed()
         else:

@@ -327,59 +327,6 @@ def test_direct_decode_split_k_out_of_range_ids_and_in_place(split, shares):
     assert torch.equal(again, out)  # deterministic: each output element written once, slots in order
 
 
-@pytest.mark.parametrize("act, limit, on_input, emap", [
-    ("silu", None, False, False), ("swigluoai", 7.0, False, True), ("gelu", 3.0, False, False),
-    ("relu2_no_mul", None, False, True), ("silu", None, True, False),
-])
-def test_direct_split_k_activation_folded_into_gemm2(act, limit, on_input, emap, monkeypatch):
-    """A split-K direct GEMM1 leaves fp32 partials that the direct GEMM2 finishes on load (one
-    launch less): bitwise the act kernel's result, with biases, clamps, non-gated activations,
-    router weight on input and expert_map; every call poisoned first."""
-    from fusedmoe.activations import is_gated
-
-    gen = torch.Generator().manual_seed(71)
-    K = 1 if on_input else 3
-    T, E, H, I = 3, 6, 96, 40
-    rows = 2 * I if is_gated(act) else I
-    x = torch.randn(T, H, generator=gen).to(torch.float16)
-    w13 = (torch.randn(E, rows, H, generator=gen) / H**0.5).to(torch.float16)
-    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(torch.float16)
-    b13, b2 = torch.randn(E, rows, generator=gen).to(torch.float16), torch.randn(E, H, generator=gen).to(torch.float16)
-    ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
-    if not on_input:
-        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
-    weights = torch.rand(T, K, generator=gen)
-    expert_map = None
-    if emap:  # experts 1 and 4 live on another rank: their slots add nothing
-        expert_map = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32)
-        keep = [0, 2, 3, 5]
-        w13, w2, b13, b2 = w13[keep], w2[keep], b13[keep], b2[keep]
-    tiles = (TileConfig(16, 16, 16, 4, 2, 4), TileConfig(16, 32, 16, 4, 2, 1))  # H=96: 3 K shares of 32
-    from fusedmoe.backends.triton import kernels
-
-    act_kernel, launches = kernels.moe_act_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return act_kernel[grid]
-
-    monkeypatch.setattr(kernels, "moe_act_kernel", Spy())
-    outs = {}
-    for fold in (True, False):
-        monkeypatch.setattr(experts_mod, "FOLD_ACTIVATION", fold)
-        out = torch.full_like(x, float("nan"))
-        triton_experts(x, w13, w2, weights, ids, b13, b2, expert_map, E, act, on_input, 1.702, limit,
-                       tiles=tiles, out=out, direct=True)
-        outs[fold] = out
-        assert len(launches) == (0 if fold else 1)  # folded: no activation launch
-    assert torch.equal(outs[True], outs[False])
-    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation=act,
-                            w13_bias_LG=b13.double(), w2_bias_LH=b2.double(), expert_map_E=expert_map,
-                            global_num_experts=E, apply_router_weight_on_input=on_input, swiglu_limit=limit)
-    assert rel_err(outs[True], ref) < TOL[torch.float16]
-
-
 def test_direct_decode_rule_knob_and_errors(monkeypatch):
     from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import (

@@ -689,7 +689,6 @@ class Launch:
     num_global: int = 0
     num_local: int = 0
     launch_kw: dict | None = None  # pdl(device): the kernels' launch keywords, read once per call
-    fold: dict | None = None  # direct, split-K GEMM1: the direct GEMM2 finishes its partials (`A_SPLITS`)
 
     def __post_init__(self) -> None:
         if self.launch_kw is None:
@@ -789,15 +788,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
         **(quant_args or {}), **direct, **L.launch_kw,
     )
-    if splits > 1 and L.direct and FOLD_ACTIVATION:
-        # the direct GEMM2 sums the partials and applies the activation as it loads its A rows
-        # (the act kernel's arithmetic, in the same order: bitwise the same a): one launch less
-        L.fold = dict(hpart_ptr=hpart, b13_ptr=bias, stride_hs=h_strides[0], stride_hr=h_strides[1],
-                      stride_b13e=b_strides[0], stride_b13n=b_strides[1], alpha=float(L.swiglu_alpha),
-                      limit=float(limit), A_SPLITS=splits, A_GATED=gated, A_ACT=flags["ACT"],
-                      A_HAS_LIMIT=flags["HAS_LIMIT"], A_HAS_BIAS=flags["HAS_BIAS"],
-                      A_SCALE_ROWS=flags["SCALE_ROWS"])
-    elif splits > 1:
+    if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
         kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
             hpart, bias, a, L.weights_N, *L.row_args(),
@@ -806,11 +797,6 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
             SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **direct,
             **L.launch_kw,
         )
-
-
-# The direct path folds a split-K GEMM1's activation into the direct GEMM2's A loads (H200:
-# benchmarks/results/2026-11-23_h200_*_fold.txt); False: the act kernel finishes the partials.
-FOLD_ACTIVATION = True
 
 
 def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
@@ -863,7 +849,7 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
         TOP_K=L.top_k, TOP_K_P=triton_next_pow2(L.top_k),
         HAS_MAP=L.expert_map is not None, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, part_ptr=part, SPLIT=split, PER=per,
-        **tile.as_kwargs(), **(quant_args or {}), **(L.fold or {}), **L.launch_kw,
+        **tile.as_kwargs(), **(quant_args or {}), **L.launch_kw,
     )
     if split > 1:  # a token's shares, summed in order (every row valid)
         _reduce(part, out, None, split, L.launch_kw)

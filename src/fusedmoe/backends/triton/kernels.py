@@ -768,12 +768,6 @@ def moe_gemm2_direct_kernel(
     # SPLIT > 1: program (t, n, s) sums slots s*PER .. s*PER + PER - 1 and writes its fp32 row to
     # part[t*SPLIT + s]; moe_reduce_kernel (FLAGS=False) adds a token's SPLIT rows in order.
     part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
-    # A_SPLITS > 1: GEMM1 ran split-K and left its fp32 gate/up partials in hpart [A_SPLITS, slots,
-    # G]; each A row is finished here as moe_act_kernel would (sum in split order, GEMM1's
-    # epilogue with the A_* flags, rounded to a's dtype) instead of read from a.
-    hpart_ptr=None, b13_ptr=None, stride_hs=0, stride_hr=0, stride_b13e=0, stride_b13n=0,
-    alpha=0.0, limit=0.0, A_SPLITS: tl.constexpr = 1, A_GATED: tl.constexpr = True, A_ACT: tl.constexpr = 0,
-    A_HAS_LIMIT: tl.constexpr = False, A_HAS_BIAS: tl.constexpr = False, A_SCALE_ROWS: tl.constexpr = False,
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -839,14 +833,8 @@ def moe_gemm2_direct_kernel(
         k_ok = offs_k < live * (inter - k0)
         n_e = offs_n < live * hidden
         slot = t * TOP_K + j
-        if A_SPLITS > 1:
-            aa = _finish_a_row(hpart_ptr, b13_ptr, topk_w_ptr, slot, e, k0 + offs_k, k_ok, inter,
-                               stride_hs, stride_hr, stride_b13e, stride_b13n, alpha, limit,
-                               A_SPLITS, A_GATED, A_ACT, A_HAS_LIMIT, A_HAS_BIAS, A_SCALE_ROWS, BLOCK_M)
-            aa = aa.to(a_ptr.dtype.element_ty)
-        else:
-            aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
-                         mask=lane0 & k_ok[None, :], other=0.0)
+        aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
+                     mask=lane0 & k_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if QUANT == Q_W4:
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -880,28 +868,6 @@ def moe_gemm2_direct_kernel(
     else:  # part [T*SPLIT, hidden] fp32, contiguous
         p_ptrs = part_ptr + (t * SPLIT + s) * hidden + row0 + offs_n[None, :]
         tl.store(p_ptrs, total, mask=lane0 & n_ok[None, :])
-
-
-@triton.jit
-def _finish_a_row(hpart_ptr, b13_ptr, topk_w_ptr, slot, expert, offs_i, i_ok, inter,
-                  stride_hs, stride_hr, stride_be, stride_bn, alpha, limit,
-                  SPLITS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[BLOCK_M, len(offs_i)] fp32: row 0 = a[slot, offs_i] from GEMM1's split-K partials, as
-    moe_act_kernel computes it, the other rows 0. The partials are read as one row (not as
-    BLOCK_M-row tiles: the pipeliner would stage the masked rows in shared memory too)."""
-    h = hpart_ptr + slot * stride_hr + offs_i
-    g = tl.load(h, mask=i_ok, other=0.0)
-    u = tl.load(h + inter, mask=i_ok & GATED, other=0.0)
-    for sp in tl.static_range(1, SPLITS):
-        g += tl.load(h + sp * stride_hs, mask=i_ok, other=0.0)
-        if GATED:
-            u += tl.load(h + sp * stride_hs + inter, mask=i_ok, other=0.0)
-    one = tl.full((1,), 0, tl.int32) == 0
-    act = _gemm1_epilogue(g[None, :], u[None, :], tl.full((1,), slot, tl.int64), one, expert, offs_i, i_ok,
-                          b13_ptr, topk_w_ptr, stride_be, stride_bn, inter, alpha, limit,
-                          GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
-    return tl.where((tl.arange(0, BLOCK_M) == 0)[:, None], act, 0.0)
 
 
 @triton.jit

@@ -622,3 +622,32 @@ def test_prequantized_layer_with_nothing_loaded_is_refused():
     layer = FusedMoE(4, 2, 256, 128, params_dtype=torch.float32, quant="fp8_w8a8_block", prequantized=True)
     with pytest.raises(RuntimeError, match="no checkpoint tensors were loaded"):
         layer.process_weights_after_loading()
+
+
+# On a GPU: the checkpoint through the GPU's backend (Triton; marlin for NVFP4 W4A4) -------------
+GPU_RTOL = 3e-2  # bf16 activations and outputs against the fp32 CPU layer (tests/test_gpu_quant.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpoint_on_gpu(fmt: str) -> None:
+    """The same checkpoint loaded into a bf16 layer on the GPU agrees with the CPU layer
+    (emulation: the scheme's math in fp32); weight-only execution (marlin) with the reference on
+    the dequantized weights, activations unquantized."""
+    ckpt = make_checkpoint(fmt)
+    cpu = layer_for(ckpt.scheme)
+    load(cpu, ckpt, "names")
+    gpu = FusedMoE(E, TOP_K, H, I, params_dtype=torch.bfloat16, quant=ckpt.scheme, prequantized=True,
+                   device="cuda")
+    load(gpu, ckpt, "load_expert_weight")
+    assert gpu.selection.name in ("triton", "marlin")
+    x, logits = batch()
+    out = gpu(x.cuda().bfloat16(), logits.cuda()).float().cpu()
+    if gpu.selection.backend.weight_only_execution:
+        weights, ids = cpu.route(x, logits)
+        want = fused_experts_ref(x, ckpt.w13, ckpt.w2, weights, ids, activation=cpu.config.activation)
+    else:
+        want = cpu(x, logits)
+    assert 0.1 < want.pow(2).mean().sqrt() < 10
+    assert rel_error(out, want) < GPU_RTOL

@@ -30,7 +30,9 @@ WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "i
 TOL = 2e-2
 # E, K, H, I, activation, bias: Mixtral-like, and gpt-oss-120b (H = I = 2880, not a multiple of 128)
 SHAPES = {"mixtral-like": (8, 2, 4096, 1792, "silu", False),
-          "gpt-oss-like": (32, 4, 2880, 2880, "swigluoai", True)}  # E=128 ran out of memory in fp32 quantization temporaries
+          "gpt-oss-like": (32, 4, 2880, 2880, "swigluoai", True),  # E=128 ran out of memory in fp32 quantization temporaries
+          "deepseek-v3-tp8-like": (64, 8, 7168, 256, "silu", False),  # 64 of its 256 experts, as test_gpu_quant
+          "qwen3-235b-tp4-like": (128, 8, 4096, 384, "silu", False)}
 
 
 def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
@@ -166,7 +168,11 @@ def test_deterministic_and_cuda_graph(scheme):
 
 @pytest.mark.parametrize("scheme,activation,bias", [("int4_w4a16_g32", "silu", False),
                                                     ("mxfp4_w4a16", "swigluoai", True),
-                                                    ("nvfp4_w4a16", "silu", False)])
+                                                    ("nvfp4_w4a16", "silu", False),
+                                                    ("int4_w4a16_g64", "silu", True),
+                                                    ("int4_w4a16_g128", "gelu", False),
+                                                    ("fp8_w8a16", "silu", False),
+                                                    ("int8_w8a16", "swigluoai", True)])
 def test_layer_selects_triton_and_compiles(scheme, activation, bias):
     E, K, H, I = 16, 4, 512, 256
     layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", quant=scheme,

@@ -697,8 +697,8 @@ class FusedMoE(nn.Module):
 
         if self.inplace and self.groups is None and (self.shared_experts is None or not self._adds_shared) \
                 and not (hidden_states.requires_grad and torch.is_grad_enabled()):
-            out = routed(inplace=True)  # x: hidden_states' rows (a view when contiguous)
-            if out.data_ptr() != hidden_states.data_ptr() or not hidden_states.is_contiguous():
+            out = routed(inplace=True)  # written into x, which views hidden_states when contiguous
+            if not hidden_states.is_contiguous():  # reshape copied: write back (no data_ptr: compile-safe)
                 hidden_states.copy_(out.view(hidden_states.shape))
             return hidden_states
         if self.shared_experts is None or not self._adds_shared:

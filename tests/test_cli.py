@@ -260,8 +260,9 @@ def test_bench_ep_bad_arguments(argv, match, capsys):
 
 
 def test_bench_backends_all_is_what_runs_here_for_the_scheme(monkeypatch):
-    """`--backends all`: the backends this machine runs for the scheme or the bf16 baseline;
-    batched rows included (bench times them in their layout), nothing for another platform."""
+    """`--backends all`: the backends this machine runs for the scheme bench gives each (the
+    quantized one or the bf16 baseline); batched rows included (bench times them in their
+    layout), nothing for another platform."""
     from fusedmoe.cli import _bench_backends
     from fusedmoe.platform import Platform
 
@@ -270,8 +271,9 @@ def test_bench_backends_all_is_what_runs_here_for_the_scheme(monkeypatch):
     assert _bench_backends("all") == ["torch", "batched_torch", "triton", "batched_triton", "grouped_mm"]
     assert "marlin" in _bench_backends("all", "nvfp4") and "batched_marlin" in _bench_backends("all", "nvfp4")
     assert "marlin" not in _bench_backends("all", "int4_w4a16_g32")  # pending there: triton runs it
+    assert "triton" not in _bench_backends("all", "nvfp4")  # it refuses W4A4; marlin runs it
     monkeypatch.setattr(Platform, "current", staticmethod(lambda: Platform("cpu")))
-    assert _bench_backends("all") == ["torch", "batched_torch", "grouped_mm"]
+    assert _bench_backends("all") == ["torch", "batched_torch", "cpu", "grouped_mm"]
     with pytest.raises(ValueError, match="unknown backends"):
         _bench_backends("triton,nope")
 

@@ -167,8 +167,17 @@ EAGER_BACKENDS = ("torch", "batched_torch")
 # The batched layout's local dispatch allocates [E, M, H] buffers per call (max_tokens = M).
 BATCHED_BUFFER_LIMIT = 4 << 30
 
-# Backends that run the quantized copies under --quant (the others time the bf16 baseline).
-QUANT_BACKENDS = ("triton", "marlin")
+# Backends that run the quantized copies under --quant, in either layout (the others time the
+# bf16 baseline).
+QUANT_BACKENDS = ("triton", "batched_triton", "marlin", "batched_marlin")
+
+
+def bench_scheme(backend: str, quant: str | None) -> str:
+    """The scheme `backend` runs in `bench_preset` under `quant`: the scheme itself for the
+    quantized backends, else the bf16 baseline ("unquantized")."""
+    from fusedmoe.quant.scheme import get_scheme
+
+    return get_scheme(quant).name if quant is not None and backend in QUANT_BACKENDS else "unquantized"
 
 
 def check_and_time(calls: Sequence[Callable[[], torch.Tensor]], ref: torch.Tensor, *,
@@ -298,7 +307,7 @@ def bench_preset(
     gen = torch.Generator(device=device).manual_seed(seed)
     h = preset.hidden_size
     w_bytes, a_bytes = quant_bytes(quant)
-    keep_float = quant is None or any(b not in QUANT_BACKENDS for b in backends)
+    keep_float = any(bench_scheme(b, quant) == "unquantized" for b in backends)
     weights, quantized = [], []
     for _ in range(copies):
         w13, w2, b13, b2 = random_expert_weights(preset.num_experts, h, inter, preset.activation, device=device,
@@ -326,13 +335,12 @@ def bench_preset(
                 kw["activation_format"] = "batched"
                 buffers = preset.num_experts * tokens * h * torch.finfo(dtype).bits // 8
                 if buffers > BATCHED_BUFFER_LIMIT:
-                    out.append(Row(preset.name, backend, tokens, touched, float("nan"), float("nan"),
-                                   float("nan"), float("nan"), bound,
-                                   error=f"batched buffers [{preset.num_experts}, {tokens}, {h}] of "
-                                         f"{buffers / 2**30:.1f} GiB > {BATCHED_BUFFER_LIMIT / 2**30:.0f}: not run"))
+                    out.append(_failed(preset, backend, tokens, touched, bound,
+                                       f"batched buffers [{preset.num_experts}, {tokens}, {h}] of {buffers / 2**30:.1f}"
+                                       f" GiB > {BATCHED_BUFFER_LIMIT / 2**30:.0f}: not run"))
                     continue
             # (w13, w2, b13, b2, QuantParams or None) per rotated copy
-            copies_here = quantized if quant is not None and backend in QUANT_BACKENDS else [(*w, None) for w in weights]
+            copies_here = quantized if bench_scheme(backend, quant) != "unquantized" else [(*w, None) for w in weights]
             calls = [
                 (lambda c=c, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
                  fused_experts(x, c[0], c[1], topk_w, topk_ids, w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
@@ -340,9 +348,8 @@ def bench_preset(
             ]
             try:
                 t = time_rotated(calls, graph=backend not in EAGER_BACKENDS)
-            except Exception as exc:  # a backend that cannot run here is a row with its reason
-                out.append(Row(preset.name, backend, tokens, touched, float("nan"), float("nan"),
-                               float("nan"), float("nan"), bound, error=f"{type(exc).__name__}: {exc}"[:200]))
+            except Exception as exc:
+                out.append(_failed(preset, backend, tokens, touched, bound, f"{type(exc).__name__}: {exc}"))
                 continue
             results[backend] = t
             out.append(Row(preset.name, backend, tokens, touched, t * 1e6, flops / t / 1e12,
@@ -353,6 +360,12 @@ def bench_preset(
     del weights, quantized
     torch.cuda.empty_cache()
     return out
+
+
+def _failed(preset: Preset, backend: str, tokens: int, touched: int, bound: str, reason: str) -> Row:
+    """The row of a backend that cannot run a cell here: its reason instead of times."""
+    nan = float("nan")
+    return Row(preset.name, backend, tokens, touched, nan, nan, nan, nan, bound, error=reason[:200])
 
 
 def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:

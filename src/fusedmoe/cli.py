@@ -535,15 +535,17 @@ def source_digest() -> str:
 def _bench_backends(spec: str, quant: str | None = None) -> list[str]:
     from fusedmoe.backends import REGISTRY
 
-    if spec == "all":  # every backend this machine runs for the scheme (or the bf16 baseline);
-        from fusedmoe.platform import Platform  # a preset one cannot run is a row with its reason
+    if spec == "all":
+        # every backend this machine runs for the scheme bench gives it (quantized or the bf16
+        # baseline); a preset one cannot run is a row with its reason
+        from fusedmoe.bench import bench_scheme
+        from fusedmoe.platform import Platform
 
         platform = Platform.current()
-        schemes = {"unquantized"} | ({quant} if quant else set())
         return [name for name, b in REGISTRY.items()
                 if platform.kind in b.kinds and all(platform.has(p) for p in b.packages)
-                and (platform.has_triton or not b.needs_triton) and name not in ("cpu", "emulation")
-                and (schemes & (b.schemes - b.pending_schemes))]
+                and (platform.has_triton or not b.needs_triton)
+                and bench_scheme(name, quant) in b.schemes - b.pending_schemes]
     names = [b.strip() for b in spec.split(",") if b.strip()]
     unknown = [b for b in names if b not in REGISTRY]
     if unknown:

@@ -59,6 +59,16 @@ def _grid_sync(bar_ptr, nprog):
 
 
 @triton.jit
+def _sum_shares(base, share_stride, offs, ok, SHARES: tl.constexpr, BLOCK: tl.constexpr):
+    """sum over s < SHARES of base[s * share_stride + offs] in fp32, in share order (L2 reads:
+    written by other programs before the last barrier)."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SHARES):
+        acc += tl.load(base + s * share_stride + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _pick(sel, values, other):
     return tl.sum(tl.where(sel, values, other), 0)
 
@@ -143,12 +153,9 @@ def coop_decode_kernel(
             slot = w // nta
             offs_n = (w - slot * nta) * BA + offs_a
             n_ok = offs_n < inter
-            g = tl.zeros((BA,), dtype=tl.float32)
-            u = tl.zeros((BA,), dtype=tl.float32)
-            for sp in tl.static_range(SPLIT1):
-                h = hpart_ptr + (sp * S + slot).to(tl.int64) * (2 * inter) + offs_n
-                g += tl.load(h, mask=n_ok, other=0.0, cache_modifier=".cg")
-                u += tl.load(h + inter, mask=n_ok, other=0.0, cache_modifier=".cg")
+            h = hpart_ptr + slot.to(tl.int64) * (2 * inter)
+            g = _sum_shares(h, S * 2 * inter, offs_n, n_ok, SPLIT1, BA)
+            u = _sum_shares(h + inter, S * 2 * inter, offs_n, n_ok, SPLIT1, BA)
             act = _activation(g, u, alpha, limit, ACT, HAS_LIMIT)
             tl.store(a_ptr + slot.to(tl.int64) * inter + offs_n, act.to(a_ptr.dtype.element_ty), mask=n_ok)
         if PHASE == 0:
@@ -207,10 +214,7 @@ def coop_decode_kernel(
                 t = w // nth
                 offs = (w - t * nth) * BH + offs_h
                 h_ok = offs < hidden
-                acc = tl.zeros((BH,), dtype=tl.float32)
-                for s in tl.static_range(SPLIT2):
-                    acc += tl.load(part_ptr + (t * SPLIT2 + s).to(tl.int64) * hidden + offs, mask=h_ok, other=0.0,
-                                   cache_modifier=".cg")
+                acc = _sum_shares(part_ptr + (t * SPLIT2).to(tl.int64) * hidden, hidden, offs, h_ok, SPLIT2, BH)
                 tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -304,76 +308,52 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.backends.triton.experts import triton_experts
-    from fusedmoe.bench import check_and_time, preset_shapes, random_expert_weights, time_rotated
-    from fusedmoe.presets import get_preset
-    from fusedmoe.routing import select_experts
+    from fusedmoe.bench import (
+        check_and_time,
+        decode_cells,
+        measure_ceilings,
+        preset_shapes,
+        time_rotated,
+    )
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
     shapes = ({"smoke-silu": (6, 4, 40, 24, "silu", 1), "smoke-oai": (5, 5, 48, 20, "swigluoai", 1)} if smoke else
               {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     if not smoke:
-        from fusedmoe.bench import measure_ceilings, roofline
-
         ceilings = measure_ceilings(device)
         print(f"{ceilings.device}: {ceilings.bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        ws = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
-              for _ in range(copies)]
-        for tokens in ([1, 3] if smoke else [int(t) for t in args.tokens.split(",")]):
-            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
-
-            def lib(direct, ws=ws, x=x, topk_w=topk_w, ids=ids, act=act, E=E):
-                return [lambda c=c: triton_experts(x, c[0], c[1], topk_w, ids, None, None, None, E, act, False,
-                                                   1.702, None, direct=direct) for c in ws]
-
-            ref = lib(True)[0]()
-            cells = [("library auto", lib(None)), ("library direct", lib(True))]
-            vs = variants(smoke, inter, H, K)
-            if args.limit:
-                vs = vs[: args.limit]
-            for v in vs:
-                cells.append((v.label(), [lambda c=c, v=v, x=x, tw=topk_w, ids=ids, act=act: v(x, c[0], c[1], tw, ids, act)
-                                          for c in ws], v))
-            seen_programs = {}
-            for cell in cells:
-                label, calls = cell[0], cell[1]
-                try:
-                    if len(cell) > 2:
-                        cell[2].poison = True
-                        out, again = calls[0](), calls[0]()
-                        cell[2].poison = False
-                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                        same = bool(torch.equal(out, again))
-                        if cell[2].programs is not None:
-                            if cell[2].programs in seen_programs.get(cell[2].v[:8], ()):
-                                continue  # the same launch as a variant already timed (fit below occ)
-                            seen_programs.setdefault(cell[2].v[:8], set()).add(cell[2].programs)
-                        us = None if smoke else time_rotated(calls) * 1e6
-                    else:
-                        us, err, same = check_and_time(calls, ref, timed=not smoke)
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                pct = None
-                extra = ""
-                if len(cell) > 2 and cell[2].programs:
-                    extra = f" programs {cell[2].programs} fit/SM {cell[2].fit} spills {cell[2].spills}"
-                if us is not None:
-                    preset = get_preset(name)
-                    _, _, t_roof, _ = roofline(preset, tokens, int(torch.unique(ids).numel()), inter, ceilings)
-                    pct = 100 * t_roof / (us * 1e-6)
-                rows.append(dict(preset=name, tokens=tokens, variant=label, us=us, pct_roofline=pct,
-                                 rel_err_vs_direct=err, deterministic=same, detail=extra.strip()))
-                timing = "" if us is None else f"{us:8.1f} us {pct:6.1f}%"
-                print(f"{name:18s} M={tokens:<3d} {label:34s} {timing}  rel err {err:.1e}  repeat equal {same}{extra}",
-                      flush=True)
-                if not err <= (2e-2 if dtype == torch.bfloat16 else 2e-3) or not same:
-                    print("  ^ MISMATCH", flush=True)
+    tokens = [1, 3] if smoke else [int(t) for t in args.tokens.split(",")]
+    for cell in decode_cells(shapes, tokens, device, dtype):
+        ref = cell.library(True)[0]()
+        vs = variants(smoke, cell.inter, cell.hidden, cell.top_k)[: args.limit or None]
+        runs = [("library auto", cell.library(None), None), ("library direct", cell.library(True), None)]
+        runs += [(v.label(), cell.per_copy(v), v) for v in vs]
+        timed = set()  # (variant, programs): a variant whose grid fit capped repeats an earlier launch
+        for label, calls, v in runs:
+            try:
+                if v is None:
+                    us, err, same = check_and_time(calls, ref, timed=not smoke)
+                else:
+                    us, err, same = check_and_time(calls, ref, timed=False,
+                                                   poison=lambda on, v=v: setattr(v, "poison", on))
+                    if (v.v[:8], v.programs) in timed:
+                        continue
+                    timed.add((v.v[:8], v.programs))
+                    us = None if smoke else time_rotated(calls) * 1e6
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                print(f"{cell.preset} M={cell.tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            extra = f" programs {v.programs} fit/SM {v.fit} spills {v.spills}" if v is not None and v.programs else ""
+            pct = None if us is None else cell.pct_roofline(us, ceilings)
+            rows.append(dict(preset=cell.preset, tokens=cell.tokens, variant=label, us=us, pct_roofline=pct,
+                             rel_err_vs_direct=err, deterministic=same, detail=extra.strip()))
+            timing = "" if us is None else f"{us:8.1f} us {pct:6.1f}%"
+            print(f"{cell.preset:18s} M={cell.tokens:<3d} {label:34s} {timing}  rel err {err:.1e}  repeat equal "
+                  f"{same}{extra}", flush=True)
+            if not err <= cell.tolerance or not same:
+                print("  ^ MISMATCH", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,

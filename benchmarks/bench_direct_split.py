@@ -138,10 +138,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.backends.triton.experts import triton_experts
-    from fusedmoe.bench import check_and_time, preset_shapes, random_expert_weights
-    from fusedmoe.presets import get_preset
-    from fusedmoe.routing import select_experts
+    from fusedmoe.bench import check_and_time, decode_cells, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
@@ -150,51 +147,35 @@ def main() -> int:
     variants = ([(2, True, 16, 32, 2), (2, False, 16, 32, 2), (3, True, 32, 16, 2)] if smoke else
                 [(s, last, n, 256, 4) for s, last, n in itertools.product((2, 4, 8), (True, False), (16, 32, 64))])
     if not smoke:
-        from fusedmoe.bench import measure_ceilings, roofline
+        from fusedmoe.bench import measure_ceilings
 
         ceilings = measure_ceilings(device)
         print(f"{ceilings.device}: {ceilings.bandwidth / 1e12:.2f} TB/s")
     rows = []
     counters = torch.zeros(1 << 16, dtype=torch.int32, device=device)  # self-resetting tile counters
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        ws = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
-              for _ in range(copies)]
-        for tokens in ([3] if smoke else [int(t) for t in args.tokens.split(",")]):
-            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
-
-            def lib(direct, ws=ws, x=x, topk_w=topk_w, ids=ids, act=act, E=E):
-                return [lambda c=c: triton_experts(x, c[0], c[1], topk_w, ids, None, None, None, E, act, False,
-                                                   1.702, None, direct=direct) for c in ws]
-
-            ref = lib(True)[0]()
-            cells = [("aligned", lib(False)), ("direct", lib(True))]
-            for split, last, bn, bk, st in variants:
-                if split > K:
-                    continue
-                label = f"split{split}-{'last' if last else 'pass'}-{bn}x{bk}"
-                cells.append((label, [lambda c=c, s=split, la=last, bn=bn, bk=bk, st=st, x=x, tw=topk_w, ids=ids, act=act:
-                                      split_call(x, c[0], c[1], tw, ids, act, s, la, bn, bk, st, counters)
-                                      for c in ws]))
-            for label, calls in cells:
-                try:
-                    us, err, same = check_and_time(calls, ref, timed=not smoke)
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
-                    continue
-                pct = None
-                if us is not None:
-                    preset = get_preset(name)
-                    _, _, t_roof, _ = roofline(preset, tokens, int(torch.unique(ids).numel()), inter, ceilings)
-                    pct = 100 * t_roof / (us * 1e-6)
-                rows.append(dict(preset=name, tokens=tokens, variant=label, us=us, pct_roofline=pct,
-                                 rel_err_vs_direct=err, deterministic=same))
-                timing = "" if us is None else f"{us:8.1f} us {pct:6.1f}%"
-                print(f"{name:18s} M={tokens:<3d} {label:24s} {timing}  rel err {err:.1e}  repeat equal {same}",
-                      flush=True)
-                if err > (2e-2 if dtype == torch.bfloat16 else 2e-3) or not same:
-                    print("  ^ MISMATCH")
+    tokens = [3] if smoke else [int(t) for t in args.tokens.split(",")]
+    for cell in decode_cells(shapes, tokens, device, dtype):
+        ref = cell.library(True)[0]()
+        cells = [("aligned", cell.library(False)), ("direct", cell.library(True))]
+        for split, last, bn, bk, st in variants:
+            if split > cell.top_k:
+                continue
+            label = f"split{split}-{'last' if last else 'pass'}-{bn}x{bk}"
+            cells.append((label, cell.per_copy(split_call, split, last, bn, bk, st, counters)))
+        for label, calls in cells:
+            try:
+                us, err, same = check_and_time(calls, ref, timed=not smoke)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                print(f"{cell.preset} M={cell.tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            pct = None if us is None else cell.pct_roofline(us, ceilings)
+            rows.append(dict(preset=cell.preset, tokens=cell.tokens, variant=label, us=us, pct_roofline=pct,
+                             rel_err_vs_direct=err, deterministic=same))
+            timing = "" if us is None else f"{us:8.1f} us {pct:6.1f}%"
+            print(f"{cell.preset:18s} M={cell.tokens:<3d} {label:24s} {timing}  rel err {err:.1e}  repeat equal "
+                  f"{same}", flush=True)
+            if err > cell.tolerance or not same:
+                print("  ^ MISMATCH")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,

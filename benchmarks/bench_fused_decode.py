@@ -139,10 +139,8 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.backends.triton.experts import pdl, triton_experts
-    from fusedmoe.bench import check_and_time, preset_shapes, random_expert_weights
-    from fusedmoe.presets import get_preset
-    from fusedmoe.routing import select_experts
+    from fusedmoe.backends.triton.experts import pdl
+    from fusedmoe.bench import check_and_time, decode_cells, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
@@ -150,56 +148,43 @@ def main() -> int:
     shapes = ({"smoke": (6, 4, 40, 24, "silu", 1)} if smoke else
               {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     if not smoke:
-        from fusedmoe.bench import measure_ceilings, roofline
+        from fusedmoe.bench import measure_ceilings
 
         ceilings = measure_ceilings(device)
         print(f"{ceilings.device}: {ceilings.bandwidth / 1e12:.2f} TB/s, PDL {use_pdl}", flush=True)
     rows = []
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        ws = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
-              for _ in range(copies)]
-        # I-major w2: the same values, rows of one intermediate index contiguous over H
-        ws_t = [(w13, w2.transpose(1, 2).contiguous().transpose(1, 2)) for w13, w2 in ws]
-        for tokens in ([3] if smoke else [int(t) for t in args.tokens.split(",")]):
-            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
-
-            def lib(direct, ws=ws, x=x, topk_w=topk_w, ids=ids, act=act, E=E):
-                return [lambda c=c: triton_experts(x, c[0], c[1], topk_w, ids, None, None, None, E, act, False,
-                                                   1.702, None, direct=direct) for c in ws]
-
-            ref = lib(True)[0]()
-            cells = [("aligned", lib(False)), ("direct", lib(True))]
-            for layout, wl in (("w2", ws), ("w2T", ws_t)):
-                for bi, sub, bk, bh, warps, stages, block in variants(smoke, inter):
-                    label = f"fused-{layout}-i{bi}x{sub}-k{bk}-h{bh}-w{warps}"
-                    cells.append((label, [lambda c=c, v=(bi, sub, bk, bh, warps, stages, block), x=x, tw=topk_w,
-                                          ids=ids, act=act: fused_call(x, c[0], c[1], tw, ids, act, *v, use_pdl)
-                                          for c in wl]))
-            cell_rows = []
-            for label, calls in cells:
-                try:
-                    us, err, same = check_and_time(calls, ref, timed=not smoke)
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
-                    continue
-                pct = None
-                if us is not None:
-                    _, _, t_roof, _ = roofline(get_preset(name), tokens, int(torch.unique(ids).numel()), inter,
-                                               ceilings)
-                    pct = 100 * t_roof / (us * 1e-6)
-                bad = err > (2e-2 if dtype == torch.bfloat16 else 2e-3) or not same
-                cell_rows.append(dict(preset=name, tokens=tokens, variant=label, us=us, pct_roofline=pct,
-                                      rel_err_vs_direct=err, deterministic=same, mismatch=bad))
-            rows += cell_rows
-            ranked = sorted(cell_rows, key=lambda r: (r["us"] is None, r["us"] or 0))
-            shown = [r for r in ranked if not r["variant"].startswith("fused")] + \
-                [r for r in ranked if r["variant"].startswith("fused")][:args.top]
-            for r in shown + [r for r in cell_rows if r["mismatch"]]:
-                timing = "" if r["us"] is None else f"{r['us']:8.1f} us {r['pct_roofline']:6.1f}%"
-                print(f"{name:18s} M={tokens:<3d} {r['variant']:34s} {timing}  rel err {r['rel_err_vs_direct']:.1e}"
-                      f"  repeat equal {r['deterministic']}{'  MISMATCH' if r['mismatch'] else ''}", flush=True)
+    i_major = {}  # per shape: w2 I-major (the same values, rows of one intermediate index contiguous over H)
+    tokens = [3] if smoke else [int(t) for t in args.tokens.split(",")]
+    for cell in decode_cells(shapes, tokens, device, dtype):
+        if cell.preset not in i_major:
+            i_major[cell.preset] = [(w13, w2.transpose(1, 2).contiguous().transpose(1, 2)) for w13, w2 in cell.weights]
+        ref = cell.library(True)[0]()
+        cells = [("aligned", cell.library(False)), ("direct", cell.library(True))]
+        for layout, wl in (("w2", cell.weights), ("w2T", i_major[cell.preset])):
+            for v in variants(smoke, cell.inter):
+                bi, sub, bk, bh, warps, _, _ = v
+                label = f"fused-{layout}-i{bi}x{sub}-k{bk}-h{bh}-w{warps}"
+                cells.append((label, cell.per_copy(fused_call, *v, use_pdl, weights=wl)))
+        cell_rows = []
+        for label, calls in cells:
+            try:
+                us, err, same = check_and_time(calls, ref, timed=not smoke)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                print(f"{cell.preset} M={cell.tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            pct = None if us is None else cell.pct_roofline(us, ceilings)
+            bad = err > cell.tolerance or not same
+            cell_rows.append(dict(preset=cell.preset, tokens=cell.tokens, variant=label, us=us, pct_roofline=pct,
+                                  rel_err_vs_direct=err, deterministic=same, mismatch=bad))
+        rows += cell_rows
+        ranked = sorted(cell_rows, key=lambda r: (r["us"] is None, r["us"] or 0))
+        shown = [r for r in ranked if not r["variant"].startswith("fused")] + \
+            [r for r in ranked if r["variant"].startswith("fused")][:args.top]
+        for r in shown + [r for r in cell_rows if r["mismatch"]]:
+            timing = "" if r["us"] is None else f"{r['us']:8.1f} us {r['pct_roofline']:6.1f}%"
+            print(f"{cell.preset:18s} M={cell.tokens:<3d} {r['variant']:34s} {timing}  rel err "
+                  f"{r['rel_err_vs_direct']:.1e}  repeat equal {r['deterministic']}"
+                  f"{'  MISMATCH' if r['mismatch'] else ''}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,

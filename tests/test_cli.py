@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -179,6 +180,35 @@ def test_bench_check_and_time_reports_error_and_repeatability():
     assert us is None and abs(err - 0.01) < 1e-6 and same
     calls = iter([ref, ref + 1])  # two calls that differ: not repeatable
     assert check_and_time([lambda: next(calls)], ref, timed=False) == (None, 0.0, False)
+    # poison: on around the two checked calls, off after them (a buffer the variant never writes
+    # keeps its NaN, so the error shows it)
+    state, seen = {"on": False}, []
+    buf = ref.clone()
+
+    def variant():
+        seen.append(state["on"])
+        return buf
+
+    def poison(on):
+        state["on"] = on
+        if on:
+            buf.fill_(float("nan"))
+
+    us, err, same = check_and_time([variant], ref, timed=False, poison=poison)
+    assert seen == [True, True] and not state["on"] and math.isnan(err)
+
+
+def test_decode_cells_draw_weights_once_per_shape():
+    import torch
+
+    from fusedmoe.bench import decode_cells
+
+    cells = list(decode_cells({"tiny": (6, 2, 16, 8, "silu", 2)}, [1, 3], torch.device("cpu"), torch.float32))
+    assert [c.tokens for c in cells] == [1, 3] and len(cells[0].weights) == 2
+    assert cells[0].weights is cells[1].weights and cells[1].topk_ids.shape == (3, 2)
+    out = cells[1].library(True)[0]
+    assert callable(out) and len(cells[1].per_copy(lambda *a: a[0])) == 2
+    assert cells[0].tolerance == 2e-3
 
 
 def test_bench_roofline_takes_the_8bit_ceiling_for_w8a8():

@@ -181,14 +181,86 @@ def bench_scheme(backend: str, quant: str | None) -> str:
 
 
 def check_and_time(calls: Sequence[Callable[[], torch.Tensor]], ref: torch.Tensor, *,
-                   timed: bool = True) -> tuple[float | None, float, bool]:
+                   timed: bool = True, poison: Callable[[bool], None] | None = None) -> tuple[float | None, float, bool]:
     """One kernel variant of a prototype benchmark: (us per call by `time_rotated`, None when not
     `timed`; relative Frobenius error of calls[0]() against `ref`; whether two calls of it are
-    bitwise equal)."""
+    bitwise equal). `poison(True)` before the two checked calls (e.g. NaN-fill the variant's
+    buffers so an unwritten element shows), `poison(False)` before timing."""
+    if poison:
+        poison(True)
     out, again = calls[0](), calls[0]()
+    if poison:
+        poison(False)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     us = time_rotated(calls) * 1e6 if timed else None
     return us, err, bool(torch.equal(out, again))
+
+
+@dataclass
+class DecodeCell:
+    """One (preset, token count) of the decode prototype benchmarks (benchmarks/bench_direct_split.py,
+    bench_fused_decode.py, bench_coop_decode.py): random inputs, the rotated (w13, w2) copies and
+    the library's calls on them (unquantized, no bias, routed weight on the output)."""
+
+    preset: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    activation: str
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    weights: list
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def tolerance(self) -> float:
+        """The relative error a variant may show against the library (bf16 / fp16 rounding)."""
+        return 2e-2 if self.x.dtype == torch.bfloat16 else 2e-3
+
+    def per_copy(self, fn: Callable[..., torch.Tensor], *args, weights: list | None = None) -> list:
+        """One call per weight copy (or per entry of `weights`): fn(x, w13, w2, topk_weights,
+        topk_ids, activation, *args)."""
+        return [lambda c=c: fn(self.x, c[0], c[1], self.topk_weights, self.topk_ids, self.activation, *args)
+                for c in (self.weights if weights is None else weights)]
+
+    def library(self, direct: bool | None) -> list[Callable[[], torch.Tensor]]:
+        """triton_experts per weight copy (direct: the path; None: the library's plan)."""
+        from fusedmoe.activations import SWIGLUOAI_ALPHA
+        from fusedmoe.backends.triton.experts import triton_experts
+
+        def call(x, w13, w2, topk_w, ids, act):
+            return triton_experts(x, w13, w2, topk_w, ids, None, None, None, self.experts, act, False,
+                                  SWIGLUOAI_ALPHA, None, direct=direct)
+
+        return self.per_copy(call)
+
+    def pct_roofline(self, us: float, ceilings: Ceilings) -> float:
+        from fusedmoe.presets import get_preset
+
+        touched = int(torch.unique(self.topk_ids).numel())
+        _, _, t_roof, _ = roofline(get_preset(self.preset), self.tokens, touched, self.inter, ceilings)
+        return 100 * t_roof / (us * 1e-6)
+
+
+def decode_cells(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.device,
+                 dtype: torch.dtype):
+    """DecodeCells for {name: (experts, top_k, hidden, inter, activation, copies)} at each token
+    count: weights drawn once per shape (seed 0), then each count's tokens and routing."""
+    from fusedmoe.routing import select_experts
+
+    for name, (E, K, H, inter, act, copies) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        weights = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
+                   for _ in range(copies)]
+        for t in tokens:
+            x = torch.randn(t, H, device=device, generator=g).to(dtype)
+            topk_w, ids = select_experts(x, torch.randn(t, E, device=device, generator=g), K)
+            yield DecodeCell(name, E, K, H, inter, act, x, topk_w, ids, weights)
 
 
 def quant_backend(scheme: str | None) -> str:

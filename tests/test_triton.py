@@ -892,10 +892,7 @@ def test_batched_launch_packs_live_blocks():
     assert slots[2:5].flatten().tolist() == list(range(80, 120)) + [sentinel] * 8
     assert slots[5].tolist() == [120] + [sentinel] * 15
     assert (slots[6:] == sentinel).all()
-    want_ok = torch.zeros(L, M, dtype=torch.int8)
-    for e, n in enumerate((17, 0, 40, 1)):
-        want_ok[e, :n] = 1
-    assert torch.equal(launch.slot_ok, want_ok.flatten())
+    assert launch.slot_ok is None  # the batched layout has no top-k reduce to read slot flags
 
 
 def test_batched_end_to_end_through_modular():

@@ -666,7 +666,8 @@ class Launch:
 
     Direct (decode, `prepare_direct_launch`): no alignment; sorted_slot / block_expert / num_rows
     / slot_ok / y are None, `ids` holds the flat top-k ids, a's rows are slots, and GEMM2 writes
-    the output itself (`launch_gemm2_direct`).
+    the output itself (`launch_gemm2_direct`). Batched (`prepare_batched_launch`): y is the
+    output and slot_ok None (no top-k reduce reads it).
     """
 
     x: torch.Tensor
@@ -1100,13 +1101,12 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     valid = (blocks[:, None] < ends[-1]) & (j < counts[block_expert][:, None])
     sorted_slot = torch.where(valid, block_expert[:, None] * max_tokens + j, num_slots).flatten().to(torch.int32)
     num_rows = (ends[-1:] * block_m).to(torch.int32)
-    slot_ok = (torch.arange(max_tokens, device=device) < counts[:, None]).flatten().to(torch.int8)
     # Zeros: gemm2 writes live rows only, so the rows past each count stay 0 without a masking
     # pass over y (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
     y = torch.zeros(num_slots, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
         x_LMH.reshape(num_slots, hidden), torch.empty(0, device=device), sorted_slot, block_expert.to(torch.int32),
-        num_rows, slot_ok, torch.empty(rows, inter, dtype=a_dtype, device=device), y,
+        num_rows, None, torch.empty(rows, inter, dtype=a_dtype, device=device), y,  # no top-k reduce: no slot flags
         1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
     return launch

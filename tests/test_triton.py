@@ -895,6 +895,16 @@ def test_batched_launch_packs_live_blocks():
     assert launch.slot_ok is None  # the batched layout has no top-k reduce to read slot flags
 
 
+@pytest.mark.parametrize("counts", [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([1., 2, 3, 4]),
+                                    torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)])
+def test_batched_counts_are_checked_before_any_launch(counts):
+    from fusedmoe.backends.triton.experts import triton_batched_experts
+
+    x, w13, w2 = torch.randn(4, 8, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    with pytest.raises(ValueError, match=r"one integer count per local expert on cpu: shape \(4,\)"):
+        triton_batched_experts(x, counts, w13, w2, None, None, "silu", 1.702, None)
+
+
 def test_batched_end_to_end_through_modular():
     """dispatch -> batched kernels -> combine equals the contiguous result (expert_map included)."""
     from fusedmoe.backends.triton.experts import BatchedTritonExperts

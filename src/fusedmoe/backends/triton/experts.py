@@ -1064,6 +1064,13 @@ def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_lim
     `tiles(problem)` picks, then y [L, max_tokens, H] (zero past each count). `a_dtype`: the
     intermediate's dtype (default x's)."""
     num_local, max_tokens, hidden = x_LMH.shape
+    if tuple(num_tokens_L.shape) != (num_local,) or num_tokens_L.dtype.is_floating_point \
+            or num_tokens_L.dtype == torch.bool or num_tokens_L.device != x_LMH.device:
+        # checked before any launch: the row packing indexes the counts by expert on the device
+        raise ValueError(
+            f"num_tokens must be one integer count per local expert on {x_LMH.device}: shape ({num_local},), "
+            f"got shape {tuple(num_tokens_L.shape)} {num_tokens_L.dtype} on {num_tokens_L.device}"
+        )
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
     problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation), x_LMH.dtype)

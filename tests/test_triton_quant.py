@@ -118,6 +118,42 @@ def test_quantize_activation_errors():
         quantize_activation(torch.randn(2, 128), KEYS["fp8-tensor-static"], torch.ones(3))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_per_tensor_codes_per_aligned_row_match_torch(static):
+    """fp8_w8a8_tensor's x codes: one row per aligned slot, quantized with its expert's scale
+    (the amax over the expert's tokens, router weight applied, / 448; or the static scale), bit
+    for bit as torch computes them; padding rows hold code 0 and scale 0."""
+    from fusedmoe.backends.triton.quant import prepare_quant_launch
+    from fusedmoe.quant.formats import absmax_scale, fp8_quantize
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, E = 7, 200, 5
+    x = _activation_rows(H, 11)
+    ids = torch.tensor([[0, 3], [3, 2], [0, 3], [4, 3], [3, 0], [2, 4], [0, 2]], dtype=torch.int32)
+    weights = torch.rand(T, 1, generator=gen).expand(T, 1)  # K = 1 for router weight on input
+    ids, weights = ids[:, :1].contiguous(), weights.contiguous()
+    static_scale = torch.rand(E, generator=gen) + 0.1 if static else None
+    q = prepare_quant_launch(x, weights, ids, None, E, E, 32, "silu", True, 1.0, None,
+                             SCHEMES["fp8_w8a8_tensor_static" if static else "fp8_w8a8_tensor"], static_scale, 16)
+    L = q.L
+    rows = int(L.num_rows)
+    slots = L.sorted_slot[:rows].long()
+    experts = L.block_expert[torch.arange(rows) // L.block_m].long()
+    live = slots < T
+    xw = x * weights.reshape(-1, 1)
+    if static:
+        scale_e = static_scale
+    else:
+        amax = torch.stack([xw[ids[:, 0] == e].abs().amax() if (ids == e).any() else torch.tensor(0.0)
+                            for e in range(E)])
+        scale_e = absmax_scale(amax, 448.0)
+    want_scales = torch.where(live, scale_e[experts], torch.zeros(()))
+    assert torch.equal(q.x_scales[:rows, 0], want_scales)
+    want = fp8_quantize(xw[slots[live]], want_scales[live].unsqueeze(1)).float()
+    assert torch.equal(q.x_in[:rows][live].float(), want)
+    assert (q.x_in[:rows][~live].float() == 0).all()
+
+
 # The experts ---------------------------------------------------------------------------------
 MODES = ["fp8_w8a8_tensor", "fp8_w8a8_channel", "fp8_w8a8_block"]  # one scheme per scale mode
 CASES = [  # (case, schemes): the paths each case exercises differently

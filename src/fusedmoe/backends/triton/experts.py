@@ -39,7 +39,9 @@ assert set(ACT_CODES) == set(ACTIVATIONS)
 
 
 # W8A8 scale modes of the GEMM kernels, keyed by the weight granularity: keep in sync with kernels.Q_*.
-W8A8_QUANT_CODES = {"tensor": 1, "channel": 2, "block": 3}
+# Per-tensor runs the per-channel mode: its codes carry a scale per aligned row (the expert's),
+# its weight scale is read at channel stride 0.
+W8A8_QUANT_CODES = {"tensor": 2, "channel": 2, "block": 3}
 GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
 # Which alignment, from benchmarks/bench_align.py on an H200 (us per call, CUDA graph, E = 8..256):
 #   N      small      chunked    multi      torch
@@ -858,7 +860,7 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
 
 def _ieee(operand: torch.Tensor, quant_args: dict | None) -> bool:
     """fp32 operands take exact fp32 products (not TF32), unless a W8A8 mode feeds 8-bit codes to
-    tl.dot (also when a per-tensor mode quantizes fp32 x on load)."""
+    tl.dot."""
     return operand.dtype == torch.float32 and (quant_args or {}).get("QUANT", 0) not in W8A8_QUANT_CODES.values()
 
 

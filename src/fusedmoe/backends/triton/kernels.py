@@ -19,9 +19,11 @@ W_DESC loads the weight tiles through a host TensorDescriptor over w13 / w2 view
 by token and stay on pointers. Off, the pointer loads below are unchanged.
 
 W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
-per-tensor/channel/token scales multiply the accumulator after the K loop, 128x128 block scales
-each K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, or are made on
-load (Q_TENSOR: one scale per expert). Host side: quant.py.
+per-channel/token scales multiply the accumulator after the K loop, 128x128 block scales each
+K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, written before the
+GEMM (per-tensor: one scale per expert, so x's codes are made per sorted row and gemm1 reads
+them by row, X_SORTED; the scales run as Q_CHANNEL's, a per-row scale times a weight scale
+broadcast over the channels). Host side: quant.py.
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
@@ -59,8 +61,8 @@ ACT_RELU2_NO_MUL = tl.constexpr(6)
 
 # W8A8 scale modes (constexpr): keep in sync with experts.W8A8_QUANT_CODES.
 Q_NONE = tl.constexpr(0)
-Q_TENSOR = tl.constexpr(1)  # A quantized on load with one scale per expert; w one scale per expert
-Q_CHANNEL = tl.constexpr(2)  # A codes with a scale per row (token); w a scale per output channel
+Q_CHANNEL = tl.constexpr(2)  # A codes with a scale per row (token, or sorted row); w a scale per
+# output channel (per-tensor W8A8: the expert's one scale, at channel stride 0)
 Q_BLOCK = tl.constexpr(3)  # A codes with a scale per row and 128 columns; w per 128x128 block
 Q_W8 = tl.constexpr(4)  # weight-only: fp8 / int8 w, a scale per output channel; A unquantized
 Q_W4 = tl.constexpr(5)  # weight-only: 4-bit codes two per byte, a scale per group of W_GROUP k
@@ -353,15 +355,6 @@ def _gemm1_epilogue(acc_g, acc_u, slot, row_ok, expert, offs_n, n_ok, b13_ptr, t
 
 
 @triton.jit
-def _load_scale(ptr, STATIC: tl.constexpr):
-    """A per-tensor activation scale: the value itself (static) or the scale of an amax."""
-    value = tl.load(ptr).to(tl.float32)
-    if not STATIC:
-        value = _scale_of(value, FP8_MAX)
-    return value
-
-
-@triton.jit
 def _direct_slot(ids_ptr, emap_ptr, pid, num_slots, num_global, num_local, HAS_MAP: tl.constexpr,
                  BLOCK_M: tl.constexpr):
     """DIRECT row block `pid` = slot pid alone: (its local expert, num_local when it has none;
@@ -390,14 +383,15 @@ def moe_gemm1_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # W8A8: x scales (Q_TENSOR [L] amax or static, Q_CHANNEL [T], Q_BLOCK [T, H/128]), w13 scales
-    # ([L], [L, G], [L, G/128, H/128]); FUSE_AQ also quantizes the output per 1x128 (aq, a_s).
+    # W8A8: x scales (Q_CHANNEL [T], or [R] with X_SORTED; Q_BLOCK [T, H/128]), w13 scales
+    # ([L, G], [L] at channel stride 0, [L, G/128, H/128]); FUSE_AQ also quantizes the output
+    # per 1x128 (aq, a_s). X_SORTED: x is [R, H], read by sorted row instead of token.
     # Weight-only: Q_W8 ws [L, G]; Q_W4 ws [L, G, H / W_GROUP], w13 bytes [L, G, H / 2], nvfp4
     # global scales wgs [L].
     xs_ptr=None, ws_ptr=None, aq_ptr=None, as_ptr=None,
     stride_xs0=0, stride_xs1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
-    QUANT: tl.constexpr = 0, X_STATIC: tl.constexpr = False, X_ROW_W: tl.constexpr = False,
+    QUANT: tl.constexpr = 0, X_SORTED: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
     UP_UNIFORM: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
@@ -435,14 +429,17 @@ def moe_gemm1_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         slot = tl.load(sorted_slot_ptr + rows)
         row_ok = slot < num_slots
-    token = (slot // top_k).to(tl.int64)
+    if X_SORTED:  # noqa: SIM108 (constexpr branch)
+        x_row = rows.to(tl.int64)
+    else:
+        x_row = (slot // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, hidden)
 
-    x_ptrs = x_ptr + token[:, None] * stride_xt + (k_start + offs_k)[None, :] * stride_xh
+    x_ptrs = x_ptr + x_row[:, None] * stride_xt + (k_start + offs_k)[None, :] * stride_xh
     if W_DESC:
         w_row = (expert * (2 * inter if GATED else inter) + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -451,10 +448,6 @@ def moe_gemm1_kernel(
         wu_ptrs = wg_ptrs + inter * stride_wn
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    if QUANT == Q_TENSOR:
-        x_scale = _load_scale(xs_ptr + expert * stride_xs0, X_STATIC)
-        if X_ROW_W:  # router weight on input, applied before quantizing (as the reference)
-            row_w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
     if ACC_INT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -463,7 +456,7 @@ def moe_gemm1_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if QUANT == Q_W4:  # pointers of byte j (k = 2j, 2j + 1) and of its group scale, from k0
         offs_j = tl.arange(0, BLOCK_K // 2)
-        x_rows = x_ptr + token[:, None] * stride_xt
+        x_rows = x_ptr + x_row[:, None] * stride_xt
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -489,11 +482,6 @@ def moe_gemm1_kernel(
         else:
             k_ok = offs_k < k_end - k0
             xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if QUANT == Q_TENSOR:
-                xf = xa.to(tl.float32)
-                if X_ROW_W:
-                    xf = xf * row_w[:, None]
-                xa = _quantize(xf, x_scale, False, SOFT_FP8).to(w13_ptr.dtype.element_ty)
             if W_DESC:
                 wg = w13_ptr.load([w_row, k0]).T
             else:
@@ -504,7 +492,7 @@ def moe_gemm1_kernel(
                 # and so does the N tile (BLOCK_N divides 128): one weight scale per step, a
                 # scalar; the up half's too when I is a multiple of BLOCK_N (UP_UNIFORM)
                 kb = k0 // 128
-                sx = tl.load(xs_ptr + token * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
+                sx = tl.load(xs_ptr + x_row * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
                 sg = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
                 acc_g += tl.dot(xa, wg) * (sx * sg)[:, None]
             else:
@@ -533,12 +521,8 @@ def moe_gemm1_kernel(
                 wu_ptrs += BLOCK_K * stride_wh
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
 
-    if QUANT == Q_TENSOR:
-        scale = x_scale * tl.load(ws_base).to(tl.float32)
-        acc_g = acc_g * scale
-        acc_u = acc_u * scale
-    elif QUANT == Q_CHANNEL:
-        sx = tl.load(xs_ptr + token * stride_xs0, mask=row_ok, other=0.0)[:, None]
+    if QUANT == Q_CHANNEL:
+        sx = tl.load(xs_ptr + x_row * stride_xs0, mask=row_ok, other=0.0)[:, None]
         sg = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_g = acc_g.to(tl.float32) * sx * sg
         if GATED:
@@ -638,13 +622,12 @@ def moe_gemm2_kernel(
     stride_ys, stride_yh,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # W8A8: a scales (Q_TENSOR [L] amax or static, Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted
-    # rows), w2 scales ([L], [L, H], [L, H/128, I/128]). Q_TENSOR reads a in fp32 and quantizes it.
+    # W8A8: a scales (Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted rows), w2 scales ([L, H], [L]
+    # at channel stride 0, [L, H/128, I/128]).
     # Weight-only: as in moe_gemm1_kernel (ws [L, H] or [L, H, I / W_GROUP], w2 bytes [L, H, I / 2]).
     as_ptr=None, ws_ptr=None,
     stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
-    QUANT: tl.constexpr = 0, A_STATIC: tl.constexpr = False, ACC_INT: tl.constexpr = False,
-    SOFT_FP8: tl.constexpr = False,
+    QUANT: tl.constexpr = 0, ACC_INT: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -680,8 +663,6 @@ def moe_gemm2_kernel(
                   + offs_k[:, None] * stride_wi)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    if QUANT == Q_TENSOR:
-        a_scale = _load_scale(as_ptr + expert * stride_as0, A_STATIC)
     if ACC_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -708,8 +689,6 @@ def moe_gemm2_kernel(
                 aa = a_ptr.load([pid_m * BLOCK_M, k0])
             else:
                 aa = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if QUANT == Q_TENSOR:
-                aa = _quantize(aa.to(tl.float32), a_scale, False, SOFT_FP8).to(w2_ptr.dtype.element_ty)
             if W_DESC:
                 ww = w2_ptr.load([w_row, k0]).T
             else:
@@ -729,9 +708,7 @@ def moe_gemm2_kernel(
                 w_ptrs += BLOCK_K * stride_wi
     _pdl_release(PDL)
 
-    if QUANT == Q_TENSOR:
-        acc = acc * (a_scale * tl.load(ws_base).to(tl.float32))
-    elif QUANT == Q_CHANNEL:
+    if QUANT == Q_CHANNEL:
         sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
         sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc.to(tl.float32) * sa[:, None] * sw[None, :]

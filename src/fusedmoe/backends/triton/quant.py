@@ -7,7 +7,9 @@ one for the quantized schemes in the batched layout.
     (prepare_quant_launch -> launch_quant_gemm1 -> launch_quant_gemm2: the tuner times them apart)
 The activations are quantized exactly where and how the `emulation` backend fake-quantizes them:
     fp8_w8a8_tensor(_static)  one scale per local expert: amax of its rows (an atomic max over the
-                              aligned rows) or the static a13/a2 scale; GEMMs quantize on load
+                              aligned rows) or the static a13/a2 scale; codes per aligned row
+                              (quantize_expert_rows_kernel) with the expert's scale per row, so
+                              the GEMMs run the per-channel path (weight scale at stride 0)
     fp8_w8a8_channel, int8    one scale per token (x) / per aligned row (a): quantize_rows_kernel
     fp8_w8a8_block            1x128 groups; GEMM1 quantizes its output in the epilogue when its
                               N tile is one group (BLOCK_N 128, no split-K), else a separate pass
@@ -285,13 +287,10 @@ class QuantLaunch:
     L: Launch
     scheme: QuantScheme
     num_local: int
-    x_in: torch.Tensor  # codes, or (tensor) x itself, quantized in GEMM1's loads
-    x_scales: torch.Tensor
-    x_static: bool
-    x_row_w: bool  # (tensor) GEMM1 scales x rows by the routed weight before quantizing
+    x_in: torch.Tensor  # codes per token, or (tensor) per aligned row
+    x_scales: torch.Tensor  # per token / group, or (tensor) per aligned row
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
-    a_static: bool = False
 
 
 def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -315,15 +314,14 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:
-    """x's codes per token / group, or (tensor) one scale per expert (GEMM1 quantizes on load).
+    """x's codes per token / group, or (tensor) per aligned row with its expert's scale.
     Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
     x_TH = L.x
     if scheme.weight.granularity == "tensor":
-        x_static = a13_scale is not None
-        x_scales = _per_expert(a13_scale, num_local) if x_static else _expert_amax(L, x_TH, row_w, num_local, gather=True)
-        return QuantLaunch(L, scheme, num_local, x_TH, x_scales, x_static, row_w is not None)
+        x_in, x_scales = _quantize_expert_rows(L, x_TH, a13_scale, row_w, num_local, gather=True)
+        return QuantLaunch(L, scheme, num_local, x_in, x_scales)
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales, False, False)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
 def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfig, a2_scale=None) -> None:
@@ -333,11 +331,11 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     L, gran, akey = q.L, q.scheme.weight.granularity, q.scheme.activation
     a, device = L.a, L.a.device
     rows, inter = a.shape
-    soft = _soft_fp8(device)
-    xs_strides = (q.x_scales.stride(0), 0 if gran == "tensor" else q.x_scales.stride(1))
+    tensor = gran == "tensor"
+    xs_strides = (q.x_scales.stride(0), 0 if tensor else q.x_scales.stride(1))
     fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1
     a_codes = a_scales = None
-    if gran != "tensor":
+    if not tensor:
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
@@ -345,15 +343,12 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
                  stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
     launch_gemm1(L, w13, w13_bias, tile, dict(
         xs_ptr=q.x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
-        **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_STATIC=q.x_static,
-        X_ROW_W=q.x_row_w, ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=soft, FUSE_AQ=fuse, **fused,
+        **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
+        ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
     ), x=q.x_in)
-    if gran == "tensor":
-        q.a_static = a2_scale is not None
-        q.a_in = a
-        q.a_scales = (_per_expert(a2_scale, q.num_local) if q.a_static
-                      else _expert_amax(L, a, None, q.num_local, gather=False))
+    if tensor:
+        q.a_in, q.a_scales = _quantize_expert_rows(L, a, a2_scale, None, q.num_local, gather=False)
         return
     if not fuse:
         group = inter if gran == "channel" else ACT_GROUP
@@ -367,8 +362,8 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig) 
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
     launch_gemm2(q.L, w2, w2_bias, tile, dict(
         as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-        **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], A_STATIC=q.a_static,
-        ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device),
+        **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
+        ACC_INT=q.scheme.weight.dtype == "int8",
     ), a=q.a_in)
 
 
@@ -461,6 +456,31 @@ def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, num_loc
         BLOCK_K=min(256 if L.block_m <= 32 else 64, triton_next_pow2(x.shape[1])), num_warps=4,
     )
     return amax
+
+
+def _quantize_expert_rows(L: Launch, x: torch.Tensor, static_scale: torch.Tensor | None,
+                          row_w: torch.Tensor | None, num_local: int, *, gather: bool):
+    """Per-tensor fp8 codes [R, K] of x's rows in aligned order (tokens when gather, else the
+    aligned rows themselves) and their scales [R, 1]: the expert's static scale, or the amax of
+    its rows / 448. Scales per row let the GEMMs run the per-channel path."""
+    from fusedmoe.backends.triton import quant_kernels
+
+    if static_scale is not None:
+        scale, static = _per_expert(static_scale, num_local), True
+    else:
+        scale, static = _expert_amax(L, x, row_w, num_local, gather=gather), False
+    rows, width = L.sorted_slot.numel(), x.shape[1]
+    codes = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block_k = min(max(16, 8192 // L.block_m), triton_next_pow2(width))  # ~8k elements a program
+    quant_kernels.quantize_expert_rows_kernel[(rows // L.block_m, triton_cdiv(width, block_k))](
+        x, codes, scales, scale, row_w if row_w is not None else scale, L.sorted_slot, L.block_expert,
+        L.num_rows, L.y.shape[0], L.top_k, width, scale.stride(0), x.stride(0), x.stride(1),
+        codes.stride(0), codes.stride(1),
+        GATHER=gather, HAS_ROW_W=row_w is not None, STATIC=static, SOFT_FP8=_soft_fp8(x.device),
+        BLOCK_M=L.block_m, BLOCK_K=block_k, num_warps=4,
+    )
+    return codes, scales
 
 
 def _weight_scale_strides(scale: torch.Tensor, granularity: str) -> dict:

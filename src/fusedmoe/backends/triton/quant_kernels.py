@@ -4,6 +4,8 @@ the host side is quant.py, the GEMMs that consume the codes are in kernels.py).
     rows:  s[r, g] = amax(|x[r, group g]| (* w[r])) / qmax;  q[r, k] = code(x[r, k] (* w[r]) / s[r, g])
            (per token: one group = the whole row; per group: 1x128, DeepSeek-V3) or a given scale
     amax:  amax[e] = max |x[row(r)] (* w[slot(r)])| over the sorted rows r of local expert e
+    expert rows: q[r, k] = code(x[row(r), k] (* w[slot(r)]) / s[e]), s[e] = amax[e] / qmax or
+           static (per-tensor fp8: one scale per local expert, codes per sorted row)
 code(v): fp8 e4m3 = cast(clamp(v, +-448)), round to nearest even; int8 = round half to even,
 clamp to [-128, 127]; scales of all-zero groups are 1. The same arithmetic as
 `fusedmoe.quant.formats` (true division, as torch does), so the codes match it bit for bit.
@@ -175,3 +177,47 @@ def expert_amax_kernel(
             x = x * w[:, None]
         amax = _max_nan(amax, tl.abs(x))
     tl.atomic_max(amax_ptr + expert, tl.reduce(tl.reduce(amax, 1, _max_nan), 0, _max_nan))
+
+
+@triton.jit
+def quantize_expert_rows_kernel(
+    x_ptr, q_ptr, s_ptr, scale_ptr, row_w_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, top_k, width, stride_scale,
+    stride_xr, stride_xk, stride_qr, stride_qk,
+    GATHER: tl.constexpr, HAS_ROW_W: tl.constexpr, STATIC: tl.constexpr, SOFT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Per-tensor fp8 codes per sorted row: q[r, k] = code(x[row(r), k] (* w[slot(r)]) / s[e])
+    and s_out[r] = s[e], for the rows r of row block program_id(0) (local expert e) and the
+    BLOCK_K columns program_id(1).
+
+    s[e] = scale[e] (STATIC) or amax[e] / 448 (expert_amax_kernel's output). GATHER: x rows are
+    tokens (row = slot // top_k), else sorted rows. Padding rows get code 0 and scale 0; blocks
+    past the aligned row count are skipped (no GEMM reads them).
+    """
+    pid = tl.program_id(0)
+    if pid * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    if GATHER:  # noqa: SIM108 (constexpr branch)
+        src = (slot // top_k).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    scale = tl.load(scale_ptr + expert * stride_scale).to(tl.float32)
+    if not STATIC:
+        scale = _scale_of(scale, FP8_MAX)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs < width
+    x = tl.load(x_ptr + src[:, None] * stride_xr + offs[None, :] * stride_xk,
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_ROW_W:  # router weight on input: quantize w * x, as the reference does
+        x = x * tl.load(row_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    q = tl.where(row_ok[:, None], _quantize(x, scale, False, SOFT_FP8), 0.0)
+    rows64 = rows.to(tl.int64)
+    tl.store(q_ptr + rows64[:, None] * stride_qr + offs[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty),
+             mask=k_ok[None, :])
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + rows64, tl.where(row_ok, scale, 0.0))

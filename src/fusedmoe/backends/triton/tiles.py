@@ -75,7 +75,7 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
     feeds the even and odd columns of a K step to two dots of BLOCK_K / 2 >= 16, and a K step
     covers whole groups or lies in one (BLOCK_K a multiple or a divisor of the group), so a split
     K share starts on a group. Shared memory counts weights at their stored width (1 byte, 1/2
-    for "w4") and activations at 1 byte for W8A8 (4 for "tensor": the fp32 intermediate).
+    for "w4") and activations at 1 byte for W8A8.
     """
     if tile.split_k not in SPLIT_KS:
         return f"split_k={tile.split_k} must be one of {', '.join(map(str, SPLIT_KS))}"
@@ -113,7 +113,7 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
     if quant in WEIGHT_ONLY_MODES:
         b_size = 1 if quant == "w8" else 0.5
     elif quant is not None:
-        a_size, b_size = (4 if quant == "tensor" else 1), 1
+        a_size, b_size = 1, 1
     per_stage = int(tile.block_m * tile.block_k * a_size + operands * tile.block_k * tile.block_n * b_size)
     if per_stage * tile.num_stages > SMEM_BYTES:
         return (

@@ -154,6 +154,36 @@ def test_per_tensor_codes_per_aligned_row_match_torch(static):
     assert (q.x_in[:rows][~live].float() == 0).all()
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_per_tensor_intermediate_amax_skips_padding_rows(split_k):
+    """Dynamic per-tensor fp8: the intermediate's per-expert amax is taken where a is finished
+    (GEMM1's epilogue, or the split-K act kernel) over live rows only. Here the padding rows'
+    act(bias) exceeds every live row's (x > 0, w13 < 0, bias > 0), so counting them would show."""
+    from fusedmoe.backends.triton.quant import launch_quant_gemm1, prepare_quant_launch
+    from fusedmoe.quant.formats import FP8_DTYPE
+
+    gen = torch.Generator().manual_seed(9)
+    T, H, I, E, K = 5, 128, 64, 4, 2
+    x = torch.rand(T, H, generator=gen) + 0.5
+    w13 = (-torch.rand(E, 2 * I, H, generator=gen) * 0.5).to(FP8_DTYPE)
+    w13_scale = torch.full((E,), 0.05)
+    bias = torch.full((E, 2 * I), 3.0)
+    ids = torch.tensor([[0, 1], [1, 3], [3, 0], [1, 0], [0, 3]], dtype=torch.int32)
+    weights = torch.rand(T, K, generator=gen)
+    q = prepare_quant_launch(x, weights, ids, None, E, E, I, "silu", False, 1.0, None,
+                             SCHEMES["fp8_w8a8_tensor"], None, 16)
+    launch_quant_gemm1(q, w13, bias, w13_scale, TileConfig(16, 32, 64, 4, 1, split_k))
+    L = q.L
+    rows = int(L.num_rows)
+    live = L.sorted_slot[:rows].long() < T * K
+    experts = L.block_expert[torch.arange(rows) // L.block_m].long()
+    a = L.a[:rows].abs()
+    assert a[~live].max() > a[live].max()  # the case is what it claims
+    want = torch.stack([a[live & (experts == e)].max() if (live & (experts == e)).any() else torch.tensor(0.0)
+                        for e in range(E)])
+    assert torch.equal(q.a_amax, want)
+
+
 # The experts ---------------------------------------------------------------------------------
 MODES = ["fp8_w8a8_tensor", "fp8_w8a8_channel", "fp8_w8a8_block"]  # one scheme per scale mode
 CASES = [  # (case, schemes): the paths each case exercises differently

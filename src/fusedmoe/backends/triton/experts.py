@@ -758,7 +758,8 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
                  quant_args: dict | None = None, *, x: torch.Tensor | None = None) -> None:
     """GEMM1 (+ the split-K finish). quant_args: the kernel's quantization arguments (W8A8 in
-    quant.py, weight-only in weight_only.py); x: GEMM1's input when it is not L.x (W8A8 codes)."""
+    quant.py, weight-only in weight_only.py; the intermediate's amax, A_AMAX, goes to whichever
+    kernel finishes a); x: GEMM1's input when it is not L.x (W8A8 codes)."""
     from fusedmoe.backends.triton import kernels
 
     x, a = (L.x if x is None else x), L.a
@@ -780,6 +781,8 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     w_desc = tma_reasons(tile, w13, (2 if gated else 1) * inter, None, quant_args)[1] is None
     w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
     direct = L.direct_kwargs()
+    quant_args = dict(quant_args or {})
+    amax_args = {k: quant_args.pop(k) for k in ("amax_ptr", "A_AMAX") if k in quant_args}
     kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
         x, w_arg, bias, a, L.weights_N, hpart, *L.row_args(),
         L.num_slots, L.top_k, hidden, inter, k_per_split,
@@ -789,7 +792,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
-        **(quant_args or {}), **direct, **L.launch_kw,
+        **quant_args, **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -798,7 +801,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
             L.num_slots, inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
             float(L.swiglu_alpha), float(limit),
             SPLIT_K=splits, BLOCK_M=L.block_m, BLOCK_N=block_n, num_warps=4, **flags, **direct,
-            **L.launch_kw,
+            **amax_args, **L.launch_kw,
         )
 
 

@@ -48,7 +48,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe.backends.triton.quant_kernels import FP8_MAX, _max_nan, _quantize, _scale_of
+from fusedmoe.backends.triton.quant_kernels import (
+    FP8_MAX,
+    _amax_update,
+    _max_nan,
+    _quantize,
+    _scale_of,
+)
 
 # Activation codes (constexpr): keep in sync with experts.ACT_CODES.
 ACT_SILU = tl.constexpr(0)
@@ -394,6 +400,9 @@ def moe_gemm1_kernel(
     QUANT: tl.constexpr = 0, X_SORTED: tl.constexpr = False,
     ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
     UP_UNIFORM: tl.constexpr = False,
+    # A_AMAX (per-tensor fp8, dynamic): amax_ptr[e] = max(amax_ptr[e], |a| over this tile's live
+    # rows), the intermediate's per-expert amax taken where it is finished (no pass over a)
+    amax_ptr=None, A_AMAX: tl.constexpr = False,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -561,6 +570,8 @@ def moe_gemm1_kernel(
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
             tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=store_ok)
+            if A_AMAX:
+                _amax_update(amax_ptr + expert, act, row_ok, n_ok)
 
 
 @triton.jit
@@ -575,9 +586,10 @@ def moe_act_kernel(
     PDL: tl.constexpr = False,
     ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
     DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
+    amax_ptr=None, A_AMAX: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_s hpart[s, r, n] ...): the split-K GEMM1 partials, summed in split order.
-    DIRECT: rows are slots, as in moe_gemm1_kernel."""
+    DIRECT: rows are slots, as in moe_gemm1_kernel; A_AMAX as there."""
     _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -609,6 +621,8 @@ def moe_act_kernel(
                           GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ok)
+    if A_AMAX:
+        _amax_update(amax_ptr + expert, act, row_ok, n_ok)
 
 
 @triton.jit

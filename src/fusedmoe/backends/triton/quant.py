@@ -289,6 +289,7 @@ class QuantLaunch:
     num_local: int
     x_in: torch.Tensor  # codes per token, or (tensor) per aligned row
     x_scales: torch.Tensor  # per token / group, or (tensor) per aligned row
+    a_amax: torch.Tensor | None = None  # (tensor, dynamic) [L]: filled by the kernel finishing a
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
 
@@ -318,8 +319,13 @@ def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local:
     Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
     x_TH = L.x
     if scheme.weight.granularity == "tensor":
-        x_in, x_scales = _quantize_expert_rows(L, x_TH, a13_scale, row_w, num_local, gather=True)
-        return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+        if a13_scale is not None:
+            x_in, x_scales = _quantize_expert_rows(L, x_TH, _per_expert(a13_scale, num_local), True, row_w, gather=True)
+            return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+        amax = torch.zeros(2, num_local, dtype=torch.float32, device=x_TH.device)  # x's and a's: one memset
+        _expert_amax(L, x_TH, row_w, amax[0], gather=True)
+        x_in, x_scales = _quantize_expert_rows(L, x_TH, amax[0], False, row_w, gather=True)
+        return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=amax[1])
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
@@ -346,9 +352,16 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
+        **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:
-        q.a_in, q.a_scales = _quantize_expert_rows(L, a, a2_scale, None, q.num_local, gather=False)
+        if a2_scale is not None:
+            q.a_in, q.a_scales = _quantize_expert_rows(L, a, _per_expert(a2_scale, q.num_local), True, None,
+                                                       gather=False)
+        elif q.a_amax is not None:
+            q.a_in, q.a_scales = _quantize_expert_rows(L, a, q.a_amax, False, None, gather=False)
+        else:
+            raise ValueError(f"{q.scheme.name}: a13_scale is static but a2_scale is None (both or neither)")
         return
     if not fuse:
         group = inter if gran == "channel" else ACT_GROUP
@@ -442,12 +455,12 @@ def _per_expert(scale: torch.Tensor, num_local: int) -> torch.Tensor:
     return flat.expand(num_local) if flat.numel() == 1 else flat
 
 
-def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, num_local: int, *,
-                 gather: bool) -> torch.Tensor:
-    """amax [L] over each local expert's rows of x (tokens when gather, else aligned rows)."""
+def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, amax: torch.Tensor, *,
+                  gather: bool) -> None:
+    """amax [L] (zeros in) = the max over each local expert's rows of |x| (tokens when gather,
+    else aligned rows)."""
     from fusedmoe.backends.triton import quant_kernels
 
-    amax = torch.zeros(num_local, dtype=torch.float32, device=x.device)
     blocks = L.sorted_slot.numel() // L.block_m
     quant_kernels.expert_amax_kernel[(blocks,)](
         x, amax, row_w if row_w is not None else amax, L.sorted_slot, L.block_expert, L.num_rows,
@@ -455,20 +468,16 @@ def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, num_loc
         GATHER=gather, HAS_ROW_W=row_w is not None, BLOCK_M=L.block_m,
         BLOCK_K=min(256 if L.block_m <= 32 else 64, triton_next_pow2(x.shape[1])), num_warps=4,
     )
-    return amax
 
 
-def _quantize_expert_rows(L: Launch, x: torch.Tensor, static_scale: torch.Tensor | None,
-                          row_w: torch.Tensor | None, num_local: int, *, gather: bool):
+def _quantize_expert_rows(L: Launch, x: torch.Tensor, scale: torch.Tensor, static: bool,
+                          row_w: torch.Tensor | None, *, gather: bool):
     """Per-tensor fp8 codes [R, K] of x's rows in aligned order (tokens when gather, else the
-    aligned rows themselves) and their scales [R, 1]: the expert's static scale, or the amax of
-    its rows / 448. Scales per row let the GEMMs run the per-channel path."""
+    aligned rows themselves) and their scales [R, 1]: scale [L] is the experts' static scales,
+    or (not static) their amax, the scale amax / 448. Scales per row let the GEMMs run the
+    per-channel path."""
     from fusedmoe.backends.triton import quant_kernels
 
-    if static_scale is not None:
-        scale, static = _per_expert(static_scale, num_local), True
-    else:
-        scale, static = _expert_amax(L, x, row_w, num_local, gather=gather), False
     rows, width = L.sorted_slot.numel(), x.shape[1]
     codes = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)

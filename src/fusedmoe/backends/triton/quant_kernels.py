@@ -57,6 +57,14 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _amax_update(ptr, v, row_ok, n_ok):
+    """ptr[0] = max(ptr[0], |v|) over the live rows and columns of the tile v (fp32): an atomic
+    max, order-free, so deterministic; NaN wins as in expert_amax_kernel."""
+    m = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(v), 0.0)
+    tl.atomic_max(ptr, tl.reduce(tl.reduce(m, 1, _max_nan), 0, _max_nan))
+
+
+@triton.jit
 def _scale_for(amax, IS_INT: tl.constexpr):
     """The scale of a group with this amax: amax / 127 (int8) or amax / 448 (fp8)."""
     if IS_INT:  # noqa: SIM108 (constexpr branch)

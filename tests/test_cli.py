@@ -66,7 +66,12 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     assert plan[1]["why"] == "128 direct GEMM2 programs at 32-wide tiles < 1.2 x 132 SMs"
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
           "--tokens", "1"])
-    assert "W8A8 schemes align" in capsys.readouterr().out
+    assert re.search(r"M=1 +direct: quantize x \+ gemm1 .*\+ quantize a \+ gemm2", capsys.readouterr().out)
+    main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_tensor",
+          "--tokens", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"M=1 +aligned: align \+ amax x \+ quantize x \+ gemm1 .*\+ quantize a \+ gemm2 \+ reduce", out)
+    assert "why: fp8_w8a8_tensor quantizes with one scale per expert" in out
     monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "0")
     main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1"])
     assert "why: FUSEDMOE_TRITON_DIRECT=0" in capsys.readouterr().out

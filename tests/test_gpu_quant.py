@@ -98,6 +98,31 @@ def test_edge_cases(scheme):
     assert rel_err(out, emulated) < TOL_EMULATION
 
 
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"])
+def test_direct_decode(scheme, monkeypatch):
+    """The direct decode path (no alignment; FUSEDMOE_TRITON_DIRECT=force) on preset shapes at
+    M = 1 and 3, with biases, an expert_map and router weight on input; deterministic and
+    replayed in a CUDA graph."""
+    monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "force")
+    for shape, tokens in (("qwen3-30b-like", 1), ("deepseek-v3-tp8-like", 3), ("mixtral-like", 1)):
+        E, K, H, I = SHAPES[shape]
+        check(*make(tokens, E, K, H, I, scheme, seed=tokens, bias=True))
+    x, q13, q2, params, b13, b2, w, ids = make(2, 16, 4, 512, 256, scheme, seed=7, bias=True)
+    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    expert_map[1::2] = torch.arange(8, dtype=torch.int32, device="cuda")
+    check(x, q13[:8].contiguous(), q2[:8].contiguous(), _slice_params(params, 8), None, None, w, ids,
+          expert_map=expert_map, global_num_experts=16)
+    x, q13, q2, params, b13, b2, w, ids = make(3, 8, 1, 256, 128, scheme, seed=8)
+    check(x, q13, q2, params, None, None, w, ids, apply_router_weight_on_input=True)
+    x, q13, q2, params, _, _, w, ids = make(2, 32, 4, 1024, 512, scheme, seed=9)
+    first = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
+    graph, static_out = capture(lambda: fused_experts(x, q13, q2, w, ids, quant=params, backend="triton"))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first)
+
+
 def _slice_params(params, n):
     import dataclasses
 

@@ -677,8 +677,10 @@ def test_tuned_table_lookup_by_scheme(tmp_path, monkeypatch, caplog):
 @pytest.mark.parametrize("bad,match", [
     (_entry(1, path="sideways"), "path='sideways' .*aligned, direct"),
     (_entry(1, path="direct", g1=(32, 32, 128, 4, 4), g2=(32, 64, 64, 4, 4)), "direct path's tiles need block_m=16"),
-    (_entry(1, path="direct", quant="fp8_w8a8_block", g1=(16, 128, 128, 4, 3), g2=(16, 64, 128, 4, 3)),
-     "W8A8 schemes have no direct path"),
+    (_entry(1, path="direct", quant="fp8_w8a8_tensor", g1=(16, 128, 128, 4, 3), g2=(16, 64, 128, 4, 3)),
+     "per-tensor W8A8 has no direct path"),
+    (_entry(1, path="direct", quant="fp8_w8a8_block", g1=(16, 128, 128, 4, 3), g2=(16, 64, 256, 4, 3)),
+     "gemm2 tile .*block_k=256, block_n=64: 128x128 block scales need both to divide 128"),
     (_entry(1, path="direct", g2=(16, 64, 64, 4, 4, 3)), "gemm2 tile .*: split_k=3 must be one of"),
     (_entry(1, path="aligned", g2=(16, 64, 64, 4, 4, 2)), "gemm2 tile .*: split_k=2: only GEMM1 splits K"),
 ])

@@ -245,10 +245,45 @@ def test_weight_only_direct_decode_matches_emulation(case, scheme):
     assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
 
 
-def test_direct_decode_refuses_w8a8():
-    config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "int8_w8a8", torch.float32)
-    with pytest.raises(ValueError, match="direct decode path runs unquantized and weight-only schemes, not int8_w8a8"):
-        run(config, x, w, weights, ids, None, Case.tiles, direct=True)
+W8A8_DIRECT = [  # (case, schemes): the direct decode path of the W8A8 schemes it runs
+    (Case("d-basic", T=3), ["fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]),
+    (Case("d-top1-weight-on-input", K=1, T=4, bias=True, on_input=True), ["fp8_w8a8_channel", "int8_w8a8"]),
+    (Case("d-expert-map", T=3, E=6, K=3, bias=True, expert_map=True), ["fp8_w8a8_block", "int8_w8a8"]),
+    # GEMM1 split over H (the act kernel finishes a), GEMM2 over slot shares (+ combine)
+    (Case("d-splits", T=2, H=256, K=3, tiles=((16, 64, 64, 4, 1, 2), (16, 64, 64, 4, 1, 2))),
+     ["fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]),
+    # block: GEMM1's 128-wide N tile quantizes a in its epilogue (row 0 of each slot block only)
+    (Case("d-fused-group", T=2, I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
+    (Case("d-partial-k", T=2, H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))),
+     ["fp8_w8a8_channel", "int8_w8a8"]),
+]
+
+
+@pytest.mark.parametrize("case,scheme", [(c, s) for c, schemes in W8A8_DIRECT for s in schemes],
+                         ids=[f"{c.id}-{s}" for c, schemes in W8A8_DIRECT for s in schemes])
+def test_w8a8_direct_decode_matches_emulation(case, scheme):
+    """The W8A8 direct decode path (x per token, GEMM1 by slot, the intermediate per slot, GEMM2
+    with the top-k sum; no alignment) against emulation, and deterministic."""
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    out = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
+    if expert_map is not None:  # tokens whose slots are all remote get exactly zero
+        assert (out[(expert_map[ids.long()] < 0).all(-1)] == 0).all()
+
+
+def test_direct_decode_refuses_per_tensor_w8a8():
+    config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "fp8_w8a8_tensor", torch.float32)
+    with pytest.raises(ValueError, match="direct decode path cannot run this call: fp8_w8a8_tensor quantizes "
+                                         "with one scale per expert"):
+        run(config, x, w, weights, ids, None, None, direct=True)
+    from fusedmoe.backends.triton.tiles import check_plan
+
+    t = TileConfig(16, 64, 64, 4, 1)
+    assert "per-tensor W8A8 has no direct path" in check_plan(t, t, direct=True, dtype=torch.float32, gated=True,
+                                                              quant="tensor")
+    assert check_plan(t, t, direct=True, dtype=torch.float32, gated=True, quant="block") is None
 
 
 @pytest.mark.parametrize("scheme", W8A8 + WEIGHT_ONLY)
@@ -292,7 +327,7 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
     with pytest.raises(NotImplementedError, match="runs the W8A8 schemes .* not mxfp4_w4a8"):
         TritonExperts(MoEConfig(4, 2, 64, 32, dtype=torch.float32)).apply(
             x, ExpertWeights(q13, q2, quant=p), weights, ids, expert_map_E=None)
-    with pytest.raises(ValueError, match=r"gemm1 tile .* cannot run block W8A8: block_k=256"):
+    with pytest.raises(ValueError, match=r"gemm1 tile .* cannot run fp8_w8a8_block: block_k=256"):
         run(*problem(Case("bad-tile"), "fp8_w8a8_block", torch.float32),
              tiles=((16, 64, 256, 4, 1), (16, 64, 64, 4, 1)))
 

@@ -11,7 +11,9 @@ faster path's entry is written, naming its path, only when it beats what runs wi
 a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
-its predicate accepts, and the entries carry the scheme.
+its predicate accepts, and the entries carry the scheme. W8A8's direct path is not searched:
+where it can run, their entries name no path, so the rule still picks the path and the entry
+serves the aligned one.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def tune_shape(
         _num_sms,
         direct_auto,
         direct_reason,
+        direct_scheme_reason,
         tma_planned,
     )
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
@@ -188,8 +191,10 @@ def tune_shape(
             b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None)
             b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None)
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
-        if (scheme is None or scheme.weight_only) and direct_reason(problem) is None \
-                and problem.num_slots <= DIRECT_MAX_SLOTS:
+        direct_runs = direct_reason(problem) is None and direct_scheme_reason(scheme) is None
+        timed_direct = (scheme is None or scheme.weight_only) and direct_runs \
+            and problem.num_slots <= DIRECT_MAX_SLOTS
+        if timed_direct:
             if progress:
                 progress(f"{label} M={tokens} direct")
             heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
@@ -206,8 +211,11 @@ def tune_shape(
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:
             entry["quant"] = scheme.name
+        # an entry names its path only when the tuner timed both, or the direct path cannot run
+        # (W8A8's direct path is not timed here: its entries leave the path to the rule)
+        path = best[1] if timed_direct or not direct_runs else None
         entries.append({
-            **entry, "path": best[1], "gemm1": list(best[2].__dict__.values()),
+            **entry, **({"path": path} if path else {}), "gemm1": list(best[2].__dict__.values()),
             "gemm2": list(best[3].__dict__.values()), "us": round(best[0], 2),
             "heuristic_path": default[0], "heuristic_us": round(default[1], 2),
         })

@@ -354,6 +354,14 @@ def direct_reason(problem: GemmProblem) -> str | None:
     return None
 
 
+def direct_scheme_reason(scheme) -> str | None:
+    """Why the direct decode path cannot run this scheme (a QuantScheme or None), or None."""
+    if scheme is not None and not scheme.weight_only and scheme.weight.granularity == "tensor":
+        return (f"{scheme.name} quantizes with one scale per expert (the amax over the expert's "
+                "aligned rows)")
+    return None
+
+
 def direct_auto_reason(problem: GemmProblem, num_sms: int = 132) -> str | None:
     """Why the auto rule keeps the aligned path, or None when it takes the direct one (measured,
     above): one token, or few slots with experts rarely repeated among them, a short
@@ -440,20 +448,21 @@ def tuned_plan(problem: GemmProblem, scheme, device: torch.device):
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import lookup_plan
 
-    if knobs.get("TRITON_DIRECT") in (False, "force") or direct_reason(problem) is not None:
+    if (knobs.get("TRITON_DIRECT") in (False, "force") or direct_reason(problem) is not None
+            or direct_scheme_reason(scheme) is not None):
         return None
     return lookup_plan(problem, device, scheme)
 
 
 @memoized_tiles
 def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[bool, TileConfig, TileConfig]:
-    """(direct?, gemm1 tile, gemm2 tile) of an unquantized (scheme None) or weight-only call that
-    names no tiles and no path, one memoized lookup per eager call. The path: `tuned_plan`'s,
-    else `direct_wanted`."""
+    """(direct?, gemm1 tile, gemm2 tile) of a call (scheme: a QuantScheme or None) that names no
+    tiles and no path, one memoized lookup per eager call. The path: `tuned_plan`'s, else
+    `direct_wanted` (never direct for a scheme `direct_scheme_reason` refuses)."""
     tuned = tuned_plan(problem, scheme, device)
     if tuned is not None:
         return tuned.direct, tuned.gemm1, tuned.gemm2
-    if direct_wanted(problem, _num_sms(device)):
+    if direct_scheme_reason(scheme) is None and direct_wanted(problem, _num_sms(device)):
         return (True, *direct_tiles(problem, scheme, device))
     return (False, *_aligned_tiles(problem, scheme, device))
 
@@ -461,6 +470,10 @@ def choose_plan(problem: GemmProblem, scheme, device: torch.device) -> tuple[boo
 def _aligned_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
     if scheme is None:
         return choose_tiles(problem, device)
+    if not scheme.weight_only:
+        from fusedmoe.backends.triton.quant import choose_quant_tiles
+
+        return choose_quant_tiles(problem, scheme, device)
     from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles
 
     return choose_weight_only_tiles(problem, scheme, device)
@@ -479,7 +492,7 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
             return (False, *_aligned_tiles(problem, scheme, device))
     is_direct = bool(direct)
     if is_direct:
-        reason = direct_reason(problem)
+        reason = direct_reason(problem) or direct_scheme_reason(scheme)
         if reason is not None:
             raise ValueError(f"the direct decode path cannot run this call: {reason}")
         if tiles is None:
@@ -500,13 +513,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     mode = knobs.get("TRITON_DIRECT")
     aligned, plan = lookup(problem, device, scheme), None
     src1 = src2 = "tuned table" if aligned is not None else "heuristic"  # the aligned path's
-    if scheme is not None and not scheme.weight_only:
-        from fusedmoe.backends.triton.quant import choose_quant_tiles
-
-        is_direct, (t1, t2) = False, choose_quant_tiles(problem, scheme, device)
-        why = "W8A8 schemes align (their activation quantizers work on sorted rows)"
+    is_direct, t1, t2 = choose_plan(problem, scheme, device)
+    if direct_scheme_reason(scheme) is not None:
+        why = direct_scheme_reason(scheme)
     else:
-        is_direct, t1, t2 = choose_plan(problem, scheme, device)
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:
             why = f"tuned table: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
@@ -525,16 +535,22 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             src1 = "tuned table" if aligned is not None and aligned[0] == t1 else "heuristic"
             src2 = "direct heuristic"
     split = " + act" if t1.split_k > 1 else ""
+    qx = qa = ""
+    if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers
+        tensor = scheme.weight.granularity == "tensor"
+        qx = "amax x + quantize x + " if tensor and scheme.activation.dynamic else "quantize x + "
+        fused = scheme.weight.granularity == "block" and t1.block_n == 128 and t1.split_k == 1
+        qa = "" if fused else " + quantize a"
     if is_direct:
         shares = " + combine" if t2.split_k > 1 else ""
-        return dict(path="direct", why=why, launches=f"gemm1{split} + gemm2{shares}",
+        return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + gemm2{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source=src2, tma=None))
     tma1 = tma2 = None
     if scheme is None:
         tma1, tma2 = tma_planned(problem, device)
         tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
-    return dict(path="aligned", why=why, launches=f"align + gemm1{split} + gemm2 + reduce",
+    return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=src1, tma=tma1), gemm2=dict(tile=t2, source=src2, tma=tma2))
 
 
@@ -744,14 +760,16 @@ def prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_ex
 
 def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                           inter, activation, apply_router_weight_on_input, swiglu_alpha,
-                          swiglu_limit) -> Launch:
-    """The direct decode path's launch: no alignment, a [T*K, I] indexed by slot."""
+                          swiglu_limit, *, a_dtype: torch.dtype | None = None, prescaled: bool = False) -> Launch:
+    """The direct decode path's launch: no alignment, a [T*K, I] indexed by slot (a_dtype: its
+    dtype, x's by default; W8A8 keeps it in fp32). prescaled: x already carries the router
+    weight on input (W8A8 quantizes w * x), so GEMM1 does not apply it."""
     weights_N = topk_weights_TK.reshape(-1).contiguous()  # contiguous(): no copy when it already is
     ids = topk_ids_TK.reshape(-1).contiguous()
     expert_map = expert_map.contiguous() if expert_map is not None else None
-    a = torch.empty(ids.numel(), inter, dtype=x_TH.dtype, device=x_TH.device)
+    a = torch.empty(ids.numel(), inter, dtype=a_dtype or x_TH.dtype, device=x_TH.device)
     return Launch(x_TH, weights_N, None, None, None, None, a, None, topk_ids_TK.shape[1], activation,
-                  apply_router_weight_on_input, not apply_router_weight_on_input, swiglu_alpha,
+                  apply_router_weight_on_input and not prescaled, not apply_router_weight_on_input, swiglu_alpha,
                   swiglu_limit, DIRECT_BLOCK_M, ids, expert_map, num_global_experts, num_local)
 
 
@@ -832,11 +850,12 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
 
 
 def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile: TileConfig,
-                        out: torch.Tensor, quant_args: dict | None = None) -> None:
-    """GEMM2 with the routed weight and the top-k sum (direct path): out [T, H] written once."""
+                        out: torch.Tensor, quant_args: dict | None = None, *, a: torch.Tensor | None = None) -> None:
+    """GEMM2 with the routed weight and the top-k sum (direct path): out [T, H] written once.
+    a: its input when it is not L.a (the W8A8 intermediate's codes)."""
     from fusedmoe.backends.triton import kernels
 
-    a = L.a
+    a = L.a if a is None else a
     hidden, inter = out.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else out
     emap = L.expert_map if L.expert_map is not None else L.ids

@@ -565,8 +565,9 @@ def moe_gemm1_kernel(
             q = _quantize(act, a_scale[:, None], False, SOFT_FP8)
             rows64 = rows.to(tl.int64)
             tl.store(aq_ptr + rows64[:, None] * stride_aqr + offs_n[None, :] * stride_aqi,
-                     q.to(aq_ptr.dtype.element_ty), mask=n_ok[None, :])
-            tl.store(as_ptr + rows64 * stride_asr + pid_n * stride_asg, a_scale)
+                     q.to(aq_ptr.dtype.element_ty), mask=store_ok)
+            # DIRECT: the padding lanes point at row num_slots, past a: row 0 alone is stored
+            tl.store(as_ptr + rows64 * stride_asr + pid_n * stride_asg, a_scale, mask=tl.sum(store_ok, 1) > 0)
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
             tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=store_ok)
@@ -750,9 +751,11 @@ def moe_gemm2_direct_kernel(
     TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # weight-only, as in moe_gemm2_kernel (Q_W8, Q_W4); W8A8 modes take the aligned path
+    # weight-only, as in moe_gemm2_kernel (Q_W8, Q_W4); W8A8 Q_CHANNEL / Q_BLOCK: a holds the
+    # slots' codes with scales as [T*K, 1 or I/128], w2 scales [L, H] or [L, H/128, I/128]
     ws_ptr=None, stride_ws0=0, stride_ws1=0, stride_ws2=0,
     QUANT: tl.constexpr = 0,
+    as_ptr=None, stride_as0=0, stride_as1=0,
     wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -845,7 +848,22 @@ def moe_gemm2_direct_kernel(
                          mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == Q_W8:  # fp8 / int8 codes are exact in bf16 / fp16
                 ww = _w8_codes(ww, a_ptr.dtype.element_ty, PTX_DECODE)
-            acc = _dot(aa, ww, acc, IEEE)
+            # W8A8: the slot's scale row (clamped into a: the last share's tail selects no slot);
+            # rows of slots with no local expert were never written, their scale is dropped
+            if QUANT == Q_CHANNEL:  # 8-bit codes: fp32 (fp8) or int32 (int8) products, then scales
+                a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
+                sa = tl.where(live > 0, tl.load(a_srow), 0.0)
+                sw = tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e, other=0.0).to(tl.float32)
+                acc = tl.dot(aa, ww).to(tl.float32) * (sa * sw)[None, :]
+            elif QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block, the N tile too
+                kb = k0 // 128
+                a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
+                sa = tl.where(live > 0, tl.load(a_srow + kb * stride_as1), 0.0)
+                sw = tl.load(ws_ptr + e * stride_ws0 + (tl.program_id(1) * BLOCK_N // 128) * stride_ws1
+                             + kb * stride_ws2).to(tl.float32)
+                acc = tl.dot(aa, ww) * (sa * sw)
+            else:
+                acc = _dot(aa, ww, acc, IEEE)
             if QUANT == Q_W8:
                 acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,
                                     other=0.0).to(tl.float32)[None, :]

@@ -39,8 +39,11 @@ from fusedmoe.backends.triton.experts import (
     experts_ops,
     launch_gemm1,
     launch_gemm2,
+    launch_gemm2_direct,
     launch_reduce,
     memoized_tiles,
+    plan_tiles,
+    prepare_direct_launch,
     triton_cdiv,
     triton_next_pow2,
 )
@@ -210,8 +213,9 @@ def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
     return t1, t2
 
 
-def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype) -> None:
-    require_plan(t1, t2, direct=False, dtype=dtype, gated=gated, quant=granularity, running=f"{granularity} W8A8")
+def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype, *,
+                 direct: bool = False) -> None:
+    require_plan(t1, t2, direct=direct, dtype=dtype, gated=gated, quant=granularity, running=f"{granularity} W8A8")
 
 
 # The experts ---------------------------------------------------------------------------------
@@ -245,11 +249,12 @@ def triton_quant_experts(
     w13q / w2q: the fp8 / int8 payloads times their scales; fq: the scheme's activation
     quantization (module docstring). Weight-only schemes (fq = identity) run
     `weight_only.triton_weight_only_experts`, with NVFP4's global scales (and its direct decode
-    path, `direct`). `out` may be x itself.
+    path, `direct`). `out` may be x itself. direct: as `experts.triton_experts` (channel, token
+    and block scales; per-tensor scales are per expert over its aligned rows, so it aligns):
+    x quantized per token, GEMM1 by slot, the intermediate quantized per slot, GEMM2 with the
+    top-k sum.
     """
     scheme = _triton_scheme(scheme)
-    if direct and not scheme.weight_only:
-        raise ValueError(f"the direct decode path runs unquantized and weight-only schemes, not {scheme.name}")
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
 
@@ -268,8 +273,18 @@ def triton_quant_experts(
         return out
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated, x_TH.dtype)
-    t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_TH.device)
-    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype)
+    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)
+    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype, direct=is_direct)
+    if is_direct:
+        L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
+                                  inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
+                                  a_dtype=torch.float32, prescaled=True)
+        row_w = L.weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
+        x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
+        q = QuantLaunch(L, scheme, num_local, x_in, x_scales)
+        launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
+        launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, out=out)
+        return out
     q = prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                              num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                              swiglu_limit, scheme, a13_scale, t1.block_m)
@@ -369,15 +384,18 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     q.a_in, q.a_scales = a_codes, a_scales
 
 
-def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig) -> None:
-
+def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
+                       out: torch.Tensor | None = None) -> None:
+    """GEMM2 on the intermediate's codes: per aligned row into y, or (out given: the direct path)
+    with the routed weight and the top-k sum into out."""
     gran = q.scheme.weight.granularity
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
-    launch_gemm2(q.L, w2, w2_bias, tile, dict(
-        as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-        **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
-        ACC_INT=q.scheme.weight.dtype == "int8",
-    ), a=q.a_in)
+    args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
+                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran])
+    if out is not None:
+        launch_gemm2_direct(q.L, w2, w2_bias, tile, out, args, a=q.a_in)
+        return
+    launch_gemm2(q.L, w2, w2_bias, tile, dict(args, ACC_INT=q.scheme.weight.dtype == "int8"), a=q.a_in)
 
 
 def triton_batched_quant_experts(

@@ -131,10 +131,10 @@ def check_plan(t1: TileConfig, t2: TileConfig, *, direct: bool, dtype: torch.dty
     """The reason a (gemm1, gemm2) tile pair cannot run, or None: each tile held to `check_tile`
     (GEMM1 may split K), both with one block_m. direct: the decode path's pair (GEMM1 by slot,
     `kernels.moe_gemm2_direct_kernel`): block_m DIRECT_BLOCK_M, GEMM2's split_k its slot shares
-    per token; W8A8 modes (`QUANT_GRANULARITIES`) have no direct path. running: what the tiles
-    were meant to run (a scheme's name), named in a tile's reason."""
-    if direct and quant in QUANT_GRANULARITIES:
-        return "W8A8 schemes have no direct path (their activation quantizers work on sorted rows)"
+    per token; per-tensor W8A8 has no direct path. running: what the tiles were meant to run (a
+    scheme's name), named in a tile's reason."""
+    if direct and quant == "tensor":
+        return "per-tensor W8A8 has no direct path (one scale per expert, over its aligned rows)"
     for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, direct)):
         reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=quant, group=group)
         if reason:

@@ -163,7 +163,19 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     # they need (the path comparison counts them): nothing written
     assert tune_shape(**shape, timer=_model_timer(dict(base, gemm1=flat(36.0), gemm2=flat(36.0),
                                                        align=flat(9.0)), [])) == []
-    # too many slots for the direct path: only the aligned one is timed
+    # too many slots for the direct path: only the aligned one is timed, and its entry names it
     seen = []
     tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(base, seen))
     assert seen and all(not kind.startswith("direct") for kind, _ in seen)
+    def other_rows(block_m):  # GEMMs at another block_m than the heuristic's twice as fast
+        return lambda tile: 50.0 if tile.block_m != block_m else 100.0
+
+    rows = other_rows(seen[0][1].block_m)
+    [entry] = tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(dict(base, gemm1=rows, gemm2=rows), []))
+    assert entry["path"] == "aligned"
+    # W8A8 where the rule may run the direct path, which the tuner does not time: no path named,
+    # the entry serves the aligned path and parses
+    rows = other_rows(16)
+    [entry] = tune_shape(**shape, quant="int8_w8a8", timer=_model_timer(dict(base, gemm1=rows, gemm2=rows), []))
+    assert "path" not in entry and entry["quant"] == "int8_w8a8"
+    assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1

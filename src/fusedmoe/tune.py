@@ -211,9 +211,11 @@ def tune_shape(
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:
             entry["quant"] = scheme.name
-        # an entry names its path only when the tuner timed both, or the direct path cannot run
-        # (W8A8's direct path is not timed here: its entries leave the path to the rule)
-        path = best[1] if timed_direct or not direct_runs else None
+        # W8A8's direct path is not timed here: where the rule may take it, the entry names no
+        # path (it serves the aligned one; the rule decides which runs)
+        untimed = (scheme is not None and not scheme.weight_only and direct_runs
+                   and problem.num_slots <= DIRECT_MAX_SLOTS)
+        path = None if untimed else best[1]
         entries.append({
             **entry, **({"path": path} if path else {}), "gemm1": list(best[2].__dict__.values()),
             "gemm2": list(best[3].__dict__.values()), "us": round(best[0], 2),

@@ -65,7 +65,7 @@ def test_tuner_gemms_match_the_experts_op(quant):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("quant", [None, "int4_w4a16_g32"], ids=str)
+@pytest.mark.parametrize("quant", [None, "int4_w4a16_g32", "fp8_w8a8_block", "int8_w8a8"], ids=str)
 def test_tuner_direct_gemms_match_the_direct_path(quant):
     """The direct path's GEMMs as the tuner times them (a timed GEMM1 with split-K, GEMM2 in two
     slot shares) give bitwise what the experts op's direct path gives with the same tiles."""
@@ -173,9 +173,11 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     rows = other_rows(seen[0][1].block_m)
     [entry] = tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(dict(base, gemm1=rows, gemm2=rows), []))
     assert entry["path"] == "aligned"
-    # W8A8 where the rule may run the direct path, which the tuner does not time: no path named,
-    # the entry serves the aligned path and parses
-    rows = other_rows(16)
-    [entry] = tune_shape(**shape, quant="int8_w8a8", timer=_model_timer(dict(base, gemm1=rows, gemm2=rows), []))
-    assert "path" not in entry and entry["quant"] == "int8_w8a8"
-    assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1
+    # W8A8 times its direct path too (per-tensor cannot run it: only the aligned one)
+    fast = lambda tile: 20.0 if tile.block_m != 16 else 100.0  # noqa: E731 (32-row aligned GEMMs win)
+    for quant, timed_direct in (("int8_w8a8", True), ("fp8_w8a8_tensor", False)):
+        seen = []
+        [entry] = tune_shape(**shape, quant=quant, timer=_model_timer(dict(base, gemm1=fast, gemm2=fast), seen))
+        assert any(kind.startswith("direct") for kind, _ in seen) == timed_direct
+        assert entry["path"] == "aligned" and entry["quant"] == quant
+        assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1

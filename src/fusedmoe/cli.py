@@ -650,8 +650,7 @@ def cmd_tune(args) -> int:
             print(f"M={count:>5}: the heuristic is within 3% of the best config found; nothing written")
             continue
         e = entries[0]
-        print(f"M={count:>5}: {e.get('path', 'aligned (path left to the rule)'):>7} {e['us']:8.1f} us "
-              f"(heuristic {e['heuristic_path']} "
+        print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
               f"{e['heuristic_us']:8.1f} us)  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
         path = write_table(entries, folder)
         written += 1

@@ -11,9 +11,8 @@ faster path's entry is written, naming its path, only when it beats what runs wi
 a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
-its predicate accepts, and the entries carry the scheme. W8A8's direct path is not searched:
-where it can run, their entries name no path, so the rule still picks the path and the entry
-serves the aligned one.
+its predicate accepts, and the entries carry the scheme (W8A8's direct path with its
+quantizers: x per token before GEMM1, the intermediate in GEMM1's timing).
 """
 
 from __future__ import annotations
@@ -191,10 +190,8 @@ def tune_shape(
             b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None)
             b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None)
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
-        direct_runs = direct_reason(problem) is None and direct_scheme_reason(scheme) is None
-        timed_direct = (scheme is None or scheme.weight_only) and direct_runs \
-            and problem.num_slots <= DIRECT_MAX_SLOTS
-        if timed_direct:
+        if direct_reason(problem) is None and direct_scheme_reason(scheme) is None \
+                and problem.num_slots <= DIRECT_MAX_SLOTS:
             if progress:
                 progress(f"{label} M={tokens} direct")
             heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
@@ -211,13 +208,8 @@ def tune_shape(
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:
             entry["quant"] = scheme.name
-        # W8A8's direct path is not timed here: where the rule may take it, the entry names no
-        # path (it serves the aligned one; the rule decides which runs)
-        untimed = (scheme is not None and not scheme.weight_only and direct_runs
-                   and problem.num_slots <= DIRECT_MAX_SLOTS)
-        path = None if untimed else best[1]
         entries.append({
-            **entry, **({"path": path} if path else {}), "gemm1": list(best[2].__dict__.values()),
+            **entry, "path": best[1], "gemm1": list(best[2].__dict__.values()),
             "gemm2": list(best[3].__dict__.values()), "us": round(best[0], 2),
             "heuristic_path": default[0], "heuristic_us": round(default[1], 2),
         })
@@ -325,20 +317,41 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
 
 
 def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill: TileConfig):
-    """(gemm1(i, tile), gemm2(i, tile), the Launch, out) of the direct path (unquantized or
-    weight-only) on weight copy i. GEMM1 runs once with `fill` on copy 0 to make the intermediate
-    GEMM2 reads; timed GEMM1 calls write their own. GEMM2 writes `out` [T, H] (with the top-k
-    sum; its slot shares add the combine launch)."""
+    """(gemm1(i, tile), gemm2(i, tile), the Launch, out) of the direct path on weight copy i.
+    GEMM1 runs once with `fill` on copy 0 to make the intermediate GEMM2 reads; timed GEMM1 calls
+    write their own. GEMM2 writes `out` [T, H] (with the top-k sum; its slot shares add the
+    combine launch). W8A8: x quantized once; GEMM1 includes the intermediate's quantization."""
     from fusedmoe.backends.triton.experts import (
         launch_gemm1,
         launch_gemm2_direct,
         prepare_direct_launch,
     )
 
+    out = torch.empty_like(x)
+    if scheme is not None and not scheme.weight_only:
+        from fusedmoe.backends.triton.quant import (
+            launch_quant_gemm1,
+            launch_quant_gemm2,
+            prepare_direct_quant_launch,
+        )
+
+        q = prepare_direct_quant_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
+                                        1.702, None, scheme)
+        timed = dataclasses.replace(q, L=dataclasses.replace(q.L, a=torch.empty_like(q.L.a)))
+
+        def gemm1_q(i: int, tile: TileConfig, q=timed) -> None:
+            params = weights[i][2]
+            launch_quant_gemm1(q, weights[i][0], None, params.w13_scale, tile, params.a2_scale)
+
+        def gemm2_q(i: int, tile: TileConfig) -> None:
+            launch_quant_gemm2(q, weights[i][1], None, weights[i][2].w2_scale, tile, out=out)
+
+        gemm1_q(0, fill, q)
+        return gemm1_q, gemm2_q, q.L, out
+
     launch = prepare_direct_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
                                    1.702, None)
     timed = dataclasses.replace(launch, a=torch.empty_like(launch.a))
-    out = torch.empty_like(x)
     args13, args2 = _weight_only_args(scheme, weights, x)
 
     def gemm1(i: int, tile: TileConfig, launch=timed) -> None:

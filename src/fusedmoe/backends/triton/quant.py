@@ -276,12 +276,9 @@ def triton_quant_experts(
     is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)
     _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype, direct=is_direct)
     if is_direct:
-        L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
-                                  inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
-                                  a_dtype=torch.float32, prescaled=True)
-        row_w = L.weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-        x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-        q = QuantLaunch(L, scheme, num_local, x_in, x_scales)
+        q = prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                                        num_local, inter, activation, apply_router_weight_on_input,
+                                        swiglu_alpha, swiglu_limit, scheme)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, out=out)
         return out
@@ -327,6 +324,19 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
     return _quantize_input(L, scheme, a13_scale, row_w, num_local)
+
+
+def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
+                                num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
+                                swiglu_limit, scheme: QuantScheme) -> QuantLaunch:
+    """The direct decode path's launch (no alignment, a [T*K, I] fp32 by slot) with x quantized
+    per token / group (router weight on input applied first: top_k 1, slot == token)."""
+    L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
+                              inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
+                              a_dtype=torch.float32, prescaled=True)
+    row_w = L.weights_N if apply_router_weight_on_input else None
+    x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:

@@ -53,13 +53,11 @@ def as_on_gpu(device_name: str | None) -> torch.device:
 
 def plan(problem, scheme, device: torch.device, tiles: str | None) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, aligned)."""
-    from fusedmoe.backends.triton import experts, quant
+    from fusedmoe.backends.triton import experts
 
     if tiles:
         t1, t2 = (TileConfig(*map(int, t.split(","))) for t in tiles.split("/"))
         return False, t1, t2
-    if scheme is not None and not scheme.weight_only:
-        return (False, *quant.choose_quant_tiles(problem, scheme, device))
     return experts.choose_plan(problem, scheme, device)
 
 

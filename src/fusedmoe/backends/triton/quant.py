@@ -484,7 +484,7 @@ def _per_expert(scale: torch.Tensor, num_local: int) -> torch.Tensor:
 
 
 def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, amax: torch.Tensor, *,
-                  gather: bool) -> None:
+                 gather: bool) -> None:
     """amax [L] (zeros in) = the max over each local expert's rows of |x| (tokens when gather,
     else aligned rows)."""
     from fusedmoe.backends.triton import quant_kernels

@@ -206,10 +206,12 @@ def test_batched_layer_selects_batched_triton_and_compiles(scheme):
     assert rel_err(eager, emulated) < TOL_EMULATION
 
 
-def test_int32_offset_overflow():
-    """T*K*H = 100000 * 6 * 4096 > 2^31 with 1-byte codes: offsets must be 64-bit."""
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "fp8_w8a8_tensor_static"])
+def test_int32_offset_overflow(scheme):
+    """T*K*H = 100000 * 6 * 4096 > 2^31 with 1-byte codes: offsets must be 64-bit (per-tensor:
+    x's codes per aligned row, [T*K + padding, H]). Static scales keep rows independent."""
     T, E, K, H, I = 100_000, 8, 6, 4096, 128
-    x, q13, q2, params, _, _, w, ids = make(T, E, K, H, I, "fp8_w8a8_block", seed=5)
+    x, q13, q2, params, _, _, w, ids = make(T, E, K, H, I, scheme, seed=5)
     out = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
     rows = torch.cat([torch.arange(0, 100), torch.arange(T - 100, T)]).cuda()
     emulated = fused_experts(x[rows], q13, q2, w[rows], ids[rows], quant=params, backend="emulation")

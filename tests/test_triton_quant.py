@@ -273,6 +273,15 @@ def test_w8a8_direct_decode_matches_emulation(case, scheme):
         assert (out[(expert_map[ids.long()] < 0).all(-1)] == 0).all()
 
 
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])
+def test_w8a8_direct_decode_fp16(scheme):
+    config, x, w, weights, ids, expert_map = problem(Case("d-fp16", T=2, bias=True), scheme, torch.float16)
+    out = run(config, x, w, weights, ids, expert_map, Case.tiles, direct=True)
+    assert out.dtype == torch.float16
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(out, emulated) < TOL[torch.float16]
+
+
 def test_direct_decode_refuses_per_tensor_w8a8():
     config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "fp8_w8a8_tensor", torch.float32)
     with pytest.raises(ValueError, match="direct decode path cannot run this call: fp8_w8a8_tensor quantizes "

@@ -256,6 +256,7 @@ W8A8_DIRECT = [  # (case, schemes): the direct decode path of the W8A8 schemes i
     (Case("d-fused-group", T=2, I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
     (Case("d-partial-k", T=2, H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))),
      ["fp8_w8a8_channel", "int8_w8a8"]),
+    (Case("d-relu2-no-mul", T=2, activation="relu2_no_mul", I=48), ["fp8_w8a8_block", "int8_w8a8"]),
 ]
 
 

@@ -257,6 +257,7 @@ W8A8_DIRECT = [  # (case, schemes): the direct decode path of the W8A8 schemes i
     (Case("d-partial-k", T=2, H=200, I=96, tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))),
      ["fp8_w8a8_channel", "int8_w8a8"]),
     (Case("d-relu2-no-mul", T=2, activation="relu2_no_mul", I=48), ["fp8_w8a8_block", "int8_w8a8"]),
+    (Case("d-swigluoai-bias", T=2, activation="swigluoai", bias=True), ["fp8_w8a8_channel"]),
 ]
 
 

@@ -53,6 +53,7 @@ from fusedmoe.backends.triton.quant_kernels import (
     _amax_update,
     _max_nan,
     _quantize,
+    _row_block,
     _scale_of,
 )
 
@@ -434,10 +435,7 @@ def moe_gemm1_kernel(
     else:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot = tl.load(sorted_slot_ptr + rows)
-        row_ok = slot < num_slots
+        expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     if X_SORTED:  # noqa: SIM108 (constexpr branch)
         x_row = rows.to(tl.int64)
     else:
@@ -603,10 +601,7 @@ def moe_act_kernel(
     else:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot = tl.load(sorted_slot_ptr + rows)
-        row_ok = slot < num_slots
+        expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     ok = n_ok[None, :] & row_ok[:, None] if DIRECT else n_ok[None, :]  # padding rows are rows of a
@@ -661,10 +656,7 @@ def moe_gemm2_kernel(
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    row_ok = slot < num_slots
+    expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

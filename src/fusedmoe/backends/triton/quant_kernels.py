@@ -57,6 +57,17 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M: tl.constexpr):
+    """Row block `pid` of the aligned rows: (its local expert as int64, its BLOCK_M rows, their
+    slots, live = slot < num_slots; padding rows hold slot num_slots). Callers first skip the
+    blocks at or past num_rows. Shared by every kernel over aligned rows (kernels.py too)."""
+    expert = tl.load(block_expert_ptr + pid).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + rows)
+    return expert, rows, slot, slot < num_slots
+
+
+@triton.jit
 def _amax_update(ptr, v, row_ok, n_ok):
     """ptr[0] = max(ptr[0], |v|) over the live rows and columns of the tile v (fp32): an atomic
     max, order-free, so deterministic; NaN wins as in expert_amax_kernel."""
@@ -165,10 +176,7 @@ def expert_amax_kernel(
     pid = tl.program_id(0)
     if pid * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    row_ok = slot < num_slots
+    expert, rows, slot, row_ok = _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     if GATHER:  # noqa: SIM108 (constexpr branch)
         src = (slot // top_k).to(tl.int64)
     else:
@@ -206,10 +214,7 @@ def quantize_expert_rows_kernel(
     pid = tl.program_id(0)
     if pid * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    row_ok = slot < num_slots
+    expert, rows, slot, row_ok = _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     if GATHER:  # noqa: SIM108 (constexpr branch)
         src = (slot // top_k).to(tl.int64)
     else:

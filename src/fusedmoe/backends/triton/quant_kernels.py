@@ -68,6 +68,19 @@ def _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M: tl.co
 
 
 @triton.jit
+def _source_rows(pid, sorted_slot_ptr, block_expert_ptr, num_slots, top_k, GATHER: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """`_row_block` plus each row's source row of x (int64): its token (GATHER: slot // top_k)
+    or the aligned row itself."""
+    expert, rows, slot, row_ok = _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
+    if GATHER:  # noqa: SIM108 (constexpr branch)
+        src = (slot // top_k).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return expert, rows, slot, row_ok, src
+
+
+@triton.jit
 def _amax_update(ptr, v, row_ok, n_ok):
     """ptr[0] = max(ptr[0], |v|) over the live rows and columns of the tile v (fp32): an atomic
     max, order-free, so deterministic; NaN wins as in expert_amax_kernel."""
@@ -176,11 +189,8 @@ def expert_amax_kernel(
     pid = tl.program_id(0)
     if pid * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert, rows, slot, row_ok = _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
-    if GATHER:  # noqa: SIM108 (constexpr branch)
-        src = (slot // top_k).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
+    expert, rows, slot, row_ok, src = _source_rows(pid, sorted_slot_ptr, block_expert_ptr, num_slots, top_k,
+                                                   GATHER, BLOCK_M)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if HAS_ROW_W:
@@ -214,11 +224,8 @@ def quantize_expert_rows_kernel(
     pid = tl.program_id(0)
     if pid * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert, rows, slot, row_ok = _row_block(pid, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
-    if GATHER:  # noqa: SIM108 (constexpr branch)
-        src = (slot // top_k).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
+    expert, rows, slot, row_ok, src = _source_rows(pid, sorted_slot_ptr, block_expert_ptr, num_slots, top_k,
+                                                   GATHER, BLOCK_M)
     scale = tl.load(scale_ptr + expert * stride_scale).to(tl.float32)
     if not STATIC:
         scale = _scale_of(scale, FP8_MAX)

@@ -284,6 +284,22 @@ def test_w8a8_direct_decode_fp16(scheme):
     assert rel_err(out, emulated) < TOL[torch.float16]
 
 
+def test_activation_scales_checked_before_launch():
+    """The experts op's own entry (below the layer's validation) checks the activation scales
+    against the scheme before any kernel: static needs both, dynamic takes none."""
+    import dataclasses
+
+    config, x, w, weights, ids, _ = problem(Case("scales", T=2), "fp8_w8a8_tensor_static", torch.float32)
+    no_a2 = dataclasses.replace(w, quant=dataclasses.replace(w.quant, a2_scale=None))
+    with pytest.raises(ValueError, match="a2_scale is None but fp8_w8a8_tensor_static quantizes activations "
+                                         "with a static scale"):
+        run(config, x, no_a2, weights, ids, None)
+    config, x, w, weights, ids, _ = problem(Case("scales", T=2), "fp8_w8a8_tensor", torch.float32)
+    extra = dataclasses.replace(w, quant=dataclasses.replace(w.quant, a13_scale=torch.ones(1)))
+    with pytest.raises(ValueError, match="a13_scale is set but fp8_w8a8_tensor has dynamic activation scales"):
+        run(config, x, extra, weights, ids, None)
+
+
 def test_direct_decode_refuses_per_tensor_w8a8():
     config, x, w, weights, ids, _ = problem(Case("direct-w8a8", T=2), "fp8_w8a8_tensor", torch.float32)
     with pytest.raises(ValueError, match="direct decode path cannot run this call: fp8_w8a8_tensor quantizes "

@@ -206,11 +206,19 @@ def check_quant_weights(
                 f"{name} is set but {scheme.name} has no global scale (only nvfp4 does)"
             )
 
+    check_activation_scales(scheme, params.a13_scale, params.a2_scale, num_experts, device)
+
+
+def check_activation_scales(scheme: QuantScheme, a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+                            num_experts: int, device: torch.device) -> None:
+    """Raise ValueError unless the activation scales match the scheme: both given for static
+    activation quantization ([], [1] or [E] fp32 on `device`), None for dynamic or none (NVFP4's
+    global input scale is optional). Metadata only: no device sync."""
     act = scheme.activation
     required = act is not None and not act.dynamic
     # NVFP4's activation global scale is optional: the checkpoint's input_scale, else dynamic.
     allowed = required or (act is not None and act.dtype == "nvfp4")
-    for name, scale in (("a13_scale", params.a13_scale), ("a2_scale", params.a2_scale)):
+    for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is None and required:
             raise ValueError(
                 f"{name} is None but {scheme.name} quantizes activations with a static scale "

@@ -51,6 +51,7 @@ from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
+from fusedmoe.quant.weights import check_activation_scales
 
 W8A8_SCHEMES = frozenset(
     ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
@@ -266,6 +267,7 @@ def triton_quant_experts(
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
             tiles=tiles, out=out, direct=direct,
         )
+    check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.empty_like(x_TH) if out is None else out
@@ -379,14 +381,10 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
-    if tensor:
-        if a2_scale is not None:
-            q.a_in, q.a_scales = _quantize_expert_rows(L, a, _per_expert(a2_scale, q.num_local), True, None,
-                                                       gather=False)
-        elif q.a_amax is not None:
-            q.a_in, q.a_scales = _quantize_expert_rows(L, a, q.a_amax, False, None, gather=False)
-        else:
-            raise ValueError(f"{q.scheme.name}: a13_scale is static but a2_scale is None (both or neither)")
+    if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax
+        static = a2_scale is not None
+        scale = _per_expert(a2_scale, q.num_local) if static else q.a_amax
+        q.a_in, q.a_scales = _quantize_expert_rows(L, a, scale, static, None, gather=False)
         return
     if not fuse:
         group = inter if gran == "channel" else ACT_GROUP
@@ -448,6 +446,7 @@ def triton_batched_quant_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
         )
+    check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
 
     def choose(problem):

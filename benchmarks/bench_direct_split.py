@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.bench import check_and_time, decode_cells, preset_shapes
+    from fusedmoe.bench import decode_cells, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
@@ -146,6 +146,7 @@ def main() -> int:
               {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
     variants = ([(2, True, 16, 32, 2), (2, False, 16, 32, 2), (3, True, 32, 16, 2)] if smoke else
                 [(s, last, n, 256, 4) for s, last, n in itertools.product((2, 4, 8), (True, False), (16, 32, 64))])
+    ceilings = None  # smoke: nothing timed
     if not smoke:
         from fusedmoe.bench import measure_ceilings
 
@@ -163,18 +164,14 @@ def main() -> int:
             label = f"split{split}-{'last' if last else 'pass'}-{bn}x{bk}"
             cells.append((label, cell.per_copy(split_call, split, last, bn, bk, st, counters)))
         for label, calls in cells:
-            try:
-                us, err, same = check_and_time(calls, ref, timed=not smoke)
-            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                print(f"{cell.preset} M={cell.tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+            r = cell.row(label, calls, ref, ceilings, timed=not smoke)
+            if r is None:
                 continue
-            pct = None if us is None else cell.pct_roofline(us, ceilings)
-            rows.append(dict(preset=cell.preset, tokens=cell.tokens, variant=label, us=us, pct_roofline=pct,
-                             rel_err_vs_direct=err, deterministic=same))
-            timing = "" if us is None else f"{us:8.1f} us {pct:6.1f}%"
-            print(f"{cell.preset:18s} M={cell.tokens:<3d} {label:24s} {timing}  rel err {err:.1e}  repeat equal "
-                  f"{same}", flush=True)
-            if err > cell.tolerance or not same:
+            rows.append(r)
+            timing = "" if r["us"] is None else f"{r['us']:8.1f} us {r['pct_roofline']:6.1f}%"
+            print(f"{cell.preset:18s} M={cell.tokens:<3d} {label:24s} {timing}  rel err {r['rel_err_vs_direct']:.1e}"
+                  f"  repeat equal {r['deterministic']}", flush=True)
+            if r["mismatch"]:
                 print("  ^ MISMATCH")
     if args.json:
         with open(args.json, "w") as f:

@@ -140,13 +140,14 @@ def main() -> int:
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.experts import pdl
-    from fusedmoe.bench import check_and_time, decode_cells, preset_shapes
+    from fusedmoe.bench import decode_cells, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16
     use_pdl = bool(pdl(device)) if not smoke else False
     shapes = ({"smoke": (6, 4, 40, 24, "silu", 1)} if smoke else
               {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
+    ceilings = None  # smoke: nothing timed
     if not smoke:
         from fusedmoe.bench import measure_ceilings
 
@@ -165,17 +166,8 @@ def main() -> int:
                 bi, sub, bk, bh, warps, _, _ = v
                 label = f"fused-{layout}-i{bi}x{sub}-k{bk}-h{bh}-w{warps}"
                 cells.append((label, cell.per_copy(fused_call, *v, use_pdl, weights=wl)))
-        cell_rows = []
-        for label, calls in cells:
-            try:
-                us, err, same = check_and_time(calls, ref, timed=not smoke)
-            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                print(f"{cell.preset} M={cell.tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
-                continue
-            pct = None if us is None else cell.pct_roofline(us, ceilings)
-            bad = err > cell.tolerance or not same
-            cell_rows.append(dict(preset=cell.preset, tokens=cell.tokens, variant=label, us=us, pct_roofline=pct,
-                                  rel_err_vs_direct=err, deterministic=same, mismatch=bad))
+        cell_rows = [r for r in (cell.row(label, calls, ref, ceilings, timed=not smoke) for label, calls in cells)
+                     if r is not None]
         rows += cell_rows
         ranked = sorted(cell_rows, key=lambda r: (r["us"] is None, r["us"] or 0))
         shown = [r for r in ranked if not r["variant"].startswith("fused")] + \

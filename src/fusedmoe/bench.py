@@ -239,6 +239,20 @@ class DecodeCell:
 
         return self.per_copy(call)
 
+    def row(self, label: str, calls: Sequence[Callable[[], torch.Tensor]], ref: torch.Tensor,
+            ceilings: Ceilings | None, *, timed: bool = True) -> dict | None:
+        """`check_and_time` one variant of this cell: its result row (us and % of roofline when
+        timed, relative error against `ref`, determinism, mismatch beyond `tolerance`), or None
+        after printing why it failed to compile or run."""
+        try:
+            us, err, same = check_and_time(calls, ref, timed=timed)
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+            print(f"{self.preset} M={self.tokens} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+            return None
+        pct = None if us is None else self.pct_roofline(us, ceilings)
+        return dict(preset=self.preset, tokens=self.tokens, variant=label, us=us, pct_roofline=pct,
+                    rel_err_vs_direct=err, deterministic=same, mismatch=err > self.tolerance or not same)
+
     def pct_roofline(self, us: float, ceilings: Ceilings) -> float:
         from fusedmoe.presets import get_preset
 

@@ -514,9 +514,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     aligned, plan = lookup(problem, device, scheme), None
     src1 = src2 = "tuned table" if aligned is not None else "heuristic"  # the aligned path's
     is_direct, t1, t2 = choose_plan(problem, scheme, device)
-    if direct_scheme_reason(scheme) is not None:
-        why = direct_scheme_reason(scheme)
-    else:
+    why = direct_scheme_reason(scheme)
+    if why is None:
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:
             why = f"tuned table: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
@@ -799,8 +798,10 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     w_desc = tma_reasons(tile, w13, (2 if gated else 1) * inter, None, quant_args)[1] is None
     w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
     direct = L.direct_kwargs()
-    quant_args = dict(quant_args or {})
-    amax_args = {k: quant_args.pop(k) for k in ("amax_ptr", "A_AMAX") if k in quant_args}
+    amax_args = {}
+    if quant_args and "A_AMAX" in quant_args:  # for the kernel that finishes a (split-K: the act kernel)
+        quant_args = dict(quant_args)
+        amax_args = {k: quant_args.pop(k) for k in ("amax_ptr", "A_AMAX")}
     kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
         x, w_arg, bias, a, L.weights_N, hpart, *L.row_args(),
         L.num_slots, L.top_k, hidden, inter, k_per_split,
@@ -810,7 +811,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
-        **quant_args, **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
+        **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))

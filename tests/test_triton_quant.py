@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
-from fusedmoe import MoEConfig  # noqa: E402
+from fusedmoe import MoEConfig, knobs  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
 from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import (  # noqa: E402
@@ -37,7 +37,14 @@ from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # 
 from fusedmoe.modular import BatchedLocalPrepareFinalize, ExpertWeights, make_modular  # noqa: E402
 from fusedmoe.quant import SCHEMES, QuantKey, fake_quantize_activation  # noqa: E402
 from fusedmoe.quant.weights import quantize_weights  # noqa: E402
-from quant_problems import Case, dequantized_reference, problem, rel_err, run  # noqa: E402
+from quant_problems import (  # noqa: E402
+    Case,
+    assert_close_up_to_code_flips,
+    dequantized_reference,
+    problem,
+    rel_err,
+    run,
+)
 
 W8A8 = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
@@ -282,6 +289,59 @@ def test_w8a8_direct_decode_fp16(scheme):
     assert out.dtype == torch.float16
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
     assert rel_err(out, emulated) < TOL[torch.float16]
+
+
+SWAP_CASES = [  # (case, schemes): the W8A8 GEMMs with SWAP_AB forced, aligned and direct
+    (Case("s-basic"), W8A8),
+    # block: the up tiles straddle scale blocks (I % BLOCK_N != 0) and GEMM1 quantizes its output
+    (Case("s-straddle-fused", I=160, tiles=((16, 128, 64, 4, 1), (16, 128, 64, 4, 1))), ["fp8_w8a8_block"]),
+    (Case("s-split-k", H=256, K=3, tiles=((16, 64, 64, 4, 1, 2), (16, 64, 64, 4, 1, 2))),
+     ["fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]),
+    (Case("s-partial-bias-map", H=200, I=96, E=6, K=3, bias=True, expert_map=True,
+          tiles=((16, 64, 32, 4, 1), (16, 128, 32, 4, 1))), ["fp8_w8a8_tensor", "fp8_w8a8_channel", "int8_w8a8"]),
+    (Case("s-top1-weight-on-input", K=1, T=5, on_input=True), ["fp8_w8a8_block", "fp8_w8a8_tensor_static"]),
+]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+@pytest.mark.parametrize("case,scheme", [(c, s) for c, schemes in SWAP_CASES for s in schemes],
+                         ids=[f"{c.id}-{s}" for c, schemes in SWAP_CASES for s in schemes])
+def test_swap_ab_matches_unswapped(case, scheme, direct):
+    """SWAP_AB (w^T @ a^T with transposed accumulators: scales per row become per column, the
+    block step's straddling up scales, split-K partials, the fused group epilogue, the direct
+    GEMM2's slot loop) gives the unswapped result, up to a flipped activation code."""
+    if direct and scheme.startswith("fp8_w8a8_tensor"):
+        pytest.skip("per-tensor W8A8 has no direct path")
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    tiles = case.tiles if direct else (case.tiles[0], case.tiles[1][:5])  # slot shares: direct GEMM2 only
+    with knobs.override(TRITON_SWAP_AB=False):
+        plain = run(config, x, w, weights, ids, expert_map, tiles, direct=direct)
+    with knobs.override(TRITON_SWAP_AB="force"):
+        swapped = run(config, x, w, weights, ids, expert_map, tiles, direct=direct)
+    assert_close_up_to_code_flips(swapped, plain)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(swapped, emulated) < TOL[torch.float32]
+
+
+def test_swap_ab_rule(monkeypatch):
+    """Swapped where wgmma needs it: fp8 codes, row blocks under 64 rows, N tiles >= 64, sm90."""
+    from fusedmoe.backends.triton import quant
+
+    fp8, int8 = QuantKey("fp8", "token", dynamic=True), QuantKey("int8", "token", dynamic=True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(quant, "_sm90_only", lambda device: True)
+    assert quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
+    assert quant.swap_ab(TileConfig(32, 64, 128, 4, 3), fp8, cuda)
+    assert not quant.swap_ab(TileConfig(64, 128, 128, 4, 3), fp8, cuda)  # wgmma runs it as is
+    assert not quant.swap_ab(TileConfig(16, 32, 128, 4, 3), fp8, cuda)  # too few weight rows
+    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), int8, cuda)
+    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, torch.device("cpu"))
+    with knobs.override(TRITON_SWAP_AB=False):
+        assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
+    with knobs.override(TRITON_SWAP_AB="force"):
+        assert quant.swap_ab(TileConfig(64, 32, 128, 4, 3), int8, torch.device("cpu"))
+    monkeypatch.setattr(quant, "_sm90_only", lambda device: False)  # sm80 / sm100: as is
+    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
 
 
 def test_activation_scales_checked_before_launch():

@@ -134,6 +134,67 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
+# SWAP_AB (W8A8 with 8-bit codes, row blocks under 64 rows; quant.swap_ab decides): the GEMMs
+# hold their accumulators transposed, [BLOCK_N, BLOCK_M], and multiply w^T @ a^T, so the weight
+# tile is the MMA's M side. Hopper's wgmma needs 64 rows on that side: a 16-row block of fp8
+# codes otherwise runs as HMMA on codes converted to f16. The accumulators are transposed back
+# after the K loop, before any epilogue.
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC_INT: tl.constexpr, SWAP: tl.constexpr):
+    """The zero accumulator: int32 for int8 codes, else fp32; [BLOCK_N, BLOCK_M] when SWAP.
+    (One return per helper: Triton checks every return's type, constexpr branches included.)"""
+    if SWAP:
+        shape: tl.constexpr = (BLOCK_N, BLOCK_M)
+    else:
+        shape: tl.constexpr = (BLOCK_M, BLOCK_N)
+    if ACC_INT:  # noqa: SIM108 (constexpr branch)
+        acc = tl.zeros(shape, dtype=tl.int32)
+    else:
+        acc = tl.zeros(shape, dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, w, SWAP: tl.constexpr):
+    """a [M, K] @ w [K, N] (8-bit codes: fp32 for fp8, int32 for int8), or its transpose w^T @ a^T
+    [N, M] when SWAP."""
+    if SWAP:  # noqa: SIM108 (constexpr branch)
+        p = tl.dot(tl.trans(w), tl.trans(a))
+    else:
+        p = tl.dot(a, w)
+    return p
+
+
+@triton.jit
+def _dot_acc(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
+    """_dot(a, w, acc), with acc the transposed accumulator when SWAP."""
+    if SWAP:  # noqa: SIM108 (constexpr branch)
+        acc = _dot(tl.trans(w), tl.trans(a), acc, IEEE)
+    else:
+        acc = _dot(a, w, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _per_row(v, SWAP: tl.constexpr):
+    """A vector over the M rows, shaped to scale a [M, N] accumulator (its transpose when SWAP)."""
+    if SWAP:  # noqa: SIM108 (constexpr branch)
+        r = v[None, :]
+    else:
+        r = v[:, None]
+    return r
+
+
+@triton.jit
+def _per_col(v, SWAP: tl.constexpr):
+    """A vector over the N columns, shaped as _per_row."""
+    if SWAP:  # noqa: SIM108 (constexpr branch)
+        c = v[:, None]
+    else:
+        c = v[None, :]
+    return c
+
+
 @triton.jit
 def _w4_value(code, FMT: tl.constexpr):
     """fp32 value of 4-bit codes (int32 in [0, 15]): int4 two's complement or e2m1."""
@@ -412,6 +473,7 @@ def moe_gemm1_kernel(
     # from the top-k ids (ids_ptr, through emap_ptr when HAS_MAP); a / hpart rows are slots.
     ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
     DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -423,6 +485,7 @@ def moe_gemm1_kernel(
     tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
     the store; past H the box is zero-filled.
     """
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
@@ -455,12 +518,8 @@ def moe_gemm1_kernel(
         wu_ptrs = wg_ptrs + inter * stride_wn
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    if ACC_INT:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
     if QUANT == Q_W4:  # pointers of byte j (k = 2j, 2j + 1) and of its group scale, from k0
         offs_j = tl.arange(0, BLOCK_K // 2)
         x_rows = x_ptr + x_row[:, None] * stride_xt
@@ -501,9 +560,9 @@ def moe_gemm1_kernel(
                 kb = k0 // 128
                 sx = tl.load(xs_ptr + x_row * stride_xs0 + kb * stride_xs1, mask=row_ok, other=0.0)
                 sg = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
-                acc_g += tl.dot(xa, wg) * (sx * sg)[:, None]
+                acc_g += _mma(xa, wg, SWAP_AB) * _per_row(sx * sg, SWAP_AB)
             else:
-                acc_g = _dot(xa, wg, acc_g, IEEE)
+                acc_g = _dot_acc(xa, wg, acc_g, IEEE, SWAP_AB)
             if GATED:
                 if W_DESC:
                     wu = w13_ptr.load([w_row + inter, k0]).T
@@ -515,18 +574,21 @@ def moe_gemm1_kernel(
                     if UP_UNIFORM:
                         su = tl.load(ws_base + ((pid_n * BLOCK_N + inter) // 128) * stride_ws1
                                      + kb * stride_ws2).to(tl.float32)
-                        acc_u += tl.dot(xa, wu) * (sx * su)[:, None]
+                        acc_u += _mma(xa, wu, SWAP_AB) * _per_row(sx * su, SWAP_AB)
                     else:  # the N tile straddles two scale blocks of the up rows
                         su = tl.load(ws_base + ((offs_n + inter) // 128) * stride_ws1 + kb * stride_ws2,
                                      mask=n_ok, other=0.0)
-                        acc_u += tl.dot(xa, wu) * (sx[:, None] * su.to(tl.float32)[None, :])
+                        acc_u += _mma(xa, wu, SWAP_AB) * (_per_row(sx, SWAP_AB) * _per_col(su.to(tl.float32), SWAP_AB))
                 else:
-                    acc_u = _dot(xa, wu, acc_u, IEEE)
+                    acc_u = _dot_acc(xa, wu, acc_u, IEEE, SWAP_AB)
             x_ptrs += BLOCK_K * stride_xh
             if not W_DESC:
                 wg_ptrs += BLOCK_K * stride_wh
                 wu_ptrs += BLOCK_K * stride_wh
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
 
     if QUANT == Q_CHANNEL:
         sx = tl.load(xs_ptr + x_row * stride_xs0, mask=row_ok, other=0.0)[:, None]
@@ -642,6 +704,7 @@ def moe_gemm2_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
 
@@ -651,6 +714,7 @@ def moe_gemm2_kernel(
     [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
     fill, masked at the store). Past I both are zero-filled.
     """
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
@@ -670,10 +734,7 @@ def moe_gemm2_kernel(
                   + offs_k[:, None] * stride_wi)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    if ACC_INT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
     if QUANT == Q_W4:  # as in moe_gemm1_kernel
         offs_j = tl.arange(0, BLOCK_K // 2)
         a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_ar
@@ -706,14 +767,16 @@ def moe_gemm2_kernel(
                 kb = k0 // 128
                 sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + kb * stride_as1, mask=row_ok, other=0.0)
                 sw = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
-                acc += tl.dot(aa, ww) * (sa * sw)[:, None]  # one scale block per N tile (as gemm1)
+                acc += _mma(aa, ww, SWAP_AB) * _per_row(sa * sw, SWAP_AB)  # one scale block per N tile (as gemm1)
             else:
-                acc = _dot(aa, ww, acc, IEEE)
+                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB)
             if not A_DESC:
                 a_ptrs += BLOCK_K * stride_ai
             if not W_DESC:
                 w_ptrs += BLOCK_K * stride_wi
     _pdl_release(PDL)
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     if QUANT == Q_CHANNEL:
         sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
@@ -754,6 +817,7 @@ def moe_gemm2_direct_kernel(
     # SPLIT > 1: program (t, n, s) sums slots s*PER .. s*PER + PER - 1 and writes its fp32 row to
     # part[t*SPLIT + s]; moe_reduce_kernel (FLAGS=False) adds a token's SPLIT rows in order.
     part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
+    SWAP_AB: tl.constexpr = False,
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -765,6 +829,7 @@ def moe_gemm2_direct_kernel(
     (token, N tile) programs for the SMs, or long per-program K loops): a token's slots spread
     over SPLIT programs whose fp32 partials are summed in a fixed order. Deterministic either way.
     """
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(2)
@@ -801,7 +866,7 @@ def moe_gemm2_direct_kernel(
                         mask=offs_n < live * hidden, other=0.0).to(tl.float32)
             bias += b * tl.sum(tl.where(sel, wk, 0.0), 0)
     k_steps = tl.cdiv(inter, BLOCK_K)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
     if QUANT == Q_W4:
         offs_j = tl.arange(0, BLOCK_K // 2)
     for it in range(0, PER * k_steps):
@@ -821,7 +886,7 @@ def moe_gemm2_direct_kernel(
         slot = t * TOP_K + j
         aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
                      mask=lane0 & k_ok[None, :], other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
         if QUANT == Q_W4:
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
             w_mask = n_e[None, :] if EVEN_K else (offs_j < live * ((inter - k0) // 2))[:, None] & n_e[None, :]
@@ -846,21 +911,23 @@ def moe_gemm2_direct_kernel(
                 a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
                 sa = tl.where(live > 0, tl.load(a_srow), 0.0)
                 sw = tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e, other=0.0).to(tl.float32)
-                acc = tl.dot(aa, ww).to(tl.float32) * (sa * sw)[None, :]
+                acc = _mma(aa, ww, SWAP_AB).to(tl.float32) * _per_col(sa * sw, SWAP_AB)
             elif QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block, the N tile too
                 kb = k0 // 128
                 a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
                 sa = tl.where(live > 0, tl.load(a_srow + kb * stride_as1), 0.0)
                 sw = tl.load(ws_ptr + e * stride_ws0 + (tl.program_id(1) * BLOCK_N // 128) * stride_ws1
                              + kb * stride_ws2).to(tl.float32)
-                acc = tl.dot(aa, ww) * (sa * sw)
+                acc = _mma(aa, ww, SWAP_AB) * (sa * sw)
             else:
-                acc = _dot(aa, ww, acc, IEEE)
+                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB)
             if QUANT == Q_W8:
                 acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,
                                     other=0.0).to(tl.float32)[None, :]
         total += acc * w_j
     _pdl_release(PDL)
+    if SWAP_AB:
+        total = tl.trans(total)
     if HAS_BIAS:
         total += bias[None, :]
     if SPLIT == 1:

@@ -59,6 +59,12 @@ W8A8_SCHEMES = frozenset(
 SMALL_ROWS = 2048  # _launch_rows: up to this many rows, at most 8 per program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
+# kernels.py SWAP_AB: activation codes whose GEMMs over row blocks under 64 rows multiply w^T @ a^T
+# on sm90, the weight tile (BLOCK_N >= SWAP_AB_MIN_N rows) as the wgmma's M side. Without it a
+# 16-row block of fp8 codes runs as HMMA on codes converted to f16 (vLLM's fused_moe_kernel swaps
+# fp8 the same way; benchmarks/bench_vllm.py).
+SWAP_AB_CODES = ("fp8",)
+SWAP_AB_MIN_N = 64
 
 
 def _soft_fp8(device: torch.device) -> bool:
@@ -341,6 +347,24 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
+def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device) -> bool:
+    """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
+    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else row blocks under 64 rows with N
+    tiles of at least SWAP_AB_MIN_N on an sm90 GPU, for the SWAP_AB_CODES dtypes."""
+    from fusedmoe import knobs
+
+    mode = knobs.get("TRITON_SWAP_AB")
+    if mode is False or mode == "force":
+        return mode == "force"
+    return (tile.block_m < 64 and tile.block_n >= SWAP_AB_MIN_N and key.dtype in SWAP_AB_CODES
+            and device.type == "cuda" and torch.version.hip is None and _sm90_only(device))
+
+
+def _sm90_only(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:
     """x's codes per token / group, or (tensor) per aligned row with its expert's scale.
     Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
@@ -379,6 +403,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
+        SWAP_AB=swap_ab(tile, akey, device),
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax
@@ -399,7 +424,8 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     gran = q.scheme.weight.granularity
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
     args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran])
+                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
+                SWAP_AB=swap_ab(tile, q.scheme.activation, q.a_in.device))
     if out is not None:
         launch_gemm2_direct(q.L, w2, w2_bias, tile, out, args, a=q.a_in)
         return

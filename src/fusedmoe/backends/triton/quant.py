@@ -24,6 +24,7 @@ N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -360,6 +361,16 @@ def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device) -> bool:
             and device.type == "cuda" and torch.version.hip is None and _sm90_only(device))
 
 
+def _swap_launch(tile: TileConfig, key: QuantKey, device: torch.device) -> tuple[TileConfig, dict]:
+    """(the tile to launch, the SWAP_AB keyword): swapped, one pipeline stage fewer (at least 2).
+    A swapped GEMM's wgmma pipeline keeps num_stages operand buffers in shared memory where the
+    HMMA loop keeps num_stages - 1 (sm90 compile: DeepSeek-V3 fp8 channel GEMM2 16x128x256 in 4
+    stages 111616 -> 148480 B, 2 -> 1 program per SM), so the tile's stages keep their footprint."""
+    if not swap_ab(tile, key, device):
+        return tile, dict(SWAP_AB=False)
+    return dataclasses.replace(tile, num_stages=max(2, tile.num_stages - 1)), dict(SWAP_AB=True)
+
+
 def _sm90_only(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -396,6 +407,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
+    tile, swap = _swap_launch(tile, akey, device)
     fused = dict(aq_ptr=a_codes, as_ptr=a_scales, stride_aqr=a_codes.stride(0), stride_aqi=a_codes.stride(1),
                  stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
     launch_gemm1(L, w13, w13_bias, tile, dict(
@@ -403,7 +415,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
-        SWAP_AB=swap_ab(tile, akey, device),
+        **swap,
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax
@@ -423,9 +435,9 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     with the routed weight and the top-k sum into out."""
     gran = q.scheme.weight.granularity
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
+    tile, swap = _swap_launch(tile, q.scheme.activation, q.a_in.device)
     args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
-                SWAP_AB=swap_ab(tile, q.scheme.activation, q.a_in.device))
+                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], **swap)
     if out is not None:
         launch_gemm2_direct(q.L, w2, w2_bias, tile, out, args, a=q.a_in)
         return

@@ -324,24 +324,27 @@ def test_swap_ab_matches_unswapped(case, scheme, direct):
 
 
 def test_swap_ab_rule(monkeypatch):
-    """Swapped where wgmma needs it: fp8 codes, row blocks under 64 rows, N tiles >= 64, sm90."""
+    """Swapped where it was measured to win: fp8 1x128 groups, the aligned path, row blocks under
+    64 rows, N tiles >= 64, sm90."""
     from fusedmoe.backends.triton import quant
 
-    fp8, int8 = QuantKey("fp8", "token", dynamic=True), QuantKey("int8", "token", dynamic=True)
-    cuda = torch.device("cuda", 0)
+    group = QuantKey("fp8", "group", 128, dynamic=True)
+    token, int8 = QuantKey("fp8", "token", dynamic=True), QuantKey("int8", "token", dynamic=True)
+    cuda, tile = torch.device("cuda", 0), TileConfig(16, 128, 128, 4, 3)
     monkeypatch.setattr(quant, "_sm90_only", lambda device: True)
-    assert quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
-    assert quant.swap_ab(TileConfig(32, 64, 128, 4, 3), fp8, cuda)
-    assert not quant.swap_ab(TileConfig(64, 128, 128, 4, 3), fp8, cuda)  # wgmma runs it as is
-    assert not quant.swap_ab(TileConfig(16, 32, 128, 4, 3), fp8, cuda)  # too few weight rows
-    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), int8, cuda)
-    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, torch.device("cpu"))
+    assert quant.swap_ab(tile, group, cuda)
+    assert quant.swap_ab(TileConfig(32, 64, 128, 4, 3), group, cuda)
+    assert not quant.swap_ab(tile, group, cuda, direct=True)
+    assert not quant.swap_ab(TileConfig(64, 128, 128, 4, 3), group, cuda)  # wgmma runs it as is
+    assert not quant.swap_ab(TileConfig(16, 32, 128, 4, 3), group, cuda)  # too few weight rows
+    assert not quant.swap_ab(tile, token, cuda) and not quant.swap_ab(tile, int8, cuda)
+    assert not quant.swap_ab(tile, group, torch.device("cpu"))
     with knobs.override(TRITON_SWAP_AB=False):
-        assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
+        assert not quant.swap_ab(tile, group, cuda)
     with knobs.override(TRITON_SWAP_AB="force"):
-        assert quant.swap_ab(TileConfig(64, 32, 128, 4, 3), int8, torch.device("cpu"))
+        assert quant.swap_ab(TileConfig(64, 32, 128, 4, 3), int8, torch.device("cpu"), direct=True)
     monkeypatch.setattr(quant, "_sm90_only", lambda device: False)  # sm80 / sm100: as is
-    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3), fp8, cuda)
+    assert not quant.swap_ab(tile, group, cuda)
 
 
 def test_activation_scales_checked_before_launch():

@@ -98,8 +98,9 @@ KNOBS: dict[str, Knob] = {
              "0 = never (align, GEMMs, reduce), force = whenever top_k <= 16."),
         Knob("TRITON_SWAP_AB", _on_off_force, None,
              "W8A8 GEMMs over row blocks under 64 rows compute w^T @ a^T (the weights as the MMA's "
-             "64+ row side, so Hopper's wgmma takes fp8 codes): unset/1 = fp8 codes with N tiles >= 64 "
-             "on sm90, 0 = never, force = every W8A8 launch on any device (the interpreter tests)."),
+             "64+ row side, so Hopper's wgmma takes fp8 codes): unset/1 = fp8 block-scaled GEMMs of "
+             "the aligned path with N tiles >= 64 on sm90, 0 = never, force = every W8A8 launch on any "
+             "device (the interpreter tests)."),
         Knob("SHARED_OVERLAP", _tristate, None,
              "Shared experts on a CUDA side stream while the routed experts (dispatch, experts, "
              "combine) run: unset/1 = on, 0 = in sequence after them (`fusedmoe bench --ep N "

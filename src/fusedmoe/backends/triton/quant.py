@@ -60,11 +60,17 @@ W8A8_SCHEMES = frozenset(
 SMALL_ROWS = 2048  # _launch_rows: up to this many rows, at most 8 per program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
-# kernels.py SWAP_AB: activation codes whose GEMMs over row blocks under 64 rows multiply w^T @ a^T
-# on sm90, the weight tile (BLOCK_N >= SWAP_AB_MIN_N rows) as the wgmma's M side. Without it a
-# 16-row block of fp8 codes runs as HMMA on codes converted to f16 (vLLM's fused_moe_kernel swaps
-# fp8 the same way; benchmarks/bench_vllm.py).
-SWAP_AB_CODES = ("fp8",)
+# kernels.py SWAP_AB: the aligned W8A8 GEMMs over row blocks under 64 rows multiply w^T @ a^T on
+# sm90, the weight tile (BLOCK_N >= SWAP_AB_MIN_N rows) as the wgmma's M side, for the activation
+# quantizations below. Unswapped, a 16-row block of fp8 codes runs HMMA on codes converted to f16
+# (vLLM's fused_moe_kernel swaps fp8 the same way; benchmarks/bench_vllm.py). H200, the packaged
+# tiles, swapped (one stage fewer) against not, two alternating rounds
+# (benchmarks/results/2026-11-24_h200_ede68f9_swap_ab.txt): fp8 block (1x128 groups) at M=16-256
+# -3 to -13% on Qwen3-30B, Qwen3-235B, DeepSeek-V3 and Mixtral M=16/64 (DeepSeek-V3 M=64 383 ->
+# 337 us), gpt-oss within 1%; its direct decode path (M <= 4, tuned unswapped) +4 to +11% on three
+# presets: left unswapped. fp8 per-token scales: -2 to -5% on the fine-grained presets, +2 to +7%
+# on gpt-oss and Mixtral; int8: +1 to +13%. Neither is swapped.
+SWAP_AB_ACTIVATIONS = (("fp8", "group"),)
 SWAP_AB_MIN_N = 64
 
 
@@ -348,25 +354,26 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
-def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device) -> bool:
+def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
     """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
-    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else row blocks under 64 rows with N
-    tiles of at least SWAP_AB_MIN_N on an sm90 GPU, for the SWAP_AB_CODES dtypes."""
+    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the aligned path's row blocks
+    under 64 rows with N tiles of at least SWAP_AB_MIN_N on an sm90 GPU, for SWAP_AB_ACTIVATIONS."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_SWAP_AB")
     if mode is False or mode == "force":
         return mode == "force"
-    return (tile.block_m < 64 and tile.block_n >= SWAP_AB_MIN_N and key.dtype in SWAP_AB_CODES
+    return (not direct and tile.block_m < 64 and tile.block_n >= SWAP_AB_MIN_N
+            and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS
             and device.type == "cuda" and torch.version.hip is None and _sm90_only(device))
 
 
-def _swap_launch(tile: TileConfig, key: QuantKey, device: torch.device) -> tuple[TileConfig, dict]:
+def _swap_launch(tile: TileConfig, key: QuantKey, L: Launch) -> tuple[TileConfig, dict]:
     """(the tile to launch, the SWAP_AB keyword): swapped, one pipeline stage fewer (at least 2).
     A swapped GEMM's wgmma pipeline keeps num_stages operand buffers in shared memory where the
     HMMA loop keeps num_stages - 1 (sm90 compile: DeepSeek-V3 fp8 channel GEMM2 16x128x256 in 4
     stages 111616 -> 148480 B, 2 -> 1 program per SM), so the tile's stages keep their footprint."""
-    if not swap_ab(tile, key, device):
+    if not swap_ab(tile, key, L.a.device, direct=L.direct):
         return tile, dict(SWAP_AB=False)
     return dataclasses.replace(tile, num_stages=max(2, tile.num_stages - 1)), dict(SWAP_AB=True)
 
@@ -407,7 +414,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
-    tile, swap = _swap_launch(tile, akey, device)
+    tile, swap = _swap_launch(tile, akey, L)
     fused = dict(aq_ptr=a_codes, as_ptr=a_scales, stride_aqr=a_codes.stride(0), stride_aqi=a_codes.stride(1),
                  stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
     launch_gemm1(L, w13, w13_bias, tile, dict(
@@ -435,7 +442,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     with the routed weight and the top-k sum into out."""
     gran = q.scheme.weight.granularity
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
-    tile, swap = _swap_launch(tile, q.scheme.activation, q.a_in.device)
+    tile, swap = _swap_launch(tile, q.scheme.activation, q.L)
     args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
                 **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], **swap)
     if out is not None:

@@ -43,9 +43,6 @@ assert set(ACT_CODES) == set(ACTIVATIONS)
 # its weight scale is read at channel stride 0.
 W8A8_QUANT_CODES = {"tensor": 2, "channel": 2, "block": 3}
 GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
-# kernels.py SWAP_AB for the unquantized bf16 / fp16 GEMMs over row blocks under 64 rows (the
-# weight tile as the wgmma's M side instead of HMMA on 16 rows): off (see float_swap)
-SWAP_AB_FLOAT = False
 # Which alignment, from benchmarks/bench_align.py on an H200 (us per call, CUDA graph, E = 8..256):
 #   N      small      chunked    multi      torch
 #   256    9.3-14.8   8.0-9.5    -          69-72
@@ -775,25 +772,6 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
                   swiglu_limit, DIRECT_BLOCK_M, ids, expert_map, num_global_experts, num_local)
 
 
-def float_swap(tile: TileConfig, x: torch.Tensor, quant_args: dict | None) -> tuple[TileConfig, dict]:
-    """(the tile to launch, its SWAP_AB keyword) for an unquantized GEMM (quant_args None; the
-    quantized launches decide their own): FUSEDMOE_TRITON_SWAP_AB=force swaps, 0 never, else
-    SWAP_AB_FLOAT's rule (bf16 / fp16, row blocks under 64 rows, N tiles >= 64, sm90). Swapped,
-    one pipeline stage fewer: the wgmma pipeline keeps num_stages buffers, the HMMA loop one less."""
-    from fusedmoe import knobs
-
-    if quant_args is not None:
-        return tile, {}
-    mode = knobs.get("TRITON_SWAP_AB")
-    on = mode == "force" or (
-        mode is not False and SWAP_AB_FLOAT and tile.block_m < 64 and tile.block_n >= 64
-        and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and torch.version.hip is None
-        and torch.cuda.get_device_capability(x.device)[0] == 9)
-    if not on:
-        return tile, {}
-    return TileConfig(**{**tile.__dict__, "num_stages": max(2, tile.num_stages - 1)}), dict(SWAP_AB=True)
-
-
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
                  quant_args: dict | None = None, *, x: torch.Tensor | None = None) -> None:
     """GEMM1 (+ the split-K finish). quant_args: the kernel's quantization arguments (W8A8 in
@@ -803,7 +781,6 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
 
     x, a = (L.x if x is None else x), L.a
     inter, hidden = a.shape[1], x.shape[1]
-    tile, swap = float_swap(tile, x, quant_args)
     gated = is_gated(L.activation)
     bias = w13_bias if w13_bias is not None else x  # never read without HAS_BIAS
     limit = L.swiglu_limit if L.swiglu_limit is not None else (7.0 if L.activation == "swigluoai" else 0.0)
@@ -834,7 +811,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
-        **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **swap, **L.launch_kw,
+        **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
@@ -854,7 +831,6 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
 
     a, y = (L.a if a is None else a), L.y
     hidden, inter = y.shape[1], a.shape[1]
-    tile, swap = float_swap(tile, a, quant_args)
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
     a_reason, w_reason = tma_reasons(tile, w2, hidden, a, quant_args)
@@ -870,7 +846,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0,
         A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
-        **(quant_args or {}), **swap, **L.launch_kw,
+        **(quant_args or {}), **L.launch_kw,
     )
 
 
@@ -882,7 +858,6 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
 
     a = L.a if a is None else a
     hidden, inter = out.shape[1], a.shape[1]
-    tile, swap = float_swap(tile, a, quant_args)
     bias = w2_bias if w2_bias is not None else out
     emap = L.expert_map if L.expert_map is not None else L.ids
     per = triton_cdiv(L.top_k, tile.split_k)  # slots per share
@@ -900,7 +875,7 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
         TOP_K=L.top_k, TOP_K_P=triton_next_pow2(L.top_k),
         HAS_MAP=L.expert_map is not None, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), EVEN_K=inter % tile.block_k == 0, part_ptr=part, SPLIT=split, PER=per,
-        **tile.as_kwargs(), **(quant_args or {}), **swap, **L.launch_kw,
+        **tile.as_kwargs(), **(quant_args or {}), **L.launch_kw,
     )
     if split > 1:  # a token's shares, summed in order (every row valid)
         _reduce(part, out, None, split, L.launch_kw)

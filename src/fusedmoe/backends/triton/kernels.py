@@ -134,7 +134,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
-# SWAP_AB (row blocks under 64 rows; W8A8: quant.swap_ab decides, float: experts.float_swap): the GEMMs
+# SWAP_AB (W8A8 with 8-bit codes, row blocks under 64 rows; quant.swap_ab decides): the GEMMs
 # hold their accumulators transposed, [BLOCK_N, BLOCK_M], and multiply w^T @ a^T, so the weight
 # tile is the MMA's M side. Hopper's wgmma needs 64 rows on that side: a 16-row block of fp8
 # codes otherwise runs as HMMA on codes converted to f16. The accumulators are transposed back
@@ -485,8 +485,7 @@ def moe_gemm1_kernel(
     tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
     the store; past H the box is zero-filled.
     """
-    tl.static_assert(not SWAP_AB or QUANT == Q_NONE or QUANT == Q_CHANNEL or QUANT == Q_BLOCK,  # noqa: SIM109
-                     "SWAP_AB: float or W8A8 operands only")
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
@@ -715,8 +714,7 @@ def moe_gemm2_kernel(
     [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
     fill, masked at the store). Past I both are zero-filled.
     """
-    tl.static_assert(not SWAP_AB or QUANT == Q_NONE or QUANT == Q_CHANNEL or QUANT == Q_BLOCK,  # noqa: SIM109
-                     "SWAP_AB: float or W8A8 operands only")
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
@@ -831,8 +829,7 @@ def moe_gemm2_direct_kernel(
     (token, N tile) programs for the SMs, or long per-program K loops): a token's slots spread
     over SPLIT programs whose fp32 partials are summed in a fixed order. Deterministic either way.
     """
-    tl.static_assert(not SWAP_AB or QUANT == Q_NONE or QUANT == Q_CHANNEL or QUANT == Q_BLOCK,  # noqa: SIM109
-                     "SWAP_AB: float or W8A8 operands only")
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(2)

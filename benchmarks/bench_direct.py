@@ -83,7 +83,7 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - a tile that cannot compile is a row
                     print(f"{name} M={tokens} {mode} {t2}: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                row = dict(preset=name, tokens=tokens, mode=mode, gemm2_tile=None if t2 is None else list(t2.__dict__.values()),
+                row = dict(preset=name, tokens=tokens, mode=mode, gemm2_tile=None if t2 is None else t2.as_list(),
                            us=t * 1e6, pct_roofline=100 * t_roof / t, rel_err_vs_aligned=err)
                 rows.append(row)
                 tile = "" if t2 is None else f" gemm2 {t2.block_n}x{t2.block_k} s{t2.num_stages}"

@@ -98,7 +98,7 @@ def main() -> None:
                     continue
                 t1, t2 = tiles if tiles is not None else plan
                 row = dict(preset=name, tokens=tokens, scheme=scheme_name, label=label,
-                           gemm1=list(t1.__dict__.values()), gemm2=list(t2.__dict__.values()), us=us,
+                           gemm1=t1.as_list(), gemm2=t2.as_list(), us=us,
                            bf16_us=bf16_us, rel_err_vs_library=err, blocks=blocks)
                 rows.append(row)
                 if label == "library":

@@ -33,7 +33,7 @@ from fusedmoe.presets import get_preset  # noqa: E402
 from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
-        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE")
+        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB")
 
 
 def as_on_gpu(device_name: str | None) -> torch.device:

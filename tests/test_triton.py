@@ -599,6 +599,10 @@ def test_tuned_table_parse_and_nearest():
      r"is invalid: gemm1 tile .* cannot run fp8_w8a8_block: block_k=256, block_n=64: 128x128 block scales"),
     (_entry(1, g2=(16, 64, 16, 4, 3), quant="int8_w8a8"), "gemm2 .* cannot run int8_w8a8: block_k=16: 8-bit tl.dot"),
     (_entry(1, g1=(16, 64, 16, 4, 3), quant="mxfp4_w4a16"), "cannot run mxfp4_w4a16: block_k=16: 4-bit weights"),
+    # swap_ab, a tile's optional 7th value: W8A8 only, true / false
+    (_entry(1, g1=(16, 32, 128, 4, 4, 1, True)), "gemm1 .*: swap_ab=True: only the W8A8 GEMMs swap"),
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, 1), quant="fp8_w8a8_block"), "malformed.*swap_ab=1 is not true/false"),
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 0)), "malformed.*not a tile list"),
 ])
 def test_tuned_table_rejects_invalid(bad, match):
     from fusedmoe.backends.triton.tuning import parse_table
@@ -607,6 +611,19 @@ def test_tuned_table_rejects_invalid(bad, match):
         parse_table(_table([bad]), "t.json")
     with pytest.raises(ValueError, match="not a fusedmoe tuned table"):
         parse_table({"entries": []}, "t.json")
+
+
+def test_tuned_table_swap_ab_round_trip():
+    """A W8A8 entry may set swap_ab per GEMM (what `fusedmoe tune` found); unset, the rule
+    decides. as_list writes the 7th value only when it is set, and the parser reads it back."""
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    swapped, plain = TileConfig(16, 128, 128, 4, 3, 1, swap_ab=True), TileConfig(16, 64, 128, 4, 3)
+    assert swapped.as_list() == [16, 128, 128, 4, 3, 1, True] and plain.as_list() == [16, 64, 128, 4, 3, 1]
+    entry = _entry(16, g1=tuple(swapped.as_list()), g2=tuple(plain.as_list()), quant="fp8_w8a8_block")
+    table = parse_table(_table([entry]), "t.json")
+    t1, t2 = nearest(table, ("bfloat16", 128, 2048, 768, 8, True, "fp8_w8a8_block"), 16)
+    assert (t1, t2) == (swapped, plain) and t2.swap_ab is None
 
 
 def test_tuned_table_quant_entries_serve_their_scheme_only():
@@ -648,8 +665,8 @@ def test_tuned_table_lookup_by_scheme(tmp_path, monkeypatch, caplog):
 
     bf16 = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
     fp8 = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 64, 128, 4, 3))
-    entries = [_entry(16, g1=tuple(bf16[0].__dict__.values()), g2=tuple(bf16[1].__dict__.values())),
-               _entry(16, g1=tuple(fp8[0].__dict__.values()), g2=tuple(fp8[1].__dict__.values()),
+    entries = [_entry(16, g1=tuple(bf16[0].as_list()), g2=tuple(bf16[1].as_list())),
+               _entry(16, g1=tuple(fp8[0].as_list()), g2=tuple(fp8[1].as_list()),
                       quant="fp8_w8a8_block"),
                _entry(16, g1=(16, 64, 256, 4, 3), quant="int8_w8a8"),  # valid for int8 ...
                _entry(32, g1=(16, 64, 256, 4, 3), quant="fp8_w8a8_block")]  # ... not block
@@ -730,7 +747,7 @@ def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
     int4 = SCHEMES["int4_w4a16_g32"]
     d1, d2 = TileConfig(16, 64, 128, 4, 3, 4), TileConfig(16, 64, 64, 4, 4, 2)
     a1, a2 = TileConfig(16, 64, 128, 4, 3), TileConfig(16, 128, 64, 4, 3)
-    tiles = lambda t1, t2: dict(g1=tuple(t1.__dict__.values()), g2=tuple(t2.__dict__.values()))  # noqa: E731
+    tiles = lambda t1, t2: dict(g1=tuple(t1.as_list()), g2=tuple(t2.as_list()))  # noqa: E731
     ds = dict(hidden=7168, inter=256, experts=256)
     entries = [_entry(1, path="aligned", **tiles(a1, a2)),  # Qwen3-30B: the rule says direct at M=1 ...
                _entry(2, path="direct", **tiles(d1, d2)),  # ... and aligned at M=2
@@ -798,7 +815,7 @@ def test_tile_choice_is_memoized_per_knobs_and_cleared_by_tune(tmp_path, monkeyp
             choose_tiles(problem, cuda)
         assert len(calls) == 2
         tuned = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
-        entry = _entry(16, g1=tuple(tuned[0].__dict__.values()), g2=tuple(tuned[1].__dict__.values()))
+        entry = _entry(16, g1=tuple(tuned[0].as_list()), g2=tuple(tuned[1].as_list()))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
         path = write_table([entry], tmp_path)  # what `fusedmoe tune` writes
         assert path.name == "Fake_GPU.json" and json.loads(path.read_text())["entries"]

@@ -343,6 +343,11 @@ def test_swap_ab_rule(monkeypatch):
         assert not quant.swap_ab(tile, group, cuda)
     with knobs.override(TRITON_SWAP_AB="force"):
         assert quant.swap_ab(TileConfig(64, 32, 128, 4, 3), int8, torch.device("cpu"), direct=True)
+    # a tuned tile's own swap_ab wins over the rule (not over the knob)
+    assert quant.swap_ab(TileConfig(16, 128, 128, 4, 3, swap_ab=True), group, cuda, direct=True)
+    assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3, swap_ab=False), group, cuda)
+    with knobs.override(TRITON_SWAP_AB=False):
+        assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3, swap_ab=True), group, cuda)
     monkeypatch.setattr(quant, "_sm90_only", lambda device: False)  # sm80 / sm100: as is
     assert not quant.swap_ab(tile, group, cuda)
 

@@ -134,7 +134,7 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     [entry] = tune_shape(**shape, timer=_model_timer(costs, seen))
     assert entry["path"] == "direct" and entry["heuristic_path"] == "direct"
     assert (entry["us"], entry["heuristic_us"]) == (70.0, 80.0)
-    assert entry["gemm1"] == list(d1.__dict__.values()) and entry["gemm2"] == list(faster2.__dict__.values())
+    assert entry["gemm1"] == d1.as_list() and entry["gemm2"] == faster2.as_list()
     aligned_rows = sorted({tile.block_m for kind, tile in seen if kind == "gemm1"})
     assert sorted(tile.block_m for kind, tile in seen if kind == "align") == aligned_rows  # once each
     for kind, tile in seen:  # every timed tile passes the predicates
@@ -181,3 +181,19 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
         assert any(kind.startswith("direct") for kind, _ in seen) == timed_direct
         assert entry["path"] == "aligned" and entry["quant"] == quant
         assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1
+
+
+def test_search_tries_swap_ab_for_fp8_w8a8_only():
+    """The descent's neighbours set SWAP_AB both ways for W8A8 with fp8 activations (written into
+    the entry's tiles when it wins), never for int8 or the float and weight-only GEMMs."""
+    from fusedmoe.tune import _neighbours, _swappable
+
+    tile = TileConfig(16, 64, 128, 4, 3)
+    swaps = [t.swap_ab for t in _neighbours(tile, False, allow_swap=True) if t.swap_ab is not None]
+    assert sorted(swaps) == [False, True]
+    assert all(t.swap_ab is None for t in _neighbours(tile, True))
+    flipped = [t.swap_ab for t in _neighbours(TileConfig(16, 64, 128, 4, 3, swap_ab=True), False, True)]
+    assert flipped.count(False) == 1 and flipped.count(True) == len(flipped) - 1
+    assert _swappable(get_scheme("fp8_w8a8_block")) and _swappable(get_scheme("fp8_w8a8_channel"))
+    assert not any(_swappable(get_scheme(s)) for s in ("int8_w8a8", "fp8_w8a16", "int4_w4a16_g32"))
+    assert not _swappable(None)

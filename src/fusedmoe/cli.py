@@ -258,7 +258,7 @@ def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | 
                               config.intermediate_size_per_partition, config.top_k, config.gated, config.dtype)
         plan = describe_plan(problem, scheme, device)
         plans.append({"tokens": t, "device": str(device), **{
-            k: ({**v, "tile": list(v["tile"].__dict__.values())} if isinstance(v, dict) else v)
+            k: ({**v, "tile": v["tile"].as_list()} if isinstance(v, dict) else v)
             for k, v in plan.items()}})
     return plans
 

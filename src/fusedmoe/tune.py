@@ -74,8 +74,10 @@ def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float
     return statistics.median(times)
 
 
-def _neighbours(tile: TileConfig, allow_split: bool) -> list[TileConfig]:
+def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False) -> list[TileConfig]:
     out = []
+    if allow_swap:  # W8A8 fp8: SWAP_AB set either way (unset: quant.swap_ab's rule)
+        out += [TileConfig(**{**tile.__dict__, "swap_ab": v}) for v in (False, True) if v != tile.swap_ab]
     fields = [("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS), ("num_stages", STAGES)]
     if allow_split:
         fields.append(("split_k", SPLITS))
@@ -90,13 +92,14 @@ def _neighbours(tile: TileConfig, allow_split: bool) -> list[TileConfig]:
 
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
-             allow_split: bool = False, start_us: float | None = None) -> tuple[TileConfig, float]:
+             allow_split: bool = False, start_us: float | None = None,
+             allow_swap: bool = False) -> tuple[TileConfig, float]:
     """Coordinate descent from `start` (timed already: `start_us`) over the tiles `reason` (the
     validity predicate) accepts."""
     best, best_t = start, time_tile(start) if start_us is None else start_us
     for _ in range(rounds):
         improved = False
-        for cand in _neighbours(best, allow_split):
+        for cand in _neighbours(best, allow_split, allow_swap):
             if reason(cand):
                 continue
             try:
@@ -178,6 +181,7 @@ def tune_shape(
         h_us = (heuristic_timers[0](h1), heuristic_timers[1](h2), align_us(h1.block_m))
         default = ("aligned", sum(h_us))
         found = []  # (us, path, gemm1 tile, gemm2 tile)
+        swap = _swappable(scheme)
         for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
             if progress:
                 progress(f"{label} M={tokens} block_m={block_m}")
@@ -187,8 +191,8 @@ def tune_shape(
                 continue
             same = block_m == h1.block_m  # the heuristic's own: its launches and times serve
             time1, time2 = heuristic_timers if same else timers(s1)
-            b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None)
-            b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None)
+            b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None, allow_swap=swap)
+            b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None, allow_swap=swap)
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
         if direct_reason(problem) is None and direct_scheme_reason(scheme) is None \
                 and problem.num_slots <= DIRECT_MAX_SLOTS:
@@ -209,8 +213,8 @@ def tune_shape(
         if scheme is not None:
             entry["quant"] = scheme.name
         entries.append({
-            **entry, "path": best[1], "gemm1": list(best[2].__dict__.values()),
-            "gemm2": list(best[3].__dict__.values()), "us": round(best[0], 2),
+            **entry, "path": best[1], "gemm1": best[2].as_list(),
+            "gemm2": best[3].as_list(), "us": round(best[0], 2),
             "heuristic_path": default[0], "heuristic_us": round(default[1], 2),
         })
     return entries
@@ -285,6 +289,12 @@ def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m) 
     return run
 
 
+def _swappable(scheme) -> bool:
+    """Whether the search tries SWAP_AB both ways: W8A8 with fp8 activation codes (the ones
+    wgmma takes only swapped at 16-32-row blocks)."""
+    return scheme is not None and not scheme.weight_only and scheme.activation.dtype == "fp8"
+
+
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
                    timer: Timer) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
@@ -311,8 +321,10 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
         return check_plan(d1, tile, **plan)
 
     us1, us2 = time1(d1), time2(d2)
-    b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True, start_us=us1)
-    b2, u2 = _descend(time2, d2, ok2, allow_split=True, start_us=us2)
+    swap = _swappable(scheme)
+    b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True, start_us=us1,
+                      allow_swap=swap)
+    b2, u2 = _descend(time2, d2, ok2, allow_split=True, start_us=us2, allow_swap=swap)
     return us1 + us2, (u1 + u2, "direct", b1, b2)
 
 

@@ -356,13 +356,16 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
 
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
     """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
-    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the aligned path's row blocks
-    under 64 rows with N tiles of at least SWAP_AB_MIN_N on an sm90 GPU, for SWAP_AB_ACTIVATIONS."""
+    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the tile's swap_ab where a tuned
+    entry set it, else the aligned path's row blocks under 64 rows with N tiles of at least
+    SWAP_AB_MIN_N on an sm90 GPU, for SWAP_AB_ACTIVATIONS."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_SWAP_AB")
     if mode is False or mode == "force":
         return mode == "force"
+    if tile.swap_ab is not None:  # a tuned entry's choice
+        return tile.swap_ab
     return (not direct and tile.block_m < 64 and tile.block_n >= SWAP_AB_MIN_N
             and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS
             and device.type == "cuda" and torch.version.hip is None and _sm90_only(device))

@@ -35,10 +35,19 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # GEMM1 only: programs per row block and N tile along K (decode)
+    # W8A8 only: whether the GEMM runs kernels.py's SWAP_AB (w^T @ a^T), as a tuned entry found
+    # it; None: quant.swap_ab's rule decides
+    swap_ab: bool | None = None
 
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
                     num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def as_list(self) -> list:
+        """The tuned-table form: [block_m, block_n, block_k, num_warps, num_stages, split_k], with
+        swap_ab appended when it is set."""
+        values = [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k]
+        return values if self.swap_ab is None else [*values, self.swap_ab]
 
 
 def tile_mode(scheme) -> tuple[str | None, int | None]:
@@ -85,6 +94,11 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
         value = getattr(tile, name)
         if not _pow2(value) or not 16 <= value <= 256:
             return f"{name}={value} must be a power of two in [16, 256] (tl.dot needs >= 16)"
+    if tile.swap_ab is not None:
+        if not isinstance(tile.swap_ab, bool):
+            return f"swap_ab={tile.swap_ab!r} must be true, false or unset"
+        if quant not in QUANT_GRANULARITIES:
+            return f"swap_ab={tile.swap_ab}: only the W8A8 GEMMs swap their operands (kernels.py SWAP_AB)"
     if tile.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={tile.num_warps} must be one of 1, 2, 4, 8, 16"
     if not 1 <= tile.num_stages <= 7:

@@ -110,6 +110,16 @@ def _int(value: object) -> int:
     return value
 
 
+def _tile(values: object) -> TileConfig:
+    # 5 or 6 integers (split_k defaults to 1), then an optional true/false swap_ab
+    if not isinstance(values, list) or not 5 <= len(values) <= 7:
+        raise TypeError(f"{values!r} is not a tile list of 5-7 values")
+    swap = values[6] if len(values) == 7 else None
+    if swap is not None and not isinstance(swap, bool):
+        raise TypeError(f"swap_ab={swap!r} is not true/false")
+    return TileConfig(*map(_int, values[:6]), swap_ab=swap)
+
+
 def _parse_entry(e: object) -> tuple[tuple, Tuned]:
     try:
         dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
@@ -119,7 +129,7 @@ def _parse_entry(e: object) -> tuple[tuple, Tuned]:
             raise TypeError(f"gated={e['gated']!r} is not true/false")
         key = (e["dtype"], _int(e["experts"]), _int(e["hidden"]), _int(e["inter"]), _int(e["top_k"]),
                e["gated"])
-        t1, t2 = TileConfig(*map(_int, e["gemm1"])), TileConfig(*map(_int, e["gemm2"]))
+        t1, t2 = _tile(e["gemm1"]), _tile(e["gemm2"])
         tokens = _int(e["tokens"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"is malformed ({exc!r})") from None

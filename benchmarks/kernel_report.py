@@ -46,6 +46,7 @@ def as_on_gpu(device_name: str | None) -> torch.device:
     for module in (experts, quant, weight_only):
         module._num_sms = lambda d: 132
     experts._sm90 = lambda index: True
+    quant._sm90_gpu = lambda d: True  # SWAP_AB's rule
     torch.cuda.current_device = lambda: 0
     weight_only.ptx_decode = lambda x: x.dtype == torch.bfloat16
     return torch.device("cuda")

@@ -331,7 +331,7 @@ def test_swap_ab_rule(monkeypatch):
     group = QuantKey("fp8", "group", 128, dynamic=True)
     token, int8 = QuantKey("fp8", "token", dynamic=True), QuantKey("int8", "token", dynamic=True)
     cuda, tile = torch.device("cuda", 0), TileConfig(16, 128, 128, 4, 3)
-    monkeypatch.setattr(quant, "_sm90_only", lambda device: True)
+    monkeypatch.setattr(quant, "_sm90_gpu", lambda device: device.type == "cuda")
     assert quant.swap_ab(tile, group, cuda)
     assert quant.swap_ab(TileConfig(32, 64, 128, 4, 3), group, cuda)
     assert not quant.swap_ab(tile, group, cuda, direct=True)
@@ -348,7 +348,7 @@ def test_swap_ab_rule(monkeypatch):
     assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3, swap_ab=False), group, cuda)
     with knobs.override(TRITON_SWAP_AB=False):
         assert not quant.swap_ab(TileConfig(16, 128, 128, 4, 3, swap_ab=True), group, cuda)
-    monkeypatch.setattr(quant, "_sm90_only", lambda device: False)  # sm80 / sm100: as is
+    monkeypatch.setattr(quant, "_sm90_gpu", lambda device: False)  # sm80 / sm100: as is
     assert not quant.swap_ab(tile, group, cuda)
 
 

@@ -25,6 +25,7 @@ N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -367,8 +368,7 @@ def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bo
     if tile.swap_ab is not None:  # a tuned entry's choice
         return tile.swap_ab
     return (not direct and tile.block_m < 64 and tile.block_n >= SWAP_AB_MIN_N
-            and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS
-            and device.type == "cuda" and torch.version.hip is None and _sm90_only(device))
+            and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS and _sm90_gpu(device))
 
 
 def _swap_launch(tile: TileConfig, key: QuantKey, L: Launch) -> tuple[TileConfig, dict]:
@@ -381,9 +381,17 @@ def _swap_launch(tile: TileConfig, key: QuantKey, L: Launch) -> tuple[TileConfig
     return dataclasses.replace(tile, num_stages=max(2, tile.num_stages - 1)), dict(SWAP_AB=True)
 
 
-def _sm90_only(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
+def _sm90_gpu(device: torch.device) -> bool:
+    """An NVIDIA sm90 (Hopper) GPU: wgmma, the unit SWAP_AB is for (benchmarks/kernel_report.py
+    stands in for one with CPU tensors)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:

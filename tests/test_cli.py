@@ -67,6 +67,18 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
           "--tokens", "1"])
     assert re.search(r"M=1 +direct: quantize x \+ gemm1 .*\+ quantize a \+ gemm2", capsys.readouterr().out)
+    with monkeypatch.context() as m:  # SWAP_AB shows per GEMM (here forced: no sm90 GPU on this machine)
+        m.setenv("FUSEDMOE_TRITON_SWAP_AB", "force")
+        main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
+              "--tokens", "64", "--json"])
+        swapped = json.loads(capsys.readouterr().out)["triton_plan"][0]
+        assert swapped["gemm1"]["swap_ab"] and swapped["gemm2"]["swap_ab"]
+        main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
+              "--tokens", "64"])
+        assert "swapped: w^T @ a^T" in capsys.readouterr().out
+    main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
+          "--tokens", "64", "--json"])
+    assert not json.loads(capsys.readouterr().out)["triton_plan"][0]["gemm1"]["swap_ab"]  # the rule: CPU here
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_tensor",
           "--tokens", "1"])
     out = capsys.readouterr().out

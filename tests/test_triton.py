@@ -777,7 +777,8 @@ def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
         assert plan["path"] == "aligned" and "timed both paths at M=1, aligned was faster" in plan["why"]
         assert plan["gemm1"]["source"] == plan["gemm2"]["source"] == "tuned table"
         plan = describe_plan(qwen2, None, cuda)
-        assert plan["path"] == "direct" and plan["gemm2"] == dict(tile=d2, source="tuned table", tma=None)
+        assert plan["path"] == "direct" and plan["gemm2"] == dict(tile=d2, source="tuned table", tma=None,
+                                                                   swap_ab=False)
         with knobs.override(TRITON_DIRECT=False):
             assert choose_plan(qwen2, None, cuda)[0] is False
         with knobs.override(TRITON_DIRECT="force"):
@@ -785,7 +786,7 @@ def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
             plan = describe_plan(problem(64), None, cuda)  # no entry within an octave
             assert plan["why"] == "FUSEDMOE_TRITON_DIRECT=force" and plan["path"] == "direct"
             assert plan["gemm2"] == dict(tile=direct_heuristic(problem(64), None, 132)[1], source="direct heuristic",
-                                         tma=None)
+                                         tma=None, swap_ab=False)
             assert plan["gemm1"]["source"] == "heuristic"
     with knobs.override(TRITON_TMA=False):  # the heuristic asks no CUDA device about TMA (none here)
         assert choose_plan(qwen2, None, cuda)[0] is False  # no table: the rule

@@ -505,7 +505,8 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
 
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
-    {path, why, launches, gemm1, gemm2 (tile, source, tma)} for `fusedmoe explain --tokens`.
+    {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB)} for
+    `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import lookup
@@ -535,7 +536,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             src2 = "direct heuristic"
     split = " + act" if t1.split_k > 1 else ""
     qx = qa = ""
-    if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers
+    swap1 = swap2 = False
+    if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
+        from fusedmoe.backends.triton.quant import swap_ab
+
+        swap1, swap2 = (swap_ab(t, scheme.activation, device, direct=is_direct) for t in (t1, t2))
         tensor = scheme.weight.granularity == "tensor"
         qx = "amax x + quantize x + " if tensor and scheme.activation.dynamic else "quantize x + "
         fused = scheme.weight.granularity == "block" and t1.block_n == 128 and t1.split_k == 1
@@ -543,14 +548,16 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     if is_direct:
         shares = " + combine" if t2.split_k > 1 else ""
         return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + gemm2{shares}",
-                    gemm1=dict(tile=t1, source=src1, tma=None), gemm2=dict(tile=t2, source=src2, tma=None))
+                    gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),
+                    gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2))
     tma1 = tma2 = None
     if scheme is None:
         tma1, tma2 = tma_planned(problem, device)
         tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
-                gemm1=dict(tile=t1, source=src1, tma=tma1), gemm2=dict(tile=t2, source=src2, tma=tma2))
+                gemm1=dict(tile=t1, source=src1, tma=tma1, swap_ab=swap1),
+                gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2))
 
 
 # TMA descriptors ------------------------------------------------------------------------------

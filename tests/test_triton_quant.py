@@ -352,6 +352,23 @@ def test_swap_ab_rule(monkeypatch):
     assert not quant.swap_ab(tile, group, cuda)
 
 
+@pytest.mark.parametrize("capability,hip,want", [((9, 0), None, True), ((8, 0), None, False),
+                                                   ((10, 0), None, False), ((9, 4), "6.2", False)])
+def test_swap_ab_device_predicate(monkeypatch, capability, hip, want):
+    """SWAP_AB's device test: an NVIDIA sm90 GPU (its capability read once per device); not
+    Ampere, Blackwell, ROCm (whose MI300 reports 9.4) or the CPU."""
+    from fusedmoe.backends.triton import quant
+
+    quant._capability_major.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    try:
+        assert quant._sm90_gpu(torch.device("cuda", 0)) is want
+        assert quant._sm90_gpu(torch.device("cpu")) is False
+    finally:
+        quant._capability_major.cache_clear()
+
+
 def test_activation_scales_checked_before_launch():
     """The experts op's own entry (below the layer's validation) checks the activation scales
     against the scheme before any kernel: static needs both, dynamic takes none."""

@@ -22,6 +22,11 @@ Per cell, the same inputs and routing, CUDA-graph replay, median, >= 4 rotated w
                  weights) into [M, k, H]. Not timed: its `moe_align_block_size`, `silu_and_mul`,
                  activation quantization and `moe_sum` (CUDA ops in vLLM), so this is a lower bound
                  on vLLM's call, and fusedmoe is faster than vLLM's Triton MoE wherever it beats it.
+    fusedmoe_gemms  the kernel-to-kernel counterpart: our GEMM launches alone on the plan the library
+                 picks (`experts.choose_plan`), as `fusedmoe tune` times them (`tune._gemms`,
+                 `_direct_gemms`): GEMM1 with its fused activation (W8A8: and the intermediate's
+                 quantization), GEMM2 (the direct path's with the top-k sum); not the alignment, x's
+                 quantization or the aligned path's top-k sum. No biases (gpt-oss's are left out).
 
 vLLM's GEMM outputs are checked against a float32 torch product of the same operands per slot
 (relative error), so a mis-launched kernel shows instead of timing wrong work.
@@ -242,6 +247,25 @@ class Cell:
                                                   apply_router_weight_on_input=p.apply_router_weight_on_input)
                 for c in self.copies]
 
+    def fusedmoe_gemm_calls(self):
+        """Our GEMM launches alone on the library's plan (see the module docstring)."""
+        from fusedmoe.activations import is_gated
+        from fusedmoe.backends.triton.experts import GemmProblem, choose_plan
+        from fusedmoe.quant.scheme import get_scheme
+        from fusedmoe.tune import _direct_gemms, _gemms
+
+        p, K = self.preset, self.preset.top_k
+        scheme = get_scheme(self.quant)
+        problem = GemmProblem(self.tokens * K, p.num_experts, p.hidden_size, self.inter, K, is_gated(p.activation),
+                              self.x.dtype)
+        direct, t1, t2 = choose_plan(problem, scheme, self.x.device)
+        weights = [(c["ours"][0], c["ours"][1], c["ours"][4]) for c in self.copies]
+        make = _direct_gemms if direct else _gemms
+        gemm1, gemm2 = make(scheme, weights, self.x, self.topk_w, self.ids, p.num_experts, self.inter,
+                            p.activation, t1)[:2]
+        self.plan = ("direct" if direct else "aligned", t1, t2)
+        return [lambda i=i: (gemm1(i, t1), gemm2(i, t2)) for i in range(len(self.copies))]
+
     def check_vllm(self) -> float:
         """Largest relative error of vLLM's GEMM1 and GEMM2 outputs (copy 0) against float32 torch
         products of the same operands, over up to 64 slots."""
@@ -287,8 +311,11 @@ def smoke(vllm_src: Path) -> None:
         if cell.assignment[0] is not None:
             cell.assignment = vllm_align(cell.ids, 16, experts)
         err = cell.check_vllm()
+        for call in cell.fusedmoe_gemm_calls():  # our GEMMs alone launch on the library's plan
+            call()
         print(f"smoke M={tokens} E={experts} {quant or 'fp32'} "
-              f"{'naive' if cell.assignment[0] is None else 'aligned'}: vLLM GEMMs rel err {err:.2e}")
+              f"{'naive' if cell.assignment[0] is None else 'aligned'}: vLLM GEMMs rel err {err:.2e}; "
+              f"fusedmoe GEMMs ran ({cell.plan[0]})")
         assert err < (1e-3 if quant else 1e-4), err
 
 
@@ -316,7 +343,7 @@ def main() -> None:
           f"{ceilings.peak(operand) / 1e12:.0f} {'fp8' if args.quant else 'bf16'} TFLOP/s; torch {torch.__version__}, "
           f"triton {triton.__version__}; scheme {args.quant or 'bf16'}")
     print(f"{'preset':<18}{'M':>6}{'fusedmoe us':>13}{'%roof':>7}{'vllm gemms us':>15}{'%roof':>7}"
-          f"{'speedup':>9}{'vllm err':>10}  vllm config")
+          f"{'speedup':>9}{'our gemms us':>13}{'gemms':>9}{'vllm err':>10}  vllm config")
     rows = []
     for name in args.presets.split(","):
         preset = get_preset(name)
@@ -334,13 +361,17 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a config vLLM cannot launch here is a row
                 row["vllm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             row["fusedmoe_us"] = time_rotated(cell.fusedmoe_calls()) * 1e6
-            for side in ("fusedmoe", "vllm_gemms"):
+            row["fusedmoe_gemms_us"] = time_rotated(cell.fusedmoe_gemm_calls()) * 1e6
+            row["fusedmoe_plan"] = [cell.plan[0], cell.plan[1].as_list(), cell.plan[2].as_list()]
+            for side in ("fusedmoe", "vllm_gemms", "fusedmoe_gemms"):
                 if f"{side}_us" in row:
                     row[f"{side}_pct_roofline"] = 100 * t_roof / (row[f"{side}_us"] * 1e-6)
             if "vllm_gemms_us" in row:
                 row["speedup"] = row["vllm_gemms_us"] / row["fusedmoe_us"]
+                row["gemm_speedup"] = row["vllm_gemms_us"] / row["fusedmoe_gemms_us"]
                 print(f"{name:<18}{tokens:>6}{row['fusedmoe_us']:>13.1f}{row['fusedmoe_pct_roofline']:>7.1f}"
                       f"{row['vllm_gemms_us']:>15.1f}{row['vllm_gemms_pct_roofline']:>7.1f}{row['speedup']:>8.2f}x"
+                      f"{row['fusedmoe_gemms_us']:>13.1f}{row['gemm_speedup']:>8.2f}x"
                       f"{row['vllm_rel_err']:>10.1e}  {cell.config_source}", flush=True)
             else:
                 print(f"{name:<18}{tokens:>6}{row['fusedmoe_us']:>13.1f}  vLLM failed: {row['vllm_error']}", flush=True)

@@ -12,7 +12,9 @@ a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies fr
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
 its predicate accepts, and the entries carry the scheme (W8A8's direct path with its
-quantizers: x per token before GEMM1, the intermediate in GEMM1's timing).
+quantizers: x per token before GEMM1, the intermediate in GEMM1's timing). W8A8 with fp8
+activations also descends over kernels.py's SWAP_AB, both ways per GEMM; a tile that sets it
+writes it as its list's 7th value (`TileConfig.as_list`).
 """
 
 from __future__ import annotations

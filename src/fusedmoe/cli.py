@@ -275,7 +275,7 @@ def format_plans(plans: list[dict] | dict) -> str:
         for name in ("gemm1", "gemm2"):
             g = p[name]
             tma = f", TMA {g['tma']}" if g["tma"] else ""
-            swap = ", swapped: w^T @ a^T" if g.get("swap_ab") else ""
+            swap = ", swapped: w^T @ a^T, one stage fewer" if g.get("swap_ab") else ""
             gemms.append(f"{name} {g['tile']} ({g['source']}{tma}{swap})")
         lines.append(f"  M={p['tokens']:<6d} {p['path']}: {p['launches']}; {'; '.join(gemms)}")
         lines.append(f"           why: {p['why']}")

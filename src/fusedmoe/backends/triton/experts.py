@@ -25,6 +25,7 @@ import torch
 from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
+    DIRECT_REFUSED,
     TileConfig,
     heuristic,
     require_plan,
@@ -356,9 +357,8 @@ def direct_reason(problem: GemmProblem) -> str | None:
 
 def direct_scheme_reason(scheme) -> str | None:
     """Why the direct decode path cannot run this scheme (a QuantScheme or None), or None."""
-    if scheme is not None and not scheme.weight_only and scheme.weight.granularity == "tensor":
-        return (f"{scheme.name} quantizes with one scale per expert (the amax over the expert's "
-                "aligned rows)")
+    if scheme is not None and not scheme.weight_only and scheme.weight.granularity in DIRECT_REFUSED:
+        return f"{scheme.name} quantizes with {DIRECT_REFUSED[scheme.weight.granularity]}"
     return None
 
 

@@ -228,9 +228,8 @@ def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
     return t1, t2
 
 
-def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype, *,
-                 direct: bool = False) -> None:
-    require_plan(t1, t2, direct=direct, dtype=dtype, gated=gated, quant=granularity, running=f"{granularity} W8A8")
+def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, dtype: torch.dtype) -> None:
+    require_plan(t1, t2, direct=False, dtype=dtype, gated=gated, quant=granularity, running=f"{granularity} W8A8")
 
 
 # The experts ---------------------------------------------------------------------------------
@@ -289,8 +288,7 @@ def triton_quant_experts(
         return out
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated, x_TH.dtype)
-    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)
-    _check_tiles(t1, t2, gated, scheme.weight.granularity, x_TH.dtype, direct=is_direct)
+    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)  # given tiles: checked
     if is_direct:
         q = prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                         num_local, inter, activation, apply_router_weight_on_input,

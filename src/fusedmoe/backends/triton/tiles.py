@@ -138,6 +138,9 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
 
 
 DIRECT_BLOCK_M = 16  # the direct path: one 16-row tl.dot block per slot, row 0 live
+# W8A8 weight granularities the direct path cannot run, and why: per-tensor activation scales are
+# one per expert, over its aligned rows (experts.direct_scheme_reason words it per scheme)
+DIRECT_REFUSED = {"tensor": "one scale per expert, over its aligned rows"}
 
 
 def check_plan(t1: TileConfig, t2: TileConfig, *, direct: bool, dtype: torch.dtype, gated: bool,
@@ -147,8 +150,8 @@ def check_plan(t1: TileConfig, t2: TileConfig, *, direct: bool, dtype: torch.dty
     `kernels.moe_gemm2_direct_kernel`): block_m DIRECT_BLOCK_M, GEMM2's split_k its slot shares
     per token; per-tensor W8A8 has no direct path. running: what the tiles were meant to run (a
     scheme's name), named in a tile's reason."""
-    if direct and quant == "tensor":
-        return "per-tensor W8A8 has no direct path (one scale per expert, over its aligned rows)"
+    if direct and quant in DIRECT_REFUSED:
+        return f"per-tensor W8A8 has no direct path ({DIRECT_REFUSED[quant]})"
     for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, direct)):
         reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=quant, group=group)
         if reason:

@@ -259,7 +259,7 @@ class Cell:
         problem = GemmProblem(self.tokens * K, p.num_experts, p.hidden_size, self.inter, K, is_gated(p.activation),
                               self.x.dtype)
         direct, t1, t2 = choose_plan(problem, scheme, self.x.device)
-        weights = [(c["ours"][0], c["ours"][1], c["ours"][4]) for c in self.copies]
+        weights = [(c["ours"][0], c["ours"][1], c["ours"][4], None, None) for c in self.copies]  # no biases
         make = _direct_gemms if direct else _gemms
         gemm1, gemm2 = make(scheme, weights, self.x, self.topk_w, self.ids, p.num_experts, self.inter,
                             p.activation, t1)[:2]

@@ -63,7 +63,7 @@ def plan(problem, scheme, device: torch.device, tiles: str | None) -> tuple[bool
 
 
 def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2: TileConfig):
-    """The launches of one call with the preset's H and I, two experts, the given plan."""
+    """The launches of one call with the preset's H, I and biases, two experts, the given plan."""
     from fusedmoe.backends.triton.experts import triton_experts
     from fusedmoe.backends.triton.quant import triton_quant_experts
     from fusedmoe.backends.triton.weight_only import prepare_weights
@@ -78,7 +78,8 @@ def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2:
     ids = (torch.arange(tokens * K) % E).view(tokens, K).to(torch.int32)
     w = torch.full((tokens, K), 1.0 / K)
     w13, w2 = torch.zeros(E, rows, H, dtype=dtype), torch.zeros(E, H, inter, dtype=dtype)
-    common = (None, None, None, E, preset.activation, False, 1.702, None)
+    b13, b2 = (torch.zeros(E, rows, dtype=dtype), torch.zeros(E, H, dtype=dtype)) if preset.has_bias else (None, None)
+    common = (b13, b2, None, E, preset.activation, False, 1.702, None)
     with kernel_report.recording() as calls:
         if scheme is None:
             triton_experts(x, w13, w2, w, ids, *common, tiles=(t1, t2), direct=direct)

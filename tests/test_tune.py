@@ -36,28 +36,37 @@ TILES = {
 }
 
 
+def _copies(scheme, gen, bias: bool) -> list[tuple]:
+    """Two weight copies as the tuner holds them: (w13, w2, QuantParams or None, b13, b2)."""
+    copies = []
+    for _ in range(2):
+        w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+        b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+        q13, q2, params = (w13, w2, None) if scheme is None else quantize_weights(w13, w2, scheme)
+        copies.append((q13, q2, params, b13, b2))
+    return copies
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("quant", list(TILES), ids=[str(q) for q in TILES])
-def test_tuner_gemms_match_the_experts_op(quant):
+def test_tuner_gemms_match_the_experts_op(quant, bias):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=gen)
     weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K)
     scheme = get_scheme(quant)
-    copies = []
-    for _ in range(2):
-        w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
-        copies.append((w13, w2, None) if scheme is None else quantize_weights(w13, w2, scheme))
+    copies = _copies(scheme, gen, bias)
     fill, other, tile2 = (TileConfig(*t) for t in TILES[quant])
     gemm1, gemm2, launch = _gemms(scheme, copies, x, weights, ids, E, I, "silu", fill)
     gemm1(1, other)  # a timed GEMM1: GEMM2 keeps reading the intermediate `fill` made
     gemm2(0, tile2)
     out = torch.empty_like(x)
     launch_reduce(launch, out)
-    q13, q2, params = copies[0]
+    q13, q2, params, b13, b2 = copies[0]
     if scheme is None:
-        ref = triton_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
+        ref = triton_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
                              tiles=(fill, tile2))
     else:
-        ref = triton_quant_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702,
+        ref = triton_quant_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702,
                                    None, scheme, params.w13_scale, params.w2_scale, params.a13_scale,
                                    params.a2_scale, tiles=(fill, tile2),
                                    w13_global_scale=params.w13_global_scale,
@@ -65,8 +74,9 @@ def test_tuner_gemms_match_the_experts_op(quant):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("quant", [None, "int4_w4a16_g32", "fp8_w8a8_block", "int8_w8a8"], ids=str)
-def test_tuner_direct_gemms_match_the_direct_path(quant):
+def test_tuner_direct_gemms_match_the_direct_path(quant, bias):
     """The direct path's GEMMs as the tuner times them (a timed GEMM1 with split-K, GEMM2 in two
     slot shares) give bitwise what the experts op's direct path gives with the same tiles."""
     from fusedmoe.tune import _direct_gemms
@@ -75,21 +85,18 @@ def test_tuner_direct_gemms_match_the_direct_path(quant):
     x = torch.randn(3, H, generator=gen)
     weights, ids = select_experts(x, torch.randn(3, E, generator=gen), K)
     scheme = get_scheme(quant)
-    copies = []
-    for _ in range(2):
-        w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
-        copies.append((w13, w2, None) if scheme is None else quantize_weights(w13, w2, scheme))
+    copies = _copies(scheme, gen, bias)
     fill, other, tile2 = TileConfig(16, 64, 32, 4, 1), TileConfig(16, 32, 64, 4, 1, 2), TileConfig(16, 64, 64, 4, 1, 2)
     gemm1, gemm2, _, out = _direct_gemms(scheme, copies, x, weights, ids, E, I, "silu", fill)
     gemm1(1, other)  # timed: GEMM2 keeps reading the intermediate `fill` made
     out.fill_(float("nan"))
     gemm2(0, tile2)
-    q13, q2, params = copies[0]
+    q13, q2, params, b13, b2 = copies[0]
     if scheme is None:
-        ref = triton_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
+        ref = triton_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
                              tiles=(fill, tile2), direct=True)
     else:
-        ref = triton_quant_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702,
+        ref = triton_quant_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702,
                                    None, scheme, params.w13_scale, params.w2_scale, None, None,
                                    tiles=(fill, tile2), direct=True)
     assert torch.equal(out, ref)
@@ -173,11 +180,13 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
     rows = other_rows(seen[0][1].block_m)
     [entry] = tune_shape(**dict(shape, tokens_list=[40]), timer=_model_timer(dict(base, gemm1=rows, gemm2=rows), []))
     assert entry["path"] == "aligned"
-    # W8A8 times its direct path too (per-tensor cannot run it: only the aligned one)
+    # W8A8 times its direct path too (per-tensor cannot run it: only the aligned one); int8's
+    # launches with the biases of a model that has them
     fast = lambda tile: 20.0 if tile.block_m != 16 else 100.0  # noqa: E731 (32-row aligned GEMMs win)
     for quant, timed_direct in (("int8_w8a8", True), ("fp8_w8a8_tensor", False)):
         seen = []
-        [entry] = tune_shape(**shape, quant=quant, timer=_model_timer(dict(base, gemm1=fast, gemm2=fast), seen))
+        [entry] = tune_shape(**shape, quant=quant, bias=quant == "int8_w8a8",
+                             timer=_model_timer(dict(base, gemm1=fast, gemm2=fast), seen))
         assert any(kind.startswith("direct") for kind, _ in seen) == timed_direct
         assert entry["path"] == "aligned" and entry["quant"] == quant
         assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1

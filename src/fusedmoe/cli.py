@@ -84,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --ep: add a shared expert (a routed expert's size) and also time it "
                             "in sequence instead of overlapped with the dispatch / combine")
     tune = sub.add_parser("tune", help="search Triton tiles for a shape on this GPU, write the table")
-    tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split)")
+    tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split and biases)")
     tune.add_argument("--experts", type=int)
     tune.add_argument("--hidden", type=int)
     tune.add_argument("--intermediate", type=int, help="per-GPU intermediate size")
     tune.add_argument("--top-k", type=int)
     tune.add_argument("--activation", default=None)
+    tune.add_argument("--bias", action="store_true",
+                      help="with an explicit shape: time the GEMMs with biases (a --model takes its preset's)")
     tune.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     tune.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     tune.add_argument("--quant", default=None,
@@ -631,14 +633,14 @@ def cmd_tune(args) -> int:
     if args.model:
         p = get_preset(args.model)
         shape = dict(experts=p.num_experts, hidden=p.hidden_size, inter=p.intermediate_size // p.bench_tp,
-                     top_k=p.top_k, activation=args.activation or p.activation)
+                     top_k=p.top_k, activation=args.activation or p.activation, bias=p.has_bias)
     else:
         missing = [f"--{n}" for n, v in (("experts", args.experts), ("hidden", args.hidden),
                    ("intermediate", args.intermediate), ("top-k", args.top_k)) if v is None]
         if missing:
             raise ValueError(f"give --model NAME or all of --experts --hidden --intermediate --top-k (missing {missing})")
         shape = dict(experts=args.experts, hidden=args.hidden, inter=args.intermediate, top_k=args.top_k,
-                     activation=args.activation or "silu")
+                     activation=args.activation or "silu", bias=args.bias)
     tokens = [int(t) for t in args.tokens.split(",")]
     folder = args.out or knobs.get("TUNED_DIR") or PACKAGED
     progress = progress_printer(4 * len(tokens))  # up to 3 block_m of the aligned path + the direct one

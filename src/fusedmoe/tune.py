@@ -119,7 +119,7 @@ def tune_shape(
     *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
     copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
-    timer: Timer | None = None,
+    timer: Timer | None = None, bias: bool = False,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
@@ -127,6 +127,10 @@ def tune_shape(
     copies quantized by `quantize_weights` (as `fusedmoe bench --quant` runs them), descending
     over the tiles the scheme's predicate accepts. None: the unquantized GEMMs in `dtype`.
     device / timer: a CUDA device and CUDA-graph timing (`_median_us`) unless given.
+    bias: the GEMMs add biases (b13 [E, 2I], b2 [E, H]) as the model's layer does. Their epilogue
+    loads can cost a tile its second program per SM (H200, int8 W8A8, gpt-oss M=4096: GEMM1
+    128 x 64 x 128 in 3 stages compiles to 140 registers a thread instead of 119 and runs 2250 us
+    against 1779 without biases), so a tile timed without them can lose with them.
     An entry's `us` is its path's launches without routing: for the aligned path the alignment
     and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), so the two
     paths compare as the layer runs them.
@@ -151,7 +155,7 @@ def tune_shape(
     timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen) for _ in range(copies)]
+    weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias) for _ in range(copies)]
     sms = _num_sms(device)
     operands = 2 if gated else 1
     ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)
@@ -163,10 +167,11 @@ def tune_shape(
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
+        codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
         h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
-                       quant=mode, group=group, tma=tma1)
+                       quant=mode, group=group, tma=tma1, codes=codes)
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
-                       quant=mode, group=group, tma=tma2)
+                       quant=mode, group=group, tma=tma2, codes=codes)
 
         def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
             gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)
@@ -222,18 +227,21 @@ def tune_shape(
     return entries
 
 
-def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen) -> tuple:
-    """(w13, w2, QuantParams or None): random weights, quantized as the bench quantizes them."""
+def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:
+    """(w13, w2, QuantParams or None, b13, b2): random weights, quantized as the bench quantizes
+    them; the biases None unless `bias`."""
     from fusedmoe.bench import _quantized_copy
 
     device = gen.device
     rows = 2 * inter if gated else inter
     w13 = (torch.randn(experts, rows, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+    b13, b2 = ((torch.randn(experts, rows, device=device, generator=gen).to(dtype),
+                torch.randn(experts, hidden, device=device, generator=gen).to(dtype)) if bias else (None, None))
     if scheme is None:
-        return w13, w2, None
+        return w13, w2, None, b13, b2
     q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name)
-    return q13, q2, params
+    return q13, q2, params, b13, b2
 
 
 def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill: TileConfig):
@@ -256,10 +264,10 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
 
         def gemm1(i: int, tile: TileConfig, q=timed) -> None:
             params = weights[i][2]
-            launch_quant_gemm1(q, weights[i][0], None, params.w13_scale, tile, params.a2_scale)
+            launch_quant_gemm1(q, weights[i][0], weights[i][3], params.w13_scale, tile, params.a2_scale)
 
         def gemm2(i: int, tile: TileConfig) -> None:
-            launch_quant_gemm2(q, weights[i][1], None, weights[i][2].w2_scale, tile)
+            launch_quant_gemm2(q, weights[i][1], weights[i][4], weights[i][2].w2_scale, tile)
 
         gemm1(0, fill, q)
         return gemm1, gemm2, q.L
@@ -270,10 +278,10 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
     args13, args2 = _weight_only_args(scheme, weights, x)
 
     def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
-        launch_gemm1(launch, weights[i][0], None, tile, args13[i])
+        launch_gemm1(launch, weights[i][0], weights[i][3], tile, args13[i])
 
     gemm1(0, fill, launch)
-    return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], None, tile, args2[i]), launch
+    return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], weights[i][4], tile, args2[i]), launch
 
 
 def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m) -> Callable[[int], None]:
@@ -355,10 +363,10 @@ def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activati
 
         def gemm1_q(i: int, tile: TileConfig, q=timed) -> None:
             params = weights[i][2]
-            launch_quant_gemm1(q, weights[i][0], None, params.w13_scale, tile, params.a2_scale)
+            launch_quant_gemm1(q, weights[i][0], weights[i][3], params.w13_scale, tile, params.a2_scale)
 
         def gemm2_q(i: int, tile: TileConfig) -> None:
-            launch_quant_gemm2(q, weights[i][1], None, weights[i][2].w2_scale, tile, out=out)
+            launch_quant_gemm2(q, weights[i][1], weights[i][4], weights[i][2].w2_scale, tile, out=out)
 
         gemm1_q(0, fill, q)
         return gemm1_q, gemm2_q, q.L, out
@@ -369,10 +377,10 @@ def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activati
     args13, args2 = _weight_only_args(scheme, weights, x)
 
     def gemm1(i: int, tile: TileConfig, launch=timed) -> None:
-        launch_gemm1(launch, weights[i][0], None, tile, args13[i])
+        launch_gemm1(launch, weights[i][0], weights[i][3], tile, args13[i])
 
     def gemm2(i: int, tile: TileConfig) -> None:
-        launch_gemm2_direct(launch, weights[i][1], None, tile, out, args2[i])
+        launch_gemm2_direct(launch, weights[i][1], weights[i][4], tile, out, args2[i])
 
     gemm1(0, fill, launch)
     return gemm1, gemm2, launch, out
@@ -384,8 +392,8 @@ def _weight_only_args(scheme, weights, x) -> tuple[list, list]:
         return [None] * len(weights), [None] * len(weights)
     from fusedmoe.backends.triton.weight_only import _kernel_args
 
-    return ([_kernel_args(scheme, p.w13_scale, p.w13_global_scale, x) for _, _, p in weights],
-            [_kernel_args(scheme, p.w2_scale, p.w2_global_scale, x) for _, _, p in weights])
+    return ([_kernel_args(scheme, w[2].w13_scale, w[2].w13_global_scale, x) for w in weights],
+            [_kernel_args(scheme, w[2].w2_scale, w[2].w2_global_scale, x) for w in weights])
 
 
 def write_table(entries: list[dict], folder: str | Path) -> Path:

@@ -576,14 +576,34 @@ def test_check_tile_quant_reasons():
     assert "quant='group'" in check_tile(TileConfig(16, 64, 64), dtype=torch.bfloat16, quant="group")
 
 
-@pytest.mark.parametrize("quant", ["tensor", "channel", "block"])
-def test_heuristic_quant_tiles_are_valid(quant):
+@pytest.mark.parametrize("quant,codes", [("tensor", "fp8"), ("channel", "fp8"), ("channel", "int8"), ("block", "fp8")])
+def test_heuristic_quant_tiles_are_valid(quant, codes):
     for slots in (1, 7, 64, 1000, 32768, 10**6):
         for experts in (1, 8, 128, 256):
             for n, k, gated in ((256, 7168, True), (7168, 256, False), (1792, 4096, True), (37, 200, False)):
-                tile = heuristic(slots, experts, n, k, torch.bfloat16, gated=gated, quant=quant)
+                tile = heuristic(slots, experts, n, k, torch.bfloat16, gated=gated, quant=quant, codes=codes)
                 assert check_tile(tile, dtype=torch.bfloat16, operands=2 if gated else 1,
                                   allow_split=gated, quant=quant) is None, tile
+
+
+def test_int8_heuristic_for_larger_blocks():
+    """int8 W8A8 past 16-row blocks (H200 A/B in tiles.heuristic): 64-row blocks at 17-32 rows
+    per expert, GEMM2 128 wide, 3 stages at 128 rows; fp8 channel keeps the shared rule."""
+    def tiles(codes, tokens, experts, top_k, hidden, inter):
+        return (heuristic(tokens * top_k, experts, 2 * inter, hidden, torch.bfloat16, gated=True, quant="channel",
+                          codes=codes),
+                heuristic(tokens * top_k, experts, hidden, inter, torch.bfloat16, gated=False, quant="channel",
+                          codes=codes))
+
+    ds, qwen = (256, 8, 7168, 256), (128, 8, 2048, 768)
+    g1, g2 = tiles("int8", 1024, *ds)  # 32 rows per expert
+    assert (g1.block_m, g2.block_m, g2.block_n) == (64, 64, 128)
+    g1, g2 = tiles("int8", 4096, *qwen)  # 256 rows per expert
+    assert (g1.as_list(), g2.as_list()) == ([128, 64, 128, 8, 3, 1], [128, 128, 128, 8, 3, 1])
+    g1, g2 = tiles("fp8", 4096, *qwen)
+    assert (g1.as_list(), g2.as_list()) == ([128, 64, 128, 8, 4, 1], [128, 64, 128, 8, 4, 1])
+    assert tiles("fp8", 1024, *ds)[0].block_m == 32
+    assert tiles("int8", 16, *qwen) == tiles("fp8", 16, *qwen)  # 16-row blocks: one rule
 
 
 def test_decode_gemm1_rule_for_narrow_weights():

@@ -220,11 +220,11 @@ def choose_quant_tiles(problem: GemmProblem, scheme: QuantScheme,
     tuned = lookup(problem, device, scheme)
     if tuned is not None:
         return tuned
-    p, sms, gran = problem, _num_sms(device), scheme.weight.granularity
+    p, sms, gran, codes = problem, _num_sms(device), scheme.weight.granularity, scheme.weight.dtype
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
-                   num_sms=sms, quant=gran)
+                   num_sms=sms, quant=gran, codes=codes)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
-                   num_sms=sms, quant=gran)
+                   num_sms=sms, quant=gran, codes=codes)
     return t1, t2
 
 

@@ -182,13 +182,15 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
     num_sms: int = 132, quant: str | None = None, group: int | None = None, tma: str | None = None,
+    codes: str | None = None,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
     Few rows per expert (decode) make the GEMM a weight stream: narrow N tiles give enough
     programs to keep every SM busy (>= 2 per SM) and long K tiles keep bytes in flight.
     quant (W8A8 weight granularity): 1-byte operands take BLOCK_K 128 (the bytes of bf16's 64);
-    block scales cap BLOCK_K and BLOCK_N at 128. Weight-only ("w8", "w4"): the bf16 tiles, with
+    block scales cap BLOCK_K and BLOCK_N at 128; codes ("int8" / "fp8", W8A8 only): int8's larger
+    blocks take their own rows, stages and GEMM2 width (below). Weight-only ("w8", "w4"): the bf16 tiles, with
     BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
     tma: the operands the GEMM will load through TMA descriptors (experts.tma_reasons): None,
     "w" (the weights; gemm1, whose rows are gathered by token) or "a+w" (gemm2's sorted rows too).
@@ -202,6 +204,12 @@ def heuristic(
         # chose 64-row blocks at 256 rows per expert (H200: Qwen3-30B M=4096 736 -> 660 us,
         # DeepSeek-V3 M=1024 702 -> 518 with gemm2 128 wide)
         block_m = min(block_m, 64)
+    elif codes == "int8" and block_m == 32:
+        # int8 W8A8 at 17-32 rows per expert: `fusedmoe tune` chose 64-row blocks (H200, M=1024:
+        # DeepSeek-V3 589 -> 478 us, gpt-oss 1120 -> 968); the rule alone, old / new alternating
+        # (`2026-11-24_h200_2416cbc_int8_heuristic_ab.txt`): DeepSeek-V3 M=1024 -5%, gpt-oss -8%,
+        # Llama-4 M=4096 -4%
+        block_m = 64
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
     split = 1
@@ -238,8 +246,17 @@ def heuristic(
             # bf16-shaped tile (BLOCK_N 128, 4 warps) and Qwen3-30B in 308 us against 686 us.
             block_k, block_n = 128, 64
             num_warps = 8 if block_m >= 128 else 4
-            if quant == "block" and not gated:  # gemm2: the tuner's 64 x 128 x 128 (above)
+            if not gated and (quant == "block" or codes == "int8"):  # gemm2: the tuners' 64 x 128 x 128
                 block_n = 128
+            if block_m >= 128 and codes == "int8":
+                # int8 at 128 rows: 3 stages take two programs per SM (99 KB of shared memory each,
+                # 119-123 registers a thread without biases). With gemm2 128 wide, old / new
+                # alternating (same file): M=4096 Qwen3-30B 777 -> 632 us, Qwen3-235B 855 -> 702,
+                # DeepSeek-V3 1332 -> 1042, Mixtral 3968 -> 3280, M=2048 -4 to -16%; gpt-oss M=4096
+                # 1907 -> 2226: its biases take the epilogue to 140 / 160 registers, one program
+                # per SM (tuned entry instead). fp8 channel lost with the same tiles (+4 to +12%
+                # at M=2048-4096) and keeps the old ones.
+                num_stages = 3
         if quant == "block":
             block_k, block_n = min(block_k, 128), min(block_n, 128)
     elif quant == "w4":

@@ -198,6 +198,7 @@ def tune_shape(
                 continue
             same = block_m == h1.block_m  # the heuristic's own: its launches and times serve
             time1, time2 = heuristic_timers if same else timers(s1)
+            s1, s2 = (_rule_swap(t, scheme, device, direct=False) for t in (s1, s2))
             b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None, allow_swap=swap)
             b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None, allow_swap=swap)
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
@@ -305,6 +306,17 @@ def _swappable(scheme) -> bool:
     return scheme is not None and not scheme.weight_only and scheme.activation.dtype == "fp8"
 
 
+def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) -> TileConfig:
+    """`tile` with the swap the rule (`quant.swap_ab`) gives it made explicit, where the search
+    tries SWAP_AB: the descent then flips it once instead of timing the rule's own choice again,
+    and an entry keeps the swap it was timed with if the rule changes."""
+    if not _swappable(scheme) or tile.swap_ab is not None:
+        return tile
+    from fusedmoe.backends.triton.quant import swap_ab
+
+    return dataclasses.replace(tile, swap_ab=swap_ab(tile, scheme.activation, device, direct=direct))
+
+
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
                    timer: Timer) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
@@ -331,6 +343,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
         return check_plan(d1, tile, **plan)
 
     us1, us2 = time1(d1), time2(d2)
+    d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
     swap = _swappable(scheme)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True, start_us=us1,
                       allow_swap=swap)

@@ -92,6 +92,18 @@ def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False) -
     return out
 
 
+class _once:
+    """time_tile(tile) run once per tile: later calls return the first time (`known`)."""
+
+    def __init__(self, time_tile: Callable[[TileConfig], float]):
+        self.time_tile, self.known = time_tile, {}
+
+    def __call__(self, tile: TileConfig) -> float:
+        if tile not in self.known:
+            self.known[tile] = self.time_tile(tile)
+        return self.known[tile]
+
+
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
              allow_split: bool = False, start_us: float | None = None,
@@ -192,15 +204,26 @@ def tune_shape(
         for block_m in sorted({max(16, h1.block_m // 2), h1.block_m, min(256, h1.block_m * 2)}):
             if progress:
                 progress(f"{label} M={tokens} block_m={block_m}")
-            s1 = dataclasses.replace(h1, block_m=block_m)
-            s2 = dataclasses.replace(h2, block_m=block_m)
-            if ok1(s1) or ok2(s2):
-                continue
             same = block_m == h1.block_m  # the heuristic's own: its launches and times serve
-            time1, time2 = heuristic_timers if same else timers(s1)
-            s1, s2 = (_rule_swap(t, scheme, device, direct=False) for t in (s1, s2))
-            b1, u1 = _descend(time1, s1, ok1, allow_split=True, start_us=h_us[0] if same else None, allow_swap=swap)
-            b2, u2 = _descend(time2, s2, ok2, start_us=h_us[1] if same else None, allow_swap=swap)
+            if same:
+                starts1, starts2 = [h1], [h2]
+            else:  # the heuristic's tile moved to this block size, and the heuristic's pick for it
+                pick = functools.partial(heuristic, problem.num_slots, experts, num_sms=sms, quant=mode,
+                                         group=group, codes=codes, block_m=block_m)
+                starts1 = [dataclasses.replace(h1, block_m=block_m), pick(inter, hidden, dtype, gated=gated, tma=tma1)]
+                starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
+            starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
+            starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
+            if not starts1 or not starts2:
+                continue
+            # each tile timed once per block size, though the descents from two starts (and a
+            # descent's second round) meet tiles already timed
+            time1, time2 = (_once(f) for f in (heuristic_timers if same else timers(starts1[0])))
+            if same:
+                time1.known[starts1[0]], time2.known[starts2[0]] = h_us[0], h_us[1]
+            b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap) for t in starts1),
+                         key=lambda r: r[1])
+            b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap) for t in starts2), key=lambda r: r[1])
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
         if direct_reason(problem) is None and direct_scheme_reason(scheme) is None \
                 and problem.num_slots <= DIRECT_MAX_SLOTS:
@@ -344,6 +367,8 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
 
     us1, us2 = time1(d1), time2(d2)
     d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
+    time1, time2 = _once(time1), _once(time2)
+    time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True, start_us=us1,
                       allow_swap=swap)

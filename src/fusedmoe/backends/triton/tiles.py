@@ -182,7 +182,7 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
     num_sms: int = 132, quant: str | None = None, group: int | None = None, tma: str | None = None,
-    codes: str | None = None,
+    codes: str | None = None, block_m: int | None = None,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
@@ -194,22 +194,25 @@ def heuristic(
     BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
     tma: the operands the GEMM will load through TMA descriptors (experts.tma_reasons): None,
     "w" (the weights; gemm1, whose rows are gathered by token) or "a+w" (gemm2's sorted rows too).
+    block_m: the rows per block to pick the rest for (`fusedmoe tune` starts its other block sizes
+    there); None: the heuristic's own.
     """
     if tma is not None and tma not in TMA_LOADS:
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
-    block_m = block_m_for(num_slots, num_local_experts, dtype)
-    if quant == "block":
-        # fp8 block scales: the K loop waits on each step's wgmma to scale it, so smaller programs
-        # (two or three per SM) hide each other's waits: `fusedmoe tune --quant fp8_w8a8_block`
-        # chose 64-row blocks at 256 rows per expert (H200: Qwen3-30B M=4096 736 -> 660 us,
-        # DeepSeek-V3 M=1024 702 -> 518 with gemm2 128 wide)
-        block_m = min(block_m, 64)
-    elif codes == "int8" and block_m == 32:
-        # int8 W8A8 at 17-32 rows per expert: `fusedmoe tune` chose 64-row blocks (H200, M=1024:
-        # DeepSeek-V3 589 -> 478 us, gpt-oss 1120 -> 968); the rule alone, old / new alternating
-        # (`2026-11-24_h200_2416cbc_int8_heuristic_ab.txt`): DeepSeek-V3 M=1024 -5%, gpt-oss -8%,
-        # Llama-4 M=4096 -4%
-        block_m = 64
+    if block_m is None:
+        block_m = block_m_for(num_slots, num_local_experts, dtype)
+        if quant == "block":
+            # fp8 block scales: the K loop waits on each step's wgmma to scale it, so smaller
+            # programs (two or three per SM) hide each other's waits: `fusedmoe tune --quant
+            # fp8_w8a8_block` chose 64-row blocks at 256 rows per expert (H200: Qwen3-30B M=4096
+            # 736 -> 660 us, DeepSeek-V3 M=1024 702 -> 518 with gemm2 128 wide)
+            block_m = min(block_m, 64)
+        elif codes == "int8" and block_m == 32:
+            # int8 W8A8 at 17-32 rows per expert: `fusedmoe tune` chose 64-row blocks (H200,
+            # M=1024: DeepSeek-V3 589 -> 478 us, gpt-oss 1120 -> 968); the rule alone, old / new
+            # alternating (`2026-11-24_h200_2416cbc_int8_heuristic_ab.txt`): DeepSeek-V3 M=1024
+            # -5%, gpt-oss -8%, Llama-4 M=4096 -4%
+            block_m = 64
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
     split = 1

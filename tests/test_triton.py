@@ -195,6 +195,25 @@ def test_heuristic_tiles_are_valid(dtype):
                 assert check_tile(tile, dtype=dtype, operands=2 if gated else 1, allow_split=gated) is None, tile
 
 
+def test_heuristic_for_a_given_block_m():
+    """`fusedmoe tune` starts other block sizes from heuristic(block_m=): that block size, the rest
+    picked for it, a valid tile; None keeps the heuristic's own."""
+    for block_m in (16, 32, 64, 128):
+        for quant in (None, "channel", "block"):
+            if quant == "block" and block_m > 64:
+                continue
+            for n, k, gated in ((14336, 4096, True), (4096, 14336, False)):
+                tile = heuristic(128, 8, n, k, torch.bfloat16, gated=gated, quant=quant, block_m=block_m)
+                assert tile.block_m == block_m
+                assert check_tile(tile, dtype=torch.bfloat16, operands=2 if gated else 1, allow_split=gated,
+                                  quant=quant) is None, tile
+    assert heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True, block_m=None) == \
+        heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True)
+    # Mixtral M=64 (16 rows per expert): 16-row tiles by default, 32-row ones picked for 32 rows
+    assert heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True).block_m == 16
+    assert heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True, block_m=32).block_k == 64
+
+
 def test_check_tile_reasons():
     assert "power of two" in check_tile(TileConfig(24, 64, 64), dtype=torch.float16)
     assert ">= 16" in check_tile(TileConfig(8, 64, 64), dtype=torch.float16)

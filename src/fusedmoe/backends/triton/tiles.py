@@ -189,9 +189,9 @@ def heuristic(
     Few rows per expert (decode) make the GEMM a weight stream: narrow N tiles give enough
     programs to keep every SM busy (>= 2 per SM) and long K tiles keep bytes in flight.
     quant (W8A8 weight granularity): 1-byte operands take BLOCK_K 128 (the bytes of bf16's 64);
-    block scales cap BLOCK_K and BLOCK_N at 128; codes ("int8" / "fp8", W8A8 only): int8's larger
-    blocks take their own rows, stages and GEMM2 width (below). Weight-only ("w8", "w4"): the bf16 tiles, with
-    BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
+    block scales cap BLOCK_K and BLOCK_N at 128. codes ("int8" / "fp8", W8A8 only): int8's larger
+    blocks take their own rows, stages and GEMM2 width (below). Weight-only ("w8", "w4"): the
+    bf16 tiles, with BLOCK_K >= 32 for "w4" (powers of two are multiples or divisors of any group).
     tma: the operands the GEMM will load through TMA descriptors (experts.tma_reasons): None,
     "w" (the weights; gemm1, whose rows are gathered by token) or "a+w" (gemm2's sorted rows too).
     block_m: the rows per block to pick the rest for (`fusedmoe tune` starts its other block sizes

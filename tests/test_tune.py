@@ -197,6 +197,35 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
         assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1
 
 
+def test_tune_shape_measures_against_the_tables_plan(monkeypatch):
+    """The plan the library runs today (a tuned entry; `experts.choose_plan`) is timed too: a
+    search result no better than it is not written; a better one records its time (table_us)."""
+    import dataclasses
+
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.experts import GemmProblem
+    from fusedmoe.tune import tune_shape
+
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[40], dtype=torch.float32, copies=2, device=cpu)
+    direct, h1, h2 = experts.choose_plan(GemmProblem(40 * K, E, H, I, K, True, torch.float32), None, cpu)
+    assert not direct and h1.block_m == 32  # past the direct path's slots: the aligned heuristic
+    entry1 = dataclasses.replace(h1, num_warps=8)  # a tuned entry's GEMM1
+    monkeypatch.setattr(experts, "choose_plan", lambda problem, scheme, device: (False, entry1, h2))
+    flat = lambda us: lambda tile: us  # noqa: E731
+
+    # the entry's GEMM1 is the best tile there is: the search finds it again (45 us against the
+    # heuristic's 65) but the table runs it already, so nothing is written
+    seen = []
+    costs = {"gemm1": lambda tile: 10.0 if tile == entry1 else 30.0, "gemm2": flat(30.0), "align": flat(5.0)}
+    assert tune_shape(**shape, timer=_model_timer(costs, seen)) == []
+    assert ("gemm1", entry1) in seen
+    # 64-row GEMM1 tiles beat both the heuristic and a slow entry: written, with the entry's time
+    costs = dict(costs, gemm1=lambda tile: 50.0 if tile == entry1 else 10.0 if tile.block_m == 64 else 30.0)
+    [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
+    assert (entry["us"], entry["heuristic_us"], entry["table_us"]) == (45.0, 65.0, 85.0)
+
+
 def test_search_tries_swap_ab_for_fp8_w8a8_only():
     """The descent's neighbours set SWAP_AB both ways for W8A8 with fp8 activations (written into
     the entry's tiles when it wins), never for int8 or the float and weight-only GEMMs."""

@@ -650,11 +650,13 @@ def cmd_tune(args) -> int:
                              progress=progress)
         print(file=sys.stderr)
         if not entries:
-            print(f"M={count:>5}: the heuristic is within 3% of the best config found; nothing written")
+            print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
+                  "is within 3% of the best config found; nothing written")
             continue
         e = entries[0]
+        table = f", tuned table {e['table_us']:8.1f} us" if "table_us" in e else ""
         print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
-              f"{e['heuristic_us']:8.1f} us)  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
+              f"{e['heuristic_us']:8.1f} us{table})  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
         path = write_table(entries, folder)
         written += 1
     if written:

@@ -1,7 +1,7 @@
 """fusedmoe against vLLM's Triton fused-MoE kernel, on this GPU (H100/H200)
 
     python benchmarks/bench_vllm.py --vllm-src DIR [--presets a,b] [--tokens 1,4096]
-                                    [--quant fp8_w8a8_block] [--json out.json]
+                                    [--quant fp8_w8a8_block|fp8_w8a8_channel|int8_w8a8] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/bench_vllm.py --vllm-src DIR --smoke   # harness check, CPU
 
 DIR holds vLLM's `vllm/model_executor/layers/fused_moe/` (its `fused_moe.py` and `configs/`), e.g.
@@ -25,8 +25,9 @@ Per cell, the same inputs and routing, CUDA-graph replay, median, >= 4 rotated w
     fusedmoe_gemms  the kernel-to-kernel counterpart: our GEMM launches alone on the plan the library
                  picks (`experts.choose_plan`), as `fusedmoe tune` times them (`tune._gemms`,
                  `_direct_gemms`): GEMM1 with its fused activation (W8A8: and the intermediate's
-                 quantization), GEMM2 (the direct path's with the top-k sum); not the alignment, x's
-                 quantization or the aligned path's top-k sum. No biases (gpt-oss's are left out).
+                 quantization), GEMM2 (the direct path's with the top-k sum), with the preset's
+                 biases as vLLM's launches have them (the 2416cbc run left ours out); not the
+                 alignment, x's quantization or the aligned path's top-k sum.
 
 vLLM's GEMM outputs are checked against a float32 torch product of the same operands per slot
 (relative error), so a mis-launched kernel shows instead of timing wrong work.
@@ -45,11 +46,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe.bench import measure_ceilings, random_expert_weights, roofline, time_rotated
+from fusedmoe.bench import (
+    measure_ceilings,
+    quant_operand,
+    random_expert_weights,
+    roofline,
+    time_rotated,
+)
 
 KERNEL_FILE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
 CONFIG_DIR = "vllm/model_executor/layers/fused_moe/configs"
 FUNCTIONS = ("write_zeros_to_output", "fused_moe_kernel", "get_default_config")
+QUANTS = ("fp8_w8a8_block", "fp8_w8a8_channel", "int8_w8a8")  # the W8A8 schemes vLLM's kernel runs
 
 
 def load_vllm(src: Path) -> types.SimpleNamespace:
@@ -118,8 +126,9 @@ def vllm_align(topk_ids: torch.Tensor, block_m: int, experts: int):
 
 
 def vllm_gemm(vllm, a, b, c, topk_weights, assignment, mul_routed, top_k, config, *, bias=None,
-              a_scale=None, b_scale=None, block=None, fp8=False):
-    """One fused_moe_kernel launch as invoke_fused_moe_triton_kernel makes it."""
+              a_scale=None, b_scale=None, block=None, fp8=False, int8=False, per_channel=False):
+    """One fused_moe_kernel launch as invoke_fused_moe_triton_kernel makes it (fp8 / int8: W8A8
+    codes; per_channel: per-row weight scales [E, N] and per-token activation scales [M, 1])."""
     sorted_ids, expert_ids, num_post = assignment
     m = a.size(0)
     config = dict(config)
@@ -149,7 +158,7 @@ def vllm_gemm(vllm, a, b, c, topk_weights, assignment, mul_routed, top_k, config
         0 if block is None else block[0], 0 if block is None else block[1],
         MUL_ROUTED_WEIGHT=mul_routed, top_k=top_k,
         compute_type=tl.bfloat16 if c.dtype == torch.bfloat16 else (tl.float16 if c.dtype == torch.float16 else tl.float32),
-        use_fp8_w8a8=fp8, use_int8_w8a8=False, use_int8_w8a16=False, per_channel_quant=False,
+        use_fp8_w8a8=fp8, use_int8_w8a8=int8, use_int8_w8a16=False, per_channel_quant=per_channel,
         naive_block_assignment=sorted_ids is None, HAS_BIAS=bias is not None, BLOCK_SIZE_K=block_k,
         SWAP_AB=swap, USE_TD=False, **config,
     )
@@ -161,6 +170,15 @@ def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, to
     g = x.float().reshape(rows, cols // group, group)
     scale = g.abs().amax(-1).clamp(min=1e-10) / torch.finfo(torch.float8_e4m3fn).max
     return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(rows, cols), scale
+
+
+def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric codes (e4m3 or int8) and float32 scales [M, 1], vLLM's A operand for
+    per-channel W8A8."""
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / info.max
+    q = x.float() / scale
+    return (q.to(dtype) if dtype.is_floating_point else q.round().clamp(info.min, info.max).to(dtype)), scale
 
 
 def dequant_block(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
@@ -183,6 +201,7 @@ class Cell:
         inter = preset.intermediate_size // preset.bench_tp
         self.inter = inter
         self.block = (128, 128) if quant == "fp8_w8a8_block" else None
+        self.int8 = quant == "int8_w8a8"
         self.x = torch.randn(tokens, H, device=device, generator=gen).to(dtype)
         logits = torch.randn(tokens, E, device=device, generator=gen)
         on_input = preset.apply_router_weight_on_input
@@ -203,7 +222,7 @@ class Cell:
                                         ours=(q13, q2, b13, b2, ours)))
             else:
                 self.copies.append(dict(w13=w13, w2=w2, b13=b13, b2=b2, ours=(w13, w2, b13, b2, None)))
-        dtype_name = "fp8_w8a8" if quant else None
+        dtype_name = None if not quant else "int8_w8a8" if self.int8 else "fp8_w8a8"
         self.config, self.config_source = vllm_config(vllm, device, E, inter, H, K, tokens, dtype_name, self.block)
         naive = tokens * K * 4 <= E  # _prepare_expert_assignment
         self.assignment = ((None, self.ids.view(-1).to(torch.int32), None) if naive
@@ -217,23 +236,29 @@ class Cell:
         self.cache3 = torch.empty(tokens, K, H, device=device, dtype=dtype)
         # GEMM2's input: any finite intermediate of the right shape (the timing does not depend on it)
         self.inter_act = torch.randn(tokens * K, inter, device=device, generator=gen).to(dtype)
-        if quant:
+        if self.block:
             self.xq, self.xs = quantize_groups(self.x)
             self.aq, self.as_ = quantize_groups(self.inter_act)
+        elif quant:  # per-channel weights, per-token activations
+            codes = torch.int8 if self.int8 else torch.float8_e4m3fn
+            self.xq, self.xs = quantize_tokens(self.x, codes)
+            self.aq, self.as_ = quantize_tokens(self.inter_act, codes)
         self.vllm = vllm
 
     def vllm_calls(self):
         K = self.preset.top_k
         on_input = self.preset.apply_router_weight_on_input
-        fp8 = self.quant is not None
+        quant = self.quant is not None
+        flags = dict(block=self.block, fp8=quant and not self.int8, int8=self.int8,
+                     per_channel=quant and self.block is None)
 
         def run(c):
-            a1 = self.xq if fp8 else self.x
-            a2 = self.aq if fp8 else self.inter_act
+            a1 = self.xq if quant else self.x
+            a2 = self.aq if quant else self.inter_act
             vllm_gemm(self.vllm, a1, c["w13"], self.cache1, self.topk_w, self.assignment, on_input, K, self.config,
-                      bias=c["b13"], a_scale=self.xs if fp8 else None, b_scale=c.get("s13"), block=self.block, fp8=fp8)
+                      bias=c["b13"], a_scale=self.xs if quant else None, b_scale=c.get("s13"), **flags)
             vllm_gemm(self.vllm, a2, c["w2"], self.cache3, self.topk_w, self.assignment, not on_input, 1, self.config,
-                      bias=c["b2"], a_scale=self.as_ if fp8 else None, b_scale=c.get("s2"), block=self.block, fp8=fp8)
+                      bias=c["b2"], a_scale=self.as_ if quant else None, b_scale=c.get("s2"), **flags)
             return self.cache3
 
         return [lambda c=c: run(c) for c in self.copies]
@@ -259,7 +284,7 @@ class Cell:
         problem = GemmProblem(self.tokens * K, p.num_experts, p.hidden_size, self.inter, K, is_gated(p.activation),
                               self.x.dtype)
         direct, t1, t2 = choose_plan(problem, scheme, self.x.device)
-        weights = [(c["ours"][0], c["ours"][1], c["ours"][4], None, None) for c in self.copies]  # no biases
+        weights = [(c["ours"][0], c["ours"][1], c["ours"][4], c["ours"][2], c["ours"][3]) for c in self.copies]
         make = _direct_gemms if direct else _gemms
         gemm1, gemm2 = make(scheme, weights, self.x, self.topk_w, self.ids, p.num_experts, self.inter,
                             p.activation, t1)[:2]
@@ -274,10 +299,13 @@ class Cell:
         self.cache3.fill_(float("nan"))
         self.vllm_calls()[0]()
         K, on_input = self.preset.top_k, self.preset.apply_router_weight_on_input
-        if self.quant:
+        if self.block:
             w13, w2 = dequant_block(c["w13"], c["s13"], self.block), dequant_block(c["w2"], c["s2"], self.block)
             x = self.xq.float() * self.xs.repeat_interleave(128, 1)
             a = self.aq.float() * self.as_.repeat_interleave(128, 1)
+        elif self.quant:
+            w13, w2 = c["w13"].float() * c["s13"][..., None], c["w2"].float() * c["s2"][..., None]
+            x, a = self.xq.float() * self.xs, self.aq.float() * self.as_
         else:
             w13, w2, x, a = c["w13"].float(), c["w2"].float(), self.x.float(), self.inter_act.float()
         worst = 0.0
@@ -299,11 +327,13 @@ def smoke(vllm_src: Path) -> None:
 
     vllm = load_vllm(vllm_src)
     gen = torch.Generator().manual_seed(0)
-    cases = ((1, 16, None), (5, 4, None), (5, 4, "fp8_w8a8_block"))  # naive (1 * 2 * 4 <= 16), aligned
-    for tokens, experts, quant in cases:
+    # naive (1 * 2 * 4 <= 16) and aligned assignments; biases on both sides in two cases
+    cases = ((1, 16, None, False), (5, 4, None, True), (5, 4, "fp8_w8a8_block", False),
+             (5, 4, "fp8_w8a8_channel", False), (1, 16, "int8_w8a8", False), (5, 4, "int8_w8a8", True))
+    for tokens, experts, quant, bias in cases:
         size = 128 if quant else 16
         p = Preset(name="smoke", model="smoke", num_experts=experts, top_k=2, hidden_size=2 * size,
-                   intermediate_size=size, activation="silu")
+                   intermediate_size=size, activation="silu", has_bias=bias)
         cell = Cell(vllm, p, tokens, device=torch.device("cpu"), dtype=torch.float32, copies=1, quant=quant,
                     gen=gen)
         cell.config = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=size, GROUP_SIZE_M=1, num_warps=4,
@@ -313,7 +343,7 @@ def smoke(vllm_src: Path) -> None:
         err = cell.check_vllm()
         for call in cell.fusedmoe_gemm_calls():  # our GEMMs alone launch on the library's plan
             call()
-        print(f"smoke M={tokens} E={experts} {quant or 'fp32'} "
+        print(f"smoke M={tokens} E={experts} {quant or 'fp32'}{' bias' if bias else ''} "
               f"{'naive' if cell.assignment[0] is None else 'aligned'}: vLLM GEMMs rel err {err:.2e}; "
               f"fusedmoe GEMMs ran ({cell.plan[0]})")
         assert err < (1e-3 if quant else 1e-4), err
@@ -324,7 +354,7 @@ def main() -> None:
     parser.add_argument("--vllm-src", type=Path, required=True)
     parser.add_argument("--presets", default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-120b,llama-4-maverick")
     parser.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
-    parser.add_argument("--quant", choices=("fp8_w8a8_block",), default=None)
+    parser.add_argument("--quant", choices=QUANTS, default=None)
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes under TRITON_INTERPRET=1")
@@ -337,10 +367,10 @@ def main() -> None:
     vllm = load_vllm(args.vllm_src)
     device = torch.device("cuda")
     ceilings = measure_ceilings(device, eight_bit=args.quant is not None)
-    operand = "fp8" if args.quant else None
+    operand = quant_operand(args.quant)
     w_bytes = 1.0 if args.quant else 2.0
     print(f"{torch.cuda.get_device_name()}: {ceilings.bandwidth / 1e12:.2f} TB/s, "
-          f"{ceilings.peak(operand) / 1e12:.0f} {'fp8' if args.quant else 'bf16'} TFLOP/s; torch {torch.__version__}, "
+          f"{ceilings.peak(operand) / 1e12:.0f} {operand or 'bf16'} TFLOP/s; torch {torch.__version__}, "
           f"triton {triton.__version__}; scheme {args.quant or 'bf16'}")
     print(f"{'preset':<18}{'M':>6}{'fusedmoe us':>13}{'%roof':>7}{'vllm gemms us':>15}{'%roof':>7}"
           f"{'speedup':>9}{'our gemms us':>13}{'gemms':>9}{'vllm err':>10}  vllm config")

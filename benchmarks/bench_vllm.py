@@ -53,6 +53,14 @@ from fusedmoe.bench import (
     roofline,
     time_rotated,
 )
+from fusedmoe.quant.formats import (
+    FP8_MAX,
+    INT_RANGE,
+    absmax_scale,
+    fp8_quantize,
+    group_view,
+    int_quantize,
+)
 
 KERNEL_FILE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
 CONFIG_DIR = "vllm/model_executor/layers/fused_moe/configs"
@@ -165,20 +173,22 @@ def vllm_gemm(vllm, a, b, c, topk_weights, assignment, mul_routed, top_k, config
 
 
 def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group (1 x group) e4m3 codes and float32 scales, vLLM's A operand for fp8 block."""
-    rows, cols = x.shape
-    g = x.float().reshape(rows, cols // group, group)
-    scale = g.abs().amax(-1).clamp(min=1e-10) / torch.finfo(torch.float8_e4m3fn).max
-    return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(rows, cols), scale
+    """Per-token-group (1 x group) e4m3 codes and float32 scales, vLLM's A operand for fp8 block
+    (the library's absmax scale and saturating fp8 rounding, `quant.formats`)."""
+    g = group_view(x.float(), group)
+    scale = absmax_scale(g.abs().amax(-1), FP8_MAX)
+    return fp8_quantize(g, scale[..., None]).flatten(-2), scale
 
 
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric codes (e4m3 or int8) and float32 scales [M, 1], vLLM's A operand for
     per-channel W8A8."""
-    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-10) / info.max
-    q = x.float() / scale
-    return (q.to(dtype) if dtype.is_floating_point else q.round().clamp(info.min, info.max).to(dtype)), scale
+    amax = x.float().abs().amax(-1, keepdim=True)
+    if dtype == torch.int8:
+        scale = absmax_scale(amax, INT_RANGE[8][1])
+        return int_quantize(x, scale, 8), scale
+    scale = absmax_scale(amax, FP8_MAX)
+    return fp8_quantize(x, scale), scale
 
 
 def dequant_block(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:

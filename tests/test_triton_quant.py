@@ -357,16 +357,16 @@ def test_swap_ab_rule(monkeypatch):
 def test_swap_ab_device_predicate(monkeypatch, capability, hip, want):
     """SWAP_AB's device test: an NVIDIA sm90 GPU (its capability read once per device); not
     Ampere, Blackwell, ROCm (whose MI300 reports 9.4) or the CPU."""
-    from fusedmoe.backends.triton import quant
+    from fusedmoe.backends.triton import experts, quant
 
-    quant._capability_major.cache_clear()
+    experts.device_capability.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     try:
         assert quant._sm90_gpu(torch.device("cuda", 0)) is want
         assert quant._sm90_gpu(torch.device("cpu")) is False
     finally:
-        quant._capability_major.cache_clear()
+        experts.device_capability.cache_clear()
 
 
 def test_activation_scales_checked_before_launch():

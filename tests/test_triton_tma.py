@@ -74,7 +74,7 @@ def test_tma_reasons(case):
 
 def test_tma_device_rule(monkeypatch):
     """CUDA devices: sm90+ only, unless forced; FUSEDMOE_TRITON_TMA parses 0/1/force."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(experts, "device_capability", lambda index: (8, 0))
     monkeypatch.setattr(experts, "_sm90", lambda index: False)
     assert "compute capability (8, 0) < (9, 0)" in experts._tma_device_reason(torch.device("cuda", 0))
     with knobs.override(TRITON_TMA="force"):

@@ -106,11 +106,10 @@ class _once:
 
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
-             allow_split: bool = False, start_us: float | None = None,
-             allow_swap: bool = False) -> tuple[TileConfig, float]:
-    """Coordinate descent from `start` (timed already: `start_us`) over the tiles `reason` (the
-    validity predicate) accepts."""
-    best, best_t = start, time_tile(start) if start_us is None else start_us
+             allow_split: bool = False, allow_swap: bool = False) -> tuple[TileConfig, float]:
+    """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts;
+    `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing."""
+    best, best_t = start, time_tile(start)
     for _ in range(rounds):
         improved = False
         for cand in _neighbours(best, allow_split, allow_swap):
@@ -396,9 +395,9 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
     time1, time2 = _once(time1), _once(time2)
     time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme)
-    b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True, start_us=us1,
+    b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
                       allow_swap=swap)
-    b2, u2 = _descend(time2, d2, ok2, allow_split=True, start_us=us2, allow_swap=swap)
+    b2, u2 = _descend(time2, d2, ok2, allow_split=True, allow_swap=swap)
     return us1 + us2, (u1 + u2, "direct", b1, b2)
 
 

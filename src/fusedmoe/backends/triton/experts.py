@@ -101,7 +101,7 @@ def _rows(n: int, num_local: int, block_m: int) -> int:
 def _pdl_supported(device_index: int) -> bool:
     import triton.language as tl
 
-    return (torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return (device_capability(device_index) >= (9, 0)
             and hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
 
 
@@ -570,8 +570,13 @@ TMA_ALIGN = 16  # bytes: the base address and every stride but the last
 
 
 @functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, read once per device (the launch rules ask per call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return device_capability(device_index) >= (9, 0)
 
 
 def _tma_device_reason(device: torch.device) -> str | None:
@@ -587,7 +592,7 @@ def _tma_device_reason(device: torch.device) -> str | None:
         return f"{device.type} tensors: TMA is a CUDA sm90+ unit (FUSEDMOE_TRITON_TMA=force: descriptors anyway)"
     index = device.index if device.index is not None else torch.cuda.current_device()
     if not _sm90(index):
-        return f"compute capability {torch.cuda.get_device_capability(index)} < (9, 0)"
+        return f"compute capability {device_capability(index)} < (9, 0)"
     return None
 
 

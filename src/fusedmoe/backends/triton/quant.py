@@ -25,7 +25,6 @@ N = T*K slots, R aligned rows (N padded per expert to BLOCK_M).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from fusedmoe.backends.triton.experts import (
     _num_sms,
     align,
     call_op,
+    device_capability,
     experts_ops,
     launch_gemm1,
     launch_gemm2,
@@ -384,12 +384,7 @@ def _sm90_gpu(device: torch.device) -> bool:
     stands in for one with CPU tensors)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
-
-
-@functools.cache
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:

@@ -159,6 +159,13 @@ def test_tune_quant_refuses_schemes_triton_does_not_run(capsys, scheme):
     assert "fp8_w8a8_block" in err and "mxfp4_w4a16" in err
 
 
+def test_tune_bias_is_for_explicit_shapes(capsys):
+    """--bias with --model is refused before any GPU check: the preset decides its biases."""
+    assert main(["tune", "--model", "gpt-oss-120b", "--bias"]) == 2
+    assert "--bias is for an explicit shape; --model gpt-oss-120b times its preset's biases (with them)" in \
+        capsys.readouterr().err
+
+
 def test_bench_quant_bytes_and_refusals(capsys):
     from fusedmoe.bench import quant_backend, quant_bytes
 

@@ -628,6 +628,9 @@ def cmd_tune(args) -> int:
     if args.quant is not None and args.quant not in runs:  # fails before any GPU work
         raise ValueError(f"--quant {args.quant!r}: tune takes a scheme the triton backend runs ({', '.join(runs)}) "
                          f"or marlin runs weight-only ({', '.join(sorted(WEIGHT_ONLY_TWIN))})")
+    if args.model and args.bias:  # before the device check: a wrong command line says so anywhere
+        raise ValueError(f"--bias is for an explicit shape; --model {args.model} times its preset's biases "
+                         f"({'with' if get_preset(args.model).has_bias else 'without'} them)")
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
     if args.model:

@@ -212,6 +212,9 @@ def test_heuristic_for_a_given_block_m():
     # Mixtral M=64 (16 rows per expert): 16-row tiles by default, 32-row ones picked for 32 rows
     assert heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True).block_m == 16
     assert heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True, block_m=32).block_k == 64
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match=f"block_m={bad} must be a power of two >= 16"):
+            heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True, block_m=bad)
 
 
 def test_check_tile_reasons():

@@ -199,6 +199,8 @@ def heuristic(
     """
     if tma is not None and tma not in TMA_LOADS:
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
+    if block_m is not None and (block_m < 16 or not _pow2(block_m)):
+        raise ValueError(f"block_m={block_m} must be a power of two >= 16")
     if block_m is None:
         block_m = block_m_for(num_slots, num_local_experts, dtype)
         if quant == "block":

@@ -26,6 +26,7 @@ from fusedmoe import MoEConfig, knobs  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
 from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import (  # noqa: E402
+    ONE_PASS_MAX,
     quantize_activation,
     quantize_activation_ref,
     triton_batched_quant_experts,
@@ -117,6 +118,22 @@ def test_quantize_activation_matches_torch_reference(name, k):
     expanded = scales.reshape(-1, 1) if key.granularity == "tensor" else scales.repeat_interleave(group, -1)[:, :k]
     assert torch.equal(codes.float() * expanded, fake_quantize_activation(x, key, static))
 
+
+
+@pytest.mark.parametrize("k", [3000, ONE_PASS_MAX, ONE_PASS_MAX + 600])
+@pytest.mark.parametrize("name", ["fp8-token", "int8-token"])
+def test_quantize_wide_rows(name, k):
+    """Per-token rows past 1024: read once by one program up to ONE_PASS_MAX (8 and 16 warps),
+    in two 1024-wide passes beyond; the same codes and scales as the reference either way. The
+    extreme value sits in the row's last columns, where a short read would miss it."""
+    key = KEYS[name]
+    x = _activation_rows(k, k)[:3]
+    x[0, -1] = 1000.0
+    x[1, -3] = -77.0
+    codes, scales = quantize_activation(x, key)
+    want_codes, want_scales = quantize_activation_ref(x, key)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.float(), want_codes.float())
 
 def test_quantize_activation_errors():
     with pytest.raises(ValueError, match="no Triton activation quantization for fp8/group64"):

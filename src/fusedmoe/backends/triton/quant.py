@@ -59,6 +59,7 @@ W8A8_SCHEMES = frozenset(
     ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
 )
 SMALL_ROWS = 2048  # _launch_rows: up to this many rows, at most 8 per program
+ONE_PASS_MAX = 16384  # _launch_rows: groups up to this wide are read once, by one program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
 # kernels.py SWAP_AB: the aligned W8A8 GEMMs over row blocks under 64 rows multiply w^T @ a^T on
@@ -190,8 +191,17 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
     m, k = x.shape
     group = group if scale_in == 0 else k
     groups = triton_cdiv(k, group)
-    block_k = min(1024, triton_next_pow2(group))
+    # A group of up to ONE_PASS_MAX elements (a per-token row: x's H, the intermediate's I) is
+    # loaded once, whole, by one program (ONE_PASS), ~32 elements a thread: 4 warps up to 4096,
+    # then 8 and 16. Wider groups are read twice in 1024-wide steps (amax, then codes), as every
+    # group over 1024 was: a chain of dependent loads in few programs. H200, per-token int8 /
+    # fp8 (benchmarks/results/2026-11-24_h200_5af5224_onepass_rows.txt): Mixtral M=16's GEMM1 +
+    # the intermediate's quantization (128 rows of 14336) 318 -> 235 us (vLLM's GEMM1 alone:
+    # 214-255), the whole call -21%; M=1-256 -2 to -21% over five presets, M >= 1024 within 3%.
+    one_pass = scale_in == 0 and group <= ONE_PASS_MAX
+    block_k = triton_next_pow2(group) if one_pass else min(1024, triton_next_pow2(group))
     block_r = max(1, min(64, 4096 // block_k))  # ~4k elements per program
+    num_warps = 4 if block_r * block_k <= 4096 else min(16, block_k // 1024)
     if m <= SMALL_ROWS:
         # few rows (decode; the aligned rows of a decode's intermediate): <= 8 rows per program.
         # H200, fp8 1x128 groups (graph replay of 20 launches): x [1, 2048] 6.3 us at 32 rows
@@ -205,7 +215,7 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), *s_strides,
         IS_INT=key.dtype == "int8", SOFT_FP8=_soft_fp8(x.device), SCALE_IN=scale_in,
         HAS_ROW_W=row_weight is not None, HAS_NUM_ROWS=num_rows is not None,
-        BLOCK_R=block_r, BLOCK_K=block_k, ONE_PASS=scale_in == 0 and group <= block_k, num_warps=4,
+        BLOCK_R=block_r, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=num_warps,
     )
 
 

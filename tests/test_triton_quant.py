@@ -37,6 +37,7 @@ from fusedmoe.backends.triton.quant import (  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import BatchedLocalPrepareFinalize, ExpertWeights, make_modular  # noqa: E402
 from fusedmoe.quant import SCHEMES, QuantKey, fake_quantize_activation  # noqa: E402
+from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 from fusedmoe.quant.weights import quantize_weights  # noqa: E402
 from quant_problems import (  # noqa: E402
     Case,
@@ -297,6 +298,28 @@ def test_w8a8_direct_decode_matches_emulation(case, scheme):
     assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
     if expert_map is not None:  # tokens whose slots are all remote get exactly zero
         assert (out[(expert_map[ids.long()] < 0).all(-1)] == 0).all()
+
+
+XQ_CASES = [(c, s) for c, schemes in W8A8_DIRECT for s in schemes if s != "fp8_w8a8_block"] + [
+    (Case("x-swap", T=3, H=256, tiles=((16, 64, 64, 4, 1, 1, True), (16, 64, 64, 4, 1))), "int8_w8a8"),
+    (Case("x-odd-h", T=2, H=100, I=37, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1))), "fp8_w8a8_channel"),
+]
+
+
+@pytest.mark.parametrize("case,scheme", XQ_CASES, ids=[f"{c.id}-{s}" for c, s in XQ_CASES])
+def test_direct_gemm1_quantizes_x_bitwise(case, scheme, monkeypatch):
+    """The direct GEMM1 that quantizes x itself (FUSE_XQ, per-token codes) makes the codes and
+    scales the launch before it made: the same output, bitwise, as with that launch
+    (FUSE_XQ_MAX_H = 0); 1x128 groups keep the launch."""
+    from fusedmoe.backends.triton import quant as tq
+
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    assert tq.fuse_x_quantization(get_scheme(scheme).activation, x.shape[1])
+    assert not tq.fuse_x_quantization(get_scheme("fp8_w8a8_block").activation, x.shape[1])
+    fused = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
+    monkeypatch.setattr(tq, "FUSE_XQ_MAX_H", 0)
+    assert not tq.fuse_x_quantization(get_scheme(scheme).activation, x.shape[1])
+    assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
 
 
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])

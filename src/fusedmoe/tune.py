@@ -12,7 +12,8 @@ a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies fr
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
 its predicate accepts, and the entries carry the scheme (W8A8's direct path with its
-quantizers: x per token before GEMM1, the intermediate in GEMM1's timing). W8A8 with fp8
+quantizers: x per 1x128 group before GEMM1, untimed, per token inside it (quant.fuse_x_quantization);
+the intermediate in GEMM1's timing). W8A8 with fp8
 activations also descends over kernels.py's SWAP_AB, both ways per GEMM; a tile that sets it
 writes it as its list's 7th value (`TileConfig.as_list`).
 """
@@ -405,7 +406,8 @@ def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activati
     """(gemm1(i, tile), gemm2(i, tile), the Launch, out) of the direct path on weight copy i.
     GEMM1 runs once with `fill` on copy 0 to make the intermediate GEMM2 reads; timed GEMM1 calls
     write their own. GEMM2 writes `out` [T, H] (with the top-k sum; its slot shares add the
-    combine launch). W8A8: x quantized once; GEMM1 includes the intermediate's quantization."""
+    combine launch). W8A8: x quantized once, untimed, or by GEMM1 itself (per token,
+    quant.fuse_x_quantization); GEMM1 includes the intermediate's quantization."""
     from fusedmoe.backends.triton.experts import (
         launch_gemm1,
         launch_gemm2_direct,

@@ -23,7 +23,8 @@ per-channel/token scales multiply the accumulator after the K loop, 128x128 bloc
 K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, written before the
 GEMM (per-tensor: one scale per expert, so x's codes are made per sorted row and gemm1 reads
 them by row, X_SORTED; the scales run as Q_CHANNEL's, a per-row scale times a weight scale
-broadcast over the channels). Host side: quant.py.
+broadcast over the channels), except x's per-token codes on the direct path: GEMM1 makes them
+from x itself (FUSE_XQ). Host side: quant.py.
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
@@ -54,6 +55,7 @@ from fusedmoe.backends.triton.quant_kernels import (
     _max_nan,
     _quantize,
     _row_block,
+    _scale_for,
     _scale_of,
 )
 
@@ -438,6 +440,32 @@ def _direct_slot(ids_ptr, emap_ptr, pid, num_slots, num_global, num_local, HAS_M
 
 
 @triton.jit
+def _xq_scale(x_row_ptr, row_w_ptr, hidden, stride_xh, IS_INT: tl.constexpr, ROW_W: tl.constexpr,
+              WIDTH: tl.constexpr):
+    """FUSE_XQ: (the router weight x is scaled by, or 1; the row's scale) from one read of the
+    row, as quantize_rows_kernel takes them."""
+    offs = tl.arange(0, WIDTH)
+    v = tl.load(x_row_ptr + offs * stride_xh, mask=offs < hidden, other=0.0).to(tl.float32)
+    w = 1.0
+    if ROW_W:
+        w = tl.load(row_w_ptr).to(tl.float32)
+        v = v * w
+    return w, _scale_for(tl.reduce(tl.abs(v), 0, _max_nan), IS_INT)
+
+
+@triton.jit
+def _xq_codes(x_ptrs, k_ok, w, scale, row_ok, IS_INT: tl.constexpr, ROW_W: tl.constexpr,
+              SOFT_FP8: tl.constexpr, CODE: tl.constexpr):
+    """FUSE_XQ: one K step of the token row's codes (quant_kernels._quantize of x (* w) / scale)
+    as the [BLOCK_M, BLOCK_K] operand, row 0 live, the padding rows 0."""
+    v = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+    if ROW_W:
+        v = v * w
+    q = _quantize(v, scale, IS_INT, SOFT_FP8)
+    return tl.where(row_ok[:, None], q[None, :], 0.0).to(CODE)
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
     sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
@@ -474,6 +502,11 @@ def moe_gemm1_kernel(
     ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
     DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
+    # FUSE_XQ (DIRECT W8A8 with per-token activation codes, Q_CHANNEL): x_ptr is the float x,
+    # quantized here as quantize_rows_kernel does (the same codes and scale): the slot's token
+    # row, XQ_WIDTH >= H wide, is read once for its amax, then each K step's codes are made from
+    # its x tile (times the slot's router weight first: XQ_ROW_W)
+    FUSE_XQ: tl.constexpr = False, XQ_WIDTH: tl.constexpr = 128, XQ_ROW_W: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -486,6 +519,7 @@ def moe_gemm1_kernel(
     the store; past H the box is zero-filled.
     """
     tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
+    tl.static_assert(not FUSE_XQ or (DIRECT and QUANT == Q_CHANNEL), "FUSE_XQ: direct per-token W8A8")
     _pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)
@@ -518,6 +552,9 @@ def moe_gemm1_kernel(
         wu_ptrs = wg_ptrs + inter * stride_wn
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
+    if FUSE_XQ:  # the slot's token row and its scale
+        x_tok_ptr = x_ptr + (pid_m // top_k).to(tl.int64) * stride_xt
+        xq_w, xs_tok = _xq_scale(x_tok_ptr, topk_w_ptr + pid_m, hidden, stride_xh, ACC_INT, XQ_ROW_W, XQ_WIDTH)
     acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
     acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
     if QUANT == Q_W4:  # pointers of byte j (k = 2j, 2j + 1) and of its group scale, from k0
@@ -547,7 +584,11 @@ def moe_gemm1_kernel(
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
         else:
             k_ok = offs_k < k_end - k0
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if FUSE_XQ:
+                xa = _xq_codes(x_tok_ptr + (k0 + offs_k) * stride_xh, k_ok, xq_w, xs_tok, row_ok, ACC_INT,
+                               XQ_ROW_W, SOFT_FP8, w13_ptr.dtype.element_ty)
+            else:
+                xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if W_DESC:
                 wg = w13_ptr.load([w_row, k0]).T
             else:
@@ -591,7 +632,10 @@ def moe_gemm1_kernel(
         acc_u = tl.trans(acc_u)
 
     if QUANT == Q_CHANNEL:
-        sx = tl.load(xs_ptr + x_row * stride_xs0, mask=row_ok, other=0.0)[:, None]
+        if FUSE_XQ:
+            sx = tl.where(row_ok, xs_tok, 0.0)[:, None]
+        else:
+            sx = tl.load(xs_ptr + x_row * stride_xs0, mask=row_ok, other=0.0)[:, None]
         sg = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_g = acc_g.to(tl.float32) * sx * sg
         if GATED:

@@ -59,6 +59,7 @@ W8A8_SCHEMES = frozenset(
     ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
 )
 SMALL_ROWS = 2048  # _launch_rows: up to this many rows, at most 8 per program
+FUSE_XQ_MAX_H = 8192  # fuse_x_quantization: the widest x row the direct GEMM1 quantizes itself
 ONE_PASS_MAX = 16384  # _launch_rows: groups up to this wide are read once, by one program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
@@ -323,11 +324,12 @@ class QuantLaunch:
     L: Launch
     scheme: QuantScheme
     num_local: int
-    x_in: torch.Tensor  # codes per token, or (tensor) per aligned row
-    x_scales: torch.Tensor  # per token / group, or (tensor) per aligned row
+    x_in: torch.Tensor  # codes per token, or (tensor) per aligned row; x itself when x_fused
+    x_scales: torch.Tensor | None  # per token / group, or (tensor) per aligned row; None when x_fused
     a_amax: torch.Tensor | None = None  # (tensor, dynamic) [L]: filled by the kernel finishing a
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
+    x_fused: bool = False  # the direct GEMM1 quantizes x itself (kernels.py FUSE_XQ)
 
 
 def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -358,9 +360,26 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
+    if fuse_x_quantization(scheme.activation, x_TH.shape[1]):
+        return QuantLaunch(L, scheme, num_local, x_TH, None, x_fused=True)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+
+
+def fuse_x_quantization(key: QuantKey, hidden: int) -> bool:
+    """Whether the direct path's GEMM1 quantizes x itself (kernels.py FUSE_XQ) instead of a launch
+    before it: dynamic per-token codes (int8 / fp8 W8A8 per channel) of rows up to FUSE_XQ_MAX_H
+    wide (each program holds its token's row in registers once, for the amax).
+
+    H200, whole call, FUSE_XQ_MAX_H 0 against 8192, two alternating rounds
+    (benchmarks/results/2026-11-24_h200_d924b36_fuse_xq.txt): int8 and fp8 per channel at M=1
+    -6 to -18% on five of six presets (Llama-4 19.0 against 22.5 us), M=4 -3 to -8% or within 1%;
+    int8 Mixtral M=1 +10% (its tuned 2-stage tile: the x tile is now a register load feeding the
+    quantization, not a cp.async stage). fp8 1x128 groups the same way (each K step's group
+    scale picked from the row's): within 3% at M=1 but DeepSeek-V3 M=4 +11%, so those keep the
+    quantization launch."""
+    return key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H
 
 
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
@@ -421,7 +440,8 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     a, device = L.a, L.a.device
     rows, inter = a.shape
     tensor = gran == "tensor"
-    xs_strides = (q.x_scales.stride(0), 0 if tensor else q.x_scales.stride(1))
+    x_scales = q.x_in if q.x_fused else q.x_scales  # never read when fused
+    xs_strides = (x_scales.stride(0), 0 if tensor else x_scales.stride(1))
     fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1
     a_codes = a_scales = None
     if not tensor:
@@ -431,12 +451,14 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     tile, swap = _swap_launch(tile, akey, L)
     fused = dict(aq_ptr=a_codes, as_ptr=a_scales, stride_aqr=a_codes.stride(0), stride_aqi=a_codes.stride(1),
                  stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
+    xq = dict(FUSE_XQ=True, XQ_WIDTH=triton_next_pow2(q.x_in.shape[1]),
+              XQ_ROW_W=not L.scale_output) if q.x_fused else {}  # router weight on input: w * x
     launch_gemm1(L, w13, w13_bias, tile, dict(
-        xs_ptr=q.x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
+        xs_ptr=x_scales, ws_ptr=w13_scale, stride_xs0=xs_strides[0], stride_xs1=xs_strides[1],
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
-        **swap,
+        **swap, **xq,
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax

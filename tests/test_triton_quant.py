@@ -314,12 +314,25 @@ def test_direct_gemm1_quantizes_x_bitwise(case, scheme, monkeypatch):
     from fusedmoe.backends.triton import quant as tq
 
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
-    assert tq.fuse_x_quantization(get_scheme(scheme).activation, x.shape[1])
-    assert not tq.fuse_x_quantization(get_scheme("fp8_w8a8_block").activation, x.shape[1])
+    key, rows = get_scheme(scheme).activation, w.w13.shape[0] * w.w13.shape[1]
+    assert tq.fuse_x_quantization(key, x.shape[1], rows)
     fused = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
     monkeypatch.setattr(tq, "FUSE_XQ_MAX_H", 0)
-    assert not tq.fuse_x_quantization(get_scheme(scheme).activation, x.shape[1])
+    assert not tq.fuse_x_quantization(key, x.shape[1], rows)
     assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
+
+
+def test_fuse_x_quantization_rule():
+    """Per-token codes only, rows up to FUSE_XQ_MAX_H, GEMM1 reading up to FUSE_XQ_MAX_WEIGHTS
+    (the H200's measured split: the fine-grained presets' decode fused, Mixtral's not)."""
+    from fusedmoe.backends.triton.quant import fuse_x_quantization
+
+    token, group = get_scheme("int8_w8a8").activation, get_scheme("fp8_w8a8_block").activation
+    assert fuse_x_quantization(token, 2048, 8 * 2 * 768)  # Qwen3-30B M=1: 8 experts' [2I] rows
+    assert fuse_x_quantization(get_scheme("fp8_w8a8_channel").activation, 2880, 4 * 2 * 2880)  # gpt-oss M=1
+    assert not fuse_x_quantization(token, 4096, 2 * 2 * 14336)  # Mixtral M=1
+    assert not fuse_x_quantization(token, 16384, 8)  # a row past FUSE_XQ_MAX_H
+    assert not fuse_x_quantization(group, 2048, 8 * 2 * 768)  # 1x128 groups keep their launch
 
 
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])

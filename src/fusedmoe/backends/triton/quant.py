@@ -60,6 +60,9 @@ W8A8_SCHEMES = frozenset(
 )
 SMALL_ROWS = 2048  # _launch_rows: up to this many rows, at most 8 per program
 FUSE_XQ_MAX_H = 8192  # fuse_x_quantization: the widest x row the direct GEMM1 quantizes itself
+# ... and the most w13 elements that GEMM1 reads (between gpt-oss M=1's 66M, fused 8% faster, and
+# Mixtral M=1's 235M, 10% slower fused; gpt-oss M=4's 265M was within 3% either way)
+FUSE_XQ_MAX_WEIGHTS = 128 * 2**20
 ONE_PASS_MAX = 16384  # _launch_rows: groups up to this wide are read once, by one program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
@@ -360,26 +363,31 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
-    if fuse_x_quantization(scheme.activation, x_TH.shape[1]):
+    rows = (2 if is_gated(activation) else 1) * inter
+    if fuse_x_quantization(scheme.activation, x_TH.shape[1], min(topk_ids_TK.numel(), num_local) * rows):
         return QuantLaunch(L, scheme, num_local, x_TH, None, x_fused=True)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
-def fuse_x_quantization(key: QuantKey, hidden: int) -> bool:
+def fuse_x_quantization(key: QuantKey, hidden: int, gemm1_rows: int) -> bool:
     """Whether the direct path's GEMM1 quantizes x itself (kernels.py FUSE_XQ) instead of a launch
     before it: dynamic per-token codes (int8 / fp8 W8A8 per channel) of rows up to FUSE_XQ_MAX_H
-    wide (each program holds its token's row in registers once, for the amax).
+    wide (each program holds its token's row in registers once, for the amax), where GEMM1 reads
+    at most FUSE_XQ_MAX_WEIGHTS weights (`gemm1_rows` of w13 at most, its experts' [2I] rows, times H).
 
     H200, whole call, FUSE_XQ_MAX_H 0 against 8192, two alternating rounds
     (benchmarks/results/2026-11-24_h200_d924b36_fuse_xq.txt): int8 and fp8 per channel at M=1
     -6 to -18% on five of six presets (Llama-4 19.0 against 22.5 us), M=4 -3 to -8% or within 1%;
-    int8 Mixtral M=1 +10% (its tuned 2-stage tile: the x tile is now a register load feeding the
-    quantization, not a cp.async stage). fp8 1x128 groups the same way (each K step's group
-    scale picked from the row's): within 3% at M=1 but DeepSeek-V3 M=4 +11%, so those keep the
-    quantization launch."""
-    return key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H
+    int8 Mixtral M=1 +10%: its GEMM1 (117 MB of codes at M=1) compiles to 136 registers a thread
+    fused, 108 not (the token row's codes made in registers and stored to shared memory instead of
+    a cp.async stage), 3 programs per SM instead of 4, and the lost occupancy outweighs the saved
+    launch; re-tuned fused, no tile was 3% faster. fp8 1x128 groups the same way (each K step's
+    group scale picked from the row's): within 3% at M=1 but DeepSeek-V3 M=4 +11%, so those keep
+    the quantization launch."""
+    return (key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H
+            and gemm1_rows * hidden <= FUSE_XQ_MAX_WEIGHTS)
 
 
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:

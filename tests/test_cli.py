@@ -67,6 +67,11 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
           "--tokens", "1"])
     assert re.search(r"M=1 +direct: quantize x \+ gemm1 .*\+ quantize a \+ gemm2", capsys.readouterr().out)
+    # per-token codes: the direct GEMM1 quantizes x itself, but where it reads > 128M weights (Mixtral)
+    main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "int8_w8a8", "--tokens", "1"])
+    assert re.search(r"M=1 +direct: gemm1 \(quantizes x\) \+ quantize a \+ gemm2", capsys.readouterr().out)
+    main(["explain", "--model", "mixtral-8x7b", "--platform", "cuda:9.0", "--quant", "int8_w8a8", "--tokens", "1"])
+    assert re.search(r"M=1 +direct: quantize x \+ gemm1 .*\+ quantize a \+ gemm2", capsys.readouterr().out)
     with monkeypatch.context() as m:  # SWAP_AB shows per GEMM (here forced: no sm90 GPU on this machine)
         m.setenv("FUSEDMOE_TRITON_SWAP_AB", "force")
         main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",

@@ -206,6 +206,33 @@ def test_batched_layer_selects_batched_triton_and_compiles(scheme):
     assert rel_err(eager, emulated) < TOL_EMULATION
 
 
+FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the presets' own shapes, whose
+    # tuned entries, direct-path x quantization (FUSE_XQ or not) and 14336-wide rows run here
+    ("int8_w8a8", 4, 128, 1, 5120, 1024, True, False),  # Llama-4 TP8: the row weight quantized with x
+    ("int8_w8a8", 1, 128, 4, 2880, 2880, False, True),  # gpt-oss
+    ("fp8_w8a8_channel", 1, 256, 8, 7168, 256, False, False),  # DeepSeek-V3 TP8
+    ("int8_w8a8", 1, 8, 2, 4096, 14336, False, False),  # Mixtral: x quantized by its own launch
+    ("int8_w8a8", 16, 8, 2, 4096, 14336, False, False),
+    ("fp8_w8a8_channel", 1024, 8, 2, 4096, 14336, False, False),
+    ("fp8_w8a8_channel", 4096, 128, 1, 5120, 1024, True, False),
+]
+
+
+@pytest.mark.parametrize("case", FULL_SHAPES, ids=[f"{c[0]}-T{c[1]}-E{c[2]}-H{c[4]}-I{c[5]}" for c in FULL_SHAPES])
+def test_preset_shapes_against_emulation(case):
+    """The packaged plans on the presets' full shapes against emulation, deterministic. (Against
+    the exact reference the schemes' own error grows with I: Mixtral's 14336-wide per-token rows
+    put emulation itself 4.6% off, past TOL_EXACT; H200,
+    benchmarks/results/2026-11-24_h200_e0c40fd_new_plans_check.txt.)"""
+    scheme, T, E, K, H, I, on_input, bias = case
+    x, q13, q2, params, b13, b2, w, ids = make(T, E, K, H, I, scheme, seed=T, bias=bias)
+    kw = dict(quant=params, w13_bias=b13, w2_bias=b2, apply_router_weight_on_input=on_input)
+    poison_allocator()
+    out = fused_experts(x, q13, q2, w, ids, backend="triton", **kw)
+    assert rel_err(out, fused_experts(x, q13, q2, w, ids, backend="emulation", **kw)) < TOL_EMULATION
+    assert torch.equal(out, fused_experts(x, q13, q2, w, ids, backend="triton", **kw))
+
+
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "fp8_w8a8_tensor_static"])
 def test_int32_offset_overflow(scheme):
     """T*K*H = 100000 * 6 * 4096 > 2^31 with 1-byte codes: offsets must be 64-bit (per-tensor:

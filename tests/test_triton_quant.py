@@ -314,11 +314,11 @@ def test_direct_gemm1_quantizes_x_bitwise(case, scheme, monkeypatch):
     from fusedmoe.backends.triton import quant as tq
 
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
-    key, rows = get_scheme(scheme).activation, w.w13.shape[0] * w.w13.shape[1]
-    assert tq.fuse_x_quantization(key, x.shape[1], rows)
+    key, sizes = get_scheme(scheme).activation, (x.shape[1], case.I, True, ids.numel(), w.w13.shape[0])
+    assert tq.fuse_x_quantization(key, *sizes)
     fused = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
     monkeypatch.setattr(tq, "FUSE_XQ_MAX_H", 0)
-    assert not tq.fuse_x_quantization(key, x.shape[1], rows)
+    assert not tq.fuse_x_quantization(key, *sizes)
     assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
 
 
@@ -328,11 +328,12 @@ def test_fuse_x_quantization_rule():
     from fusedmoe.backends.triton.quant import fuse_x_quantization
 
     token, group = get_scheme("int8_w8a8").activation, get_scheme("fp8_w8a8_block").activation
-    assert fuse_x_quantization(token, 2048, 8 * 2 * 768)  # Qwen3-30B M=1: 8 experts' [2I] rows
-    assert fuse_x_quantization(get_scheme("fp8_w8a8_channel").activation, 2880, 4 * 2 * 2880)  # gpt-oss M=1
-    assert not fuse_x_quantization(token, 4096, 2 * 2 * 14336)  # Mixtral M=1
-    assert not fuse_x_quantization(token, 16384, 8)  # a row past FUSE_XQ_MAX_H
-    assert not fuse_x_quantization(group, 2048, 8 * 2 * 768)  # 1x128 groups keep their launch
+    assert fuse_x_quantization(token, 2048, 768, True, 8, 128)  # Qwen3-30B M=1: 8 experts' [2I, H]
+    assert fuse_x_quantization(get_scheme("fp8_w8a8_channel").activation, 2880, 2880, True, 4, 128)  # gpt-oss
+    assert not fuse_x_quantization(token, 4096, 14336, True, 2, 8)  # Mixtral M=1
+    assert fuse_x_quantization(token, 4096, 14336, False, 2, 1)  # ... one local expert, no gate: 59M
+    assert not fuse_x_quantization(token, 16384, 8, True, 1, 1)  # a row past FUSE_XQ_MAX_H
+    assert not fuse_x_quantization(group, 2048, 768, True, 8, 128)  # 1x128 groups keep their launch
 
 
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])

@@ -550,8 +550,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         if qx:  # per-token codes: GEMM1 may quantize x itself (kernels.py FUSE_XQ)
             from fusedmoe.backends.triton.quant import fuse_x_quantization
 
-            rows = min(problem.num_slots, problem.num_local_experts) * (2 if problem.gated else 1) * problem.inter
-            if fuse_x_quantization(scheme.activation, problem.hidden, rows):
+            p = problem
+            if fuse_x_quantization(scheme.activation, p.hidden, p.inter, p.gated, p.num_slots, p.num_local_experts):
                 qx, split = "", f" (quantizes x){split}"
         return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + gemm2{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),

@@ -363,19 +363,20 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
-    rows = (2 if is_gated(activation) else 1) * inter
-    if fuse_x_quantization(scheme.activation, x_TH.shape[1], min(topk_ids_TK.numel(), num_local) * rows):
+    if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
+                           num_local):
         return QuantLaunch(L, scheme, num_local, x_TH, None, x_fused=True)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)
 
 
-def fuse_x_quantization(key: QuantKey, hidden: int, gemm1_rows: int) -> bool:
+def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num_slots: int,
+                        num_local: int) -> bool:
     """Whether the direct path's GEMM1 quantizes x itself (kernels.py FUSE_XQ) instead of a launch
     before it: dynamic per-token codes (int8 / fp8 W8A8 per channel) of rows up to FUSE_XQ_MAX_H
     wide (each program holds its token's row in registers once, for the amax), where GEMM1 reads
-    at most FUSE_XQ_MAX_WEIGHTS weights (`gemm1_rows` of w13 at most, its experts' [2I] rows, times H).
+    at most FUSE_XQ_MAX_WEIGHTS weights (the w13 of min(slots, local experts) experts).
 
     H200, whole call, FUSE_XQ_MAX_H 0 against 8192, two alternating rounds
     (benchmarks/results/2026-11-24_h200_d924b36_fuse_xq.txt): int8 and fp8 per channel at M=1
@@ -386,8 +387,8 @@ def fuse_x_quantization(key: QuantKey, hidden: int, gemm1_rows: int) -> bool:
     launch; re-tuned fused, no tile was 3% faster. fp8 1x128 groups the same way (each K step's
     group scale picked from the row's): within 3% at M=1 but DeepSeek-V3 M=4 +11%, so those keep
     the quantization launch."""
-    return (key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H
-            and gemm1_rows * hidden <= FUSE_XQ_MAX_WEIGHTS)
+    weights = min(num_slots, num_local) * (2 if gated else 1) * inter * hidden
+    return key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H and weights <= FUSE_XQ_MAX_WEIGHTS
 
 
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:

@@ -1,7 +1,8 @@
 """fusedmoe against vLLM's Triton fused-MoE kernel, on this GPU (H100/H200)
 
     python benchmarks/bench_vllm.py --vllm-src DIR [--presets a,b] [--tokens 1,4096]
-                                    [--quant fp8_w8a8_block|fp8_w8a8_channel|int8_w8a8] [--json out.json]
+                                    [--quant fp8_w8a8_block|fp8_w8a8_channel|int8_w8a8] [--split]
+                                    [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/bench_vllm.py --vllm-src DIR --smoke   # harness check, CPU
 
 DIR holds vLLM's `vllm/model_executor/layers/fused_moe/` (its `fused_moe.py` and `configs/`), e.g.
@@ -255,7 +256,8 @@ class Cell:
             self.aq, self.as_ = quantize_tokens(self.inter_act, codes)
         self.vllm = vllm
 
-    def vllm_calls(self):
+    def vllm_calls(self, which: str = "both"):
+        """vLLM's GEMM launches per weight copy: "both", or "gemm1" / "gemm2" alone (--split)."""
         K = self.preset.top_k
         on_input = self.preset.apply_router_weight_on_input
         quant = self.quant is not None
@@ -265,10 +267,14 @@ class Cell:
         def run(c):
             a1 = self.xq if quant else self.x
             a2 = self.aq if quant else self.inter_act
-            vllm_gemm(self.vllm, a1, c["w13"], self.cache1, self.topk_w, self.assignment, on_input, K, self.config,
-                      bias=c["b13"], a_scale=self.xs if quant else None, b_scale=c.get("s13"), **flags)
-            vllm_gemm(self.vllm, a2, c["w2"], self.cache3, self.topk_w, self.assignment, not on_input, 1, self.config,
-                      bias=c["b2"], a_scale=self.as_ if quant else None, b_scale=c.get("s2"), **flags)
+            if which != "gemm2":
+                vllm_gemm(self.vllm, a1, c["w13"], self.cache1, self.topk_w, self.assignment, on_input, K,
+                          self.config, bias=c["b13"], a_scale=self.xs if quant else None, b_scale=c.get("s13"),
+                          **flags)
+            if which != "gemm1":
+                vllm_gemm(self.vllm, a2, c["w2"], self.cache3, self.topk_w, self.assignment, not on_input, 1,
+                          self.config, bias=c["b2"], a_scale=self.as_ if quant else None, b_scale=c.get("s2"),
+                          **flags)
             return self.cache3
 
         return [lambda c=c: run(c) for c in self.copies]
@@ -282,8 +288,9 @@ class Cell:
                                                   apply_router_weight_on_input=p.apply_router_weight_on_input)
                 for c in self.copies]
 
-    def fusedmoe_gemm_calls(self):
-        """Our GEMM launches alone on the library's plan (see the module docstring)."""
+    def fusedmoe_gemm_calls(self, which: str = "both"):
+        """Our GEMM launches alone on the library's plan (see the module docstring): "both", or
+        "gemm1" / "gemm2" alone (--split; W8A8 GEMM1 with the intermediate's quantization)."""
         from fusedmoe.activations import is_gated
         from fusedmoe.backends.triton.experts import GemmProblem, choose_plan
         from fusedmoe.quant.scheme import get_scheme
@@ -299,7 +306,8 @@ class Cell:
         gemm1, gemm2 = make(scheme, weights, self.x, self.topk_w, self.ids, p.num_experts, self.inter,
                             p.activation, t1)[:2]
         self.plan = ("direct" if direct else "aligned", t1, t2)
-        return [lambda i=i: (gemm1(i, t1), gemm2(i, t2)) for i in range(len(self.copies))]
+        return [lambda i=i: (which != "gemm2" and gemm1(i, t1), which != "gemm1" and gemm2(i, t2))
+                for i in range(len(self.copies))]
 
     def check_vllm(self) -> float:
         """Largest relative error of vLLM's GEMM1 and GEMM2 outputs (copy 0) against float32 torch
@@ -351,8 +359,9 @@ def smoke(vllm_src: Path) -> None:
         if cell.assignment[0] is not None:
             cell.assignment = vllm_align(cell.ids, 16, experts)
         err = cell.check_vllm()
-        for call in cell.fusedmoe_gemm_calls():  # our GEMMs alone launch on the library's plan
-            call()
+        for which in ("both", "gemm1", "gemm2"):  # our GEMMs alone launch on the library's plan (--split too)
+            for call in cell.fusedmoe_gemm_calls(which) + cell.vllm_calls(which):
+                call()
         print(f"smoke M={tokens} E={experts} {quant or 'fp32'}{' bias' if bias else ''} "
               f"{'naive' if cell.assignment[0] is None else 'aligned'}: vLLM GEMMs rel err {err:.2e}; "
               f"fusedmoe GEMMs ran ({cell.plan[0]})")
@@ -368,6 +377,8 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes under TRITON_INTERPRET=1")
+    parser.add_argument("--split", action="store_true",
+                        help="also time each GEMM apart, vLLM's and ours (a line per cell; JSON: *_gemm1_us, *_gemm2_us)")
     args = parser.parse_args()
     if args.smoke or os.environ.get("TRITON_INTERPRET") == "1":
         smoke(args.vllm_src)
@@ -403,6 +414,10 @@ def main() -> None:
             row["fusedmoe_us"] = time_rotated(cell.fusedmoe_calls()) * 1e6
             row["fusedmoe_gemms_us"] = time_rotated(cell.fusedmoe_gemm_calls()) * 1e6
             row["fusedmoe_plan"] = [cell.plan[0], cell.plan[1].as_list(), cell.plan[2].as_list()]
+            if args.split and "vllm_gemms_us" in row:
+                for which in ("gemm1", "gemm2"):
+                    row[f"vllm_{which}_us"] = time_rotated(cell.vllm_calls(which)) * 1e6
+                    row[f"fusedmoe_{which}_us"] = time_rotated(cell.fusedmoe_gemm_calls(which)) * 1e6
             for side in ("fusedmoe", "vllm_gemms", "fusedmoe_gemms"):
                 if f"{side}_us" in row:
                     row[f"{side}_pct_roofline"] = 100 * t_roof / (row[f"{side}_us"] * 1e-6)
@@ -413,6 +428,10 @@ def main() -> None:
                       f"{row['vllm_gemms_us']:>15.1f}{row['vllm_gemms_pct_roofline']:>7.1f}{row['speedup']:>8.2f}x"
                       f"{row['fusedmoe_gemms_us']:>13.1f}{row['gemm_speedup']:>8.2f}x"
                       f"{row['vllm_rel_err']:>10.1e}  {cell.config_source}", flush=True)
+                if args.split:
+                    print(f"{'':<24}split, us: vLLM gemm1 {row['vllm_gemm1_us']:.1f} gemm2 {row['vllm_gemm2_us']:.1f}"
+                          f" | ours ({cell.plan[0]}) gemm1 {row['fusedmoe_gemm1_us']:.1f}"
+                          f" gemm2 {row['fusedmoe_gemm2_us']:.1f}", flush=True)
             else:
                 print(f"{name:<18}{tokens:>6}{row['fusedmoe_us']:>13.1f}  vLLM failed: {row['vllm_error']}", flush=True)
             rows.append(row)

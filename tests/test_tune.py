@@ -197,6 +197,43 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
         assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1
 
 
+def test_tune_shape_counts_x_quantization_on_both_paths(monkeypatch):
+    """W8A8 per token: x's quantization launch is part of the aligned path's overhead ("align"
+    runs it) and of the direct path's total when its GEMM1 does not quantize x itself; timed once
+    for the direct path, never where GEMM1 fuses it."""
+    from fusedmoe.backends.triton import quant as tq
+    from fusedmoe.backends.triton.quant import quantize_activation
+    from fusedmoe.tune import tune_shape
+
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2, device=cpu,
+                 quant="int8_w8a8")
+    flat = lambda us: lambda tile: us  # noqa: E731
+    calls = []
+    monkeypatch.setattr(tq, "quantize_activation", lambda *a, **k: calls.append(1) or quantize_activation(*a, **k))
+    # direct GEMMs 40 + 40 against aligned 38 + 38 + align 5: the rule's direct path wins with x fused
+    base = {"gemm1": flat(38.0), "gemm2": flat(38.0), "direct gemm1": flat(40.0), "direct gemm2": flat(40.0),
+            "align": flat(5.0), "quantize x": flat(6.0)}
+    seen = []
+    assert tune_shape(**shape, timer=_model_timer(base, seen)) == []
+    assert not any(kind == "quantize x" for kind, _ in seen)  # fused into GEMM1
+    # x's own launch (6 us) on the direct path: aligned (81) now beats direct (86): an aligned entry
+    monkeypatch.setattr(tq, "FUSE_XQ_MAX_H", 0)
+    seen, quantizes = [], {}
+
+    def timer(kind, tile, fn):  # which timed launches quantize x
+        before = len(calls)
+        fn(1)
+        quantizes[kind] = quantizes.get(kind, False) or len(calls) > before
+        seen.append((kind, tile))
+        return base[kind](tile)
+
+    [entry] = tune_shape(**shape, timer=timer)
+    assert [kind for kind, _ in seen].count("quantize x") == 1
+    assert (entry["path"], entry["us"], entry["heuristic_us"]) == ("aligned", 81.0, 86.0)
+    assert quantizes["align"] and quantizes["quantize x"] and not quantizes["gemm1"]
+
+
 def test_tune_shape_measures_against_the_tables_plan(monkeypatch):
     """The plan the library runs today (a tuned entry; `experts.choose_plan`) is timed too: a
     search result no better than it is not written; a better one records its time (table_us)."""

@@ -11,11 +11,11 @@ faster path's entry is written, naming its path, only when it beats what runs wi
 a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
-its predicate accepts, and the entries carry the scheme (W8A8's direct path with its
-quantizers: x per 1x128 group before GEMM1, untimed, per token inside it (quant.fuse_x_quantization);
-the intermediate in GEMM1's timing). W8A8 with fp8
-activations also descends over kernels.py's SWAP_AB, both ways per GEMM; a tile that sets it
-writes it as its list's 7th value (`TileConfig.as_list`).
+its predicate accepts, and the entries carry the scheme (W8A8's paths with their quantizers:
+x's launch per token / 1x128 group timed once and added to each path that runs it, the direct
+GEMM1 quantizing x itself where quant.fuse_x_quantization says so; the intermediate's in GEMM1's
+timing). W8A8 with fp8 activations also descends over kernels.py's SWAP_AB, both ways per GEMM;
+a tile that sets it writes it as its list's 7th value (`TileConfig.as_list`).
 """
 
 from __future__ import annotations
@@ -144,8 +144,10 @@ def tune_shape(
     128 x 64 x 128 in 3 stages compiles to 140 registers a thread instead of 119 and runs 2250 us
     against 1779 without biases), so a tile timed without them can lose with them.
     An entry's `us` is its path's launches without routing: for the aligned path the alignment
-    and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), so the two
-    paths compare as the layer runs them. An entry is written when it beats by 3% both the rule's
+    and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), and W8A8's
+    launch quantizing x per token / group on either path (the direct GEMM1 may do it itself,
+    `quant.fuse_x_quantization`: then it is in GEMM1's time), so the two paths compare as the
+    layer runs them. An entry is written when it beats by 3% both the rule's
     plan on heuristic tiles (`heuristic_us`) and the plan the tables give this shape now
     (`table_us`, timed where an entry serves it).
     """
@@ -159,6 +161,7 @@ def tune_shape(
         direct_scheme_reason,
         tma_planned,
     )
+    from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
@@ -192,10 +195,15 @@ def tune_shape(
             return (lambda tile: timer("gemm1", tile, lambda i: gemm1(i, tile)),
                     lambda tile: timer("gemm2", tile, lambda i: gemm2(i, tile)))
 
-        def align_us(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids, h1=h1) -> float:
-            # the aligned path's own launches (alignment, top-k sum), which the direct path does
-            # without: part of every aligned total, or the path comparison favours aligned
-            run = _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m)
+        # x's quantization where it is its own launch (W8A8 per token / group): a cost of the
+        # aligned path, and of the direct one unless its GEMM1 quantizes x itself (timed inside
+        # it then), so the two paths compare as the layer runs them
+        xq = _x_quantization(scheme, x)
+
+        def align_us(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids, h1=h1, xq=xq) -> float:
+            # the aligned path's own launches (alignment, x's codes, top-k sum), which the direct
+            # path does without: part of every aligned total, or the path comparison favours aligned
+            run = _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m, xq)
             return timer("align", dataclasses.replace(h1, block_m=block_m), run)
 
         heuristic_timers = timers(h1)
@@ -227,12 +235,16 @@ def tune_shape(
                          key=lambda r: r[1])
             b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap) for t in starts2), key=lambda r: r[1])
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
+        direct_xq_us = 0.0
         if direct_reason(problem) is None and direct_scheme_reason(scheme) is None \
                 and problem.num_slots <= DIRECT_MAX_SLOTS:
             if progress:
                 progress(f"{label} M={tokens} direct")
+            if xq is not None and not fuse_x_quantization(scheme.activation, hidden, inter, gated,
+                                                          problem.num_slots, experts):
+                direct_xq_us = timer("quantize x", h1, xq)
             heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
-                                                activation, timer)
+                                                activation, timer, direct_xq_us)
             if direct_auto(problem, sms):
                 default = ("direct", heuristic_us)
             found.append(best)
@@ -242,7 +254,7 @@ def tune_shape(
         # the plan the library runs today (a tuned entry, when one serves this shape) is the bar
         # too: an entry no better than the table's is not written again
         table_us = _table_plan_us(problem, scheme, device, sms, default[0], (h1, h2), timers, align_us,
-                                  weights, x, topk_w, topk_ids, activation, timer)
+                                  weights, x, topk_w, topk_ids, activation, timer, direct_xq_us)
         if best[0] > 0.97 * min(default[1], table_us or default[1]):
             continue
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
@@ -259,7 +271,7 @@ def tune_shape(
 
 
 def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic, timers, align_us,
-                   weights, x, topk_w, topk_ids, activation, timer) -> float | None:
+                   weights, x, topk_w, topk_ids, activation, timer, direct_xq_us: float = 0.0) -> float | None:
     """us of the plan `experts.choose_plan` runs for this shape (path and tiles, the tuned tables'
     entry where one serves it), timed as the search times its candidates; None when that plan is
     the rule's heuristic one (timed already as the default)."""
@@ -272,7 +284,8 @@ def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic
     if direct:
         gemm1, gemm2, _, _ = _direct_gemms(scheme, weights, x, topk_w, topk_ids, problem.num_local_experts,
                                            problem.inter, activation, t1)
-        return timer("direct gemm1", t1, lambda i: gemm1(i, t1)) + timer("direct gemm2", t2, lambda i: gemm2(i, t2))
+        return (timer("direct gemm1", t1, lambda i: gemm1(i, t1)) + timer("direct gemm2", t2, lambda i: gemm2(i, t2))
+                + direct_xq_us)
     time1, time2 = timers(t1)
     return time1(t1) + time2(t2) + align_us(t1.block_m)
 
@@ -334,9 +347,11 @@ def _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fil
     return gemm1, lambda i, tile: launch_gemm2(launch, weights[i][1], weights[i][4], tile, args2[i]), launch
 
 
-def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m) -> Callable[[int], None]:
-    """fn(i) running the aligned path's launches other than its GEMMs: the alignment at block_m
-    and the top-k sum (the same for every weight copy i)."""
+def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m,
+                      xq: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    """fn(i) running the aligned path's launches other than its GEMMs: the alignment at block_m,
+    x's quantization (xq, where it is its own launch) and the top-k sum (the same for every
+    weight copy i)."""
     from fusedmoe.backends.triton.experts import launch_reduce, prepare_launch
 
     out = torch.empty_like(x)
@@ -344,9 +359,23 @@ def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m) 
     def run(i: int) -> None:
         launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
                                 1.702, None, block_m)
+        if xq is not None:
+            xq(i)
         launch_reduce(launch, out)
 
     return run
+
+
+def _x_quantization(scheme, x) -> Callable[[int], None] | None:
+    """fn(i) quantizing x as the W8A8 layer does before GEMM1 (per token / 1x128 group,
+    quant.quantize_activation); None where the GEMMs take x as it is (unquantized, weight-only)
+    or its codes are made per aligned row inside the timed GEMM launches' setup (per-tensor,
+    which has no direct path to compare with)."""
+    if scheme is None or scheme.weight_only or scheme.activation.granularity == "tensor":
+        return None
+    from fusedmoe.backends.triton.quant import quantize_activation
+
+    return lambda i: quantize_activation(x, scheme.activation)
 
 
 def _swappable(scheme) -> bool:
@@ -367,10 +396,11 @@ def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) 
 
 
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
-                   timer: Timer) -> tuple[float, tuple]:
+                   timer: Timer, xq_us: float = 0.0) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
     each GEMM descends from the heuristic's tile over the pairs `tiles.check_plan` accepts as
-    direct (GEMM2's split_k: slot shares, at most top_k)."""
+    direct (GEMM2's split_k: slot shares, at most top_k). xq_us: x's quantization launch, added
+    to both totals."""
     from fusedmoe.backends.triton.experts import direct_heuristic
     from fusedmoe.backends.triton.tiles import tile_mode
 
@@ -399,15 +429,16 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
                       allow_swap=swap)
     b2, u2 = _descend(time2, d2, ok2, allow_split=True, allow_swap=swap)
-    return us1 + us2, (u1 + u2, "direct", b1, b2)
+    return us1 + us2 + xq_us, (u1 + u2 + xq_us, "direct", b1, b2)
 
 
 def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill: TileConfig):
     """(gemm1(i, tile), gemm2(i, tile), the Launch, out) of the direct path on weight copy i.
     GEMM1 runs once with `fill` on copy 0 to make the intermediate GEMM2 reads; timed GEMM1 calls
     write their own. GEMM2 writes `out` [T, H] (with the top-k sum; its slot shares add the
-    combine launch). W8A8: x quantized once, untimed, or by GEMM1 itself (per token,
-    quant.fuse_x_quantization); GEMM1 includes the intermediate's quantization."""
+    combine launch). W8A8: x quantized once here (its launch is timed apart, `_x_quantization`),
+    or by GEMM1 itself (per token, quant.fuse_x_quantization); GEMM1 includes the intermediate's
+    quantization."""
     from fusedmoe.backends.triton.experts import (
         launch_gemm1,
         launch_gemm2_direct,

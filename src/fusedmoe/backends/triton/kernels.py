@@ -189,12 +189,8 @@ def _per_row(v, SWAP: tl.constexpr):
 
 @triton.jit
 def _per_col(v, SWAP: tl.constexpr):
-    """A vector over the N columns, shaped as _per_row."""
-    if SWAP:  # noqa: SIM108 (constexpr branch)
-        c = v[:, None]
-    else:
-        c = v[None, :]
-    return c
+    """A vector over the N columns, shaped as _per_row: a row vector's shape with SWAP flipped."""
+    return _per_row(v, not SWAP)
 
 
 @triton.jit

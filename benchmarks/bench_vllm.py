@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe.activations import is_gated
+from fusedmoe.backends.triton.quant import quantize_activation_ref
 from fusedmoe.bench import (
     measure_ceilings,
     quant_operand,
@@ -54,14 +56,7 @@ from fusedmoe.bench import (
     roofline,
     time_rotated,
 )
-from fusedmoe.quant.formats import (
-    FP8_MAX,
-    INT_RANGE,
-    absmax_scale,
-    fp8_quantize,
-    group_view,
-    int_quantize,
-)
+from fusedmoe.quant.scheme import get_scheme
 
 KERNEL_FILE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
 CONFIG_DIR = "vllm/model_executor/layers/fused_moe/configs"
@@ -173,25 +168,6 @@ def vllm_gemm(vllm, a, b, c, topk_weights, assignment, mul_routed, top_k, config
     )
 
 
-def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group (1 x group) e4m3 codes and float32 scales, vLLM's A operand for fp8 block
-    (the library's absmax scale and saturating fp8 rounding, `quant.formats`)."""
-    g = group_view(x.float(), group)
-    scale = absmax_scale(g.abs().amax(-1), FP8_MAX)
-    return fp8_quantize(g, scale[..., None]).flatten(-2), scale
-
-
-def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric codes (e4m3 or int8) and float32 scales [M, 1], vLLM's A operand for
-    per-channel W8A8."""
-    amax = x.float().abs().amax(-1, keepdim=True)
-    if dtype == torch.int8:
-        scale = absmax_scale(amax, INT_RANGE[8][1])
-        return int_quantize(x, scale, 8), scale
-    scale = absmax_scale(amax, FP8_MAX)
-    return fp8_quantize(x, scale), scale
-
-
 def dequant_block(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """[E, N, K] fp8 codes times their [E, N/bn, K/bk] block scales, in float32."""
     s = scale.repeat_interleave(block[0], 1)[:, : q.shape[1]].repeat_interleave(block[1], 2)[:, :, : q.shape[2]]
@@ -242,18 +218,16 @@ class Cell:
             self.assignment = (None, self.assignment[1],
                                torch.full((1,), self.ids.numel() * self.config["BLOCK_SIZE_M"], dtype=torch.int32,
                                           device=device))
-        g = 2 * inter if preset.activation not in ("relu2_no_mul", "gelu_no_mul", "silu_no_mul") else inter
+        g = 2 * inter if is_gated(preset.activation) else inter
         self.cache1 = torch.empty(tokens, K, g, device=device, dtype=dtype)
         self.cache3 = torch.empty(tokens, K, H, device=device, dtype=dtype)
         # GEMM2's input: any finite intermediate of the right shape (the timing does not depend on it)
         self.inter_act = torch.randn(tokens * K, inter, device=device, generator=gen).to(dtype)
-        if self.block:
-            self.xq, self.xs = quantize_groups(self.x)
-            self.aq, self.as_ = quantize_groups(self.inter_act)
-        elif quant:  # per-channel weights, per-token activations
-            codes = torch.int8 if self.int8 else torch.float8_e4m3fn
-            self.xq, self.xs = quantize_tokens(self.x, codes)
-            self.aq, self.as_ = quantize_tokens(self.inter_act, codes)
+        if quant:  # vLLM's A operands: the scheme's activation codes (1x128 groups, or per token
+            # with scales [M, 1]) as the library makes them, in torch
+            key = get_scheme(quant).activation
+            self.xq, self.xs = quantize_activation_ref(self.x, key)
+            self.aq, self.as_ = quantize_activation_ref(self.inter_act, key)
         self.vllm = vllm
 
     def vllm_calls(self, which: str = "both"):
@@ -291,9 +265,7 @@ class Cell:
     def fusedmoe_gemm_calls(self, which: str = "both"):
         """Our GEMM launches alone on the library's plan (see the module docstring): "both", or
         "gemm1" / "gemm2" alone (--split; W8A8 GEMM1 with the intermediate's quantization)."""
-        from fusedmoe.activations import is_gated
         from fusedmoe.backends.triton.experts import GemmProblem, choose_plan
-        from fusedmoe.quant.scheme import get_scheme
         from fusedmoe.tune import _direct_gemms, _gemms
 
         p, K = self.preset, self.preset.top_k

@@ -332,7 +332,11 @@ class QuantLaunch:
     a_amax: torch.Tensor | None = None  # (tensor, dynamic) [L]: filled by the kernel finishing a
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
-    x_fused: bool = False  # the direct GEMM1 quantizes x itself (kernels.py FUSE_XQ)
+
+    @property
+    def x_fused(self) -> bool:
+        """The direct GEMM1 quantizes x itself (kernels.py FUSE_XQ): no codes were made for it."""
+        return self.x_scales is None
 
 
 def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -365,7 +369,7 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
                               a_dtype=torch.float32, prescaled=True)
     if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
                            num_local):
-        return QuantLaunch(L, scheme, num_local, x_TH, None, x_fused=True)
+        return QuantLaunch(L, scheme, num_local, x_TH, None)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales)

@@ -89,6 +89,16 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert re.search(r"M=1 +aligned: align \+ amax x \+ quantize x \+ gemm1 .*\+ quantize a \+ gemm2 \+ reduce", out)
     assert "why: fp8_w8a8_tensor quantizes with one scale per expert" in out
+    assert "fp8 accumulator: chained: one accumulator across K" in out  # per-tensor / channel fp8 only
+    with monkeypatch.context() as m:
+        m.setenv("FUSEDMOE_FP8_ACCUMULATE", "promoted")
+        main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_channel",
+              "--tokens", "1,64", "--json"])
+        plans = json.loads(capsys.readouterr().out)["triton_plan"]
+        assert [p["fp8_accumulate"].split(":")[0] for p in plans] == ["promoted", "promoted"]
+    for quant in ("fp8_w8a8_block", "int8_w8a8"):
+        main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", quant, "--tokens", "1"])
+        assert "fp8 accumulator" not in capsys.readouterr().out
     monkeypatch.setenv("FUSEDMOE_TRITON_DIRECT", "0")
     main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1"])
     assert "why: FUSEDMOE_TRITON_DIRECT=0" in capsys.readouterr().out

@@ -336,6 +336,55 @@ def test_fuse_x_quantization_rule():
     assert not fuse_x_quantization(group, 2048, 768, True, 8, 128)  # 1x128 groups keep their launch
 
 
+FP8_ACC_SCHEMES = ["fp8_w8a8_channel", "fp8_w8a8_tensor", "fp8_w8a8_block", "int8_w8a8"]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+@pytest.mark.parametrize("scheme", FP8_ACC_SCHEMES)
+def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
+    """FUSEDMOE_FP8_ACCUMULATE: chained (unset) or promoted fp8 accumulation reaches every W8A8
+    GEMM launch as FP8_PROMOTE for per-tensor / per-channel fp8 only (block scales promote
+    anyway, int8 sums exactly), and both compile and match emulation (the interpreter's dot is
+    exact either way; the difference is Hopper's, measured in quant.fp8_promoted)."""
+    from fusedmoe.backends.triton import kernels
+
+    if direct and scheme == "fp8_w8a8_tensor":
+        pytest.skip("per-tensor W8A8 has no direct path")
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw.get("FP8_PROMOTE"))
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    names = ["moe_gemm1_kernel", "moe_gemm2_direct_kernel" if direct else "moe_gemm2_kernel"]
+    for name in names:
+        monkeypatch.setattr(kernels, name, Spy(getattr(kernels, name)))
+    case = Case("acc", T=3, H=200, I=96, bias=True)
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    promotes = scheme in ("fp8_w8a8_channel", "fp8_w8a8_tensor")
+    for mode, want in ((None, False), ("chained", False), ("promoted", promotes)):
+        seen.clear()
+        with knobs.override(FP8_ACCUMULATE=mode):
+            out = run(config, x, w, weights, ids, expert_map, direct=direct)
+        assert seen == [want, want], (mode, seen)
+        assert rel_err(out, emulated) < TOL[torch.float32]
+
+
+def test_fp8_accumulate_knob(monkeypatch):
+    monkeypatch.setenv("FUSEDMOE_FP8_ACCUMULATE", "Promoted")
+    assert knobs.get("FP8_ACCUMULATE") == "promoted"
+    monkeypatch.setenv("FUSEDMOE_FP8_ACCUMULATE", "fast")
+    with pytest.raises(ValueError, match="FUSEDMOE_FP8_ACCUMULATE='fast'.*chained"):
+        knobs.get("FP8_ACCUMULATE")
+
+
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])
 def test_w8a8_direct_decode_fp16(scheme):
     config, x, w, weights, ids, expert_map = problem(Case("d-fp16", T=2, bias=True), scheme, torch.float16)

@@ -281,6 +281,8 @@ def format_plans(plans: list[dict] | dict) -> str:
             gemms.append(f"{name} {g['tile']} ({g['source']}{tma}{swap})")
         lines.append(f"  M={p['tokens']:<6d} {p['path']}: {p['launches']}; {'; '.join(gemms)}")
         lines.append(f"           why: {p['why']}")
+        if p.get("fp8_accumulate"):
+            lines.append(f"           fp8 accumulator: {p['fp8_accumulate']}")
     return "\n".join(lines)
 
 

@@ -101,6 +101,11 @@ KNOBS: dict[str, Knob] = {
              "64+ row side, so Hopper's wgmma takes fp8 codes): unset/1 = fp8 block-scaled GEMMs of "
              "the aligned path with N tiles >= 64 on sm90, 0 = never, force = every W8A8 launch on any "
              "device (the interpreter tests)."),
+        Knob("FP8_ACCUMULATE", _choice("chained", "promoted"), None,
+             "fp8 W8A8 GEMMs with per-tensor / per-channel weight scales (Triton): unset/chained = one "
+             "accumulator across K (Hopper's fp8 MMA keeps ~14 bits in it; vLLM's choice), promoted = "
+             "each K step's product added in fp32 (closer to emulation, slower at large M). Block "
+             "scales always promote (their scale changes along K)."),
         Knob("SHARED_OVERLAP", _tristate, None,
              "Shared experts on a CUDA side stream while the routed experts (dispatch, experts, "
              "combine) run: unset/1 = on, 0 = in sequence after them (`fusedmoe bench --ep N "

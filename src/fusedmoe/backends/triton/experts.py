@@ -505,8 +505,9 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
 
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
-    {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB)} for
-    `fusedmoe explain --tokens`.
+    {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB)}, and
+    fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_promoted),
+    for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import lookup
@@ -537,10 +538,16 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     split = " + act" if t1.split_k > 1 else ""
     qx = qa = ""
     swap1 = swap2 = False
+    extra = {}
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
-        from fusedmoe.backends.triton.quant import swap_ab
+        from fusedmoe.backends.triton.quant import fp8_promoted, swap_ab
 
         swap1, swap2 = (swap_ab(t, scheme.activation, device, direct=is_direct) for t in (t1, t2))
+        if scheme.weight.dtype == "fp8" and scheme.weight.granularity != "block":
+            extra["fp8_accumulate"] = (
+                "promoted: each K step's product added in fp32 (FUSEDMOE_FP8_ACCUMULATE=promoted)"
+                if fp8_promoted(scheme) else
+                "chained: one accumulator across K (FUSEDMOE_FP8_ACCUMULATE=promoted adds each K step in fp32)")
         tensor = scheme.weight.granularity == "tensor"
         qx = "amax x + quantize x + " if tensor and scheme.activation.dynamic else "quantize x + "
         fused = scheme.weight.granularity == "block" and t1.block_n == 128 and t1.split_k == 1
@@ -555,7 +562,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
                 qx, split = "", f" (quantizes x){split}"
         return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + gemm2{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),
-                    gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2))
+                    gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2), **extra)
     tma1 = tma2 = None
     if scheme is None:
         tma1, tma2 = tma_planned(problem, device)
@@ -563,7 +570,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=src1, tma=tma1, swap_ab=swap1),
-                gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2))
+                gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2), **extra)
 
 
 # TMA descriptors ------------------------------------------------------------------------------

@@ -123,13 +123,16 @@ def _activation(g, u, alpha, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, b, acc, IEEE: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     if IEEE:  # fp32 inputs: exact fp32 products, not TF32
         acc = tl.dot(a, b, acc, input_precision="ieee")
-    elif a.dtype.is_fp8():
-        # Hopper's fp8 MMA accumulates in reduced precision unless promoted: add each BLOCK_K
-        # product into the fp32 accumulator (as DeepGEMM does every 128). Mixtral-like fp8 at
-        # M=512 was 1.3-1.6% off emulation with one running accumulator.
+    elif FP8_PROMOTE and a.dtype.is_fp8():
+        # Hopper's fp8 MMA accumulates in reduced precision (~14 bits kept, DeepSeek-V3 report):
+        # promoted, each BLOCK_K product is added into the fp32 accumulator (DeepGEMM does every
+        # 128), at the price of a wait on every step's wgmma. Chained (the default, below; vLLM's
+        # and torch._scaled_mm(use_fast_accum=True)'s choice) is 1.1-1.5% off emulation on the
+        # presets' full shapes but no further from the exact reference (4.63% -> 4.65% at
+        # Mixtral, where the fp8 activations themselves cost 4.6%): quant.fp8_promoted.
         acc += tl.dot(a, b, out_dtype=tl.float32)
     else:  # out_dtype follows the accumulator: int32 for int8 operands (Triton 3.6 needs it named)
         acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
@@ -168,12 +171,12 @@ def _mma(a, w, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
+def _dot_acc(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     """_dot(a, w, acc), with acc the transposed accumulator when SWAP."""
     if SWAP:  # noqa: SIM108 (constexpr branch)
-        acc = _dot(tl.trans(w), tl.trans(a), acc, IEEE)
+        acc = _dot(tl.trans(w), tl.trans(a), acc, IEEE, FP8_PROMOTE)
     else:
-        acc = _dot(a, w, acc, IEEE)
+        acc = _dot(a, w, acc, IEEE, FP8_PROMOTE)
     return acc
 
 
@@ -498,6 +501,7 @@ def moe_gemm1_kernel(
     ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
     DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
+    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
     # FUSE_XQ (DIRECT W8A8 with per-token activation codes, Q_CHANNEL): x_ptr is the float x,
     # quantized here as quantize_rows_kernel does (the same codes and scale): the slot's token
     # row, XQ_WIDTH >= H wide, is read once for its amax, then each K step's codes are made from
@@ -572,12 +576,12 @@ def moe_gemm1_kernel(
             w_off = (j0 + offs_j)[:, None] * stride_wh
             lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
                                BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, PTX_DECODE)
-            acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE), IEEE)
+            acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE, False), IEEE, False)
             if GATED:
                 lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
                                    k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty,
                                    PTX_DECODE)
-                acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE), IEEE)
+                acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE, False), IEEE, False)
         else:
             k_ok = offs_k < k_end - k0
             if FUSE_XQ:
@@ -599,7 +603,7 @@ def moe_gemm1_kernel(
                 sg = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
                 acc_g += _mma(xa, wg, SWAP_AB) * _per_row(sx * sg, SWAP_AB)
             else:
-                acc_g = _dot_acc(xa, wg, acc_g, IEEE, SWAP_AB)
+                acc_g = _dot_acc(xa, wg, acc_g, IEEE, SWAP_AB, FP8_PROMOTE)
             if GATED:
                 if W_DESC:
                     wu = w13_ptr.load([w_row + inter, k0]).T
@@ -617,7 +621,7 @@ def moe_gemm1_kernel(
                                      mask=n_ok, other=0.0)
                         acc_u += _mma(xa, wu, SWAP_AB) * (_per_row(sx, SWAP_AB) * _per_col(su.to(tl.float32), SWAP_AB))
                 else:
-                    acc_u = _dot_acc(xa, wu, acc_u, IEEE, SWAP_AB)
+                    acc_u = _dot_acc(xa, wu, acc_u, IEEE, SWAP_AB, FP8_PROMOTE)
             x_ptrs += BLOCK_K * stride_xh
             if not W_DESC:
                 wg_ptrs += BLOCK_K * stride_wh
@@ -745,6 +749,7 @@ def moe_gemm2_kernel(
     PDL: tl.constexpr = False,
     A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
+    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
 
@@ -790,7 +795,7 @@ def moe_gemm2_kernel(
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty,
                                PTX_DECODE)
-            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
+            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE, False), IEEE, False)
         else:
             k_ok = offs_k < inter - k0
             if A_DESC:
@@ -809,7 +814,7 @@ def moe_gemm2_kernel(
                 sw = tl.load(ws_base + (pid_n * BLOCK_N // 128) * stride_ws1 + kb * stride_ws2).to(tl.float32)
                 acc += _mma(aa, ww, SWAP_AB) * _per_row(sa * sw, SWAP_AB)  # one scale block per N tile (as gemm1)
             else:
-                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB)
+                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB, FP8_PROMOTE)
             if not A_DESC:
                 a_ptrs += BLOCK_K * stride_ai
             if not W_DESC:
@@ -858,6 +863,7 @@ def moe_gemm2_direct_kernel(
     # part[t*SPLIT + s]; moe_reduce_kernel (FLAGS=False) adds a token's SPLIT rows in order.
     part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
+    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -936,7 +942,7 @@ def moe_gemm2_direct_kernel(
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_e, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N,
                                a_ptr.dtype.element_ty, PTX_DECODE)
-            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE), IEEE)
+            acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE, False), IEEE, False)
             if W4_FMT == W4_NVFP4:
                 acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)
         else:
@@ -960,7 +966,7 @@ def moe_gemm2_direct_kernel(
                              + kb * stride_ws2).to(tl.float32)
                 acc = _mma(aa, ww, SWAP_AB) * (sa * sw)
             else:
-                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB)
+                acc = _dot_acc(aa, ww, acc, IEEE, SWAP_AB, FP8_PROMOTE)
             if QUANT == Q_W8:
                 acc = acc * tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e,
                                     other=0.0).to(tl.float32)[None, :]

@@ -395,6 +395,25 @@ def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num
     return key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H and weights <= FUSE_XQ_MAX_WEIGHTS
 
 
+def fp8_promoted(scheme: QuantScheme) -> bool:
+    """Whether the W8A8 GEMMs add each K step's fp8 product into the fp32 accumulator
+    (kernels._dot FP8_PROMOTE) instead of chaining one accumulator across K: fp8 codes with
+    per-tensor / per-channel weight scales under FUSEDMOE_FP8_ACCUMULATE=promoted. (Block scales
+    scale each step's product, so those always promote; int8 accumulates exactly in int32.)
+
+    Chained by default. H200, old (promoted) / new (chained), two alternating rounds, fp8
+    per channel on the packaged tiles (benchmarks/results/2026-11-24_h200_7d03635_fp8_chain.txt):
+    Mixtral M=1024 / 4096 -12 / -16%, gpt-oss and Qwen3-30B M=4096 -6%, M=64-1024 elsewhere
+    within 2%; re-tuned chained, Mixtral M=4096 3779 -> 2703 us. The error against the exact
+    reference on dequantized weights moves 4.63% -> 4.65% (Mixtral M=512, 4096) and DeepGEMM's
+    global difference 1.07e-3 -> 1.08e-3; against emulation 0.45% -> 1.5% (0.27% -> 0.27% on
+    gpt-oss)."""
+    from fusedmoe import knobs
+
+    return (scheme.weight.dtype == "fp8" and scheme.weight.granularity != "block"
+            and knobs.get("FP8_ACCUMULATE") == "promoted")
+
+
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
     """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
     `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the tile's swap_ab where a tuned
@@ -471,7 +490,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
-        **swap, **xq,
+        FP8_PROMOTE=fp8_promoted(q.scheme), **swap, **xq,
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax
@@ -493,7 +512,8 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
     tile, swap = _swap_launch(tile, q.scheme.activation, q.L)
     args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran], **swap)
+                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
+                FP8_PROMOTE=fp8_promoted(q.scheme), **swap)
     if out is not None:
         launch_gemm2_direct(q.L, w2, w2_bias, tile, out, args, a=q.a_in)
         return

@@ -251,7 +251,11 @@ def heuristic(
             # bf16-shaped tile (BLOCK_N 128, 4 warps) and Qwen3-30B in 308 us against 686 us.
             block_k, block_n = 128, 64
             num_warps = 8 if block_m >= 128 else 4
-            if not gated and (quant == "block" or codes == "int8"):  # gemm2: the tuners' 64 x 128 x 128
+            # gemm2: the tuners' 64 x 128 x 128. Per-tensor / per-channel fp8 too since its
+            # accumulator is chained (quant.fp8_promoted; 64 wide before): H200, old / new, two
+            # alternating rounds at M=256-2048 (`2026-11-24_h200_7d03635_fp8_chain.txt`): M=1024
+            # -1 to -5% on the fine-grained presets, the rest within 2%
+            if not gated and (quant == "block" or codes in ("int8", "fp8")):
                 block_n = 128
             if block_m >= 128 and codes == "int8":
                 # int8 at 128 rows: 3 stages take two programs per SM (99 KB of shared memory each,

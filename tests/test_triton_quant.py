@@ -322,6 +322,46 @@ def test_direct_gemm1_quantizes_x_bitwise(case, scheme, monkeypatch):
     assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
 
 
+AQ_CASES = XQ_CASES + [  # the direct GEMM2's slot shares (PER > 1, a last share past TOP_K)
+    (Case("a-shares", T=2, K=3, H=100, I=96, bias=True, expert_map=True,
+          tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1, 2))), "int8_w8a8"),
+    (Case("a-odd-i", T=3, I=37, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1, 2))), "fp8_w8a8_channel"),
+]
+
+
+@pytest.mark.parametrize("case,scheme", AQ_CASES, ids=[f"{c.id}-{s}" for c, s in AQ_CASES])
+def test_direct_gemm2_quantizes_a_bitwise(case, scheme, monkeypatch):
+    """The direct GEMM2 that quantizes GEMM1's fp32 intermediate itself (FUSE_AQ, per-token
+    codes: each slot row's scale read once, each K step's codes from its tile) gives the output of
+    the quantization launch between the GEMMs, bitwise (FUSE_AQ_MAX_I = 0); slots mapped away or
+    past TOP_K add nothing (their rows were never written)."""
+    from fusedmoe.backends.triton import quant as tq
+
+    monkeypatch.setattr(tq, "FUSE_AQ_MIN_I", 0)  # the interpreter's small rows
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
+    assert tq.fuse_a_quantization(get_scheme(scheme).activation, case.I)
+    fused = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
+    monkeypatch.setattr(tq, "FUSE_AQ_MAX_I", 0)
+    assert not tq.fuse_a_quantization(get_scheme(scheme).activation, case.I)
+    assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(fused, emulated) < TOL[torch.float32]
+
+
+def test_fuse_a_quantization_rule():
+    """Per-token codes only, intermediate rows from FUSE_AQ_MIN_I to FUSE_AQ_MAX_I (DeepSeek-V3's
+    256 and Mixtral's 14336 keep the launch); 1x128 groups and per-tensor scales keep theirs."""
+    from fusedmoe.backends.triton.quant import fuse_a_quantization
+
+    assert fuse_a_quantization(get_scheme("int8_w8a8").activation, 768)
+    assert fuse_a_quantization(get_scheme("int8_w8a8").activation, 384)  # Qwen3-235B TP4
+    assert fuse_a_quantization(get_scheme("fp8_w8a8_channel").activation, 2880)
+    assert not fuse_a_quantization(get_scheme("int8_w8a8").activation, 256)
+    assert not fuse_a_quantization(get_scheme("int8_w8a8").activation, 14336)
+    assert not fuse_a_quantization(get_scheme("fp8_w8a8_block").activation, 768)
+    assert not fuse_a_quantization(get_scheme("fp8_w8a8_tensor").activation, 768)
+
+
 def test_fuse_x_quantization_rule():
     """Per-token codes only, rows up to FUSE_XQ_MAX_H, GEMM1 reading up to FUSE_XQ_MAX_WEIGHTS
     (the H200's measured split: the fine-grained presets' decode fused, Mixtral's not)."""

@@ -438,7 +438,7 @@ def _direct_gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activati
     write their own. GEMM2 writes `out` [T, H] (with the top-k sum; its slot shares add the
     combine launch). W8A8: x quantized once here (its launch is timed apart, `_x_quantization`),
     or by GEMM1 itself (per token, quant.fuse_x_quantization); GEMM1 includes the intermediate's
-    quantization."""
+    quantization launch, unless GEMM2 quantizes it itself (quant.fuse_a_quantization)."""
     from fusedmoe.backends.triton.experts import (
         launch_gemm1,
         launch_gemm2_direct,

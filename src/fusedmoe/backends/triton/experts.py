@@ -554,13 +554,16 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         qa = "" if fused else " + quantize a"
     if is_direct:
         shares = " + combine" if t2.split_k > 1 else ""
-        if qx:  # per-token codes: GEMM1 may quantize x itself (kernels.py FUSE_XQ)
-            from fusedmoe.backends.triton.quant import fuse_x_quantization
+        gemm2 = "gemm2"
+        if qx:  # per-token codes: GEMM1 may quantize x itself, GEMM2 a (kernels.py FUSE_XQ, FUSE_AQ)
+            from fusedmoe.backends.triton.quant import fuse_a_quantization, fuse_x_quantization
 
             p = problem
             if fuse_x_quantization(scheme.activation, p.hidden, p.inter, p.gated, p.num_slots, p.num_local_experts):
                 qx, split = "", f" (quantizes x){split}"
-        return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + gemm2{shares}",
+            if fuse_a_quantization(scheme.activation, p.inter):
+                qa, gemm2 = "", "gemm2 (quantizes a)"
+        return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + {gemm2}{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),
                     gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2), **extra)
     tma1 = tma2 = None

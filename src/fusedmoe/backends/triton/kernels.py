@@ -864,6 +864,12 @@ def moe_gemm2_direct_kernel(
     part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
     FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
+    # FUSE_AQ (Q_CHANNEL, per-token codes): a_ptr is GEMM1's fp32 a, quantized here as
+    # quantize_rows_kernel does (the same codes and scales): each of the share's slot rows, AQ_WIDTH
+    # >= I wide, is read once for its scale before the K loop, each K step's codes made from its
+    # a tile (AQ_INT: int8 codes, else fp8)
+    FUSE_AQ: tl.constexpr = False, AQ_WIDTH: tl.constexpr = 128, AQ_INT: tl.constexpr = False,
+    SOFT_FP8: tl.constexpr = False,
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -876,6 +882,7 @@ def moe_gemm2_direct_kernel(
     over SPLIT programs whose fp32 partials are summed in a fixed order. Deterministic either way.
     """
     tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
+    tl.static_assert(not FUSE_AQ or QUANT == Q_CHANNEL, "FUSE_AQ: per-token W8A8")
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(2)
@@ -911,6 +918,16 @@ def moe_gemm2_direct_kernel(
             b = tl.load(b2_ptr + tl.sum(tl.where(sel, local, 0), 0) * stride_be + offs_n * stride_bh,
                         mask=offs_n < live * hidden, other=0.0).to(tl.float32)
             bias += b * tl.sum(tl.where(sel, wk, 0.0), 0)
+    if FUSE_AQ:  # the share's slots' scales, one read of each row (a slot past TOP_K: row TOP_K - 1)
+        sk = tl.full((TOP_K_P,), 1.0, tl.float32)
+        for jj in tl.static_range(PER):
+            jrow = tl.minimum(s * PER + jj, TOP_K - 1)
+            _, sc = _xq_scale(a_ptr + (t * TOP_K + jrow) * stride_ar, a_ptr, inter, stride_ai, AQ_INT, False,
+                              AQ_WIDTH)
+            sk = tl.where(kk == s * PER + jj, sc, sk)
+        # a slot with no local expert: its row was never written (a NaN scale would make NaN codes
+        # of its zero-masked tile); scale 1, and its product is dropped as below
+        sk = tl.where(ok, sk, 1.0)
     k_steps = tl.cdiv(inter, BLOCK_K)
     total = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
     if QUANT == Q_W4:
@@ -930,8 +947,13 @@ def moe_gemm2_direct_kernel(
         k_ok = offs_k < live * (inter - k0)
         n_e = offs_n < live * hidden
         slot = t * TOP_K + j
-        aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
-                     mask=lane0 & k_ok[None, :], other=0.0)
+        if FUSE_AQ:
+            sa_j = tl.sum(tl.where(sel, sk, 0.0), 0)
+            aa = _xq_codes(a_ptr + slot * stride_ar + (k0 + offs_k) * stride_ai, k_ok, 1.0, sa_j,
+                           tl.arange(0, BLOCK_M) == 0, AQ_INT, False, SOFT_FP8, w2_ptr.dtype.element_ty)
+        else:
+            aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
+                         mask=lane0 & k_ok[None, :], other=0.0)
         acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
         if QUANT == Q_W4:
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -954,8 +976,11 @@ def moe_gemm2_direct_kernel(
             # W8A8: the slot's scale row (clamped into a: the last share's tail selects no slot);
             # rows of slots with no local expert were never written, their scale is dropped
             if QUANT == Q_CHANNEL:  # 8-bit codes: fp32 (fp8) or int32 (int8) products, then scales
-                a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
-                sa = tl.where(live > 0, tl.load(a_srow), 0.0)
+                if FUSE_AQ:
+                    sa = tl.where(live > 0, sa_j, 0.0)
+                else:
+                    a_srow = as_ptr + (t * TOP_K + tl.minimum(j, TOP_K - 1)) * stride_as0
+                    sa = tl.where(live > 0, tl.load(a_srow), 0.0)
                 sw = tl.load(ws_ptr + e * stride_ws0 + offs_n * stride_ws1, mask=n_e, other=0.0).to(tl.float32)
                 acc = _mma(aa, ww, SWAP_AB).to(tl.float32) * _per_col(sa * sw, SWAP_AB)
             elif QUANT == Q_BLOCK:  # this K step lies in one 128-wide scale block, the N tile too

@@ -63,6 +63,8 @@ FUSE_XQ_MAX_H = 8192  # fuse_x_quantization: the widest x row the direct GEMM1 q
 # ... and the most w13 elements that GEMM1 reads (between gpt-oss M=1's 66M, fused 8% faster, and
 # Mixtral M=1's 235M, 10% slower fused; gpt-oss M=4's 265M was within 3% either way)
 FUSE_XQ_MAX_WEIGHTS = 128 * 2**20
+FUSE_AQ_MAX_I = 8192  # fuse_a_quantization: the widest intermediate row the direct GEMM2 quantizes
+FUSE_AQ_MIN_I = 384  # ... and the narrowest (DeepSeek-V3's 256, one K step per slot, ran slower)
 ONE_PASS_MAX = 16384  # _launch_rows: groups up to this wide are read once, by one program
 ACT_GROUP = 128  # fp8_w8a8_block: activation groups of 1x128 (and weight blocks of 128x128)
 _CODE_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8}
@@ -338,6 +340,12 @@ class QuantLaunch:
         """The direct GEMM1 quantizes x itself (kernels.py FUSE_XQ): no codes were made for it."""
         return self.x_scales is None
 
+    @property
+    def a_fused(self) -> bool:
+        """(After GEMM1) the direct GEMM2 quantizes the fp32 a itself (kernels.py FUSE_AQ in
+        moe_gemm2_direct_kernel): a_in is a, no codes were made for it."""
+        return self.a_in is not None and self.a_scales is None
+
 
 def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                          num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
@@ -414,6 +422,21 @@ def fp8_promoted(scheme: QuantScheme) -> bool:
             and knobs.get("FP8_ACCUMULATE") == "promoted")
 
 
+def fuse_a_quantization(key: QuantKey, inter: int) -> bool:
+    """Whether the direct path's GEMM2 quantizes the intermediate itself (kernels.py FUSE_AQ of
+    moe_gemm2_direct_kernel) instead of a launch between the GEMMs: dynamic per-token codes of
+    rows FUSE_AQ_MIN_I to FUSE_AQ_MAX_I wide (each program reads its share's slot rows once for
+    their scales, then makes each K step's codes from the fp32 a tile).
+
+    H200, whole call, the launch (FUSE_AQ_MAX_I 0) against fused, two alternating rounds
+    (benchmarks/results/2026-11-24_h200_1fd3539_fuse_aq.txt): M=1 Qwen3-30B int8 25.4 -> 20.2 us,
+    fp8 per channel 26.4 -> 22.5, Qwen3-235B -16 / -19%, Llama-4 -8 / -10%, gpt-oss -5%; M=4 -1 to
+    -11% but Qwen3-235B int8 +5%; M=16 and Mixtral (I = 14336: the launch) unchanged.
+    DeepSeek-V3 (I = 256, one K step per slot: the scale pre-pass is as long as the loop) ran +2
+    to +10% at M=1-4, hence FUSE_AQ_MIN_I."""
+    return key.dynamic and key.granularity == "token" and FUSE_AQ_MIN_I <= inter <= FUSE_AQ_MAX_I
+
+
 def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
     """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
     `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the tile's swap_ab where a tuned
@@ -475,8 +498,9 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
     x_scales = q.x_in if q.x_fused else q.x_scales  # never read when fused
     xs_strides = (x_scales.stride(0), 0 if tensor else x_scales.stride(1))
     fuse = gran == "block" and tile.block_n == ACT_GROUP and tile.split_k == 1
+    later = L.direct and fuse_a_quantization(akey, inter)  # the direct GEMM2 quantizes a itself
     a_codes = a_scales = None
-    if not tensor:
+    if not tensor and not later:
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
@@ -498,6 +522,9 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         scale = _per_expert(a2_scale, q.num_local) if static else q.a_amax
         q.a_in, q.a_scales = _quantize_expert_rows(L, a, scale, static, None, gather=False)
         return
+    if later:
+        q.a_in, q.a_scales = a, None
+        return
     if not fuse:
         group = inter if gran == "channel" else ACT_GROUP
         _launch_rows(a, a_codes, a_scales, None, group, akey, num_rows=L.num_rows)
@@ -509,11 +536,15 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     """GEMM2 on the intermediate's codes: per aligned row into y, or (out given: the direct path)
     with the routed weight and the top-k sum into out."""
     gran = q.scheme.weight.granularity
-    as_strides = (q.a_scales.stride(0), 0 if gran == "tensor" else q.a_scales.stride(1))
     tile, swap = _swap_launch(tile, q.scheme.activation, q.L)
-    args = dict(as_ptr=q.a_scales, ws_ptr=w2_scale, stride_as0=as_strides[0], stride_as1=as_strides[1],
-                **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
+    args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
                 FP8_PROMOTE=fp8_promoted(q.scheme), **swap)
+    if q.a_fused:  # the direct GEMM2 quantizes GEMM1's fp32 a itself (kernels.py FUSE_AQ)
+        args.update(FUSE_AQ=True, AQ_WIDTH=triton_next_pow2(q.a_in.shape[1]),
+                    AQ_INT=q.scheme.activation.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device))
+    else:
+        args.update(as_ptr=q.a_scales, stride_as0=q.a_scales.stride(0),
+                    stride_as1=0 if gran == "tensor" else q.a_scales.stride(1))
     if out is not None:
         launch_gemm2_direct(q.L, w2, w2_bias, tile, out, args, a=q.a_in)
         return

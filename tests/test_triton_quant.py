@@ -326,6 +326,8 @@ AQ_CASES = XQ_CASES + [  # the direct GEMM2's slot shares (PER > 1, a last share
     (Case("a-shares", T=2, K=3, H=100, I=96, bias=True, expert_map=True,
           tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1, 2))), "int8_w8a8"),
     (Case("a-odd-i", T=3, I=37, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1, 2))), "fp8_w8a8_channel"),
+    *((Case("a-swap", T=2, I=96, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1, 2, True))), s)  # w^T @ a^T
+      for s in ("int8_w8a8", "fp8_w8a8_channel")),
 ]
 
 

@@ -41,11 +41,9 @@ SHAPES = {"mixtral-like": (8, 2, 4096, 1792), "qwen3-30b-like": (128, 8, 2048, 7
 
 def tol_emulation(scheme: str) -> float:
     """Triton against emulation for `scheme` under the fp8 accumulation in effect."""
-    from fusedmoe.backends.triton.quant import fp8_promoted
+    from fusedmoe.backends.triton.quant import fp8_accumulation
 
-    s = SCHEMES[scheme]
-    chained = s.weight.dtype == "fp8" and s.weight.granularity != "block" and not fp8_promoted(s)
-    return TOL_EMULATION_CHAINED if chained else TOL_EMULATION
+    return TOL_EMULATION_CHAINED if fp8_accumulation(SCHEMES[scheme]) == "chained" else TOL_EMULATION
 
 
 def make(T, E, K, H, I, scheme, *, seed=0, bias=False):

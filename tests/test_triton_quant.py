@@ -419,6 +419,23 @@ def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
         assert rel_err(out, emulated) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_bad_fp8_accumulate_raises_before_any_launch(direct, monkeypatch):
+    """A bad FUSEDMOE_FP8_ACCUMULATE is read once per call, before the alignment and x's
+    quantization launch."""
+    from fusedmoe.backends.triton import quant as tq
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel launched before the knob was read")
+
+    config, x, w, weights, ids, expert_map = problem(Case("bad-knob"), "fp8_w8a8_channel", torch.float32)
+    monkeypatch.setattr(tq, "align", launched)
+    monkeypatch.setattr(tq, "quantize_activation", launched)
+    monkeypatch.setenv("FUSEDMOE_FP8_ACCUMULATE", "fast")
+    with pytest.raises(ValueError, match="FUSEDMOE_FP8_ACCUMULATE='fast'"):
+        run(config, x, w, weights, ids, expert_map, direct=direct)
+
+
 def test_fp8_accumulate_knob(monkeypatch):
     monkeypatch.setenv("FUSEDMOE_FP8_ACCUMULATE", "Promoted")
     assert knobs.get("FP8_ACCUMULATE") == "promoted"

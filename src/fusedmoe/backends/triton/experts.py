@@ -506,7 +506,7 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB)}, and
-    fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_promoted),
+    fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
@@ -540,14 +540,15 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     swap1 = swap2 = False
     extra = {}
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
-        from fusedmoe.backends.triton.quant import fp8_promoted, swap_ab
+        from fusedmoe.backends.triton.quant import fp8_accumulation, swap_ab
 
         swap1, swap2 = (swap_ab(t, scheme.activation, device, direct=is_direct) for t in (t1, t2))
-        if scheme.weight.dtype == "fp8" and scheme.weight.granularity != "block":
-            extra["fp8_accumulate"] = (
-                "promoted: each K step's product added in fp32 (FUSEDMOE_FP8_ACCUMULATE=promoted)"
-                if fp8_promoted(scheme) else
-                "chained: one accumulator across K (FUSEDMOE_FP8_ACCUMULATE=promoted adds each K step in fp32)")
+        accumulate = fp8_accumulation(scheme)
+        if accumulate is not None:
+            extra["fp8_accumulate"] = {
+                "promoted": "promoted: each K step's product added in fp32 (FUSEDMOE_FP8_ACCUMULATE=promoted)",
+                "chained": "chained: one accumulator across K (FUSEDMOE_FP8_ACCUMULATE=promoted adds each K step "
+                           "in fp32)"}[accumulate]
         tensor = scheme.weight.granularity == "tensor"
         qx = "amax x + quantize x + " if tensor and scheme.activation.dynamic else "quantize x + "
         fused = scheme.weight.granularity == "block" and t1.block_n == 128 and t1.split_k == 1

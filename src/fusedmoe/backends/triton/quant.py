@@ -334,6 +334,7 @@ class QuantLaunch:
     a_amax: torch.Tensor | None = None  # (tensor, dynamic) [L]: filled by the kernel finishing a
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
+    fp8_promote: bool = False  # fp8_promoted(scheme), read once before the call's first launch
 
     @property
     def x_fused(self) -> bool:
@@ -351,6 +352,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                          num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                          swiglu_limit, scheme: QuantScheme, a13_scale, block_m) -> QuantLaunch:
     """Align the slots and quantize x: per token / group, or (tensor) one scale per expert."""
+    promote = fp8_promoted(scheme)  # before any launch: a bad FUSEDMOE_FP8_ACCUMULATE raises here
     device = x_TH.device
     sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
                                                          num_local, block_m)
@@ -364,7 +366,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-    return _quantize_input(L, scheme, a13_scale, row_w, num_local)
+    return _quantize_input(L, scheme, a13_scale, row_w, num_local, promote)
 
 
 def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -372,15 +374,16 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
                                 swiglu_limit, scheme: QuantScheme) -> QuantLaunch:
     """The direct decode path's launch (no alignment, a [T*K, I] fp32 by slot) with x quantized
     per token / group (router weight on input applied first: top_k 1, slot == token)."""
+    promote = fp8_promoted(scheme)  # before any launch, as prepare_quant_launch
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
     if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
                            num_local):
-        return QuantLaunch(L, scheme, num_local, x_TH, None)
+        return QuantLaunch(L, scheme, num_local, x_TH, None, fp8_promote=promote)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, fp8_promote=promote)
 
 
 def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num_slots: int,
@@ -403,11 +406,22 @@ def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num
     return key.dynamic and key.granularity == "token" and hidden <= FUSE_XQ_MAX_H and weights <= FUSE_XQ_MAX_WEIGHTS
 
 
+def fp8_accumulation(scheme: QuantScheme) -> str | None:
+    """How the W8A8 GEMMs of fp8 codes with per-tensor / per-channel weight scales accumulate
+    over K: "chained" (one accumulator) or, under FUSEDMOE_FP8_ACCUMULATE=promoted, "promoted"
+    (each K step's product added into fp32, kernels._dot FP8_PROMOTE); None for other schemes
+    (block scales scale each step's product, so those always promote; int8 sums exactly in
+    int32)."""
+    from fusedmoe import knobs
+
+    if scheme.weight.dtype != "fp8" or scheme.weight.granularity == "block":
+        return None
+    return knobs.get("FP8_ACCUMULATE") or "chained"
+
+
 def fp8_promoted(scheme: QuantScheme) -> bool:
-    """Whether the W8A8 GEMMs add each K step's fp8 product into the fp32 accumulator
-    (kernels._dot FP8_PROMOTE) instead of chaining one accumulator across K: fp8 codes with
-    per-tensor / per-channel weight scales under FUSEDMOE_FP8_ACCUMULATE=promoted. (Block scales
-    scale each step's product, so those always promote; int8 accumulates exactly in int32.)
+    """Whether the W8A8 GEMMs add each K step's fp8 product into the fp32 accumulator instead of
+    chaining one accumulator across K (fp8_accumulation).
 
     Chained by default. H200, old (promoted) / new (chained), two alternating rounds, fp8
     per channel on the packaged tiles (benchmarks/results/2026-11-24_h200_7d03635_fp8_chain.txt):
@@ -416,10 +430,7 @@ def fp8_promoted(scheme: QuantScheme) -> bool:
     reference on dequantized weights moves 4.63% -> 4.65% (Mixtral M=512, 4096) and DeepGEMM's
     global difference 1.07e-3 -> 1.08e-3; against emulation 0.45% -> 1.5% (0.27% -> 0.27% on
     gpt-oss)."""
-    from fusedmoe import knobs
-
-    return (scheme.weight.dtype == "fp8" and scheme.weight.granularity != "block"
-            and knobs.get("FP8_ACCUMULATE") == "promoted")
+    return fp8_accumulation(scheme) == "promoted"
 
 
 def fuse_a_quantization(key: QuantKey, inter: int) -> bool:
@@ -471,20 +482,21 @@ def _sm90_gpu(device: torch.device) -> bool:
     return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
-def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int) -> QuantLaunch:
+def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int,
+                    fp8_promote: bool) -> QuantLaunch:
     """x's codes per token / group, or (tensor) per aligned row with its expert's scale.
     Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
-    x_TH = L.x
-    if scheme.weight.granularity == "tensor":
-        if a13_scale is not None:
-            x_in, x_scales = _quantize_expert_rows(L, x_TH, _per_expert(a13_scale, num_local), True, row_w, gather=True)
-            return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+    x_TH, a_amax = L.x, None
+    if scheme.weight.granularity == "tensor" and a13_scale is not None:
+        x_in, x_scales = _quantize_expert_rows(L, x_TH, _per_expert(a13_scale, num_local), True, row_w, gather=True)
+    elif scheme.weight.granularity == "tensor":
         amax = torch.zeros(2, num_local, dtype=torch.float32, device=x_TH.device)  # x's and a's: one memset
         _expert_amax(L, x_TH, row_w, amax[0], gather=True)
         x_in, x_scales = _quantize_expert_rows(L, x_TH, amax[0], False, row_w, gather=True)
-        return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=amax[1])
-    x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales)
+        a_amax = amax[1]
+    else:
+        x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=a_amax, fp8_promote=fp8_promote)
 
 
 def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfig, a2_scale=None) -> None:
@@ -514,7 +526,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         **_weight_scale_strides(w13_scale, gran), QUANT=W8A8_QUANT_CODES[gran], X_SORTED=tensor,
         ACC_INT=q.scheme.weight.dtype == "int8", SOFT_FP8=_soft_fp8(device), FUSE_AQ=fuse, **fused,
         UP_UNIFORM=gran == "block" and inter % tile.block_n == 0,  # the up rows' tiles in one scale block
-        FP8_PROMOTE=fp8_promoted(q.scheme), **swap, **xq,
+        FP8_PROMOTE=q.fp8_promote, **swap, **xq,
         **(dict(amax_ptr=q.a_amax, A_AMAX=True) if q.a_amax is not None and a2_scale is None else {}),
     ), x=q.x_in)
     if tensor:  # static: a2's scale (checked with a13's before any launch); dynamic: GEMM1's amax
@@ -538,7 +550,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     gran = q.scheme.weight.granularity
     tile, swap = _swap_launch(tile, q.scheme.activation, q.L)
     args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
-                FP8_PROMOTE=fp8_promoted(q.scheme), **swap)
+                FP8_PROMOTE=q.fp8_promote, **swap)
     if q.a_fused:  # the direct GEMM2 quantizes GEMM1's fp32 a itself (kernels.py FUSE_AQ)
         args.update(FUSE_AQ=True, AQ_WIDTH=triton_next_pow2(q.a_in.shape[1]),
                     AQ_INT=q.scheme.activation.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device))
@@ -593,6 +605,7 @@ def triton_batched_quant_experts(
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
+    promote = fp8_promoted(scheme)  # before any launch, as prepare_quant_launch
 
     def choose(problem):
         t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
@@ -600,7 +613,7 @@ def triton_batched_quant_experts(
         return t1, t2
 
     def gemms(L, t1, t2):
-        q = _quantize_input(L, scheme, a13_scale, None, num_local)
+        q = _quantize_input(L, scheme, a13_scale, None, num_local, promote)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
 

@@ -127,3 +127,35 @@ def dequantized_reference(config, x, w, weights, ids, expert_map):
         w13_bias_LG=None if w.w13_bias is None else w.w13_bias.double(),
         w2_bias_LH=None if w.w2_bias is None else w.w2_bias.double(),
     )
+
+
+def division_rows(k: int, dtype: str, group: int | None = None, *, device="cpu", seed: int = 0) -> torch.Tensor:
+    """Rows whose codes test the quantizer's division x / scale bit for bit: three rows per
+    exponent e from -100 to 100, each with amax m * 2^e (m random in [1, 2)), so the scales fall
+    both inside and outside the [2^-64, 2^64] range the kernels divide by a reciprocal in
+    (quant_kernels._div_scale); the amax in every group (`group`), so each group's scale is the
+    row's; the other values on and up to 3 ulps either side of the rounding ties at that scale
+    (int8: n + 1/2; fp8: midpoints of neighbouring e4m3 values), and negative zeros."""
+    from fusedmoe.quant.formats import FP8_MAX, INT_RANGE, absmax_scale
+
+    gen = torch.Generator().manual_seed(seed)
+    qmax = FP8_MAX if dtype == "fp8" else INT_RANGE[8][1]
+    if dtype == "fp8":
+        grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+        ties = (grid[:-1] + grid[1:]) / 2
+    else:
+        ties = torch.arange(0, 127).float() + 0.5
+    rows = []
+    for e in (-100, -70, -64, -40, -3, 0, 7, 40, 64, 70, 100):
+        for _ in range(3):
+            amax = (1 + torch.rand(1, generator=gen)) * 2.0**e
+            near = [ties * absmax_scale(amax, qmax)]  # the scale the kernels compute from amax
+            for _ in range(3):
+                near = [near[0].nextafter(near[0] * 2), *near, near[-1].nextafter(near[-1] * 0)]
+            vals = torch.cat(near)
+            row = vals[torch.randint(0, vals.numel(), (k,), generator=gen)]
+            row = torch.where(torch.rand(k, generator=gen) < 0.5, row, -row).clamp(-amax.item(), amax.item())
+            row[1::7] = -0.0  # a zero quotient keeps its sign (an e4m3 code's sign bit)
+            row[:: group or k] = amax.item()
+            rows.append(row)
+    return torch.stack(rows).to(device)

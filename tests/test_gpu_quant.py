@@ -314,3 +314,25 @@ def test_opcheck_on_gpu():
     torch.library.opcheck(triton_batched_quant_experts_op, (x_b, counts, q13, q2, None, None, "silu", 1.702, None,
                                                             "fp8_w8a8_block", p.w13_scale, p.w2_scale, None, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("width", [384, 768, 2048, 7168])
+@pytest.mark.parametrize("key", [("fp8", "token", None), ("int8", "token", None), ("fp8", "group", 128)],
+                         ids=["fp8-token", "int8-token", "fp8-group128"])
+def test_activation_codes_bitwise_on_gpu(key, width):
+    """The kernels' division by the scale's reciprocal (quant_kernels._div_scale, as compiled for
+    this GPU: no contraction may change a rounding) gives torch's CUDA true division bit for bit,
+    at rounding ties and at scales from 2^-100 to 2^100; the fused GEMM paths call the same code."""
+    from fusedmoe.backends.triton.quant import quantize_activation, quantize_activation_ref
+    from fusedmoe.quant import QuantKey
+    from quant_problems import division_rows
+
+    dtype, granularity, group = key
+    qkey = QuantKey(dtype, granularity, group, dynamic=True)
+    x = division_rows(width, dtype, group, device="cuda", seed=width).repeat(8, 1)  # 264 rows
+    x = torch.cat([x, torch.randn(300, width, device="cuda") * 3])
+    codes, scales = quantize_activation(x, qkey)
+    want_codes, want_scales = quantize_activation_ref(x, qkey)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (
+        (codes.view(torch.uint8) != want_codes.view(torch.uint8)).sum())

@@ -136,6 +136,30 @@ def test_quantize_wide_rows(name, k):
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes.float(), want_codes.float())
 
+@pytest.mark.parametrize("name", ["fp8-token", "int8-token", "fp8-group128"])
+def test_quantize_division_at_ties_and_extreme_scales(name):
+    """Codes within an ulp of every rounding tie, at scales from 2^-100 to 2^100: bit for bit the
+    reference's true division, whether the kernel divides by the scale's reciprocal (scales in
+    [2^-64, 2^64]) or falls back to div.rn (quant_kernels._div_scale)."""
+    from quant_problems import division_rows
+
+    key = KEYS[name]
+    x = division_rows(384, key.dtype, key.group, seed=zlib.crc32(name.encode()))
+    codes, scales = quantize_activation(x, key)
+    want_codes, want_scales = quantize_activation_ref(x, key)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (
+        (codes.view(torch.uint8) != want_codes.view(torch.uint8)).sum())
+    if key.dtype == "fp8":  # an Inf amax: scale Inf, the finite values code to +-0 (sign kept)
+        special = x[:1].clone()
+        special[0, 3] = float("inf")
+        codes, scales = quantize_activation(special, key)
+        want_codes, want_scales = quantize_activation_ref(special, key)
+        assert torch.equal(scales, want_scales) and scales.isinf().any()
+        finite = special.isfinite()
+        assert torch.equal(codes.view(torch.uint8)[finite], want_codes.view(torch.uint8)[finite])
+
+
 def test_quantize_activation_errors():
     with pytest.raises(ValueError, match="no Triton activation quantization for fp8/group64"):
         quantize_activation(torch.randn(2, 128), QuantKey("fp8", "group", 64, dynamic=True))

@@ -208,6 +208,13 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
     block_k = triton_next_pow2(group) if one_pass else min(1024, triton_next_pow2(group))
     block_r = max(1, min(64, 4096 // block_k))  # ~4k elements per program
     num_warps = 4 if block_r * block_k <= 4096 else min(16, block_k // 1024)
+    if one_pass and 512 <= block_k <= 1024:
+        # rows of 257-1024 (the intermediate of fine-grained experts): 2 rows, 2 warps. H200,
+        # int8 rows alone, 12288 live of [16256, 768]: 16.2 -> 14.9 us (4 rows / 4 warps before;
+        # 1-8 rows by 2-8 warps swept); [49152, 768] 41.0 -> 40.5; [12288, 384] 8.6 -> 8.5; a
+        # second sweep (the final _div_scale, another machine) 16.9 -> 16.5, 44.0 -> 43.2 and
+        # 8.9 -> 9.0: a small gain at best (benchmarks/results/2026-11-24_h200_4d3cb53_quantize_rows.txt)
+        block_r, num_warps = 2, 2
     if m <= SMALL_ROWS:
         # few rows (decode; the aligned rows of a decode's intermediate): <= 8 rows per program.
         # H200, fp8 1x128 groups (graph replay of 20 launches): x [1, 2048] 6.3 us at 32 rows

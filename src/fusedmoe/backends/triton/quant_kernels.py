@@ -20,12 +20,48 @@ FP8_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
 
 
+RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 sums this large have no fraction bits
+
+
 @triton.jit
 def _rint(v):
-    """Round half to even, fp32 in and out, |v| < 2^22 (libdevice's rint is not in the interpreter)."""
-    r = tl.floor(v + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+    """Round half to even, fp32 in and out, |v| <= 2^22: (v + 1.5 * 2^23) - 1.5 * 2^23, two adds
+    each rounded to nearest even (libdevice's rint is not in the interpreter; floor-based
+    rounding cost ~8 instructions an element). v must not be a product the compiler could fuse
+    into the first add (callers pass clamped values or exact power-of-two scalings)."""
+    return (v + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def _div_scale(v, scale):
+    """v / scale rounded to nearest, bit for bit torch's true division (div.rn); scale (a scalar,
+    or per row / group, broadcast against v) > 0, Inf or NaN.
+
+    div.rn costs ~10 instructions an element and a branch (H200: quantize_rows_kernel was
+    issue-bound at ~1.3 TB/s). Instead, once per scale: p = 2^-E, the power of two of its exponent
+    (clamped so that p stays normal), the scale brought to s' = s * p in [2^-23, 4) exactly, and
+    y = RN(1 / s'); then per element v' = v * p (exact unless it under- or overflows) and
+    Markstein's correction of q0 = RN(v' * y): q = RN(q0 + RN(v' - s' * q0) * y), which with y
+    correctly rounded and q0 within an ulp of v' / s' is v' / s' = v / s correctly rounded
+    whenever the residual is exact (it is unless v' is tiny: quotients under ~2^-70, 0 as codes).
+    A zero q0 is the quotient itself, with v's sign (an e4m3 code's sign bit): the correction
+    would make it -0 + +0 = +0, however written (ptxas distributes negations over FMAs as if zeros
+    had no sign: the H200 gave +0 for -0 / s); a q0 that underflowed to 0 is then off the
+    division's result by at most the smallest subnormal. Where the residual is not finite (an
+    Inf scale or v', or q0 overflowing) q0 itself is the quotient (0, Inf or NaN, as the
+    division's). Checked bit for bit against the division over 2e8 quotients of scales 2^-149 to
+    2^127 with ties, zeros, Inf and NaN (numpy, the interpreter's fp32 FMA), and as codes by
+    test_triton_quant.py / test_gpu_quant.py::test_activation_codes_bitwise_on_gpu.
+    """
+    eb = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    eb = tl.minimum(tl.maximum(eb, 1), 253)
+    p = ((254 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(127 - eb), normal
+    sn = scale * p
+    y = tl.math.div_rn(tl.full(sn.shape, 1.0, tl.float32), sn)
+    vn = v * p
+    q0 = vn * y
+    r = tl.fma(-sn, q0, vn)
+    return tl.where((tl.abs(r) < float("inf")) & (q0 != 0.0), tl.fma(r, y, q0), q0)
 
 
 @triton.jit
@@ -40,7 +76,8 @@ def _fp8_grid(v):
     exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormal step is 2^-9
     step = ((exp + 127) << 23).to(tl.float32, bitcast=True)
     inv_step = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    return _rint(v * inv_step) * step
+    r = _rint(v * inv_step) * step
+    return tl.where(r == 0.0, v * 0.0, r)  # -0 for negatives rounding to zero (e4m3 0x80), as the cast
 
 
 @triton.jit
@@ -101,7 +138,7 @@ def _scale_for(amax, IS_INT: tl.constexpr):
 @triton.jit
 def _quantize(v, scale, IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr):
     """The 8-bit code of fp32 v / scale, still as fp32 (exactly representable: cast it)."""
-    v = tl.math.div_rn(v, scale)
+    v = _div_scale(v, scale)
     if IS_INT:
         q = _rint(tl.minimum(tl.maximum(v, -128.0), 127.0))
     else:

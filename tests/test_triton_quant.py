@@ -444,9 +444,10 @@ def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
-def test_bad_fp8_accumulate_raises_before_any_launch(direct, monkeypatch):
-    """A bad FUSEDMOE_FP8_ACCUMULATE is read once per call, before the alignment and x's
-    quantization launch."""
+@pytest.mark.parametrize("knob", ["FP8_ACCUMULATE", "TRITON_SWAP_AB"])
+def test_bad_knob_raises_before_any_launch(direct, knob, monkeypatch):
+    """A bad FUSEDMOE_FP8_ACCUMULATE or FUSEDMOE_TRITON_SWAP_AB is read once per call
+    (quant._call_knobs), before the alignment and x's quantization launch."""
     from fusedmoe.backends.triton import quant as tq
 
     def launched(*args, **kwargs):
@@ -455,8 +456,8 @@ def test_bad_fp8_accumulate_raises_before_any_launch(direct, monkeypatch):
     config, x, w, weights, ids, expert_map = problem(Case("bad-knob"), "fp8_w8a8_channel", torch.float32)
     monkeypatch.setattr(tq, "align", launched)
     monkeypatch.setattr(tq, "quantize_activation", launched)
-    monkeypatch.setenv("FUSEDMOE_FP8_ACCUMULATE", "fast")
-    with pytest.raises(ValueError, match="FUSEDMOE_FP8_ACCUMULATE='fast'"):
+    monkeypatch.setenv(f"FUSEDMOE_{knob}", "fast")
+    with pytest.raises(ValueError, match=f"FUSEDMOE_{knob}='fast'"):
         run(config, x, w, weights, ids, expert_map, direct=direct)
 
 

@@ -342,6 +342,7 @@ class QuantLaunch:
     a_in: torch.Tensor | None = None
     a_scales: torch.Tensor | None = None
     fp8_promote: bool = False  # fp8_promoted(scheme), read once before the call's first launch
+    swap_mode: bool | str | None = None  # FUSEDMOE_TRITON_SWAP_AB, read then too (swap_ab's mode)
 
     @property
     def x_fused(self) -> bool:
@@ -359,7 +360,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                          num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                          swiglu_limit, scheme: QuantScheme, a13_scale, block_m) -> QuantLaunch:
     """Align the slots and quantize x: per token / group, or (tensor) one scale per expert."""
-    promote = fp8_promoted(scheme)  # before any launch: a bad FUSEDMOE_FP8_ACCUMULATE raises here
+    knobs_ = _call_knobs(scheme)  # before any launch: a bad knob raises here
     device = x_TH.device
     sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
                                                          num_local, block_m)
@@ -373,7 +374,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-    return _quantize_input(L, scheme, a13_scale, row_w, num_local, promote)
+    return _quantize_input(L, scheme, a13_scale, row_w, num_local, knobs_)
 
 
 def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -381,16 +382,25 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
                                 swiglu_limit, scheme: QuantScheme) -> QuantLaunch:
     """The direct decode path's launch (no alignment, a [T*K, I] fp32 by slot) with x quantized
     per token / group (router weight on input applied first: top_k 1, slot == token)."""
-    promote = fp8_promoted(scheme)  # before any launch, as prepare_quant_launch
+    knobs_ = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
     if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
                            num_local):
-        return QuantLaunch(L, scheme, num_local, x_TH, None, fp8_promote=promote)
+        return QuantLaunch(L, scheme, num_local, x_TH, None, **knobs_)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales, fp8_promote=promote)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, **knobs_)
+
+
+def _call_knobs(scheme: QuantScheme) -> dict:
+    """The knobs a W8A8 call's launches follow, read (and so checked) once, before its first
+    launch: QuantLaunch's fp8_promote (FUSEDMOE_FP8_ACCUMULATE) and swap_mode
+    (FUSEDMOE_TRITON_SWAP_AB)."""
+    from fusedmoe import knobs
+
+    return dict(fp8_promote=fp8_promoted(scheme), swap_mode=knobs.get("TRITON_SWAP_AB"))
 
 
 def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num_slots: int,
@@ -455,14 +465,19 @@ def fuse_a_quantization(key: QuantKey, inter: int) -> bool:
     return key.dynamic and key.granularity == "token" and FUSE_AQ_MIN_I <= inter <= FUSE_AQ_MAX_I
 
 
-def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False) -> bool:
+_READ = object()  # swap_ab's mode: read FUSEDMOE_TRITON_SWAP_AB now
+
+
+def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bool = False, mode=_READ) -> bool:
     """Whether the W8A8 GEMMs of `tile` run SWAP_AB (kernels.py) for activation codes `key` on
-    `device`: FUSEDMOE_TRITON_SWAP_AB=0 never, force always, else the tile's swap_ab where a tuned
-    entry set it, else the aligned path's row blocks under 64 rows with N tiles of at least
-    SWAP_AB_MIN_N on an sm90 GPU, for SWAP_AB_ACTIVATIONS."""
+    `device`: FUSEDMOE_TRITON_SWAP_AB (`mode`: its value as a call read it, else read here) =0
+    never, force always, else the tile's swap_ab where a tuned entry set it, else the aligned
+    path's row blocks under 64 rows with N tiles of at least SWAP_AB_MIN_N on an sm90 GPU, for
+    SWAP_AB_ACTIVATIONS."""
     from fusedmoe import knobs
 
-    mode = knobs.get("TRITON_SWAP_AB")
+    if mode is _READ:
+        mode = knobs.get("TRITON_SWAP_AB")
     if mode is False or mode == "force":
         return mode == "force"
     if tile.swap_ab is not None:  # a tuned entry's choice
@@ -471,12 +486,12 @@ def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bo
             and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS and _sm90_gpu(device))
 
 
-def _swap_launch(tile: TileConfig, key: QuantKey, L: Launch) -> tuple[TileConfig, dict]:
+def _swap_launch(tile: TileConfig, key: QuantKey, q: QuantLaunch) -> tuple[TileConfig, dict]:
     """(the tile to launch, the SWAP_AB keyword): swapped, one pipeline stage fewer (at least 2).
     A swapped GEMM's wgmma pipeline keeps num_stages operand buffers in shared memory where the
     HMMA loop keeps num_stages - 1 (sm90 compile: DeepSeek-V3 fp8 channel GEMM2 16x128x256 in 4
     stages 111616 -> 148480 B, 2 -> 1 program per SM), so the tile's stages keep their footprint."""
-    if not swap_ab(tile, key, L.a.device, direct=L.direct):
+    if not swap_ab(tile, key, q.L.a.device, direct=q.L.direct, mode=q.swap_mode):
         return tile, dict(SWAP_AB=False)
     return dataclasses.replace(tile, num_stages=max(2, tile.num_stages - 1)), dict(SWAP_AB=True)
 
@@ -490,7 +505,7 @@ def _sm90_gpu(device: torch.device) -> bool:
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int,
-                    fp8_promote: bool) -> QuantLaunch:
+                    call_knobs: dict) -> QuantLaunch:
     """x's codes per token / group, or (tensor) per aligned row with its expert's scale.
     Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
     x_TH, a_amax = L.x, None
@@ -503,7 +518,7 @@ def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local:
         a_amax = amax[1]
     else:
         x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=a_amax, fp8_promote=fp8_promote)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=a_amax, **call_knobs)
 
 
 def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfig, a2_scale=None) -> None:
@@ -523,7 +538,7 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
         a_codes = torch.empty(rows, inter, dtype=_CODE_DTYPE[akey.dtype], device=device)
         groups = triton_cdiv(inter, ACT_GROUP) if gran == "block" else 1
         a_scales = torch.empty(rows, groups, dtype=torch.float32, device=device)
-    tile, swap = _swap_launch(tile, akey, L)
+    tile, swap = _swap_launch(tile, akey, q)
     fused = dict(aq_ptr=a_codes, as_ptr=a_scales, stride_aqr=a_codes.stride(0), stride_aqi=a_codes.stride(1),
                  stride_asr=a_scales.stride(0), stride_asg=a_scales.stride(1)) if fuse else {}
     xq = dict(FUSE_XQ=True, XQ_WIDTH=triton_next_pow2(q.x_in.shape[1]),
@@ -555,7 +570,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     """GEMM2 on the intermediate's codes: per aligned row into y, or (out given: the direct path)
     with the routed weight and the top-k sum into out."""
     gran = q.scheme.weight.granularity
-    tile, swap = _swap_launch(tile, q.scheme.activation, q.L)
+    tile, swap = _swap_launch(tile, q.scheme.activation, q)
     args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
                 FP8_PROMOTE=q.fp8_promote, **swap)
     if q.a_fused:  # the direct GEMM2 quantizes GEMM1's fp32 a itself (kernels.py FUSE_AQ)
@@ -612,7 +627,7 @@ def triton_batched_quant_experts(
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
-    promote = fp8_promoted(scheme)  # before any launch, as prepare_quant_launch
+    knobs_ = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
 
     def choose(problem):
         t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
@@ -620,7 +635,7 @@ def triton_batched_quant_experts(
         return t1, t2
 
     def gemms(L, t1, t2):
-        q = _quantize_input(L, scheme, a13_scale, None, num_local, promote)
+        q = _quantize_input(L, scheme, a13_scale, None, num_local, knobs_)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
 

@@ -1,0 +1,216 @@
+"""Would a narrow tail path cut the padding rows' cost of the aligned GEMMs? (H100/H200)
+
+    python benchmarks/bench_tail_block.py [--presets a,b] [--tokens 4096] [--tails 16,32] [--json out.json]
+    TRITON_INTERPRET=1 python benchmarks/bench_tail_block.py --smoke
+
+Each expert's rows are padded to whole BLOCK_M blocks. Under random routing, where the mean rows
+per expert sit near a multiple of BLOCK_M (DeepSeek-V3 and gpt-oss at M=4096: 128 +- 11 rows with
+128-row blocks), about half the experts get one more, nearly empty block, and the call takes
+15-24% longer than with every expert at its mean (`bench_padding.py`,
+results/2026-11-24_h200_4d3cb53_padding_probe.txt). The padding rows sit at the end of each
+expert's last block, so a program whose block has at most TAIL_M live rows can run a
+[TAIL_M, BLOCK_N] tile instead (a scalar branch; both tiles are compiled into the one kernel),
+in the same launch, so the expert's weight tile still comes from L2 beside its full blocks.
+
+This prototype is the aligned GEMM2 (y[slot] = w_slot * a[row] @ w2[e]^T, unquantized, no bias),
+pointer loads, the library's grouped program order. Variants: TAIL_M = 0 (the full tile only:
+the like-for-like base) and each --tails value, on the library's alignment and GEMM1 output with
+the tiles `choose_tiles` picks (the library's own GEMM2, with TMA descriptors where it takes
+them, is timed beside them). Every variant's y is checked against the library's (relative
+error; the narrow tile may run another MMA, so not bitwise). Not yet run on a GPU (written in the
+thirteenth session, compiled for sm90 offline by `--compile`); its result decides whether the
+library's GEMM1 / GEMM2 get a tail path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe.backends.triton.kernels import _tile_ids
+
+
+@triton.jit
+def _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden, inter,
+                stride_ar, stride_we, stride_wh, stride_ys,
+                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[slot(r), n tile] for the BM aligned rows from row0 (padding rows: slot num_slots, not stored)."""
+    rows = row0 + tl.arange(0, BM)
+    slot = tl.load(sorted_slot_ptr + rows)
+    row_ok = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wh + offs_k[:, None]
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tl.store(y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def tail_gemm2_kernel(
+    a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, hidden, inter, stride_ar, stride_we, stride_wh, stride_ys,
+    TAIL_M: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The aligned GEMM2 over (row block, N tile) programs; TAIL_M > 0: a block with at most
+    TAIL_M live rows runs the [TAIL_M, BLOCK_N] tile."""
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    row0 = pid_m * BLOCK_M
+    if TAIL_M > 0:
+        live = tl.sum((tl.load(sorted_slot_ptr + row0 + tl.arange(0, BLOCK_M)) < num_slots).to(tl.int32), 0)
+        if live <= TAIL_M:  # the expert's last block, nearly empty: its live rows come first
+            _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden,
+                        inter, stride_ar, stride_we, stride_wh, stride_ys, TAIL_M, BLOCK_N, BLOCK_K)
+        else:
+            _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden,
+                        inter, stride_ar, stride_we, stride_wh, stride_ys, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden,
+                    inter, stride_ar, stride_we, stride_wh, stride_ys, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def tail_call(L, w2, tile, tail_m: int) -> None:
+    """One launch of the prototype over the library's aligned rows L (a: GEMM1's output)."""
+    from fusedmoe.backends.triton.experts import GROUP_M
+
+    a, y = L.a, L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    blocks = L.sorted_slot.numel() // L.block_m
+    tail_gemm2_kernel[(blocks * triton.cdiv(hidden, tile.block_n),)](
+        a, w2, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, y.shape[0], hidden, inter,
+        a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TAIL_M=tail_m, GROUP_M=GROUP_M, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def compile_report(tails: list[int]) -> None:
+    """Compile the prototype for sm90 on this machine (no GPU: kernel_report's compile_call) at
+    DeepSeek-V3 / gpt-oss M=4096's GEMM2 tile (128x128x64, 8 warps, 3 stages) and print each
+    TAIL_M's registers, spills, shared memory and MMA opcodes."""
+    from fusedmoe.backends.triton import kernel_report as kr
+
+    E, H, inter, slots, block_m = 128, 2880, 2880, 16384, 128
+    rows = slots + E * (block_m - 1)
+    a, w2 = torch.empty(rows, inter, dtype=torch.bfloat16), torch.empty(E, H, inter, dtype=torch.bfloat16)
+    y, weights = torch.empty(slots, H, dtype=torch.bfloat16), torch.empty(slots)
+    sorted_slot, block_expert = torch.empty(rows, dtype=torch.int32), torch.empty(rows // block_m, dtype=torch.int32)
+    num_rows = torch.empty(1, dtype=torch.int32)
+    for tail in [0, *tails]:
+        call = kr.Call("tail_gemm2_kernel", tail_gemm2_kernel, (1,),
+                       (a, w2, y, weights, sorted_slot, block_expert, num_rows, slots, H, inter, a.stride(0),
+                        w2.stride(0), w2.stride(1), y.stride(0)),
+                       dict(TAIL_M=tail, GROUP_M=8, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                            num_stages=3))
+        u = kr.usage(kr.compile_call(call))
+        ops = {k: v for k, v in u["opcodes"].items() if k in ("HGMMA", "HMMA", "LDGSTS", "LDG", "BAR") and v}
+        print(f"TAIL_M {tail:3d}: {u['regs']} registers, {u['stack']} B stack, {u['shared']} B shared, "
+              f"{u['instructions']} instructions, {ops}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="deepseek-v3,gpt-oss-120b,qwen3-30b-a3b,mixtral-8x7b")
+    parser.add_argument("--tokens", default="1024,4096")
+    parser.add_argument("--tails", default="16,32")
+    parser.add_argument("--balanced", action="store_true", help="every expert exactly T*k/E rows (no tail blocks)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--compile", action="store_true", help="compile for sm90 here, print registers (no GPU)")
+    args = parser.parse_args()
+    if args.compile:
+        compile_report([int(t) for t in args.tails.split(",")])
+        return 0
+    smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        choose_tiles,
+        launch_gemm1,
+        launch_gemm2,
+        prepare_launch,
+    )
+    from fusedmoe.backends.triton.tiles import TileConfig
+    from fusedmoe.bench import preset_shapes
+    from fusedmoe.routing import select_experts
+
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float16 if smoke else torch.bfloat16
+    shapes = ({"smoke": (6, 2, 64, 48, "silu", 1)} if smoke else
+              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
+    tails = [int(t) for t in args.tails.split(",")]
+    if not smoke:
+        from fusedmoe.bench import measure_ceilings, time_rotated
+
+        ceilings = measure_ceilings(device)
+        print(f"{ceilings.device}: {ceilings.peak(None) / 1e12:.0f} bf16 TFLOP/s", flush=True)
+    rows = []
+    for name, (E, K, H, inter, act, copies) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        w13 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype)
+        w2s = [(torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype) for _ in range(copies)]
+        for tokens in ([40, 150] if smoke else [int(t) for t in args.tokens.split(",")]):
+            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
+            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
+            if args.balanced:
+                slots = torch.arange(tokens, device=device)[:, None] * K + torch.arange(K, device=device)
+                ids = (slots % E).to(ids.dtype)
+            problem = GemmProblem(tokens * K, E, H, inter, K, is_gated(act), dtype)
+            t1, t2 = (TileConfig(32, 16, 32, 4, 1), TileConfig(32, 32, 16, 4, 1)) if smoke else choose_tiles(problem,
+                                                                                                               device)
+            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, 1.702, None, t2.block_m)
+            launch_gemm1(L, w13, None, t1)
+            L.y.fill_(float("nan"))
+            launch_gemm2(L, w2s[0], None, t2)
+            ref = L.y.clone()
+            flops = 2 * tokens * K * H * inter
+            cells = [("library", [lambda w=w, L=L, t2=t2: launch_gemm2(L, w, None, t2) for w in w2s])]
+            for tail in [0, *tails]:
+                if tail >= t2.block_m:
+                    continue
+                cells.append((f"prototype tail {tail}", [lambda w=w, L=L, t2=t2, tail=tail: tail_call(L, w, t2, tail)
+                                                         for w in w2s]))
+            for label, calls in cells:
+                try:
+                    L.y.fill_(float("nan"))
+                    calls[0]()
+                    err = ((L.y.float() - ref.float()).norm() / ref.float().norm()).item()
+                    us = None if smoke else time_rotated(calls) * 1e6
+                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                tflops = None if us is None else flops / (us * 1e-6) / 1e12
+                rows.append(dict(preset=name, tokens=tokens, variant=label, tile=str(t2), us=us, tflops=tflops,
+                                 rel_err=err, balanced=args.balanced))
+                timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
+                print(f"{name:16s} M={tokens:<5d} {label:20s} {t2}  {timing}  rel err {err:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,
+                      indent=1)
+    return 0 if all(r["rel_err"] < 1e-2 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 
 from fusedmoe import fused_experts, select_experts
-from fusedmoe.bench import _quantized_copy, random_expert_weights, time_rotated
+from fusedmoe.bench import _quantized_copy, balanced_ids, random_expert_weights, time_rotated
 from fusedmoe.presets import get_preset
 
 
@@ -47,8 +47,7 @@ def main() -> None:
             copies.append(_quantized_copy(w13, w2, b13, b2, quant) if quant else (w13, w2, b13, b2, None))
         x = torch.randn(tokens, p.hidden_size, device="cuda").bfloat16()
         w, ids = select_experts(x, torch.randn(tokens, p.num_experts, device="cuda"), p.top_k)
-        slots = torch.arange(tokens, device="cuda")[:, None] * p.top_k + torch.arange(p.top_k, device="cuda")
-        balanced = (slots % p.num_experts).to(ids.dtype)
+        balanced = balanced_ids(tokens, p.top_k, p.num_experts, torch.device("cuda"))
         counts = torch.bincount(ids.flatten(), minlength=p.num_experts)
         kw = dict(activation=p.activation, apply_router_weight_on_input=p.apply_router_weight_on_input,
                   backend="triton")

@@ -89,74 +89,50 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="time only the variants whose label contains this (e.g. 'ws')")
     args = parser.parse_args()
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton.experts import (
-        GemmProblem,
-        _num_sms,
-        choose_tiles,
-        launch_gemm1,
-        launch_gemm2,
-        prepare_launch,
-    )
+    from fusedmoe.backends.triton.experts import _num_sms
     from fusedmoe.backends.triton.tiles import TileConfig
-    from fusedmoe.bench import preset_shapes
-    from fusedmoe.routing import select_experts
+    from fusedmoe.bench import aligned_gemm2_cases, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
-    dtype = torch.float16 if smoke else torch.bfloat16
-    shapes = ({"smoke": (6, 2, 64, 48, "silu", 1)} if smoke else
-              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
-    sms = 4 if smoke else _num_sms(device)
-    if not smoke:
-        from fusedmoe.bench import measure_ceilings, time_rotated
+    if smoke:
+        shapes, tokens = {"smoke": (6, 2, 64, 48, "silu", 1)}, [40]
+        tiles, sms = (TileConfig(16, 16, 32, 4, 1), TileConfig(16, 32, 16, 4, 1)), 4
+    else:
+        from fusedmoe.bench import measure_ceilings
 
+        shapes = {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()}
+        tokens, tiles, sms = [int(t) for t in args.tokens.split(",")], None, _num_sms(device)
         ceilings = measure_ceilings(device)
         print(f"{ceilings.device}: {ceilings.peak(None) / 1e12:.0f} bf16 TFLOP/s, {sms} SMs", flush=True)
     rows = []
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        w13 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype)
-        w2s = [(torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype) for _ in range(copies)]
-        for tokens in ([40] if smoke else [int(t) for t in args.tokens.split(",")]):
-            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
-            problem = GemmProblem(tokens * K, E, H, inter, K, is_gated(act), dtype)
-            t1, t2 = (TileConfig(16, 16, 32, 4, 1), TileConfig(16, 32, 16, 4, 1)) if smoke else choose_tiles(problem,
-                                                                                                               device)
-            variants = ([(t2, sms, False, 4, 1), (t2, 3, False, 4, 2)] if smoke else
-                        [(TileConfig(t2.block_m, bn, 64, warps, stages), mult * sms, ws, warps, stages)
-                         for bn, warps, stages, mult, ws in ((128, 8, 3, 1, False), (256, 8, 3, 1, False),
-                                                             (128, 4, 4, 1, False), (128, 8, 3, 2, False),
-                                                             (128, 4, 3, 1, True), (256, 4, 3, 1, True))])
-            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, 1.702, None, t2.block_m)
-            launch_gemm1(L, w13, None, t1)
-            flops = 2 * tokens * K * H * inter
-            L.y.fill_(float("nan"))
-            launch_gemm2(L, w2s[0], None, t2)
-            ref = L.y.clone()
-            cells = [("library", [lambda w=w, L=L, t2=t2: launch_gemm2(L, w, None, t2) for w in w2s])]
-            for tile, programs, ws, warps, stages in variants:
-                label = f"persistent {tile.block_m}x{tile.block_n}x{tile.block_k} w{warps} s{stages} " \
-                        f"p{programs}{' ws' if ws else ''}"
-                cells.append((label, [lambda w=w, L=L, v=(tile, programs, ws, warps, stages):
-                                      persistent_call(L, w, *v) for w in w2s]))
-            for label, calls in cells:
-                if args.only is not None and args.only not in label and label != "library":
-                    continue
-                try:
-                    L.y.fill_(float("nan"))
-                    calls[0]()
-                    same = bool(torch.equal(L.y, ref))
-                    err = ((L.y.float() - ref.float()).norm() / ref.float().norm()).item()
-                    us = None if smoke else time_rotated(calls) * 1e6
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                tflops = None if us is None else flops / (us * 1e-6) / 1e12
-                rows.append(dict(preset=name, tokens=tokens, variant=label, us=us, tflops=tflops,
-                                 bitwise_equal_to_library=same, rel_err=err))
-                timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
-                print(f"{name:16s} M={tokens:<5d} {label:44s} {timing}  equal {same} rel err {err:.1e}", flush=True)
+    for case in aligned_gemm2_cases(shapes, tokens, device, torch.float16 if smoke else torch.bfloat16, tiles=tiles):
+        t2 = case.tile
+        variants = ([(t2, sms, False, 4, 1), (t2, 3, False, 4, 2)] if smoke else
+                    [(TileConfig(t2.block_m, bn, 64, warps, stages), mult * sms, ws, warps, stages)
+                     for bn, warps, stages, mult, ws in ((128, 8, 3, 1, False), (256, 8, 3, 1, False),
+                                                         (128, 4, 4, 1, False), (128, 8, 3, 2, False),
+                                                         (128, 4, 3, 1, True), (256, 4, 3, 1, True))])
+        cells = [("library", case.library())]
+        for tile, programs, ws, warps, stages in variants:
+            label = f"persistent {tile.block_m}x{tile.block_n}x{tile.block_k} w{warps} s{stages} " \
+                    f"p{programs}{' ws' if ws else ''}"
+            cells.append((label, case.calls(lambda L, w, v=(tile, programs, ws, warps, stages):
+                                            persistent_call(L, w, *v))))
+        for label, calls in cells:
+            if args.only is not None and args.only not in label and label != "library":
+                continue
+            try:
+                us, err, _ = case.check(calls, timed=not smoke)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                print(f"{case.preset} M={case.tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            same = err == 0.0
+            tflops = None if us is None else case.flops / (us * 1e-6) / 1e12
+            rows.append(dict(preset=case.preset, tokens=case.tokens, variant=label, us=us, tflops=tflops,
+                             bitwise_equal_to_library=same, rel_err=err))
+            timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
+            print(f"{case.preset:16s} M={case.tokens:<5d} {label:44s} {timing}  equal {same} rel err {err:.1e}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,

@@ -139,72 +139,42 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--compile", action="store_true", help="compile for sm90 here, print registers (no GPU)")
     args = parser.parse_args()
+    tails = [int(t) for t in args.tails.split(",")]
     if args.compile:
-        compile_report([int(t) for t in args.tails.split(",")])
+        compile_report(tails)
         return 0
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
-    from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton.experts import (
-        GemmProblem,
-        choose_tiles,
-        launch_gemm1,
-        launch_gemm2,
-        prepare_launch,
-    )
     from fusedmoe.backends.triton.tiles import TileConfig
-    from fusedmoe.bench import preset_shapes
-    from fusedmoe.routing import select_experts
+    from fusedmoe.bench import aligned_gemm2_cases, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
-    dtype = torch.float16 if smoke else torch.bfloat16
-    shapes = ({"smoke": (6, 2, 64, 48, "silu", 1)} if smoke else
-              {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()})
-    tails = [int(t) for t in args.tails.split(",")]
-    if not smoke:
-        from fusedmoe.bench import measure_ceilings, time_rotated
+    if smoke:
+        shapes, tokens = {"smoke": (6, 2, 64, 48, "silu", 1)}, [40, 150]
+        tiles = (TileConfig(32, 16, 32, 4, 1), TileConfig(32, 32, 16, 4, 1))
+    else:
+        from fusedmoe.bench import measure_ceilings
 
-        ceilings = measure_ceilings(device)
-        print(f"{ceilings.device}: {ceilings.peak(None) / 1e12:.0f} bf16 TFLOP/s", flush=True)
+        shapes = {name: (*shape, 4) for name, shape in preset_shapes(args.presets).items()}
+        tokens, tiles = [int(t) for t in args.tokens.split(",")], None
+        print(f"{measure_ceilings(device).device}", flush=True)
     rows = []
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        w13 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dtype)
-        w2s = [(torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dtype) for _ in range(copies)]
-        for tokens in ([40, 150] if smoke else [int(t) for t in args.tokens.split(",")]):
-            x = torch.randn(tokens, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=g), K)
-            if args.balanced:
-                slots = torch.arange(tokens, device=device)[:, None] * K + torch.arange(K, device=device)
-                ids = (slots % E).to(ids.dtype)
-            problem = GemmProblem(tokens * K, E, H, inter, K, is_gated(act), dtype)
-            t1, t2 = (TileConfig(32, 16, 32, 4, 1), TileConfig(32, 32, 16, 4, 1)) if smoke else choose_tiles(problem,
-                                                                                                               device)
-            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, 1.702, None, t2.block_m)
-            launch_gemm1(L, w13, None, t1)
-            L.y.fill_(float("nan"))
-            launch_gemm2(L, w2s[0], None, t2)
-            ref = L.y.clone()
-            flops = 2 * tokens * K * H * inter
-            cells = [("library", [lambda w=w, L=L, t2=t2: launch_gemm2(L, w, None, t2) for w in w2s])]
-            for tail in [0, *tails]:
-                if tail >= t2.block_m:
-                    continue
-                cells.append((f"prototype tail {tail}", [lambda w=w, L=L, t2=t2, tail=tail: tail_call(L, w, t2, tail)
-                                                         for w in w2s]))
-            for label, calls in cells:
-                try:
-                    L.y.fill_(float("nan"))
-                    calls[0]()
-                    err = ((L.y.float() - ref.float()).norm() / ref.float().norm()).item()
-                    us = None if smoke else time_rotated(calls) * 1e6
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                    print(f"{name} M={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                tflops = None if us is None else flops / (us * 1e-6) / 1e12
-                rows.append(dict(preset=name, tokens=tokens, variant=label, tile=str(t2), us=us, tflops=tflops,
-                                 rel_err=err, balanced=args.balanced))
-                timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
-                print(f"{name:16s} M={tokens:<5d} {label:20s} {t2}  {timing}  rel err {err:.1e}", flush=True)
+    for case in aligned_gemm2_cases(shapes, tokens, device, torch.float16 if smoke else torch.bfloat16,
+                                    tiles=tiles, balanced=args.balanced):
+        cells = [("library", case.library())]
+        cells += [(f"prototype tail {tail}", case.calls(lambda L, w, tail=tail, t=case.tile: tail_call(L, w, t, tail)))
+                  for tail in [0, *tails] if tail < case.tile.block_m]
+        for label, calls in cells:
+            try:
+                us, err, _ = case.check(calls, timed=not smoke)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
+                print(f"{case.preset} M={case.tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            tflops = None if us is None else case.flops / (us * 1e-6) / 1e12
+            rows.append(dict(preset=case.preset, tokens=case.tokens, variant=label, tile=str(case.tile), us=us,
+                             tflops=tflops, rel_err=err, balanced=args.balanced))
+            timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
+            print(f"{case.preset:16s} M={case.tokens:<5d} {label:20s} {case.tile}  {timing}  rel err {err:.1e}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,

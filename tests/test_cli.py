@@ -250,6 +250,30 @@ def test_decode_cells_draw_weights_once_per_shape():
     assert cells[0].tolerance == 2e-3
 
 
+def test_balanced_ids_and_aligned_gemm2_cases():
+    """balanced_ids: every expert T*k/E slots, distinct experts per token; aligned_gemm2_cases
+    (the GEMM2 prototypes' harness, fp16 in the interpreter): the library's GEMM2 reproduces the
+    case's ref, and check() catches a variant that leaves rows of y unwritten."""
+    import torch
+
+    from fusedmoe.backends.triton.tiles import TileConfig
+    from fusedmoe.bench import aligned_gemm2_cases, balanced_ids
+
+    ids = balanced_ids(12, 3, 6, torch.device("cpu"))
+    assert torch.equal(torch.bincount(ids.flatten(), minlength=6), torch.full((6,), 6))
+    assert all(len(set(row.tolist())) == 3 for row in ids)
+    tiles = (TileConfig(16, 16, 32, 4, 1), TileConfig(16, 32, 16, 4, 1))
+    cases = list(aligned_gemm2_cases({"tiny": (6, 2, 64, 48, "silu", 2)}, [24], torch.device("cpu"), torch.float16,
+                                     tiles=tiles, balanced=True))
+    (case,) = cases
+    assert case.tokens == 24 and len(case.w2s) == 2 and case.flops == 2 * 24 * 2 * 64 * 48
+    assert int(case.L.num_rows) == 6 * 16  # 8 slots per expert: one 16-row block each
+    us, err, same = case.check(case.library(), timed=False)
+    assert us is None and err == 0.0 and same
+    _, err, _ = case.check(case.calls(lambda L, w: None), timed=False)  # writes nothing: y stays NaN
+    assert math.isnan(err)
+
+
 def test_bench_roofline_takes_the_8bit_ceiling_for_w8a8():
     from fusedmoe.bench import Ceilings, quant_operand, roofline
     from fusedmoe.presets import get_preset

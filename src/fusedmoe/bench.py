@@ -277,6 +277,75 @@ def decode_cells(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.
             yield DecodeCell(name, E, K, H, inter, act, x, topk_w, ids, weights)
 
 
+def balanced_ids(tokens: int, top_k: int, experts: int, device: torch.device) -> torch.Tensor:
+    """Top-k ids with token t's j-th expert (t*k + j) % E: every expert gets T*k/E slots (where E
+    divides T*k), so the aligned GEMMs run no padding rows; distinct within a token for k <= E."""
+    slots = torch.arange(tokens, device=device)[:, None] * top_k + torch.arange(top_k, device=device)
+    return (slots % experts).to(torch.int32)
+
+
+@dataclass
+class AlignedGemm2Case:
+    """One (preset, token count) of the aligned-GEMM2 prototype benchmarks
+    (benchmarks/bench_persistent_gemm.py, bench_tail_block.py): the library's alignment `L` and
+    GEMM1 output for random inputs, the rotated w2 copies, GEMM2's tile, and the library's GEMM2
+    output `ref`. A variant is fn(L, w2) writing L.y."""
+
+    preset: str
+    tokens: int
+    L: object
+    w2s: list
+    tile: object
+    ref: torch.Tensor
+    flops: int
+
+    def calls(self, fn: Callable[[object, torch.Tensor], None]) -> list[Callable[[], torch.Tensor]]:
+        """One call per w2 copy: fn(L, w2), returning L.y."""
+        return [lambda w=w: (fn(self.L, w), self.L.y)[1] for w in self.w2s]
+
+    def library(self) -> list[Callable[[], torch.Tensor]]:
+        from fusedmoe.backends.triton.experts import launch_gemm2
+
+        return self.calls(lambda L, w: launch_gemm2(L, w, None, self.tile))
+
+    def check(self, calls: Sequence[Callable[[], torch.Tensor]], *, timed: bool) -> tuple[float | None, float, bool]:
+        """`check_and_time` against the library's y, L.y NaN-filled before the checked calls."""
+        return check_and_time(calls, self.ref, timed=timed,
+                              poison=lambda first: self.L.y.fill_(float("nan")) if first else None)
+
+
+def aligned_gemm2_cases(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.device, dtype: torch.dtype,
+                        *, tiles: tuple | None = None, balanced: bool = False):
+    """AlignedGemm2Cases for {name: (experts, top_k, hidden, inter, activation, copies)} at each
+    token count: weights drawn once per shape (seed 0), then each count's tokens and routing
+    (`balanced_ids` when balanced); tiles (gemm1, gemm2) or `choose_tiles`'."""
+    from fusedmoe.activations import SWIGLUOAI_ALPHA, is_gated
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        choose_tiles,
+        launch_gemm1,
+        launch_gemm2,
+        prepare_launch,
+    )
+    from fusedmoe.routing import select_experts
+
+    for name, (E, K, H, inter, act, copies) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        weights = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
+                   for _ in range(copies)]
+        for t in tokens:
+            x = torch.randn(t, H, device=device, generator=g).to(dtype)
+            topk_w, ids = select_experts(x, torch.randn(t, E, device=device, generator=g), K)
+            if balanced:
+                ids = balanced_ids(t, K, E, device)
+            t1, t2 = tiles or choose_tiles(GemmProblem(t * K, E, H, inter, K, is_gated(act), dtype), device)
+            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, SWIGLUOAI_ALPHA, None, t2.block_m)
+            launch_gemm1(L, weights[0][0], None, t1)
+            L.y.fill_(float("nan"))
+            launch_gemm2(L, weights[0][1], None, t2)
+            yield AlignedGemm2Case(name, t, L, [w2 for _, w2 in weights], t2, L.y.clone(), 2 * t * K * H * inter)
+
+
 def quant_backend(scheme: str | None) -> str:
     """The backend --quant times: marlin for the schemes it runs weight-only, else triton."""
     from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN

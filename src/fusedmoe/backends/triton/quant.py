@@ -360,7 +360,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                          num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                          swiglu_limit, scheme: QuantScheme, a13_scale, block_m) -> QuantLaunch:
     """Align the slots and quantize x: per token / group, or (tensor) one scale per expert."""
-    knobs_ = _call_knobs(scheme)  # before any launch: a bad knob raises here
+    call_knobs = _call_knobs(scheme)  # before any launch: a bad knob raises here
     device = x_TH.device
     sorted_slot, block_expert, num_rows, slot_ok = align(topk_ids_TK, expert_map, num_global_experts,
                                                          num_local, block_m)
@@ -374,7 +374,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
     row_w = weights_N if apply_router_weight_on_input else None  # K == 1: slot == token
-    return _quantize_input(L, scheme, a13_scale, row_w, num_local, knobs_)
+    return _quantize_input(L, scheme, a13_scale, row_w, num_local, call_knobs)
 
 
 def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -382,16 +382,16 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
                                 swiglu_limit, scheme: QuantScheme) -> QuantLaunch:
     """The direct decode path's launch (no alignment, a [T*K, I] fp32 by slot) with x quantized
     per token / group (router weight on input applied first: top_k 1, slot == token)."""
-    knobs_ = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
+    call_knobs = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
                               a_dtype=torch.float32, prescaled=True)
     if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
                            num_local):
-        return QuantLaunch(L, scheme, num_local, x_TH, None, **knobs_)
+        return QuantLaunch(L, scheme, num_local, x_TH, None, **call_knobs)
     row_w = L.weights_N if apply_router_weight_on_input else None
     x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
-    return QuantLaunch(L, scheme, num_local, x_in, x_scales, **knobs_)
+    return QuantLaunch(L, scheme, num_local, x_in, x_scales, **call_knobs)
 
 
 def _call_knobs(scheme: QuantScheme) -> dict:
@@ -627,7 +627,7 @@ def triton_batched_quant_experts(
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
-    knobs_ = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
+    call_knobs = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
 
     def choose(problem):
         t1, t2 = tiles if tiles is not None else choose_quant_tiles(problem, scheme, x_LMH.device)
@@ -635,7 +635,7 @@ def triton_batched_quant_experts(
         return t1, t2
 
     def gemms(L, t1, t2):
-        q = _quantize_input(L, scheme, a13_scale, None, num_local, knobs_)
+        q = _quantize_input(L, scheme, a13_scale, None, num_local, call_knobs)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
 

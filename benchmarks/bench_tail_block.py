@@ -12,14 +12,27 @@ expert's last block, so a program whose block has at most TAIL_M live rows can r
 [TAIL_M, BLOCK_N] tile instead (a scalar branch; both tiles are compiled into the one kernel),
 in the same launch, so the expert's weight tile still comes from L2 beside its full blocks.
 
+A second variant folds the tail instead (`merged_gemm2_kernel`): an expert's last block with at
+most TAIL_M live rows is no program of its own, and the block before it runs a second
+[TAIL_M, BLOCK_N] dot on the same weight tile each K step (the block list is made by torch here,
+untimed).
+
 This prototype is the aligned GEMM2 (y[slot] = w_slot * a[row] @ w2[e]^T, unquantized, no bias),
 pointer loads, the library's grouped program order. Variants: TAIL_M = 0 (the full tile only:
-the like-for-like base) and each --tails value, on the library's alignment and GEMM1 output with
-the tiles `choose_tiles` picks (the library's own GEMM2, with TMA descriptors where it takes
-them, is timed beside them). Every variant's y is checked against the library's (relative
-error; the narrow tile may run another MMA, so not bitwise). Not yet run on a GPU (written in the
-thirteenth session, compiled for sm90 offline by `--compile`); its result decides whether the
-library's GEMM1 / GEMM2 get a tail path.
+the like-for-like base), each --tails value, and each folded --tails value, on the library's
+alignment and GEMM1 output with the tiles `choose_tiles` picks (the library's own GEMM2, with TMA
+descriptors where it takes them, is timed beside them). Every variant's y is checked against the
+library's (relative error; the narrow tile may run another MMA, so not bitwise).
+
+Result (H200, fourteenth session, results/2026-11-24_h200_3136eb5_tail_block.txt): neither wins.
+The narrow tile gains 0-7% on the pointer base in some cells (Qwen3-30B M=1024 133.8 -> 124.9 us,
+gpt-oss M=4096 782 -> 750 in one run, 773 -> 773 in the next) and loses in others (Mixtral M=4096
++3%); balanced routing, the ceiling, is 8-18% faster (DeepSeek-V3 M=4096 542 -> 444). A tail
+program still streams the whole weight tile over the whole K, which is what it costs. Folding
+removes those programs (gpt-oss M=4096: 192 -> 128 programs per N tile) but is no faster there and
+20-30% slower elsewhere, even where no block folds (DeepSeek-V3 M=1024): the second dot takes HMMA
+beside the wgmma and the kernel's registers go 117 -> 165 (128x128 tile) and 124 -> 240 (64x128),
+halving the programs per SM. Not adopted.
 """
 
 from __future__ import annotations
@@ -88,6 +101,94 @@ def tail_gemm2_kernel(
     else:
         _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden,
                     inter, stride_ar, stride_we, stride_wh, stride_ys, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def merged_gemm2_kernel(
+    a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, prog_row0_ptr, prog_expert_ptr, prog_tail_ptr, num_progs_ptr,
+    num_slots, hidden, inter, stride_ar, stride_we, stride_wh, stride_ys,
+    TAIL_M: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The aligned GEMM2 over a compacted block list: an expert's last block with at most TAIL_M
+    live rows is no program of its own; the block before it (prog_tail = 1) runs a second
+    [TAIL_M, BLOCK_N] dot on the same weight tile each K step, so the tail costs no weight load
+    and no program."""
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
+    if pid_m >= tl.load(num_progs_ptr):
+        return
+    row0 = tl.load(prog_row0_ptr + pid_m)
+    expert = tl.load(prog_expert_ptr + pid_m).to(tl.int64)
+    if tl.load(prog_tail_ptr + pid_m) != 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rows_t = row0 + BLOCK_M + tl.arange(0, TAIL_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        slot_t = tl.load(sorted_slot_ptr + rows_t)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_k[None, :]
+        t_ptrs = a_ptr + rows_t.to(tl.int64)[:, None] * stride_ar + offs_k[None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wh + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_t = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a_t = tl.load(t_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+            acc_t = tl.dot(a_t, w, acc_t)
+            a_ptrs += BLOCK_K
+            t_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        row_ok = slot < num_slots
+        weight = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :],
+                 (acc * weight[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        t_ok = slot_t < num_slots
+        weight_t = tl.load(topk_w_ptr + slot_t, mask=t_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + slot_t.to(tl.int64)[:, None] * stride_ys + offs_n[None, :],
+                 (acc_t * weight_t[:, None]).to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+    else:
+        _gemm2_rows(a_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, expert, row0, pid_n, num_slots, hidden,
+                    inter, stride_ar, stride_we, stride_wh, stride_ys, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def merged_blocks(L, tail_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prog_row0, prog_expert, prog_tail, num_progs) from the library's alignment: an expert's
+    last block with <= tail_m live rows folds into the block before it (same expert). Made by
+    torch here (a prototype, untimed); the alignment kernel would write it."""
+    block_m, slots = L.block_m, L.y.shape[0]
+    blocks = int(L.num_rows.item()) // block_m
+    live = (L.sorted_slot[:blocks * block_m].view(blocks, block_m) < slots).sum(1)
+    expert = L.block_expert[:blocks]
+    folds = torch.zeros(blocks, dtype=torch.bool, device=live.device)
+    folds[1:] = (expert[1:] == expert[:-1]) & (live[1:] <= tail_m)
+    tail = torch.zeros(blocks, dtype=torch.int32, device=live.device)
+    tail[:-1] = folds[1:].to(torch.int32)
+    keep = ~folds
+    row0 = (torch.arange(blocks, device=live.device, dtype=torch.int32) * block_m)[keep]
+    num = torch.tensor([row0.numel()], dtype=torch.int32, device=live.device)
+    pad = L.sorted_slot.numel() // block_m - row0.numel()
+    fill = lambda t: torch.cat([t, t.new_zeros(pad)])  # noqa: E731 - grid sized as the library's
+    return fill(row0), fill(expert[keep].to(torch.int32)), fill(tail[keep]), num
+
+
+def merged_call(L, w2, tile, tail_m: int, plan) -> None:
+    """One launch of the folded-tail prototype (plan: `merged_blocks`)."""
+    from fusedmoe.backends.triton.experts import GROUP_M
+
+    a, y = L.a, L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    row0, expert, tail, num = plan
+    merged_gemm2_kernel[(row0.numel() * triton.cdiv(hidden, tile.block_n),)](
+        a, w2, y, L.weights_N, L.sorted_slot, row0, expert, tail, num, y.shape[0], hidden, inter,
+        a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TAIL_M=tail_m, GROUP_M=GROUP_M, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
 
 
 def tail_call(L, w2, tile, tail_m: int) -> None:
@@ -163,6 +264,12 @@ def main() -> int:
         cells = [("library", case.library())]
         cells += [(f"prototype tail {tail}", case.calls(lambda L, w, tail=tail, t=case.tile: tail_call(L, w, t, tail)))
                   for tail in [0, *tails] if tail < case.tile.block_m]
+        for tail in tails:
+            if tail < case.tile.block_m:
+                plan = merged_blocks(case.L, tail)
+                folded = int(plan[3].item())
+                cells.append((f"folded tail {tail} ({folded} progs)",
+                              case.calls(lambda L, w, tail=tail, t=case.tile, p=plan: merged_call(L, w, t, tail, p))))
         for label, calls in cells:
             try:
                 us, err, _ = case.check(calls, timed=not smoke)
@@ -173,7 +280,7 @@ def main() -> int:
             rows.append(dict(preset=case.preset, tokens=case.tokens, variant=label, tile=str(case.tile), us=us,
                              tflops=tflops, rel_err=err, balanced=args.balanced))
             timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
-            print(f"{case.preset:16s} M={case.tokens:<5d} {label:20s} {case.tile}  {timing}  rel err {err:.1e}",
+            print(f"{case.preset:16s} M={case.tokens:<5d} {label:28s} {case.tile}  {timing}  rel err {err:.1e}",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -227,6 +227,10 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
     ("int8_w8a8", 16, 8, 2, 4096, 14336, False, False),
     ("fp8_w8a8_channel", 1024, 8, 2, 4096, 14336, False, False),
     ("fp8_w8a8_channel", 4096, 128, 1, 5120, 1024, True, False),
+    # the int8 M=4 entries of the fourteenth session: the direct GEMM2 split over two shares
+    ("int8_w8a8", 4, 128, 8, 2048, 768, False, False),  # Qwen3-30B
+    ("int8_w8a8", 4, 128, 8, 4096, 384, False, False),  # Qwen3-235B TP4
+    ("int8_w8a8", 4, 256, 8, 7168, 256, False, False),  # DeepSeek-V3 TP8
 ]
 
 

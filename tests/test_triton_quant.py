@@ -444,10 +444,10 @@ def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
-@pytest.mark.parametrize("knob", ["FP8_ACCUMULATE", "TRITON_SWAP_AB"])
+@pytest.mark.parametrize("knob", ["FP8_ACCUMULATE", "TRITON_SWAP_AB", "TRITON_GEMM2_ROWS"])
 def test_bad_knob_raises_before_any_launch(direct, knob, monkeypatch):
-    """A bad FUSEDMOE_FP8_ACCUMULATE or FUSEDMOE_TRITON_SWAP_AB is read once per call
-    (quant._call_knobs), before the alignment and x's quantization launch."""
+    """A bad FUSEDMOE_FP8_ACCUMULATE, FUSEDMOE_TRITON_SWAP_AB or FUSEDMOE_TRITON_GEMM2_ROWS is read
+    once per call (quant._call_knobs), before the alignment and x's quantization launch."""
     from fusedmoe.backends.triton import quant as tq
 
     def launched(*args, **kwargs):
@@ -508,6 +508,75 @@ def test_swap_ab_matches_unswapped(case, scheme, direct):
     assert_close_up_to_code_flips(swapped, plain)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
     assert rel_err(swapped, emulated) < TOL[torch.float32]
+
+
+ROWS_CASES = [  # the row-stationary int8 GEMM2 (kernels.moe_gemm2_rows_kernel) forced on
+    Case("r-basic"),
+    # E not a power of 2, H not a multiple of the 64-wide N tiles, I under its 64-wide tile, biases
+    Case("r-odd-bias", T=37, E=5, K=3, H=100, I=48, bias=True),
+    # I at GEMM2_ROWS_MAX_I, router weight on the input (no row scale), half the experts elsewhere,
+    # 64-row blocks
+    Case("r-maxi-input-map", T=9, E=6, K=1, H=64, I=256, on_input=True, expert_map=True,
+         tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))),
+    Case("r-one-expert", T=20, K=1),  # every token to expert 2: the others get no rows
+]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=[c.id for c in ROWS_CASES])
+def test_gemm2_rows_matches_tiled(case, monkeypatch):
+    """FUSEDMOE_TRITON_GEMM2_ROWS=force gives moe_gemm2_kernel's output bit for bit (exact int32
+    sums, the same epilogue order), and it did run (a spy on the launch)."""
+    from fusedmoe.backends.triton import quant as tq
+
+    config, x, w, weights, ids, expert_map = problem(case, "int8_w8a8", torch.float32)
+    if case.id == "r-one-expert":
+        ids = torch.full_like(ids, 2)
+    launches = []
+    real = tq.launch_gemm2_rows
+    monkeypatch.setattr(tq, "launch_gemm2_rows", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    with knobs.override(TRITON_GEMM2_ROWS=False):
+        tiled = run(config, x, w, weights, ids, expert_map, case.tiles, direct=False)
+    assert not launches
+    with knobs.override(TRITON_GEMM2_ROWS="force"):
+        rows = run(config, x, w, weights, ids, expert_map, case.tiles, direct=False)
+    assert launches == [1]
+    assert torch.equal(rows, tiled)
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(rows, emulated) < TOL[torch.float32]
+
+
+def test_gemm2_rows_rule(monkeypatch):
+    """Row-stationary where it was measured to win: int8 per-token codes, I <= 256, the
+    contiguous aligned path's 64+ row blocks over 4096+ slots, sm90; force lifts all but the
+    codes, I and the path; 0 never."""
+    from fusedmoe.backends.triton import quant
+
+    int8, fp8 = QuantKey("int8", "token", dynamic=True), QuantKey("fp8", "token", dynamic=True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(quant, "_sm90_gpu", lambda device: device.type == "cuda")
+    rule = quant.gemm2_rows
+    assert rule(int8, 256, 64, 8192, cuda) and rule(int8, 200, 128, 4096, cuda)
+    assert not rule(int8, 257, 64, 8192, cuda)  # I past one 256-wide tile
+    assert not rule(fp8, 256, 64, 8192, cuda)  # fp8's chained accumulation splits K differently
+    assert not rule(QuantKey("fp8", "tensor", dynamic=True), 256, 64, 8192, cuda)
+    assert not rule(int8, 256, 32, 8192, cuda) and not rule(int8, 256, 64, 4095, cuda)  # unmeasured
+    assert not rule(int8, 256, 64, 8192, cpu)
+    for flag in ("direct", "batched", "swapped"):
+        assert not rule(int8, 256, 64, 8192, cuda, **{flag: True})
+    with knobs.override(TRITON_GEMM2_ROWS=False):
+        assert not rule(int8, 256, 64, 8192, cuda)
+    with knobs.override(TRITON_GEMM2_ROWS="force"):
+        assert rule(int8, 48, 16, 10, cpu) and rule(int8, 48, 16, 10, cpu, batched=True)
+        assert not rule(int8, 320, 64, 8192, cpu) and not rule(int8, 48, 16, 10, cpu, direct=True)
+        assert not rule(fp8, 48, 16, 10, cpu) and not rule(int8, 48, 16, 10, cpu, swapped=True)
+    # `fusedmoe explain --tokens` says so (its tiles: the heuristic's, no table on the CPU host)
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+
+    with knobs.override(TRITON_GEMM2_ROWS="force"):
+        plan = describe_plan(GemmProblem(8192, 256, 7168, 256, 8, True, torch.bfloat16), get_scheme("int8_w8a8"), cpu)
+    assert plan["path"] == "aligned" and "row-stationary" in plan["gemm2"]["rows"]
+    plan = describe_plan(GemmProblem(8192, 256, 7168, 256, 8, True, torch.bfloat16), get_scheme("int8_w8a8"), cpu)
+    assert plan["gemm2"]["rows"] is None  # auto: not on a CPU
 
 
 def test_swap_ab_rule(monkeypatch):

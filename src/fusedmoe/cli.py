@@ -278,7 +278,8 @@ def format_plans(plans: list[dict] | dict) -> str:
             g = p[name]
             tma = f", TMA {g['tma']}" if g["tma"] else ""
             swap = ", swapped: w^T @ a^T, one stage fewer" if g.get("swap_ab") else ""
-            gemms.append(f"{name} {g['tile']} ({g['source']}{tma}{swap})")
+            rows = f", {g['rows']}" if g.get("rows") else ""
+            gemms.append(f"{name} {g['tile']} ({g['source']}{tma}{swap}{rows})")
         lines.append(f"  M={p['tokens']:<6d} {p['path']}: {p['launches']}; {'; '.join(gemms)}")
         lines.append(f"           why: {p['why']}")
         if p.get("fp8_accumulate"):

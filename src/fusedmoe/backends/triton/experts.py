@@ -505,7 +505,8 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
 
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
-    {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB)}, and
+    {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
+    the row-stationary int8 kernel's description where quant.gemm2_rows picks it)}, and
     fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
@@ -572,9 +573,17 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         tma1, tma2 = tma_planned(problem, device)
         tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
+    rows = None
+    if scheme is not None and not scheme.weight_only:
+        from fusedmoe.backends.triton.quant import gemm2_rows
+
+        if gemm2_rows(scheme.activation, problem.inter, t2.block_m, problem.num_slots, device, swapped=swap2):
+            cfg = GEMM2_ROWS_CONFIG
+            rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once, "
+                    f"{cfg['BLOCK_N']}-wide N tiles over {cfg['SPLIT_N']} shares; the tile's block_m only")
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=src1, tma=tma1, swap_ab=swap1),
-                gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2), **extra)
+                gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2, rows=rows), **extra)
 
 
 # TMA descriptors ------------------------------------------------------------------------------
@@ -876,6 +885,40 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0,
         A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
+    )
+
+
+# The row-stationary int8 GEMM2 (kernels.moe_gemm2_rows_kernel): one launch config, measured on
+# the H200 at DeepSeek-V3 TP8 (I = 256, 64-row blocks; benchmarks/bench_row_stationary.py --quant
+# int8_w8a8, results/2026-11-24_h200_3136eb5_row_stationary.txt): 64-wide N tiles over two shares
+# of a row block's N tiles, 4 warps, 4 stages: M=1024 197.0 -> 154.1 us, M=4096 457.0 -> 315.7
+# (the best variants 152.6 and 311.8). Qwen3-235B (I = 384, a 512-wide tile) gained 4% at M=4096
+# and lost 3% at M=1024: GEMM2_ROWS_MAX_I keeps it to I <= 256.
+GEMM2_ROWS_MAX_I = 256
+GEMM2_ROWS_CONFIG = dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4)
+
+
+def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, a: torch.Tensor,
+                      a_scales: torch.Tensor, w2_scale: torch.Tensor, stride_ws0: int, stride_ws1: int) -> None:
+    """GEMM2 of int8 W8A8 codes a [R, I] (a scale per aligned row) as row-stationary programs
+    (kernels.moe_gemm2_rows_kernel): y bit for bit launch_gemm2's."""
+    from fusedmoe.backends.triton import kernels
+
+    y = L.y
+    hidden, inter = y.shape[1], a.shape[1]
+    bias = w2_bias if w2_bias is not None else y
+    blocks = L.sorted_slot.numel() // L.block_m
+    cfg = GEMM2_ROWS_CONFIG
+    kernels.moe_gemm2_rows_kernel[(blocks * cfg["SPLIT_N"],)](
+        a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, a_scales, w2_scale,
+        y.shape[0], hidden, inter,
+        a.stride(0), a.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
+        y.stride(0), y.stride(1),
+        a_scales.stride(0), stride_ws0, stride_ws1,
+        HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output, BLOCK_M=L.block_m,
+        BLOCK_I=triton_next_pow2(inter), **cfg, **L.launch_kw,
     )
 
 

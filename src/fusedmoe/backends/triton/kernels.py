@@ -24,7 +24,9 @@ K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, writt
 GEMM (per-tensor: one scale per expert, so x's codes are made per sorted row and gemm1 reads
 them by row, X_SORTED; the scales run as Q_CHANNEL's, a per-row scale times a weight scale
 broadcast over the channels), except x's per-token codes on the direct path: GEMM1 makes them
-from x itself (FUSE_XQ). Host side: quant.py.
+from x itself (FUSE_XQ). Host side: quant.py. int8 GEMM2 with I <= 256 on the aligned path:
+moe_gemm2_rows_kernel, one program per (row block, share of the N tiles), the block's codes loaded
+once (quant.gemm2_rows decides).
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
@@ -838,6 +840,64 @@ def moe_gemm2_kernel(
         acc = acc * w[:, None]
     y_ptrs = y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_gemm2_rows_kernel(
+    a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr, as_ptr, ws_ptr,
+    num_slots, hidden, inter,
+    stride_ar, stride_ai,
+    stride_we, stride_wh, stride_wi,
+    stride_be, stride_bh,
+    stride_ys, stride_yh,
+    stride_as0, stride_ws0, stride_ws1,
+    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """moe_gemm2_kernel's y for int8 W8A8 codes (Q_CHANNEL: a scale per aligned row, w2 scales
+    [L, H] or [L] at channel stride 0) where the whole I fits one tile (BLOCK_I >= inter):
+    program (row block, share) loads the block's [BLOCK_M, I] codes and scales once, then streams
+    the expert's w2 tiles [I, BLOCK_N] over its share of the N tiles, one whole-K int32 dot and one
+    store per tile, so a tile's store overlaps the next tiles' loads (tl.range's pipeline).
+
+    Where I is short (DeepSeek-V3 TP8, I = 256) the (row block, N tile) programs of
+    moe_gemm2_kernel each run 1-4 K steps, paying pipeline fill and the block's activation loads
+    per N tile. int32 sums are exact, and the epilogue multiplies in moe_gemm2_kernel's order, so
+    y is bit for bit the same. experts.gemm2_rows decides where it runs."""
+    _pdl_wait(PDL)
+    pid_m = tl.program_id(0) // SPLIT_N
+    share = tl.program_id(0) % SPLIT_N
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_I)
+    i_ok = offs_i < inter
+    a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_i[None, :] * stride_ai,
+                mask=row_ok[:, None] & i_ok[None, :], other=0)
+    sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
+    if SCALE_ROWS:
+        w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    per = tl.cdiv(num_n, SPLIT_N)
+    n_lo = share * per
+    n_hi = tl.minimum(n_lo + per, num_n)
+    w_cols = w2_ptr + expert * stride_we + offs_i[:, None] * stride_wi
+    y_rows = y_ptr + slot.to(tl.int64)[:, None] * stride_ys
+    for t in tl.range(n_lo, n_hi, num_stages=NUM_STAGES):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        ww = tl.load(w_cols + offs_n.to(tl.int64)[None, :] * stride_wh, mask=i_ok[:, None] & n_ok[None, :], other=0)
+        acc = tl.dot(a, ww, out_dtype=tl.int32)
+        sw = tl.load(ws_ptr + expert * stride_ws0 + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
+        out = acc.to(tl.float32) * sa[:, None] * sw[None, :]
+        if HAS_BIAS:
+            out += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SCALE_ROWS:
+            out = out * w[:, None]
+        tl.store(y_rows + offs_n[None, :] * stride_yh, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _pdl_release(PDL)
 
 
 @triton.jit

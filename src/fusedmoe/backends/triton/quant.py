@@ -31,6 +31,7 @@ import torch
 
 from fusedmoe.activations import is_gated
 from fusedmoe.backends.triton.experts import (
+    GEMM2_ROWS_MAX_I,
     W8A8_QUANT_CODES,
     GemmProblem,
     Launch,
@@ -42,6 +43,7 @@ from fusedmoe.backends.triton.experts import (
     launch_gemm1,
     launch_gemm2,
     launch_gemm2_direct,
+    launch_gemm2_rows,
     launch_reduce,
     memoized_tiles,
     plan_tiles,
@@ -343,6 +345,7 @@ class QuantLaunch:
     a_scales: torch.Tensor | None = None
     fp8_promote: bool = False  # fp8_promoted(scheme), read once before the call's first launch
     swap_mode: bool | str | None = None  # FUSEDMOE_TRITON_SWAP_AB, read then too (swap_ab's mode)
+    rows_mode: bool | str | None = None  # FUSEDMOE_TRITON_GEMM2_ROWS, read then too (gemm2_rows' mode)
 
     @property
     def x_fused(self) -> bool:
@@ -396,11 +399,12 @@ def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, 
 
 def _call_knobs(scheme: QuantScheme) -> dict:
     """The knobs a W8A8 call's launches follow, read (and so checked) once, before its first
-    launch: QuantLaunch's fp8_promote (FUSEDMOE_FP8_ACCUMULATE) and swap_mode
-    (FUSEDMOE_TRITON_SWAP_AB)."""
+    launch: QuantLaunch's fp8_promote (FUSEDMOE_FP8_ACCUMULATE), swap_mode
+    (FUSEDMOE_TRITON_SWAP_AB) and rows_mode (FUSEDMOE_TRITON_GEMM2_ROWS)."""
     from fusedmoe import knobs
 
-    return dict(fp8_promote=fp8_promoted(scheme), swap_mode=knobs.get("TRITON_SWAP_AB"))
+    return dict(fp8_promote=fp8_promoted(scheme), swap_mode=knobs.get("TRITON_SWAP_AB"),
+                rows_mode=knobs.get("TRITON_GEMM2_ROWS"))
 
 
 def fuse_x_quantization(key: QuantKey, hidden: int, inter: int, gated: bool, num_slots: int,
@@ -486,6 +490,27 @@ def swap_ab(tile: TileConfig, key: QuantKey, device: torch.device, *, direct: bo
             and (key.dtype, key.granularity) in SWAP_AB_ACTIVATIONS and _sm90_gpu(device))
 
 
+GEMM2_ROWS_MIN_SLOTS = 4096  # measured at 8192 and 32768 (DeepSeek-V3 M=1024 / 4096)
+
+
+def gemm2_rows(key: QuantKey, inter: int, block_m: int, num_slots: int, device: torch.device, *,
+               direct: bool = False, batched: bool = False, swapped: bool = False, mode=_READ) -> bool:
+    """Whether the aligned W8A8 GEMM2 runs as row-stationary programs
+    (kernels.moe_gemm2_rows_kernel, experts.GEMM2_ROWS_CONFIG): int8 per-token codes (exact int32
+    sums: y is the tiled kernel's bit for bit) with I <= GEMM2_ROWS_MAX_I, not swapped;
+    FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read it) =0 never, force wherever that
+    holds, else the contiguous layout's 64+ row blocks over GEMM2_ROWS_MIN_SLOTS+ slots on sm90."""
+    from fusedmoe import knobs
+
+    if mode is _READ:
+        mode = knobs.get("TRITON_GEMM2_ROWS")
+    if (mode is False or direct or swapped or key.dtype != "int8" or key.granularity != "token"
+            or triton_next_pow2(inter) > GEMM2_ROWS_MAX_I):
+        return False
+    return mode == "force" or (not batched and block_m >= 64 and num_slots >= GEMM2_ROWS_MIN_SLOTS
+                               and _sm90_gpu(device))
+
+
 def _swap_launch(tile: TileConfig, key: QuantKey, q: QuantLaunch) -> tuple[TileConfig, dict]:
     """(the tile to launch, the SWAP_AB keyword): swapped, one pipeline stage fewer (at least 2).
     A swapped GEMM's wgmma pipeline keeps num_stages operand buffers in shared memory where the
@@ -566,11 +591,19 @@ def launch_quant_gemm1(q: QuantLaunch, w13, w13_bias, w13_scale, tile: TileConfi
 
 
 def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
-                       out: torch.Tensor | None = None) -> None:
-    """GEMM2 on the intermediate's codes: per aligned row into y, or (out given: the direct path)
-    with the routed weight and the top-k sum into out."""
+                       out: torch.Tensor | None = None, *, batched: bool = False) -> None:
+    """GEMM2 on the intermediate's codes: per aligned row into y (row-stationary where
+    `gemm2_rows` says), or (out given: the direct path) with the routed weight and the top-k sum
+    into out."""
     gran = q.scheme.weight.granularity
     tile, swap = _swap_launch(tile, q.scheme.activation, q)
+    if out is None and not q.a_fused and gemm2_rows(q.scheme.activation, q.a_in.shape[1], q.L.block_m, q.L.num_slots,
+                                                    q.a_in.device, direct=q.L.direct, batched=batched,
+                                                    swapped=swap["SWAP_AB"], mode=q.rows_mode):
+        strides = _weight_scale_strides(w2_scale, gran)
+        launch_gemm2_rows(q.L, w2, w2_bias, q.a_in, q.a_scales, w2_scale, strides["stride_ws0"],
+                          strides["stride_ws1"])
+        return
     args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
                 FP8_PROMOTE=q.fp8_promote, **swap)
     if q.a_fused:  # the direct GEMM2 quantizes GEMM1's fp32 a itself (kernels.py FUSE_AQ)
@@ -637,7 +670,7 @@ def triton_batched_quant_experts(
     def gemms(L, t1, t2):
         q = _quantize_input(L, scheme, a13_scale, None, num_local, call_knobs)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
-        launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2)
+        launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, batched=True)
 
     return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, choose, gemms,
                        a_dtype=torch.float32)

@@ -510,25 +510,33 @@ def test_swap_ab_matches_unswapped(case, scheme, direct):
     assert rel_err(swapped, emulated) < TOL[torch.float32]
 
 
-ROWS_CASES = [  # the row-stationary int8 GEMM2 (kernels.moe_gemm2_rows_kernel) forced on
-    Case("r-basic"),
+BLOCK_TILES = ((64, 128, 128, 4, 1), (64, 128, 128, 4, 1))  # the tiled GEMM2 steps K by 128, as the groups
+ROWS_CASES = [  # the row-stationary W8A8 GEMM2 (kernels.moe_gemm2_rows_kernel) forced on
+    (Case("r-basic"), "int8_w8a8"),
     # E not a power of 2, H not a multiple of the 64-wide N tiles, I under its 64-wide tile, biases
-    Case("r-odd-bias", T=37, E=5, K=3, H=100, I=48, bias=True),
+    (Case("r-odd-bias", T=37, E=5, K=3, H=100, I=48, bias=True), "int8_w8a8"),
     # I at GEMM2_ROWS_MAX_I, router weight on the input (no row scale), half the experts elsewhere,
     # 64-row blocks
-    Case("r-maxi-input-map", T=9, E=6, K=1, H=64, I=256, on_input=True, expert_map=True,
-         tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))),
-    Case("r-one-expert", T=20, K=1),  # every token to expert 2: the others get no rows
+    (Case("r-maxi-input-map", T=9, E=6, K=1, H=64, I=256, on_input=True, expert_map=True,
+          tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))), "int8_w8a8"),
+    (Case("r-one-expert", T=20, K=1), "int8_w8a8"),  # every token to expert 2: the others get no rows
+    # fp8 block: two full 128-wide groups; H past the last whole weight block, the second group
+    # 32 wide, biases, E = 5; weight on input with an expert map
+    (Case("rb-basic", T=20, H=256, I=256, tiles=BLOCK_TILES), "fp8_w8a8_block"),
+    (Case("rb-odd-bias", T=37, E=5, K=3, H=200, I=160, bias=True, tiles=BLOCK_TILES), "fp8_w8a8_block"),
+    (Case("rb-input-map", T=9, E=6, K=1, H=128, I=256, on_input=True, expert_map=True, tiles=BLOCK_TILES),
+     "fp8_w8a8_block"),
 ]
 
 
-@pytest.mark.parametrize("case", ROWS_CASES, ids=[c.id for c in ROWS_CASES])
-def test_gemm2_rows_matches_tiled(case, monkeypatch):
-    """FUSEDMOE_TRITON_GEMM2_ROWS=force gives moe_gemm2_kernel's output bit for bit (exact int32
-    sums, the same epilogue order), and it did run (a spy on the launch)."""
+@pytest.mark.parametrize("case,scheme", ROWS_CASES, ids=[f"{c.id}-{s}" for c, s in ROWS_CASES])
+def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
+    """FUSEDMOE_TRITON_GEMM2_ROWS=force gives moe_gemm2_kernel's output bit for bit (int8: exact
+    int32 sums; fp8 block: the tiled kernel's 128-deep K steps; the same epilogue order), and it
+    did run (a spy on the launch)."""
     from fusedmoe.backends.triton import quant as tq
 
-    config, x, w, weights, ids, expert_map = problem(case, "int8_w8a8", torch.float32)
+    config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
     if case.id == "r-one-expert":
         ids = torch.full_like(ids, 2)
     launches = []
@@ -557,7 +565,10 @@ def test_gemm2_rows_rule(monkeypatch):
     rule = quant.gemm2_rows
     assert rule(int8, 256, 64, 8192, cuda) and rule(int8, 200, 128, 4096, cuda)
     assert not rule(int8, 257, 64, 8192, cuda)  # I past one 256-wide tile
-    assert not rule(fp8, 256, 64, 8192, cuda)  # fp8's chained accumulation splits K differently
+    group = QuantKey("fp8", "group", 128, dynamic=True)
+    assert rule(group, 256, 64, 8192, cuda) and rule(group, 129, 64, 8192, cuda)  # two 128-wide groups
+    assert not rule(group, 128, 64, 8192, cuda) and not rule(group, 320, 64, 8192, cuda)
+    assert not rule(fp8, 256, 64, 8192, cuda)  # fp8 per token (chained accumulation): unmeasured
     assert not rule(QuantKey("fp8", "tensor", dynamic=True), 256, 64, 8192, cuda)
     assert not rule(int8, 256, 32, 8192, cuda) and not rule(int8, 256, 64, 4095, cuda)  # unmeasured
     assert not rule(int8, 256, 64, 8192, cpu)

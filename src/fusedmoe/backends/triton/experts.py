@@ -578,7 +578,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         from fusedmoe.backends.triton.quant import gemm2_rows
 
         if gemm2_rows(scheme.activation, problem.inter, t2.block_m, problem.num_slots, device, swapped=swap2):
-            cfg = GEMM2_ROWS_CONFIG
+            cfg = GEMM2_ROWS_CONFIG["int8" if scheme.activation.dtype == "int8" else "fp8_block"]
             rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once, "
                     f"{cfg['BLOCK_N']}-wide N tiles over {cfg['SPLIT_N']} shares; the tile's block_m only")
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
@@ -888,27 +888,33 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     )
 
 
-# The row-stationary int8 GEMM2 (kernels.moe_gemm2_rows_kernel): one launch config, measured on
-# the H200 at DeepSeek-V3 TP8 (I = 256, 64-row blocks; benchmarks/bench_row_stationary.py --quant
-# int8_w8a8, results/2026-11-24_h200_3136eb5_row_stationary.txt): 64-wide N tiles over two shares
-# of a row block's N tiles, 4 warps, 4 stages: M=1024 197.0 -> 154.1 us, M=4096 457.0 -> 315.7
-# (the best variants 152.6 and 311.8). Qwen3-235B (I = 384, a 512-wide tile) gained 4% at M=4096
-# and lost 3% at M=1024: GEMM2_ROWS_MAX_I keeps it to I <= 256.
+# The row-stationary W8A8 GEMM2 (kernels.moe_gemm2_rows_kernel): one launch config per code
+# type, measured on the H200 at DeepSeek-V3 TP8 (I = 256, 64-row blocks;
+# benchmarks/bench_row_stationary.py --quant, results/2026-11-24_h200_4f412f2_row_stationary_w8a8.txt;
+# the library's GEMM2 alone): int8 64-wide N tiles over two shares of a row block's N tiles, 4 warps,
+# 4 stages: M=1024 197.0 -> 154.1 us, M=4096 457.0 -> 315.7 (the best variants 152.6 and 311.8);
+# fp8 block 128-wide N tiles over two shares, 4 warps, 3 stages: M=1024 219.9 -> 151.0, M=4096
+# 524.6 -> 281.0. Qwen3-235B (I = 384, a 512-wide tile) gained 0-7%: GEMM2_ROWS_MAX_I keeps it to
+# I <= 256 (fp8 block: I in (128, 256], the two 128-wide groups the kernel splits the codes into).
 GEMM2_ROWS_MAX_I = 256
-GEMM2_ROWS_CONFIG = dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4)
+GEMM2_ROWS_CONFIG = {
+    "int8": dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4),
+    "fp8_block": dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
+}
 
 
 def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, a: torch.Tensor,
-                      a_scales: torch.Tensor, w2_scale: torch.Tensor, stride_ws0: int, stride_ws1: int) -> None:
-    """GEMM2 of int8 W8A8 codes a [R, I] (a scale per aligned row) as row-stationary programs
-    (kernels.moe_gemm2_rows_kernel): y bit for bit launch_gemm2's."""
+                      a_scales: torch.Tensor, w2_scale: torch.Tensor, quant: int, ws_strides: dict) -> None:
+    """GEMM2 of W8A8 codes a [R, I] (int8 with a scale per aligned row, quant Q_CHANNEL, or fp8
+    with a scale per 128-wide group, Q_BLOCK) as row-stationary programs
+    (kernels.moe_gemm2_rows_kernel): y as launch_gemm2's."""
     from fusedmoe.backends.triton import kernels
 
     y = L.y
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
-    cfg = GEMM2_ROWS_CONFIG
+    cfg = GEMM2_ROWS_CONFIG["fp8_block" if quant == W8A8_QUANT_CODES["block"] else "int8"]
     kernels.moe_gemm2_rows_kernel[(blocks * cfg["SPLIT_N"],)](
         a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, a_scales, w2_scale,
         y.shape[0], hidden, inter,
@@ -916,8 +922,9 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
         w2.stride(0), w2.stride(1), w2.stride(2),
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
-        a_scales.stride(0), stride_ws0, stride_ws1,
-        HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output, BLOCK_M=L.block_m,
+        a_scales.stride(0), a_scales.stride(1) if a_scales.dim() > 1 else 0, ws_strides["stride_ws0"],
+        ws_strides["stride_ws1"], ws_strides["stride_ws2"],
+        QUANT=quant, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output, BLOCK_M=L.block_m,
         BLOCK_I=triton_next_pow2(inter), **cfg, **L.launch_kw,
     )
 

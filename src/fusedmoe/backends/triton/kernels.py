@@ -24,9 +24,9 @@ K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, writt
 GEMM (per-tensor: one scale per expert, so x's codes are made per sorted row and gemm1 reads
 them by row, X_SORTED; the scales run as Q_CHANNEL's, a per-row scale times a weight scale
 broadcast over the channels), except x's per-token codes on the direct path: GEMM1 makes them
-from x itself (FUSE_XQ). Host side: quant.py. int8 GEMM2 with I <= 256 on the aligned path:
-moe_gemm2_rows_kernel, one program per (row block, share of the N tiles), the block's codes loaded
-once (quant.gemm2_rows decides).
+from x itself (FUSE_XQ). Host side: quant.py. int8 / fp8 block GEMM2 with I <= 256 on the aligned
+path: moe_gemm2_rows_kernel, one program per (row block, share of the N tiles), the block's codes
+loaded once (quant.gemm2_rows decides).
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
 registers after their load and never written back; each byte is read once per (row block, N tile):
@@ -851,21 +851,28 @@ def moe_gemm2_rows_kernel(
     stride_we, stride_wh, stride_wi,
     stride_be, stride_bh,
     stride_ys, stride_yh,
-    stride_as0, stride_ws0, stride_ws1,
-    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT_N: tl.constexpr,
+    stride_as0, stride_as1, stride_ws0, stride_ws1, stride_ws2,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """moe_gemm2_kernel's y for int8 W8A8 codes (Q_CHANNEL: a scale per aligned row, w2 scales
-    [L, H] or [L] at channel stride 0) where the whole I fits one tile (BLOCK_I >= inter):
+    """moe_gemm2_kernel's y for W8A8 codes where the whole I fits one tile (BLOCK_I >= inter):
     program (row block, share) loads the block's [BLOCK_M, I] codes and scales once, then streams
-    the expert's w2 tiles [I, BLOCK_N] over its share of the N tiles, one whole-K int32 dot and one
+    the expert's w2 tiles [I, BLOCK_N] over its share of the N tiles, one whole-K product and one
     store per tile, so a tile's store overlaps the next tiles' loads (tl.range's pipeline).
+
+    Q_CHANNEL (int8 codes): a scale per aligned row, w2 scales [L, H] (or [L] at channel stride 0);
+    one int32 dot, exact, so y is moe_gemm2_kernel's bit for bit. Q_BLOCK (fp8 1x128 groups,
+    128x128 weight blocks; BLOCK_I = 256, BLOCK_N dividing 128): the codes split into their two
+    128-wide groups, one dot per group scaled by its group and block scales, as moe_gemm2_kernel
+    steps through K with BLOCK_K = 128 (the same sums in the same order).
 
     Where I is short (DeepSeek-V3 TP8, I = 256) the (row block, N tile) programs of
     moe_gemm2_kernel each run 1-4 K steps, paying pipeline fill and the block's activation loads
-    per N tile. int32 sums are exact, and the epilogue multiplies in moe_gemm2_kernel's order, so
-    y is bit for bit the same. experts.gemm2_rows decides where it runs."""
+    per N tile. The epilogue multiplies in moe_gemm2_kernel's order. quant.gemm2_rows decides
+    where it runs."""
+    tl.static_assert(QUANT == Q_CHANNEL or (QUANT == Q_BLOCK and BLOCK_I == 256 and 128 % BLOCK_N == 0),
+                     "moe_gemm2_rows_kernel: int8 per-channel codes, or fp8 block codes with I in (128, 256]")
     _pdl_wait(PDL)
     pid_m = tl.program_id(0) // SPLIT_N
     share = tl.program_id(0) % SPLIT_N
@@ -875,23 +882,40 @@ def moe_gemm2_rows_kernel(
     offs_i = tl.arange(0, BLOCK_I)
     i_ok = offs_i < inter
     a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_i[None, :] * stride_ai,
-                mask=row_ok[:, None] & i_ok[None, :], other=0)
+                mask=row_ok[:, None] & i_ok[None, :], other=0.0)
     sa = tl.load(as_ptr + rows.to(tl.int64) * stride_as0, mask=row_ok, other=0.0)
+    if QUANT == Q_BLOCK:  # the two 128-wide groups of the row block's codes and their scales
+        a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (BLOCK_M, 2, 128)), (0, 2, 1)))
+        sa_hi = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + stride_as1, mask=row_ok, other=0.0)
+        offs_k = tl.arange(0, 128)
     if SCALE_ROWS:
         w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
     num_n = tl.cdiv(hidden, BLOCK_N)
     per = tl.cdiv(num_n, SPLIT_N)
     n_lo = share * per
     n_hi = tl.minimum(n_lo + per, num_n)
-    w_cols = w2_ptr + expert * stride_we + offs_i[:, None] * stride_wi
+    w_base = w2_ptr + expert * stride_we
+    ws_base = ws_ptr + expert * stride_ws0
     y_rows = y_ptr + slot.to(tl.int64)[:, None] * stride_ys
     for t in tl.range(n_lo, n_hi, num_stages=NUM_STAGES):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hidden
-        ww = tl.load(w_cols + offs_n.to(tl.int64)[None, :] * stride_wh, mask=i_ok[:, None] & n_ok[None, :], other=0)
-        acc = tl.dot(a, ww, out_dtype=tl.int32)
-        sw = tl.load(ws_ptr + expert * stride_ws0 + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
-        out = acc.to(tl.float32) * sa[:, None] * sw[None, :]
+        w_cols = w_base + offs_n.to(tl.int64)[None, :] * stride_wh
+        if QUANT == Q_BLOCK:
+            w_lo = tl.load(w_cols + offs_k[:, None] * stride_wi, mask=n_ok[None, :], other=0.0)
+            w_hi = tl.load(w_cols + (128 + offs_k)[:, None] * stride_wi,
+                           mask=(128 + offs_k < inter)[:, None] & n_ok[None, :], other=0.0)
+            sw_cols = ws_base + (t * BLOCK_N // 128) * stride_ws1
+            sw_lo = tl.load(sw_cols).to(tl.float32)
+            sw_hi = tl.load(sw_cols + stride_ws2).to(tl.float32)
+            out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            out += tl.dot(a_lo, w_lo) * (sa * sw_lo)[:, None]
+            out += tl.dot(a_hi, w_hi) * (sa_hi * sw_hi)[:, None]
+        else:
+            ww = tl.load(w_cols + offs_i[:, None] * stride_wi, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, ww, out_dtype=tl.int32)
+            sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
+            out = acc.to(tl.float32) * sa[:, None] * sw[None, :]
         if HAS_BIAS:
             out += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SCALE_ROWS:

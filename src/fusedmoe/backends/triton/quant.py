@@ -496,16 +496,21 @@ GEMM2_ROWS_MIN_SLOTS = 4096  # measured at 8192 and 32768 (DeepSeek-V3 M=1024 / 
 def gemm2_rows(key: QuantKey, inter: int, block_m: int, num_slots: int, device: torch.device, *,
                direct: bool = False, batched: bool = False, swapped: bool = False, mode=_READ) -> bool:
     """Whether the aligned W8A8 GEMM2 runs as row-stationary programs
-    (kernels.moe_gemm2_rows_kernel, experts.GEMM2_ROWS_CONFIG): int8 per-token codes (exact int32
-    sums: y is the tiled kernel's bit for bit) with I <= GEMM2_ROWS_MAX_I, not swapped;
-    FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read it) =0 never, force wherever that
-    holds, else the contiguous layout's 64+ row blocks over GEMM2_ROWS_MIN_SLOTS+ slots on sm90."""
+    (kernels.moe_gemm2_rows_kernel, experts.GEMM2_ROWS_CONFIG): int8 per-token codes with
+    I <= GEMM2_ROWS_MAX_I (exact int32 sums: y is the tiled kernel's bit for bit), or fp8 1x128
+    group codes with I in (128, GEMM2_ROWS_MAX_I] (two groups: the sums of the tiled kernel's
+    128-deep K steps), not swapped; FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read
+    it) =0 never, force wherever that holds, else the contiguous layout's 64+ row blocks over
+    GEMM2_ROWS_MIN_SLOTS+ slots on sm90. fp8 per token / tensor codes (chained accumulation) keep
+    the tiled kernel: unmeasured."""
     from fusedmoe import knobs
 
     if mode is _READ:
         mode = knobs.get("TRITON_GEMM2_ROWS")
-    if (mode is False or direct or swapped or key.dtype != "int8" or key.granularity != "token"
-            or triton_next_pow2(inter) > GEMM2_ROWS_MAX_I):
+    size = triton_next_pow2(inter)
+    int8 = key.dtype == "int8" and key.granularity == "token" and size <= GEMM2_ROWS_MAX_I
+    fp8_block = key.dtype == "fp8" and key.granularity == "group" and key.group == 128 and size == GEMM2_ROWS_MAX_I
+    if mode is False or direct or swapped or not (int8 or fp8_block):
         return False
     return mode == "force" or (not batched and block_m >= 64 and num_slots >= GEMM2_ROWS_MIN_SLOTS
                                and _sm90_gpu(device))
@@ -600,9 +605,8 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     if out is None and not q.a_fused and gemm2_rows(q.scheme.activation, q.a_in.shape[1], q.L.block_m, q.L.num_slots,
                                                     q.a_in.device, direct=q.L.direct, batched=batched,
                                                     swapped=swap["SWAP_AB"], mode=q.rows_mode):
-        strides = _weight_scale_strides(w2_scale, gran)
-        launch_gemm2_rows(q.L, w2, w2_bias, q.a_in, q.a_scales, w2_scale, strides["stride_ws0"],
-                          strides["stride_ws1"])
+        launch_gemm2_rows(q.L, w2, w2_bias, q.a_in, q.a_scales, w2_scale, W8A8_QUANT_CODES[gran],
+                          _weight_scale_strides(w2_scale, gran))
         return
     args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
                 FP8_PROMOTE=q.fp8_promote, **swap)

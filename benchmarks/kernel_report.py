@@ -33,7 +33,9 @@ from fusedmoe.presets import get_preset  # noqa: E402
 from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
-        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB")
+        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N")
+# moe_gemm2_rows_kernel names its K extent BLOCK_I (the whole I) and its stages NUM_STAGES (tl.range's)
+TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
 
 def as_on_gpu(device_name: str | None) -> torch.device:
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
     print(f"{'preset':16} {'M':>5} {'path':7} {'kernel':26} {'tile (m,n,k,w,s)':20} {'regs':>4} {'stack':>5} "
           f"{'smem':>7} {'/SM':>3} {'instr':>6}  key opcodes")
     for r in rows:
-        tile = ",".join(str(r.get(k, "-")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+        tile = ",".join(str(r.get(k, r.get(TILE_ALIASES.get(k, k), "-")))
+                        for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
         ops = " ".join(f"{k}={v}" for k, v in r["opcodes"].items() if v)
         print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:20} {r['regs']:>4} "
               f"{r['stack']:>5} {r['shared']:>7} {r['programs_per_sm']:>3} {r['instructions']:>6}  {ops}")

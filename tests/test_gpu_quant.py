@@ -236,13 +236,17 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
 ]
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a8", "fp8_w8a8_block"])
-@pytest.mark.parametrize("T", [1024, 4096])
+ROWS_GPU_CELLS = [(T, s) for T in (1024, 4096) for s in ("int8_w8a8", "fp8_w8a8_block", "fp8_w8a8_channel")]
+ROWS_GPU_CELLS.append((4096, "fp8_w8a8_tensor"))  # at M=1024 its heuristic GEMM2 blocks are 16 rows: tiled
+
+
+@pytest.mark.parametrize("T,scheme", ROWS_GPU_CELLS, ids=[f"{T}-{s}" for T, s in ROWS_GPU_CELLS])
 def test_gemm2_rows_bitwise_on_gpu(T, scheme, monkeypatch):
     """DeepSeek-V3 TP8 (I = 256, 8192 / 32768 slots): the row-stationary GEMM2 the rule picks (a
     spy on its launch) gives the tiled GEMM2's output (FUSEDMOE_TRITON_GEMM2_ROWS=0) bit for bit:
     int8's sums are exact; fp8 block's are the tiled kernel's where its K steps are 128 deep (the
-    packaged tiles of these cells), else within rounding."""
+    packaged tiles of these cells); fp8 per row chains one accumulator through K either way. Other
+    than int8 the test asks for rounding-level agreement and prints whether the bits match."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton import quant as tq
 

@@ -526,14 +526,20 @@ ROWS_CASES = [  # the row-stationary W8A8 GEMM2 (kernels.moe_gemm2_rows_kernel) 
     (Case("rb-odd-bias", T=37, E=5, K=3, H=200, I=160, bias=True, tiles=BLOCK_TILES), "fp8_w8a8_block"),
     (Case("rb-input-map", T=9, E=6, K=1, H=128, I=256, on_input=True, expert_map=True, tiles=BLOCK_TILES),
      "fp8_w8a8_block"),
+    # fp8 per token / per tensor codes, chained accumulation (the interpreter sums a whole-K dot in
+    # another order than K steps: close, not bitwise; the H200 test checks bits)
+    (Case("rc-odd-bias", T=37, E=5, K=3, H=100, I=48, bias=True), "fp8_w8a8_channel"),
+    (Case("rt-map", T=9, E=6, K=2, H=64, I=200, expert_map=True, tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))),
+     "fp8_w8a8_tensor"),
+    (Case("rt-static", T=20, K=1), "fp8_w8a8_tensor_static"),
 ]
 
 
 @pytest.mark.parametrize("case,scheme", ROWS_CASES, ids=[f"{c.id}-{s}" for c, s in ROWS_CASES])
 def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
     """FUSEDMOE_TRITON_GEMM2_ROWS=force gives moe_gemm2_kernel's output bit for bit (int8: exact
-    int32 sums; fp8 block: the tiled kernel's 128-deep K steps; the same epilogue order), and it
-    did run (a spy on the launch)."""
+    int32 sums; fp8 block: the tiled kernel's 128-deep K steps; the same epilogue order; fp8 per
+    row: within rounding here), and it did run (a spy on the launch)."""
     from fusedmoe.backends.triton import quant as tq
 
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
@@ -548,15 +554,18 @@ def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
     with knobs.override(TRITON_GEMM2_ROWS="force"):
         rows = run(config, x, w, weights, ids, expert_map, case.tiles, direct=False)
     assert launches == [1]
-    assert torch.equal(rows, tiled)
+    if scheme in ("int8_w8a8", "fp8_w8a8_block"):
+        assert torch.equal(rows, tiled)
+    else:
+        assert rel_err(rows, tiled) < 1e-6
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
     assert rel_err(rows, emulated) < TOL[torch.float32]
 
 
 def test_gemm2_rows_rule(monkeypatch):
-    """Row-stationary where it was measured to win: int8 per-token codes, I <= 256, the
-    contiguous aligned path's 64+ row blocks over 4096+ slots, sm90; force lifts all but the
-    codes, I and the path; 0 never."""
+    """Row-stationary where it was measured to win: int8 and fp8 per-row codes (chained) with
+    I <= 256, fp8 block codes with I in (128, 256], the contiguous aligned path's 64+ row blocks
+    over 4096+ slots, sm90; force lifts all but the codes, I and the path; 0 never."""
     from fusedmoe.backends.triton import quant
 
     int8, fp8 = QuantKey("int8", "token", dynamic=True), QuantKey("fp8", "token", dynamic=True)
@@ -568,8 +577,10 @@ def test_gemm2_rows_rule(monkeypatch):
     group = QuantKey("fp8", "group", 128, dynamic=True)
     assert rule(group, 256, 64, 8192, cuda) and rule(group, 129, 64, 8192, cuda)  # two 128-wide groups
     assert not rule(group, 128, 64, 8192, cuda) and not rule(group, 320, 64, 8192, cuda)
-    assert not rule(fp8, 256, 64, 8192, cuda)  # fp8 per token (chained accumulation): unmeasured
-    assert not rule(QuantKey("fp8", "tensor", dynamic=True), 256, 64, 8192, cuda)
+    assert rule(fp8, 256, 64, 8192, cuda) and rule(QuantKey("fp8", "tensor"), 48, 64, 8192, cuda)
+    assert not rule(fp8, 256, 64, 8192, cuda, promoted=True)  # K steps added in fp32: not one dot
+    assert not rule(fp8, 320, 64, 8192, cuda)
+    assert rule(QuantKey("fp8", "tensor", dynamic=True), 256, 64, 8192, cuda)
     assert not rule(int8, 256, 32, 8192, cuda) and not rule(int8, 256, 64, 4095, cuda)  # unmeasured
     assert not rule(int8, 256, 64, 8192, cpu)
     for flag in ("direct", "batched", "swapped"):
@@ -579,7 +590,8 @@ def test_gemm2_rows_rule(monkeypatch):
     with knobs.override(TRITON_GEMM2_ROWS="force"):
         assert rule(int8, 48, 16, 10, cpu) and rule(int8, 48, 16, 10, cpu, batched=True)
         assert not rule(int8, 320, 64, 8192, cpu) and not rule(int8, 48, 16, 10, cpu, direct=True)
-        assert not rule(fp8, 48, 16, 10, cpu) and not rule(int8, 48, 16, 10, cpu, swapped=True)
+        assert rule(fp8, 48, 16, 10, cpu) and not rule(int8, 48, 16, 10, cpu, swapped=True)
+        assert not rule(fp8, 48, 16, 10, cpu, promoted=True)
     # `fusedmoe explain --tokens` says so (its tiles: the heuristic's, no table on the CPU host)
     from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
 

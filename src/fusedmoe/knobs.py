@@ -102,9 +102,9 @@ KNOBS: dict[str, Knob] = {
              "the aligned path with N tiles >= 64 on sm90, 0 = never, force = every W8A8 launch on any "
              "device (the interpreter tests)."),
         Knob("TRITON_GEMM2_ROWS", _on_off_force, None,
-             "int8 and fp8 block W8A8 GEMM2 of the aligned path as row-stationary programs (each "
-             "loads its row block's codes once and streams w2 over a share of the N tiles; the same "
-             "output bit for bit) where I fits one tile (int8 <= 256, fp8 block 129-256): unset/1 = "
+             "W8A8 GEMM2 of the aligned path as row-stationary programs (each loads its row block's "
+             "codes once and streams w2 over a share of the N tiles; the same output bit for bit) "
+             "where I fits one tile (<= 256; fp8 block 129-256; fp8 per row chained): unset/1 = "
              "64+ row blocks over 4096+ slots on sm90, 0 = never, force = wherever I fits (any device: "
              "the interpreter tests)."),
         Knob("FP8_ACCUMULATE", _choice("chained", "promoted"), None,

@@ -24,8 +24,8 @@ K step (BLOCK_K divides 128). Activation codes come from quant_kernels.py, writt
 GEMM (per-tensor: one scale per expert, so x's codes are made per sorted row and gemm1 reads
 them by row, X_SORTED; the scales run as Q_CHANNEL's, a per-row scale times a weight scale
 broadcast over the channels), except x's per-token codes on the direct path: GEMM1 makes them
-from x itself (FUSE_XQ). Host side: quant.py. int8 / fp8 block GEMM2 with I <= 256 on the aligned
-path: moe_gemm2_rows_kernel, one program per (row block, share of the N tiles), the block's codes
+from x itself (FUSE_XQ). Host side: quant.py. W8A8 GEMM2 with I <= 256 on the aligned path:
+moe_gemm2_rows_kernel, one program per (row block, share of the N tiles), the block's codes
 loaded once (quant.gemm2_rows decides).
 
 Weight-only (Q_W8, Q_W4; activations stay in their float dtype). The weights are dequantized in
@@ -854,6 +854,7 @@ def moe_gemm2_rows_kernel(
     stride_as0, stride_as1, stride_ws0, stride_ws1, stride_ws2,
     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ACC_INT: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     """moe_gemm2_kernel's y for W8A8 codes where the whole I fits one tile (BLOCK_I >= inter):
@@ -861,8 +862,10 @@ def moe_gemm2_rows_kernel(
     the expert's w2 tiles [I, BLOCK_N] over its share of the N tiles, one whole-K product and one
     store per tile, so a tile's store overlaps the next tiles' loads (tl.range's pipeline).
 
-    Q_CHANNEL (int8 codes): a scale per aligned row, w2 scales [L, H] (or [L] at channel stride 0);
-    one int32 dot, exact, so y is moe_gemm2_kernel's bit for bit. Q_BLOCK (fp8 1x128 groups,
+    Q_CHANNEL: a scale per aligned row, w2 scales [L, H] (or [L] at channel stride 0); one dot,
+    int32 for int8 codes (ACC_INT: exact, so y is moe_gemm2_kernel's bit for bit), fp32 for fp8
+    codes (one chained accumulator over the whole K: on sm90 the same wgmma chain as the tiled
+    kernel's chained K steps). Q_BLOCK (fp8 1x128 groups,
     128x128 weight blocks; BLOCK_I = 256, BLOCK_N dividing 128): the codes split into their two
     128-wide groups, one dot per group scaled by its group and block scales, as moe_gemm2_kernel
     steps through K with BLOCK_K = 128 (the same sums in the same order).
@@ -872,7 +875,7 @@ def moe_gemm2_rows_kernel(
     per N tile. The epilogue multiplies in moe_gemm2_kernel's order. quant.gemm2_rows decides
     where it runs."""
     tl.static_assert(QUANT == Q_CHANNEL or (QUANT == Q_BLOCK and BLOCK_I == 256 and 128 % BLOCK_N == 0),
-                     "moe_gemm2_rows_kernel: int8 per-channel codes, or fp8 block codes with I in (128, 256]")
+                     "moe_gemm2_rows_kernel: per-row scaled codes, or fp8 block codes with I in (128, 256]")
     _pdl_wait(PDL)
     pid_m = tl.program_id(0) // SPLIT_N
     share = tl.program_id(0) % SPLIT_N
@@ -913,7 +916,10 @@ def moe_gemm2_rows_kernel(
             out += tl.dot(a_hi, w_hi) * (sa_hi * sw_hi)[:, None]
         else:
             ww = tl.load(w_cols + offs_i[:, None] * stride_wi, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, ww, out_dtype=tl.int32)
+            if ACC_INT:  # noqa: SIM108 (constexpr branch)
+                acc = tl.dot(a, ww, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a, ww, out_dtype=tl.float32)
             sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
             out = acc.to(tl.float32) * sa[:, None] * sw[None, :]
         if HAS_BIAS:

@@ -494,23 +494,26 @@ GEMM2_ROWS_MIN_SLOTS = 4096  # measured at 8192 and 32768 (DeepSeek-V3 M=1024 / 
 
 
 def gemm2_rows(key: QuantKey, inter: int, block_m: int, num_slots: int, device: torch.device, *,
-               direct: bool = False, batched: bool = False, swapped: bool = False, mode=_READ) -> bool:
+               direct: bool = False, batched: bool = False, swapped: bool = False, promoted: bool = False,
+               mode=_READ) -> bool:
     """Whether the aligned W8A8 GEMM2 runs as row-stationary programs
     (kernels.moe_gemm2_rows_kernel, experts.GEMM2_ROWS_CONFIG): int8 per-token codes with
-    I <= GEMM2_ROWS_MAX_I (exact int32 sums: y is the tiled kernel's bit for bit), or fp8 1x128
-    group codes with I in (128, GEMM2_ROWS_MAX_I] (two groups: the sums of the tiled kernel's
-    128-deep K steps), not swapped; FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read
-    it) =0 never, force wherever that holds, else the contiguous layout's 64+ row blocks over
-    GEMM2_ROWS_MIN_SLOTS+ slots on sm90. fp8 per token / tensor codes (chained accumulation) keep
-    the tiled kernel: unmeasured."""
+    I <= GEMM2_ROWS_MAX_I (exact int32 sums: y is the tiled kernel's bit for bit), fp8 per-token or
+    per-tensor codes with I <= GEMM2_ROWS_MAX_I and the chained accumulator (not `promoted`: the
+    whole-K dot is the tiled kernel's chain of K steps), or fp8 1x128 group codes with I in (128,
+    GEMM2_ROWS_MAX_I] (two groups: the sums of the tiled kernel's 128-deep K steps), not swapped;
+    FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read it) =0 never, force wherever that
+    holds, else the contiguous layout's 64+ row blocks over GEMM2_ROWS_MIN_SLOTS+ slots on sm90."""
     from fusedmoe import knobs
 
     if mode is _READ:
         mode = knobs.get("TRITON_GEMM2_ROWS")
     size = triton_next_pow2(inter)
+    per_row = key.granularity in ("token", "tensor") and size <= GEMM2_ROWS_MAX_I
     int8 = key.dtype == "int8" and key.granularity == "token" and size <= GEMM2_ROWS_MAX_I
+    fp8_row = key.dtype == "fp8" and per_row and not promoted
     fp8_block = key.dtype == "fp8" and key.granularity == "group" and key.group == 128 and size == GEMM2_ROWS_MAX_I
-    if mode is False or direct or swapped or not (int8 or fp8_block):
+    if mode is False or direct or swapped or not (int8 or fp8_row or fp8_block):
         return False
     return mode == "force" or (not batched and block_m >= 64 and num_slots >= GEMM2_ROWS_MIN_SLOTS
                                and _sm90_gpu(device))
@@ -604,7 +607,8 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     tile, swap = _swap_launch(tile, q.scheme.activation, q)
     if out is None and not q.a_fused and gemm2_rows(q.scheme.activation, q.a_in.shape[1], q.L.block_m, q.L.num_slots,
                                                     q.a_in.device, direct=q.L.direct, batched=batched,
-                                                    swapped=swap["SWAP_AB"], mode=q.rows_mode):
+                                                    swapped=swap["SWAP_AB"], promoted=q.fp8_promote,
+                                                    mode=q.rows_mode):
         launch_gemm2_rows(q.L, w2, w2_bias, q.a_in, q.a_scales, w2_scale, W8A8_QUANT_CODES[gran],
                           _weight_scale_strides(w2_scale, gran))
         return

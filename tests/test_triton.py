@@ -1041,3 +1041,23 @@ def test_pdl_launch_keywords(monkeypatch):
     monkeypatch.setenv("FUSEDMOE_PDL", "maybe")
     with pytest.raises(ValueError, match="FUSEDMOE_PDL='maybe'"):
         pdl(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["auto", "aligned"])
+@pytest.mark.parametrize("knob", ["TRITON_TMA", "TRITON_DIRECT"])
+def test_bad_knob_raises_before_any_launch_unquantized(direct, knob, monkeypatch):
+    """The unquantized path reads its plan's knobs (memoized_tiles: TRITON_TMA, TRITON_DIRECT with
+    TUNED_DIR) before the alignment launches, so a bad value raises with nothing launched (W8A8
+    reads its own in quant._call_knobs: test_triton_quant.py)."""
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel launched before the knob was read")
+
+    monkeypatch.setattr(experts_mod, "align", launched)
+    monkeypatch.setattr(experts_mod, "prepare_direct_launch", launched)
+    monkeypatch.setenv(f"FUSEDMOE_{knob}", "fast")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 64, generator=gen)
+    w, ids = select_experts(x, torch.randn(40, 4, generator=gen), 2)
+    with pytest.raises(ValueError, match=f"FUSEDMOE_{knob}='fast'"):
+        triton_experts(x, torch.randn(4, 64, 64, generator=gen), torch.randn(4, 64, 32, generator=gen), w, ids,
+                       None, None, None, 4, "silu", False, 1.702, None, direct=direct)

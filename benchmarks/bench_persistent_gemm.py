@@ -24,7 +24,6 @@ or running within the call's limit. Not adopted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -91,7 +90,7 @@ def main() -> int:
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.experts import _num_sms
     from fusedmoe.backends.triton.tiles import TileConfig
-    from fusedmoe.bench import aligned_gemm2_cases, preset_shapes
+    from fusedmoe.bench import aligned_gemm2_cases, check_variants, finish_variants, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     if smoke:
@@ -118,26 +117,12 @@ def main() -> int:
                     f"p{programs}{' ws' if ws else ''}"
             cells.append((label, case.calls(lambda L, w, v=(tile, programs, ws, warps, stages):
                                             persistent_call(L, w, *v))))
-        for label, calls in cells:
-            if args.only is not None and args.only not in label and label != "library":
-                continue
-            try:
-                us, err, _ = case.check(calls, timed=not smoke)
-            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                print(f"{case.preset} M={case.tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                continue
-            same = err == 0.0
-            tflops = None if us is None else case.flops / (us * 1e-6) / 1e12
-            rows.append(dict(preset=case.preset, tokens=case.tokens, variant=label, us=us, tflops=tflops,
-                             bitwise_equal_to_library=same, rel_err=err))
-            timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
-            print(f"{case.preset:16s} M={case.tokens:<5d} {label:44s} {timing}  equal {same} rel err {err:.1e}",
-                  flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,
-                      indent=1)
-    return 0 if all(r["rel_err"] < 1e-2 for r in rows) else 1
+        cells = [(label, calls) for label, calls in cells
+                 if args.only is None or args.only in label or label == "library"]
+        rows += check_variants(f"{case.preset:16s} M={case.tokens:<5d}", cells,
+                               lambda calls, c=case: c.check(calls, timed=not smoke), case.flops,
+                               row=dict(preset=case.preset, tokens=case.tokens), width=44)
+    return finish_variants(rows, args.json, device)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ halving the programs per SM. Not adopted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -246,7 +245,7 @@ def main() -> int:
         return 0
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     from fusedmoe.backends.triton.tiles import TileConfig
-    from fusedmoe.bench import aligned_gemm2_cases, preset_shapes
+    from fusedmoe.bench import aligned_gemm2_cases, check_variants, finish_variants, preset_shapes
 
     device = torch.device("cpu" if smoke else "cuda")
     if smoke:
@@ -270,23 +269,11 @@ def main() -> int:
                 folded = int(plan[3].item())
                 cells.append((f"folded tail {tail} ({folded} progs)",
                               case.calls(lambda L, w, tail=tail, t=case.tile, p=plan: merged_call(L, w, t, tail, p))))
-        for label, calls in cells:
-            try:
-                us, err, _ = case.check(calls, timed=not smoke)
-            except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a row
-                print(f"{case.preset} M={case.tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                continue
-            tflops = None if us is None else case.flops / (us * 1e-6) / 1e12
-            rows.append(dict(preset=case.preset, tokens=case.tokens, variant=label, tile=str(case.tile), us=us,
-                             tflops=tflops, rel_err=err, balanced=args.balanced))
-            timing = "" if us is None else f"{us:8.1f} us {tflops:6.0f} TFLOP/s"
-            print(f"{case.preset:16s} M={case.tokens:<5d} {label:28s} {case.tile}  {timing}  rel err {err:.1e}",
-                  flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,
-                      indent=1)
-    return 0 if all(r["rel_err"] < 1e-2 for r in rows) else 1
+        rows += check_variants(f"{case.preset:16s} M={case.tokens:<5d} {case.tile}", cells,
+                               lambda calls, c=case: c.check(calls, timed=not smoke), case.flops,
+                               row=dict(preset=case.preset, tokens=case.tokens, tile=str(case.tile),
+                                        balanced=args.balanced))
+    return finish_variants(rows, args.json, device)
 
 
 if __name__ == "__main__":

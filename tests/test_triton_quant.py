@@ -921,3 +921,19 @@ def test_four_bit_tiles_past_16_row_blocks():
             assert (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k) == \
                 (block_m, 128, 128, warps, 3, 1), (tokens, experts, gated, t)
     assert heuristic(256 * 8, 128, 768, 2048, torch.bfloat16, gated=True, quant="w4", group=32).block_n == 64
+
+
+def test_recording_runs_the_named_kernels():
+    """kernel_report.recording(run=True, only=...) records the named launches and still runs them
+    (benchmarks/bench_row_stationary.py times a recorded GEMM2 on its tensors): the call's output
+    is unchanged; run=True without `only` is refused (helpers replaced by recorders could not run)."""
+    from fusedmoe.backends.triton import kernel_report
+
+    config, x, w, weights, ids, expert_map = problem(Case("rec", T=20), "int8_w8a8", torch.float32)
+    plain = run(config, x, w, weights, ids, expert_map, Case.tiles, direct=False)
+    with kernel_report.recording(run=True, only=("moe_gemm2_kernel",)) as calls:
+        recorded = run(config, x, w, weights, ids, expert_map, Case.tiles, direct=False)
+    assert [c.name for c in calls] == ["moe_gemm2_kernel"]
+    assert torch.equal(recorded, plain)
+    with pytest.raises(ValueError, match="needs `only`"), kernel_report.recording(run=True):
+        pass

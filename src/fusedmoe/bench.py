@@ -261,20 +261,29 @@ class DecodeCell:
         return 100 * t_roof / (us * 1e-6)
 
 
-def decode_cells(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.device,
-                 dtype: torch.dtype):
-    """DecodeCells for {name: (experts, top_k, hidden, inter, activation, copies)} at each token
-    count: weights drawn once per shape (seed 0), then each count's tokens and routing."""
+def _routed_problems(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.device, dtype: torch.dtype):
+    """(name, shape, [(w13, w2)] * copies, x, topk_weights, topk_ids) for {name: (experts, top_k,
+    hidden, inter, activation, copies)} at each token count: weights drawn once per shape (seed 0),
+    then each count's tokens and routing. The prototype benchmarks' shared inputs."""
     from fusedmoe.routing import select_experts
 
-    for name, (E, K, H, inter, act, copies) in shapes.items():
+    for name, shape in shapes.items():
+        E, K, H, inter, act, copies = shape
         g = torch.Generator(device=device).manual_seed(0)
         weights = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
                    for _ in range(copies)]
         for t in tokens:
             x = torch.randn(t, H, device=device, generator=g).to(dtype)
             topk_w, ids = select_experts(x, torch.randn(t, E, device=device, generator=g), K)
-            yield DecodeCell(name, E, K, H, inter, act, x, topk_w, ids, weights)
+            yield name, shape, weights, x, topk_w, ids
+
+
+def decode_cells(shapes: dict[str, tuple], tokens: Sequence[int], device: torch.device,
+                 dtype: torch.dtype):
+    """DecodeCells for {name: (experts, top_k, hidden, inter, activation, copies)} at each token
+    count (`_routed_problems`)."""
+    for name, (E, K, H, inter, act, _), weights, x, topk_w, ids in _routed_problems(shapes, tokens, device, dtype):
+        yield DecodeCell(name, E, K, H, inter, act, x, topk_w, ids, weights)
 
 
 def balanced_ids(tokens: int, top_k: int, experts: int, device: torch.device) -> torch.Tensor:
@@ -327,23 +336,51 @@ def aligned_gemm2_cases(shapes: dict[str, tuple], tokens: Sequence[int], device:
         launch_gemm2,
         prepare_launch,
     )
-    from fusedmoe.routing import select_experts
 
-    for name, (E, K, H, inter, act, copies) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        weights = [random_expert_weights(E, H, inter, act, device=device, dtype=dtype, generator=g)[:2]
-                   for _ in range(copies)]
-        for t in tokens:
-            x = torch.randn(t, H, device=device, generator=g).to(dtype)
-            topk_w, ids = select_experts(x, torch.randn(t, E, device=device, generator=g), K)
-            if balanced:
-                ids = balanced_ids(t, K, E, device)
-            t1, t2 = tiles or choose_tiles(GemmProblem(t * K, E, H, inter, K, is_gated(act), dtype), device)
-            L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, SWIGLUOAI_ALPHA, None, t2.block_m)
-            launch_gemm1(L, weights[0][0], None, t1)
-            L.y.fill_(float("nan"))
-            launch_gemm2(L, weights[0][1], None, t2)
-            yield AlignedGemm2Case(name, t, L, [w2 for _, w2 in weights], t2, L.y.clone(), 2 * t * K * H * inter)
+    for name, (E, K, H, inter, act, _), weights, x, topk_w, ids in _routed_problems(shapes, tokens, device, dtype):
+        t = x.shape[0]
+        if balanced:
+            ids = balanced_ids(t, K, E, device)
+        t1, t2 = tiles or choose_tiles(GemmProblem(t * K, E, H, inter, K, is_gated(act), dtype), device)
+        L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, SWIGLUOAI_ALPHA, None, t2.block_m)
+        launch_gemm1(L, weights[0][0], None, t1)
+        L.y.fill_(float("nan"))
+        launch_gemm2(L, weights[0][1], None, t2)
+        yield AlignedGemm2Case(name, t, L, [w2 for _, w2 in weights], t2, L.y.clone(), 2 * t * K * H * inter)
+
+
+def check_variants(head: str, cells: Sequence[tuple[str, object]], check: Callable[[object], tuple], flops: int, *,
+                   row: dict, width: int = 28, unit: str = "TFLOP/s") -> list[dict]:
+    """The prototype benchmarks' variant loop: for each (label, calls) `check(calls)` -> (us or
+    None, rel err, ...) (`check_and_time` / `AlignedGemm2Case.check`); a variant that raises
+    (cannot compile, out of shared memory) is printed as a line of its own and left out. Returns
+    one dict per variant (`row` | variant, us, tflops, rel_err) and prints it after `head`."""
+    rows = []
+    for label, calls in cells:
+        try:
+            us, err, *_ = check(calls)
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is a line
+            print(f"{head} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        rate = None if us is None else flops / (us * 1e-6) / 1e12
+        rows.append(dict(row, variant=label, us=us, tflops=rate, rel_err=err))
+        timing = "" if us is None else f"{us:8.1f} us {rate:6.0f} {unit}"
+        print(f"{head} {label:{width}s} {timing}  rel err {err:.1e}", flush=True)
+    return rows
+
+
+def finish_variants(rows: list[dict], json_path: str | None, device: torch.device) -> int:
+    """Write the variant rows (`check_variants`) as JSON with the versions; the exit status: 0
+    when every variant's output matched the reference within 1e-2, else 1."""
+    import json
+
+    import triton
+
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(device=str(device), torch=torch.__version__, triton=triton.__version__, rows=rows), f,
+                      indent=1)
+    return 0 if all(r["rel_err"] < 1e-2 for r in rows) else 1
 
 
 def quant_backend(scheme: str | None) -> str:

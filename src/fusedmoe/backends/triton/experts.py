@@ -506,7 +506,7 @@ def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
-    the row-stationary int8 kernel's description where quant.gemm2_rows picks it)}, and
+    the row-stationary W8A8 kernel's description where quant.gemm2_rows picks it)}, and
     fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
@@ -579,7 +579,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
 
         if gemm2_rows(scheme.activation, problem.inter, t2.block_m, problem.num_slots, device, swapped=swap2,
                       promoted=extra.get("fp8_accumulate", "").startswith("promoted")):
-            cfg = GEMM2_ROWS_CONFIG["fp8_block" if scheme.activation.granularity == "group" else "channel"]
+            cfg = GEMM2_ROWS_CONFIG[W8A8_QUANT_CODES[scheme.weight.granularity]]
             rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once, "
                     f"{cfg['BLOCK_N']}-wide N tiles over {cfg['SPLIT_N']} shares; the tile's block_m only")
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
@@ -898,9 +898,9 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
 # 524.6 -> 281.0. Qwen3-235B (I = 384, a 512-wide tile) gained 0-7%: GEMM2_ROWS_MAX_I keeps it to
 # I <= 256 (fp8 block: I in (128, 256], the two 128-wide groups the kernel splits the codes into).
 GEMM2_ROWS_MAX_I = 256
-GEMM2_ROWS_CONFIG = {  # "channel": int8's measurement, fp8 per token / tensor codes take it too
-    "channel": dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4),
-    "fp8_block": dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
+GEMM2_ROWS_CONFIG = {  # by the kernels' QUANT code; per row: int8's measurement, fp8 per token / tensor take it too
+    W8A8_QUANT_CODES["channel"]: dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4),
+    W8A8_QUANT_CODES["block"]: dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
 }
 
 
@@ -915,7 +915,7 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
-    cfg = GEMM2_ROWS_CONFIG["fp8_block" if quant == W8A8_QUANT_CODES["block"] else "channel"]
+    cfg = GEMM2_ROWS_CONFIG[quant]
     kernels.moe_gemm2_rows_kernel[(blocks * cfg["SPLIT_N"],)](
         a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, a_scales, w2_scale,
         y.shape[0], hidden, inter,
@@ -926,8 +926,7 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
         a_scales.stride(0), a_scales.stride(1) if a_scales.dim() > 1 else 0, ws_strides["stride_ws0"],
         ws_strides["stride_ws1"], ws_strides["stride_ws2"],
         QUANT=quant, ACC_INT=a.dtype == torch.int8, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        BLOCK_M=L.block_m,
-        BLOCK_I=triton_next_pow2(inter), **cfg, **L.launch_kw,
+        BLOCK_M=L.block_m, BLOCK_I=triton_next_pow2(inter), **cfg, **L.launch_kw,
     )
 
 

@@ -45,19 +45,31 @@ class Call:
 
 
 class _Recorder:
-    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call (and, with
+    `run`, launches it)."""
 
-    def __init__(self, name: str, fn, calls: list[Call]):
-        self.name, self.fn, self.calls = name, fn, calls
+    def __init__(self, name: str, fn, calls: list[Call], run: bool):
+        self.name, self.fn, self.calls, self.run = name, fn, calls, run
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(Call(self.name, self.fn, tuple(grid), args, kwargs))
+        def launch(*args, **kwargs):
+            self.calls.append(Call(self.name, self.fn, tuple(grid), args, kwargs))
+            if self.run:
+                self.fn[grid](*args, **kwargs)
+        return launch
 
 
 @contextlib.contextmanager
-def recording():
-    """Replace every jitted kernel of `kernels` and `quant_kernels` with a recorder; yields the
-    list the launches are appended to (nothing runs: outputs stay as allocated)."""
+def recording(run: bool = False, only: tuple[str, ...] | None = None):
+    """Replace every jitted kernel of `kernels` and `quant_kernels` (or those named in `only`)
+    with a recorder; yields the list the launches are appended to. Nothing runs (outputs stay as
+    allocated) unless `run`: then each launch runs too, so the recorded tensors hold what the call
+    computed (benchmarks/bench_row_stationary.py times a recorded GEMM2 beside variants on its
+    tensors). Running needs `only` to name launched kernels: a jitted helper replaced by a recorder
+    could not be called from a kernel."""
+    if run and only is None:
+        raise ValueError("recording(run=True) needs `only`: the kernels to record (their helpers must stay jitted)")
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     from fusedmoe.backends.triton import kernels, quant_kernels
@@ -66,9 +78,9 @@ def recording():
     saved = []
     for module in (kernels, quant_kernels):
         for name, fn in vars(module).items():
-            if isinstance(fn, JITFunction):
+            if isinstance(fn, (JITFunction, InterpretedFunction)) and (only is None or name in only):
                 saved.append((module, name, fn))
-                setattr(module, name, _Recorder(name, fn, calls))
+                setattr(module, name, _Recorder(name, fn, calls, run))
     try:
         yield calls
     finally:

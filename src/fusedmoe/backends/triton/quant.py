@@ -509,11 +509,11 @@ def gemm2_rows(key: QuantKey, inter: int, block_m: int, num_slots: int, device: 
     if mode is _READ:
         mode = knobs.get("TRITON_GEMM2_ROWS")
     size = triton_next_pow2(inter)
-    per_row = key.granularity in ("token", "tensor") and size <= GEMM2_ROWS_MAX_I
-    int8 = key.dtype == "int8" and key.granularity == "token" and size <= GEMM2_ROWS_MAX_I
-    fp8_row = key.dtype == "fp8" and per_row and not promoted
-    fp8_block = key.dtype == "fp8" and key.granularity == "group" and key.group == 128 and size == GEMM2_ROWS_MAX_I
-    if mode is False or direct or swapped or not (int8 or fp8_row or fp8_block):
+    if key.granularity == "group":  # fp8 1x128 groups: the kernel splits the codes in two
+        codes_fit = key.group == 128 and size == GEMM2_ROWS_MAX_I
+    else:  # a scale per row: int8 per token, fp8 per token / tensor with one chained accumulator
+        codes_fit = size <= GEMM2_ROWS_MAX_I and (key.dtype == "int8" or not promoted)
+    if mode is False or direct or swapped or not codes_fit:
         return False
     return mode == "force" or (not batched and block_m >= 64 and num_slots >= GEMM2_ROWS_MIN_SLOTS
                                and _sm90_gpu(device))

@@ -21,14 +21,17 @@ bitwise the library's y), M=1024 254 -> 254 (no gain). The whole A tile and the 
 and w2's 940 MB read, 461 us is ~72% of the H200's stream: the GEMM is bound by bytes, and y is
 half of them. About 3% of the call: not adopted for bf16.
 
---quant int8_w8a8 / fp8_w8a8_block record the library's tiled W8A8 GEMM2 launch from one call
+--quant int8_w8a8 / fp8_w8a8_block / fp8_w8a8_channel record the library's tiled W8A8 GEMM2 launch from one call
 (`capture_gemm2`) and time it beside row-stationary forms on the same tensors. The first run
 (results/2026-11-24_h200_4f412f2_row_stationary_w8a8.txt, H200, DeepSeek-V3; prototype kernels
 then) gave int8 M=1024 197.0 -> 152.6 us, M=4096 457.0 -> 311.8; fp8 block M=1024 219.9 -> 150.5,
 M=4096 524.6 -> 281.0 with the codes loaded once and split into their two 128-wide groups (loading
 each group per N tile: 152.0 / 349.5 at best); all bitwise the library's y; Qwen3-235B (I = 384)
 0-7%. Adopted for I <= 256 as kernels.moe_gemm2_rows_kernel (quant.gemm2_rows), which this mode
-now sweeps over launch configs (`rows_launch`).
+now sweeps over launch configs (`rows_launch`). With a 256-wide head and a 128-wide tail tile
+("rows+tail"; fifteenth session, results/2026-11-24_h200_eafeb8b_rows_tail.txt) Qwen3-235B gains
+8-35% (int8 M=1024 103.1 -> 84.8 us, M=4096 276.7 -> 221.1; fp8 block 114.6 -> 82.4, 305.2 ->
+199.8; bitwise): adopted for I <= 384. --quant fp8_w8a8_channel too.
 """
 
 from __future__ import annotations
@@ -103,19 +106,22 @@ def capture_gemm2(shape: tuple, tokens: int, scheme: str, device: torch.device, 
     return calls[0], calls[0].args[3].clone()
 
 
-def rows_launch(call, block_n: int, split_n: int, warps: int, stages: int) -> torch.Tensor:
+def rows_launch(call, block_n: int, split_n: int, warps: int, stages: int, tail: bool = True) -> torch.Tensor:
     """The library's row-stationary GEMM2 (kernels.moe_gemm2_rows_kernel) on the tensors of a
-    recorded tiled GEMM2 launch, with this launch config; returns its y."""
+    recorded tiled GEMM2 launch, with this launch config; returns its y. tail: I as the library
+    splits it (experts.gemm2_rows_split: 384 = 256 + 128), else one power-of-two tile."""
     from fusedmoe.backends.triton import kernels
+    from fusedmoe.backends.triton.experts import gemm2_rows_split
 
     kw = call.kwargs
     a, w2, b2, y, topk_w, sorted_slot, block_expert, num_rows, num_slots, hidden, inter = call.args[:11]
+    head, tail_i = gemm2_rows_split(int(inter)) if tail else (triton.next_power_of_2(int(inter)), 0)
     kernels.moe_gemm2_rows_kernel[(sorted_slot.numel() // kw["BLOCK_M"] * split_n,)](
         a, w2, b2, y, topk_w, sorted_slot, block_expert, num_rows, kw["as_ptr"], kw["ws_ptr"], num_slots, hidden,
         inter, *call.args[11:20], kw["stride_as0"], kw["stride_as1"], kw["stride_ws0"], kw["stride_ws1"],
         kw["stride_ws2"], QUANT=kw["QUANT"], ACC_INT=kw["ACC_INT"], HAS_BIAS=kw["HAS_BIAS"],
         SCALE_ROWS=kw["SCALE_ROWS"], SPLIT_N=split_n, BLOCK_M=kw["BLOCK_M"], BLOCK_N=block_n,
-        BLOCK_I=triton.next_power_of_2(int(inter)), NUM_STAGES=stages, num_warps=warps,
+        BLOCK_I=head, TAIL_I=tail_i, NUM_STAGES=stages, num_warps=warps,
     )
     return y
 
@@ -124,12 +130,14 @@ def quant_rows(args, variants, smoke: bool) -> list[dict]:
     """--quant int8_w8a8 / fp8_w8a8_block: the library's tiled GEMM2, recorded from one call,
     against its row-stationary GEMM2 at each launch config, on the same tensors (fp8 block: N
     tiles of at most 128, one scale block)."""
+    from fusedmoe.backends.triton.experts import gemm2_rows_split
     from fusedmoe.bench import check_and_time, check_variants, preset_shapes
 
     scheme = args.quant
     device = torch.device("cpu" if smoke else "cuda")
     small = (6, 2, 256, 256, "silu") if scheme == "fp8_w8a8_block" else (6, 2, 100, 48, "silu")
-    shapes = {"smoke": small} if smoke else preset_shapes(args.presets)
+    tail = (5, 2, 128, 384, "silu") if scheme == "fp8_w8a8_block" else (5, 2, 72, 320, "silu")  # I = 256 + 128
+    shapes = {"smoke": small, "smoke-tail": tail} if smoke else preset_shapes(args.presets)
     rows = []
     for preset, shape in shapes.items():
         for tokens in [40, 150] if smoke else [int(t) for t in args.tokens.split(",")]:
@@ -141,10 +149,12 @@ def quant_rows(args, variants, smoke: bool) -> list[dict]:
             y, (num_slots, hidden, inter) = call.args[3], call.args[8:11]
             tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + f" w{kw['num_warps']} s{kw['num_stages']}"
             cells = [("library " + tile, lambda c=call, y=y: (c.fn[c.grid](*c.args, **c.kwargs), y)[1])]
+            split_i = gemm2_rows_split(int(inter))[1] > 0
             for bn, split, warps, stages in variants:
                 bn = min(bn, 128) if scheme == "fp8_w8a8_block" else bn
-                cells.append((f"rows {bn}x{split} w{warps} s{stages}",
-                              lambda v=(bn, split, warps, stages), c=call: rows_launch(c, *v)))
+                for tail in (True, False) if split_i and scheme != "fp8_w8a8_block" else (True,):
+                    cells.append((f"rows{'+tail' if split_i and tail else ''} {bn}x{split} w{warps} s{stages}",
+                                  lambda v=(bn, split, warps, stages, tail), c=call: rows_launch(c, *v)))
             rows += check_variants(
                 f"{preset:16s} M={tokens:<5d} {scheme}", cells,
                 lambda fn, y=y, ref=ref: check_and_time(
@@ -172,7 +182,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,4096")
     parser.add_argument("--variants", default="64:1:4:3,64:2:4:3,128:1:8:3,128:2:8:3,64:4:4:4,128:4:8:2",
                         help="block_n:split_n:warps:stages,...")
-    parser.add_argument("--quant", default=None, choices=(None, "int8_w8a8", "fp8_w8a8_block"),
+    parser.add_argument("--quant", default=None, choices=(None, "int8_w8a8", "fp8_w8a8_block", "fp8_w8a8_channel"),
                         help="the library's tiled GEMM2 of this scheme (recorded from one call) against its "
                              "row-stationary GEMM2 at each --variants config")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")

@@ -236,21 +236,23 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
 ]
 
 
-ROWS_GPU_CELLS = [(T, s) for T in (1024, 4096) for s in ("int8_w8a8", "fp8_w8a8_block", "fp8_w8a8_channel")]
-ROWS_GPU_CELLS.append((4096, "fp8_w8a8_tensor"))  # at M=1024 its heuristic GEMM2 blocks are 16 rows: tiled
+ROWS_GPU_CELLS = [(T, s, E, H, I) for E, H, I in ((256, 7168, 256), (128, 4096, 384)) for T in (1024, 4096)
+                  for s in ("int8_w8a8", "fp8_w8a8_block", "fp8_w8a8_channel")]
+ROWS_GPU_CELLS.append((4096, "fp8_w8a8_tensor", 256, 7168, 256))  # at M=1024 its heuristic GEMM2 blocks are 16 rows: tiled
 
 
-@pytest.mark.parametrize("T,scheme", ROWS_GPU_CELLS, ids=[f"{T}-{s}" for T, s in ROWS_GPU_CELLS])
-def test_gemm2_rows_bitwise_on_gpu(T, scheme, monkeypatch):
-    """DeepSeek-V3 TP8 (I = 256, 8192 / 32768 slots): the row-stationary GEMM2 the rule picks (a
-    spy on its launch) gives the tiled GEMM2's output (FUSEDMOE_TRITON_GEMM2_ROWS=0) bit for bit:
-    int8's sums are exact; fp8 block's are the tiled kernel's where its K steps are 128 deep (the
-    packaged tiles of these cells); fp8 per row chains one accumulator through K either way. Other
-    than int8 the test asks for rounding-level agreement and prints whether the bits match."""
+@pytest.mark.parametrize("T,scheme,E,H,I", ROWS_GPU_CELLS, ids=[f"{T}-{s}-I{i}" for T, s, _, _, i in ROWS_GPU_CELLS])
+def test_gemm2_rows_bitwise_on_gpu(T, scheme, E, H, I, monkeypatch):
+    """DeepSeek-V3 TP8 (I = 256) and Qwen3-235B TP4 (I = 384: a 256-wide head tile and a 128-wide
+    tail), 8192 / 32768 slots: the row-stationary GEMM2 the rule picks (a spy on its launch) gives
+    the tiled GEMM2's output (FUSEDMOE_TRITON_GEMM2_ROWS=0) bit for bit: int8's sums are exact;
+    fp8 block's are the tiled kernel's where its K steps are 128 deep (the packaged tiles of these
+    cells); fp8 per row chains one accumulator through K either way. Other than int8 the test asks
+    for rounding-level agreement and prints whether the bits match."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton import quant as tq
 
-    x, q13, q2, params, _, _, w, ids = make(T, 256, 8, 7168, 256, scheme, seed=T + 1)
+    x, q13, q2, params, _, _, w, ids = make(T, E, 8, H, I, scheme, seed=T + 1)
     launches = []
     real = tq.launch_gemm2_rows
     monkeypatch.setattr(tq, "launch_gemm2_rows", lambda *a, **k: (launches.append(1), real(*a, **k)))
@@ -262,7 +264,7 @@ def test_gemm2_rows_bitwise_on_gpu(T, scheme, monkeypatch):
         tiled = fused_experts(x, q13, q2, w, ids, quant=params, backend="triton")
     assert launches == [1]
     assert torch.equal(rows, tiled) if scheme == "int8_w8a8" else rel_err(rows, tiled) < 1e-3
-    print(f"{scheme} T={T}: bitwise {torch.equal(rows, tiled)}")
+    print(f"{scheme} T={T} I={I}: bitwise {torch.equal(rows, tiled)}")
 
 
 @pytest.mark.parametrize("case", FULL_SHAPES, ids=[f"{c[0]}-T{c[1]}-E{c[2]}-H{c[4]}-I{c[5]}" for c in FULL_SHAPES])

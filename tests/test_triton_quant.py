@@ -520,18 +520,26 @@ ROWS_CASES = [  # the row-stationary W8A8 GEMM2 (kernels.moe_gemm2_rows_kernel) 
     (Case("r-maxi-input-map", T=9, E=6, K=1, H=64, I=256, on_input=True, expert_map=True,
           tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))), "int8_w8a8"),
     (Case("r-one-expert", T=20, K=1), "int8_w8a8"),  # every token to expert 2: the others get no rows
+    # I past 256: a 256-wide head tile and a 128-wide tail (experts.gemm2_rows_split), the tail
+    # 64 wide live (I = 320), odd H, biases; I = 384 in 64-row blocks (the row block's config)
+    (Case("r-tail-bias", T=37, E=5, K=3, H=72, I=320, bias=True), "int8_w8a8"),
+    (Case("r-tail-384", T=40, E=6, K=2, H=64, I=384, tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))), "int8_w8a8"),
     # fp8 block: two full 128-wide groups; H past the last whole weight block, the second group
     # 32 wide, biases, E = 5; weight on input with an expert map
     (Case("rb-basic", T=20, H=256, I=256, tiles=BLOCK_TILES), "fp8_w8a8_block"),
     (Case("rb-odd-bias", T=37, E=5, K=3, H=200, I=160, bias=True, tiles=BLOCK_TILES), "fp8_w8a8_block"),
     (Case("rb-input-map", T=9, E=6, K=1, H=128, I=256, on_input=True, expert_map=True, tiles=BLOCK_TILES),
      "fp8_w8a8_block"),
+    # a third group in the tail tile: whole (I = 384), 44 wide with biases (I = 300)
+    (Case("rb-tail-384", T=20, E=5, K=2, H=128, I=384, tiles=BLOCK_TILES), "fp8_w8a8_block"),
+    (Case("rb-tail-odd-bias", T=30, E=5, K=3, H=200, I=300, bias=True, tiles=BLOCK_TILES), "fp8_w8a8_block"),
     # fp8 per token / per tensor codes, chained accumulation (the interpreter sums a whole-K dot in
     # another order than K steps: close, not bitwise; the H200 test checks bits)
     (Case("rc-odd-bias", T=37, E=5, K=3, H=100, I=48, bias=True), "fp8_w8a8_channel"),
     (Case("rt-map", T=9, E=6, K=2, H=64, I=200, expert_map=True, tiles=((64, 64, 64, 4, 1), (64, 64, 64, 4, 1))),
      "fp8_w8a8_tensor"),
     (Case("rt-static", T=20, K=1), "fp8_w8a8_tensor_static"),
+    (Case("rc-tail", T=30, E=5, K=2, H=64, I=352), "fp8_w8a8_channel"),
 ]
 
 
@@ -545,6 +553,11 @@ def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
     if case.id == "r-one-expert":
         ids = torch.full_like(ids, 2)
+    if scheme == "fp8_w8a8_block":  # the tiled kernel's N tile: numpy's fp32 dot sums in an order of its shapes
+        from fusedmoe.backends.triton import experts
+
+        for key in [k for k in experts.GEMM2_ROWS_CONFIG if k[0] == experts.W8A8_QUANT_CODES["block"]]:
+            monkeypatch.setitem(experts.GEMM2_ROWS_CONFIG, key, dict(experts.GEMM2_ROWS_CONFIG[key], BLOCK_N=128))
     launches = []
     real = tq.launch_gemm2_rows
     monkeypatch.setattr(tq, "launch_gemm2_rows", lambda *a, **k: (launches.append(1), real(*a, **k)))
@@ -564,7 +577,7 @@ def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
 
 def test_gemm2_rows_rule(monkeypatch):
     """Row-stationary where it was measured to win: int8 and fp8 per-row codes (chained) with
-    I <= 256, fp8 block codes with I in (128, 256], the contiguous aligned path's 64+ row blocks
+    I <= 384, fp8 block codes with I in (128, 384], the contiguous aligned path's 64+ row blocks
     over 4096+ slots, sm90; force lifts all but the codes, I and the path; 0 never."""
     from fusedmoe.backends.triton import quant
 
@@ -573,13 +586,15 @@ def test_gemm2_rows_rule(monkeypatch):
     monkeypatch.setattr(quant, "_sm90_gpu", lambda device: device.type == "cuda")
     rule = quant.gemm2_rows
     assert rule(int8, 256, 64, 8192, cuda) and rule(int8, 200, 128, 4096, cuda)
-    assert not rule(int8, 257, 64, 8192, cuda)  # I past one 256-wide tile
+    assert rule(int8, 384, 64, 8192, cuda) and rule(int8, 257, 128, 8192, cuda)  # a head and a tail tile
+    assert not rule(int8, 385, 64, 8192, cuda)  # past 256 + 128
     group = QuantKey("fp8", "group", 128, dynamic=True)
     assert rule(group, 256, 64, 8192, cuda) and rule(group, 129, 64, 8192, cuda)  # two 128-wide groups
-    assert not rule(group, 128, 64, 8192, cuda) and not rule(group, 320, 64, 8192, cuda)
+    assert rule(group, 384, 64, 8192, cuda) and rule(group, 320, 64, 8192, cuda)  # a third in the tail
+    assert not rule(group, 128, 64, 8192, cuda) and not rule(group, 385, 64, 8192, cuda)
     assert rule(fp8, 256, 64, 8192, cuda) and rule(QuantKey("fp8", "tensor"), 48, 64, 8192, cuda)
     assert not rule(fp8, 256, 64, 8192, cuda, promoted=True)  # K steps added in fp32: not one dot
-    assert not rule(fp8, 320, 64, 8192, cuda)
+    assert rule(fp8, 384, 64, 8192, cuda) and not rule(fp8, 400, 64, 8192, cuda)
     assert rule(QuantKey("fp8", "tensor", dynamic=True), 256, 64, 8192, cuda)
     assert not rule(int8, 256, 32, 8192, cuda) and not rule(int8, 256, 64, 4095, cuda)  # unmeasured
     assert not rule(int8, 256, 64, 8192, cpu)
@@ -589,9 +604,23 @@ def test_gemm2_rows_rule(monkeypatch):
         assert not rule(int8, 256, 64, 8192, cuda)
     with knobs.override(TRITON_GEMM2_ROWS="force"):
         assert rule(int8, 48, 16, 10, cpu) and rule(int8, 48, 16, 10, cpu, batched=True)
-        assert not rule(int8, 320, 64, 8192, cpu) and not rule(int8, 48, 16, 10, cpu, direct=True)
+        assert not rule(int8, 768, 64, 8192, cpu) and not rule(int8, 48, 16, 10, cpu, direct=True)
         assert rule(fp8, 48, 16, 10, cpu) and not rule(int8, 48, 16, 10, cpu, swapped=True)
         assert not rule(fp8, 48, 16, 10, cpu, promoted=True)
+    # the tiles it runs: one power-of-two tile, or a head and a tail; a config per row block
+    from fusedmoe.backends.triton.experts import (
+        W8A8_QUANT_CODES,
+        gemm2_rows_config,
+        gemm2_rows_split,
+    )
+
+    Q_CHANNEL, Q_BLOCK = W8A8_QUANT_CODES["channel"], W8A8_QUANT_CODES["block"]
+
+    assert [gemm2_rows_split(i) for i in (48, 256, 257, 320, 384, 385, 768)] == [
+        (64, 0), (256, 0), (256, 128), (256, 128), (256, 128), (512, 0), (512, 256)]
+    assert gemm2_rows_config(Q_CHANNEL, 384, 128) != gemm2_rows_config(Q_CHANNEL, 384, 64)
+    assert gemm2_rows_config(Q_CHANNEL, 256, 128) == gemm2_rows_config(Q_CHANNEL, 256, 64)
+    assert gemm2_rows_config(Q_BLOCK, 384, 64)["BLOCK_N"] <= 128  # within one weight scale block
     # `fusedmoe explain --tokens` says so (its tiles: the heuristic's, no table on the CPU host)
     from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
 

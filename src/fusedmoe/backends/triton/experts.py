@@ -579,7 +579,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
 
         if gemm2_rows(scheme.activation, problem.inter, t2.block_m, problem.num_slots, device, swapped=swap2,
                       promoted=extra.get("fp8_accumulate", "").startswith("promoted")):
-            cfg = GEMM2_ROWS_CONFIG[W8A8_QUANT_CODES[scheme.weight.granularity]]
+            cfg = gemm2_rows_config(W8A8_QUANT_CODES[scheme.weight.granularity], problem.inter, t2.block_m)
             rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once, "
                     f"{cfg['BLOCK_N']}-wide N tiles over {cfg['SPLIT_N']} shares; the tile's block_m only")
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
@@ -895,13 +895,37 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
 # the library's GEMM2 alone): int8 64-wide N tiles over two shares of a row block's N tiles, 4 warps,
 # 4 stages: M=1024 197.0 -> 154.1 us, M=4096 457.0 -> 315.7 (the best variants 152.6 and 311.8);
 # fp8 block 128-wide N tiles over two shares, 4 warps, 3 stages: M=1024 219.9 -> 151.0, M=4096
-# 524.6 -> 281.0. Qwen3-235B (I = 384, a 512-wide tile) gained 0-7%: GEMM2_ROWS_MAX_I keeps it to
-# I <= 256 (fp8 block: I in (128, 256], the two 128-wide groups the kernel splits the codes into).
-GEMM2_ROWS_MAX_I = 256
-GEMM2_ROWS_CONFIG = {  # by the kernels' QUANT code; per row: int8's measurement, fp8 per token / tensor take it too
-    W8A8_QUANT_CODES["channel"]: dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4),
-    W8A8_QUANT_CODES["block"]: dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
+# 524.6 -> 281.0. Qwen3-235B TP4 (I = 384) gained 0-7% as one 512-wide tile, and 8-35% as a 256-wide
+# head and a 128-wide tail (gemm2_rows_split; results/2026-11-24_h200_eafeb8b_rows_tail.txt, the
+# best configs below): 64-row blocks (M=1024) int8 103.1 -> 84.8 us, fp8 per channel 103.2 -> 87.9
+# (64-wide N tiles over four shares), fp8 block 114.6 -> 82.6 (32-wide over four, 4 stages);
+# 128-row blocks (M=4096) int8 276.7 -> 221.1 (128-wide over two), fp8 block 305.2 -> 199.8 (64-row).
+# I = 768 (Qwen3-30B) does not fit shared memory in these tiles: GEMM2_ROWS_MAX_I.
+GEMM2_ROWS_MAX_I = 384
+GEMM2_ROWS_CONFIG = {  # by (the kernels' QUANT code, a tail tile[, the row block]); per row: int8's
+    # measurement, fp8 per token / tensor take it too
+    (W8A8_QUANT_CODES["channel"], False): dict(BLOCK_N=64, SPLIT_N=2, num_warps=4, NUM_STAGES=4),
+    (W8A8_QUANT_CODES["block"], False): dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
+    (W8A8_QUANT_CODES["channel"], True): dict(BLOCK_N=64, SPLIT_N=4, num_warps=4, NUM_STAGES=3),
+    (W8A8_QUANT_CODES["channel"], True, 128): dict(BLOCK_N=128, SPLIT_N=2, num_warps=4, NUM_STAGES=3),
+    (W8A8_QUANT_CODES["block"], True): dict(BLOCK_N=32, SPLIT_N=4, num_warps=4, NUM_STAGES=4),
 }
+
+
+def gemm2_rows_config(quant: int, inter: int, block_m: int) -> dict:
+    """moe_gemm2_rows_kernel's launch config (GEMM2_ROWS_CONFIG) for codes of this QUANT, I and
+    row block: the entry for the block's rows where there is one, else the code's."""
+    key = (quant, gemm2_rows_split(inter)[1] > 0)
+    return GEMM2_ROWS_CONFIG.get((*key, block_m), GEMM2_ROWS_CONFIG[key])
+
+
+def gemm2_rows_split(inter: int) -> tuple[int, int]:
+    """(BLOCK_I, TAIL_I) of kernels.moe_gemm2_rows_kernel for I = inter: one power-of-two tile, or a
+    head and a tail tile where those cover I with less of it masked (384 = 256 + 128, 768 = 512 + 256)."""
+    size = triton_next_pow2(inter)
+    if size >= 512 and inter <= size // 2 + size // 4:
+        return size // 2, size // 4
+    return size, 0
 
 
 def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, a: torch.Tensor,
@@ -915,7 +939,8 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
     blocks = L.sorted_slot.numel() // L.block_m
-    cfg = GEMM2_ROWS_CONFIG[quant]
+    cfg = gemm2_rows_config(quant, inter, L.block_m)
+    head, tail = gemm2_rows_split(inter)
     kernels.moe_gemm2_rows_kernel[(blocks * cfg["SPLIT_N"],)](
         a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, a_scales, w2_scale,
         y.shape[0], hidden, inter,
@@ -926,7 +951,7 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
         a_scales.stride(0), a_scales.stride(1) if a_scales.dim() > 1 else 0, ws_strides["stride_ws0"],
         ws_strides["stride_ws1"], ws_strides["stride_ws2"],
         QUANT=quant, ACC_INT=a.dtype == torch.int8, HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        BLOCK_M=L.block_m, BLOCK_I=triton_next_pow2(inter), **cfg, **L.launch_kw,
+        BLOCK_M=L.block_m, BLOCK_I=head, TAIL_I=tail, **cfg, **L.launch_kw,
     )
 
 

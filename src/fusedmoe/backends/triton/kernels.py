@@ -856,8 +856,11 @@ def moe_gemm2_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACC_INT: tl.constexpr = True,
     PDL: tl.constexpr = False,
+    TAIL_I: tl.constexpr = 0,
 ):
-    """moe_gemm2_kernel's y for W8A8 codes where the whole I fits one tile (BLOCK_I >= inter):
+    """moe_gemm2_kernel's y for W8A8 codes where the whole I fits one tile (BLOCK_I >= inter), or
+    a head tile and a tail tile (TAIL_I > 0: columns [0, BLOCK_I) and [BLOCK_I, BLOCK_I + TAIL_I),
+    I = 384 as 256 + 128 rather than a 512-wide tile a quarter masked):
     program (row block, share) loads the block's [BLOCK_M, I] codes and scales once, then streams
     the expert's w2 tiles [I, BLOCK_N] over its share of the N tiles, one whole-K product and one
     store per tile, so a tile's store overlaps the next tiles' loads (tl.range's pipeline).
@@ -874,8 +877,9 @@ def moe_gemm2_rows_kernel(
     moe_gemm2_kernel each run 1-4 K steps, paying pipeline fill and the block's activation loads
     per N tile. The epilogue multiplies in moe_gemm2_kernel's order. quant.gemm2_rows decides
     where it runs."""
-    tl.static_assert(QUANT == Q_CHANNEL or (QUANT == Q_BLOCK and BLOCK_I == 256 and 128 % BLOCK_N == 0),
-                     "moe_gemm2_rows_kernel: per-row scaled codes, or fp8 block codes with I in (128, 256]")
+    tl.static_assert(QUANT == Q_CHANNEL or (QUANT == Q_BLOCK and BLOCK_I == 256 and (TAIL_I == 0 or TAIL_I == 128)
+                                            and 128 % BLOCK_N == 0),
+                     "moe_gemm2_rows_kernel: per-row scaled codes, or fp8 block codes with I in (128, 384]")
     _pdl_wait(PDL)
     pid_m = tl.program_id(0) // SPLIT_N
     share = tl.program_id(0) % SPLIT_N
@@ -891,6 +895,13 @@ def moe_gemm2_rows_kernel(
         a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (BLOCK_M, 2, 128)), (0, 2, 1)))
         sa_hi = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + stride_as1, mask=row_ok, other=0.0)
         offs_k = tl.arange(0, 128)
+    if TAIL_I > 0:  # the tail's codes (fp8 block: the third group, its scale)
+        offs_t = BLOCK_I + tl.arange(0, TAIL_I)
+        t_ok = offs_t < inter
+        a_t = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_t[None, :] * stride_ai,
+                      mask=row_ok[:, None] & t_ok[None, :], other=0.0)
+        if QUANT == Q_BLOCK:
+            sa_t = tl.load(as_ptr + rows.to(tl.int64) * stride_as0 + 2 * stride_as1, mask=row_ok, other=0.0)
     if SCALE_ROWS:
         w = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -914,12 +925,18 @@ def moe_gemm2_rows_kernel(
             out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             out += tl.dot(a_lo, w_lo) * (sa * sw_lo)[:, None]
             out += tl.dot(a_hi, w_hi) * (sa_hi * sw_hi)[:, None]
+            if TAIL_I > 0:
+                w_t = tl.load(w_cols + offs_t[:, None] * stride_wi, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+                out += tl.dot(a_t, w_t) * (sa_t * tl.load(sw_cols + 2 * stride_ws2).to(tl.float32))[:, None]
         else:
             ww = tl.load(w_cols + offs_i[:, None] * stride_wi, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
             if ACC_INT:  # noqa: SIM108 (constexpr branch)
                 acc = tl.dot(a, ww, out_dtype=tl.int32)
             else:
                 acc = tl.dot(a, ww, out_dtype=tl.float32)
+            if TAIL_I > 0:  # the tail's K steps chained after the head's, as the tiled kernel's
+                w_t = tl.load(w_cols + offs_t[:, None] * stride_wi, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = tl.dot(a_t, w_t, acc, out_dtype=acc.dtype)
             sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
             out = acc.to(tl.float32) * sa[:, None] * sw[None, :]
         if HAS_BIAS:

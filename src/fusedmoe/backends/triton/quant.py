@@ -501,18 +501,18 @@ def gemm2_rows(key: QuantKey, inter: int, block_m: int, num_slots: int, device: 
     I <= GEMM2_ROWS_MAX_I (exact int32 sums: y is the tiled kernel's bit for bit), fp8 per-token or
     per-tensor codes with I <= GEMM2_ROWS_MAX_I and the chained accumulator (not `promoted`: the
     whole-K dot is the tiled kernel's chain of K steps), or fp8 1x128 group codes with I in (128,
-    GEMM2_ROWS_MAX_I] (two groups: the sums of the tiled kernel's 128-deep K steps), not swapped;
+    GEMM2_ROWS_MAX_I] (two or three groups: the sums of the tiled kernel's 128-deep K steps); I past
+    256 as a head and a tail tile (experts.gemm2_rows_split); not swapped;
     FUSEDMOE_TRITON_GEMM2_ROWS (`mode`: its value as a call read it) =0 never, force wherever that
     holds, else the contiguous layout's 64+ row blocks over GEMM2_ROWS_MIN_SLOTS+ slots on sm90."""
     from fusedmoe import knobs
 
     if mode is _READ:
         mode = knobs.get("TRITON_GEMM2_ROWS")
-    size = triton_next_pow2(inter)
-    if key.granularity == "group":  # fp8 1x128 groups: the kernel splits the codes in two
-        codes_fit = key.group == 128 and size == GEMM2_ROWS_MAX_I
+    if key.granularity == "group":  # fp8 1x128 groups: the kernel splits the codes in two or three
+        codes_fit = key.group == 128 and 128 < inter <= GEMM2_ROWS_MAX_I
     else:  # a scale per row: int8 per token, fp8 per token / tensor with one chained accumulator
-        codes_fit = size <= GEMM2_ROWS_MAX_I and (key.dtype == "int8" or not promoted)
+        codes_fit = inter <= GEMM2_ROWS_MAX_I and (key.dtype == "int8" or not promoted)
     if mode is False or direct or swapped or not codes_fit:
         return False
     return mode == "force" or (not batched and block_m >= 64 and num_slots >= GEMM2_ROWS_MIN_SLOTS

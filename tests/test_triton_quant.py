@@ -627,6 +627,9 @@ def test_gemm2_rows_rule(monkeypatch):
     with knobs.override(TRITON_GEMM2_ROWS="force"):
         plan = describe_plan(GemmProblem(8192, 256, 7168, 256, 8, True, torch.bfloat16), get_scheme("int8_w8a8"), cpu)
     assert plan["path"] == "aligned" and "row-stationary" in plan["gemm2"]["rows"]
+    with knobs.override(TRITON_GEMM2_ROWS="force"):  # Qwen3-235B TP4: a head and a tail tile
+        plan = describe_plan(GemmProblem(8192, 128, 4096, 384, 8, True, torch.bfloat16), get_scheme("int8_w8a8"), cpu)
+    assert "I as 256 + 128" in plan["gemm2"]["rows"]
     from fusedmoe.cli import format_plans
 
     shown = {k: ({**v, "tile": v["tile"].as_list()} if isinstance(v, dict) else v) for k, v in plan.items()}

@@ -580,8 +580,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         if gemm2_rows(scheme.activation, problem.inter, t2.block_m, problem.num_slots, device, swapped=swap2,
                       promoted=extra.get("fp8_accumulate", "").startswith("promoted")):
             cfg = gemm2_rows_config(W8A8_QUANT_CODES[scheme.weight.granularity], problem.inter, t2.block_m)
-            rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once, "
-                    f"{cfg['BLOCK_N']}-wide N tiles over {cfg['SPLIT_N']} shares; the tile's block_m only")
+            head, tail = gemm2_rows_split(problem.inter)
+            rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once "
+                    f"(I as {head}{f' + {tail}' if tail else ''}), {cfg['BLOCK_N']}-wide N tiles over "
+                    f"{cfg['SPLIT_N']} shares; the tile's block_m only")
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=src1, tma=tma1, swap_ab=swap1),
                 gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2, rows=rows), **extra)

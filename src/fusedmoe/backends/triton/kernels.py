@@ -915,6 +915,8 @@ def moe_gemm2_rows_kernel(
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hidden
         w_cols = w_base + offs_n.to(tl.int64)[None, :] * stride_wh
+        if TAIL_I > 0:
+            w_t = tl.load(w_cols + offs_t[:, None] * stride_wi, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
         if QUANT == Q_BLOCK:
             w_lo = tl.load(w_cols + offs_k[:, None] * stride_wi, mask=n_ok[None, :], other=0.0)
             w_hi = tl.load(w_cols + (128 + offs_k)[:, None] * stride_wi,
@@ -926,7 +928,6 @@ def moe_gemm2_rows_kernel(
             out += tl.dot(a_lo, w_lo) * (sa * sw_lo)[:, None]
             out += tl.dot(a_hi, w_hi) * (sa_hi * sw_hi)[:, None]
             if TAIL_I > 0:
-                w_t = tl.load(w_cols + offs_t[:, None] * stride_wi, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
                 out += tl.dot(a_t, w_t) * (sa_t * tl.load(sw_cols + 2 * stride_ws2).to(tl.float32))[:, None]
         else:
             ww = tl.load(w_cols + offs_i[:, None] * stride_wi, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
@@ -935,7 +936,6 @@ def moe_gemm2_rows_kernel(
             else:
                 acc = tl.dot(a, ww, out_dtype=tl.float32)
             if TAIL_I > 0:  # the tail's K steps chained after the head's, as the tiled kernel's
-                w_t = tl.load(w_cols + offs_t[:, None] * stride_wi, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
                 acc = tl.dot(a_t, w_t, acc, out_dtype=acc.dtype)
             sw = tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)
             out = acc.to(tl.float32) * sa[:, None] * sw[None, :]

@@ -84,6 +84,19 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_block",
           "--tokens", "64", "--json"])
     assert not json.loads(capsys.readouterr().out)["triton_plan"][0]["gemm1"]["swap_ab"]  # the rule: CPU here
+    with monkeypatch.context() as m:  # TMA descriptors (forced: no sm90 GPU here): W8A8 codes, not weight-only
+        m.setenv("FUSEDMOE_TRITON_TMA", "force")
+        for quant, want in (("int8_w8a8", ("w", "a+w")), ("fp8_w8a8_block", ("w", "a+w")),
+                            ("int8_w8a16", (None, None))):
+            main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", quant,
+                  "--tokens", "4096", "--json"])
+            plan = json.loads(capsys.readouterr().out)["triton_plan"][0]
+            assert (plan["gemm1"]["tma"], plan["gemm2"]["tma"]) == want, (quant, plan)
+        m.setenv("FUSEDMOE_TRITON_GEMM2_ROWS", "force")  # the row-stationary GEMM2 keeps its pointer loads
+        main(["explain", "--model", "qwen3-235b-a22b", "--platform", "cuda:9.0", "--quant", "int8_w8a8",
+              "--tokens", "4096", "--json"])
+        plan = json.loads(capsys.readouterr().out)["triton_plan"][0]
+        assert plan["gemm2"]["rows"] and (plan["gemm1"]["tma"], plan["gemm2"]["tma"]) == ("w", None), plan
     main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--quant", "fp8_w8a8_tensor",
           "--tokens", "1"])
     out = capsys.readouterr().out

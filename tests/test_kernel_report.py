@@ -46,10 +46,17 @@ def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
     assert all(f"{r['regs']:>4} -> {r['regs']:<3}" in line for r, line in zip(rows, lines, strict=True))
 
 
-def test_report_of_fp8_block_at_large_m_uses_fp8_wgmma(tmp_path):
-    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "4096", "--quant", "fp8_w8a8_block")
+@pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])
+def test_report_of_w8a8_at_large_m_uses_wgmma_and_descriptors(tmp_path, scheme):
+    """Qwen3-30B M=4096: both GEMMs on warpgroup MMAs (fp8 ones for fp8 codes), the weights (and
+    GEMM2's sorted code rows) through TMA descriptors (bulk tensor loads in the SASS)."""
+    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "4096", "--quant", scheme)
     assert [r["kernel"] for r in rows] == ["moe_gemm1_kernel", "moe_gemm2_kernel"]
-    assert all(r["opcodes"]["QGMMA"] > 0 and r["BLOCK_M"] == 64 for r in rows), rows
+    assert all(r["opcodes"]["WARPGROUP"] > 0 and r["BLOCK_M"] >= 64 for r in rows), rows
+    if scheme == "fp8_w8a8_block":
+        assert all(r["opcodes"]["QGMMA"] > 0 for r in rows), rows
+    assert [(r["W_DESC"], r.get("A_DESC")) for r in rows] == [(True, None), (True, True)], rows
+    assert all(r["opcodes"]["UTMALDG"] > 0 for r in rows), rows
 
 
 def test_unquantized_kernels_do_not_spill(tmp_path):

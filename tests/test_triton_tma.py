@@ -41,7 +41,15 @@ REASONS = [
     ("gemm1-rows-gathered", "force", TILE, _w(), 80, None, None, ("gathered by token", None)),
     ("knob-off", False, TILE, _w(), 80, None, None, ("TRITON_TMA=0",) * 2),
     ("cpu-by-default", None, TILE, _w(), 80, None, None, ("cpu tensors: TMA is a CUDA sm90",) * 2),
-    ("quantized", "force", TILE, _w(dtype=torch.int8), 80, None, {"QUANT": 4}, ("quantized .*QUANT=4",) * 2),
+    ("weight-only", "force", TILE, _w(dtype=torch.int8), 80, None, {"QUANT": 4}, ("weight-only .*QUANT=4",) * 2),
+    # W8A8 codes (kernels.Q_CHANNEL / Q_BLOCK): int8 and e4m3 operands, rows of one byte an element
+    ("w8a8-int8", "force", TILE, _w(dtype=torch.int8), 80, torch.zeros(256, 64, dtype=torch.int8), {"QUANT": 2},
+     (None, None)),
+    ("w8a8-fp8", "force", TILE, _w(dtype=torch.float8_e4m3fn), 80, torch.zeros(256, 64, dtype=torch.float8_e4m3fn),
+     {"QUANT": 3}, (None, None)),
+    ("w8a8-rows-of-40-bytes", "force", TILE, _w(K=40, dtype=torch.int8), 80, torch.zeros(256, 40, dtype=torch.int8),
+     {"QUANT": 2}, ("row stride 40 x 1 B = 40 B",) * 2),
+    ("w8a8-uint8", "force", TILE, _w(dtype=torch.uint8), 80, None, {"QUANT": 2}, ("gathered", "dtype torch.uint8")),
     ("split-k", "force", TileConfig(64, 32, 32, 4, 2, 2), _w(), 80, None, None, ("split_k=2",) * 2),
     ("decode-tile", "force", TileConfig(32, 32, 32), _w(), 80, None, None, ("block_m=32 < 64",) * 2),
     ("fp32", "force", TILE, _w(dtype=torch.float32), 80, None, None, ("gathered", "dtype torch.float32")),
@@ -98,6 +106,10 @@ def test_tma_planned_follows_the_predicate():
         odd = GemmProblem(32768, 128, 2048, 769, 8, True, torch.bfloat16)
         assert tma_planned(odd, cpu) == ("w", None)  # a / w2 rows of 1538 B
         assert tma_planned(GemmProblem(32768, 128, 2048, 768, 8, True, torch.float32), cpu) == (None, None)
+        # W8A8: one-byte codes (I = 776: bf16 rows of 1552 B, code rows of 776 B)
+        assert tma_planned(qwen3, cpu, torch.int8) == ("w", "a+w")
+        odd8 = GemmProblem(32768, 128, 2048, 776, 8, True, torch.bfloat16)
+        assert tma_planned(odd8, cpu) == ("w", "a+w") and tma_planned(odd8, cpu, torch.int8) == ("w", None)
     with knobs.override(TRITON_TMA=False):
         assert tma_planned(qwen3, cpu) == (None, None)
 
@@ -200,6 +212,45 @@ def test_descriptor_path_batched_layout(monkeypatch):
         out = kernel(inp.x, weights, inp.topk_weights, inp.topk_ids)
     assert sorted(built) == sorted(ALL)
     assert_close_rel(out, _reference(inp), case.dtype, what="batched descriptors")
+
+
+# W8A8 codes through descriptors (kernels.Q_CHANNEL / Q_BLOCK) ------------------------------------
+CODE_TILE = ((64, 32, 32, 4, 1), (64, 32, 32, 4, 1))
+BLOCK_TILE = ((64, 128, 128, 4, 1), (64, 128, 128, 4, 1))  # one fp8 weight-scale block per K step and N tile
+W8A8_CASES = [
+    # H = 80: gemm1's last K step 16 wide (zero fill), gemm2's last H tile into the next expert's
+    # rows; I = 48: gemm1's last N tile (gate into up rows), gemm2's K tail; E = 5, biases
+    ("int8", "int8_w8a8", dict(T=20, E=5, K=2, H=80, I=48, bias=True, tiles=CODE_TILE)),
+    ("int8-map-input", "int8_w8a8", dict(T=12, E=6, K=1, H=64, I=64, on_input=True, expert_map=True,
+                                        tiles=CODE_TILE)),
+    ("fp8-channel", "fp8_w8a8_channel", dict(T=20, E=5, K=2, H=80, I=48, bias=True, tiles=CODE_TILE)),
+    ("fp8-tensor", "fp8_w8a8_tensor", dict(T=20, E=5, K=2, H=80, I=48, tiles=CODE_TILE)),
+    # fp8 block: I = 160, a second N tile of 32 live columns (the up rows' scales straddle) and a
+    # 32-wide second K step in gemm2
+    ("fp8-block", "fp8_w8a8_block", dict(T=20, E=5, K=2, H=256, I=160, bias=True, tiles=BLOCK_TILE)),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("name,scheme,shape", W8A8_CASES, ids=[c[0] for c in W8A8_CASES])
+def test_w8a8_descriptor_path_matches_pointer_loads(monkeypatch, name, scheme, shape):
+    """Forced descriptors over W8A8 codes (w13, w2 and gemm2's sorted code rows): bit for bit the
+    pointer loads' output (the same codes reach the same MMAs; padding rows are never stored),
+    and within the scheme's tolerance of the emulation backend."""
+    from fusedmoe.backends.emulation import EmulationExperts
+    from quant_problems import Case as QCase
+    from quant_problems import problem, rel_err, run
+
+    config, x, w, weights, ids, expert_map = problem(QCase(name, **shape), scheme, torch.float32)
+    built = _spy_descriptors(monkeypatch, {id(w.w13): "w13", id(w.w2): "w2"})
+    outs = {}
+    for mode in ("force", False):
+        with knobs.override(TRITON_TMA=mode, TRITON_GEMM2_ROWS=False):
+            outs[mode] = run(config, x, w, weights, ids, expert_map, shape["tiles"], direct=False)
+    assert sorted(built) == sorted(ALL)
+    assert torch.equal(outs["force"], outs[False])
+    emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
+    assert rel_err(outs["force"], emulated) < 1e-5
 
 
 # The sm90 compile ------------------------------------------------------------------------------

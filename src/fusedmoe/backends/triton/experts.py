@@ -6,8 +6,9 @@
     a = gemm1(x, w13)  ->  y = gemm2(a, w2)  ->  out = reduce(y)
     few slots (`choose_plan`): a = gemm1 by slot  ->  out = gemm2 with the top-k sum (no align, no reduce)
 
-On sm90+ the large-M unquantized GEMMs load their weights (and gemm2 its sorted rows a) through
-TMA descriptors built here per call (`tma_reasons` decides; FUSEDMOE_TRITON_TMA=0 turns it off).
+On sm90+ the large-M unquantized and W8A8 GEMMs load their weights (and gemm2 its sorted rows a,
+or their codes) through TMA descriptors built here per call (`tma_reasons` decides;
+FUSEDMOE_TRITON_TMA=0 turns it off).
 
 The whole computation is the custom op `fusedmoe::triton_experts` (with a fake implementation),
 so layers using it compile with `torch.compile(fullgraph=True)` and capture in CUDA graphs.
@@ -569,8 +570,9 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
                     gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),
                     gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2), **extra)
     tma1 = tma2 = None
-    if scheme is None:
-        tma1, tma2 = tma_planned(problem, device)
+    if scheme is None or not scheme.weight_only:  # W8A8: int8 / e4m3 codes through descriptors
+        codes = None if scheme is None else torch.int8  # int8 and e4m3: rows of one byte an element
+        tma1, tma2 = tma_planned(problem, device, codes)
         tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
         tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
     rows = None
@@ -584,6 +586,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             rows = (f"row-stationary (FUSEDMOE_TRITON_GEMM2_ROWS): each row block's codes loaded once "
                     f"(I as {head}{f' + {tail}' if tail else ''}), {cfg['BLOCK_N']}-wide N tiles over "
                     f"{cfg['SPLIT_N']} shares; the tile's block_m only")
+            tma2 = None  # its own pointer loads
     return dict(path="aligned", why=why, launches=f"align + {qx}gemm1{split}{qa} + gemm2 + reduce",
                 gemm1=dict(tile=t1, source=src1, tma=tma1, swap_ab=swap1),
                 gemm2=dict(tile=t2, source=src2, tma=tma2, swap_ab=swap2, rows=rows), **extra)
@@ -591,6 +594,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
 
 # TMA descriptors ------------------------------------------------------------------------------
 TMA_DTYPES = (torch.bfloat16, torch.float16)
+# W8A8 codes (kernels.Q_CHANNEL / Q_BLOCK: int8 or e4m3 weights and activation codes) load through
+# descriptors too (H200, the packaged tiles, pointers / descriptors alternating: M=1024-4096 0 to
+# -11%, benchmarks/results/2026-11-24_h200_263251b_w8a8_tma_ab.txt); weight-only codes, decoded
+# in registers from pointer loads, keep them.
+TMA_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+TMA_W8A8 = (2, 3)  # kernels.Q_CHANNEL, kernels.Q_BLOCK
 # The descriptor loads were measured at M=4096 (benchmarks/bench_tma_gemm.py: tiles of 64 and 128
 # rows); the decode tiles (16-32 rows: weight streams, split-K GEMM1) keep pointer loads.
 TMA_MIN_BLOCK_M = 64
@@ -647,8 +656,8 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | str:
 def _view_reason(v: torch.Tensor, block: tuple[int, int]) -> str | None:
     """Why TMA cannot load `block` boxes from the 2D tensor v, or None."""
     es = v.element_size()
-    if v.dtype not in TMA_DTYPES:
-        return f"dtype {v.dtype} (descriptors serve {', '.join(map(str, TMA_DTYPES))})"
+    if v.dtype not in TMA_DTYPES + TMA_CODE_DTYPES:
+        return f"dtype {v.dtype} (descriptors serve {', '.join(map(str, TMA_DTYPES + TMA_CODE_DTYPES))})"
     if v.stride(1) != 1:
         return f"last dim not contiguous (strides {v.stride()})"
     if v.data_ptr() % TMA_ALIGN:
@@ -666,8 +675,8 @@ def _view_reason(v: torch.Tensor, block: tuple[int, int]) -> str | None:
 def _tma_tile_reason(tile: TileConfig, quant_args: dict | None) -> str | None:
     """Why the kernel or the tile keeps pointer loads, or None (the device and tensors decide)."""
     quant = (quant_args or {}).get("QUANT", 0)
-    if quant:
-        return f"quantized kernels (QUANT={quant})"
+    if quant and quant not in TMA_W8A8:
+        return f"weight-only kernels (QUANT={quant}) decode their codes from pointer loads"
     if tile.split_k > 1:
         return f"split_k={tile.split_k}"
     if tile.block_m < TMA_MIN_BLOCK_M:
@@ -682,9 +691,9 @@ def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor 
 
     w [L, w_rows, K]: the weights, their rows per expert as the kernel indexes them; a [R, K]:
     gemm2's sorted rows (None for gemm1, whose x rows are gathered by token). Descriptors need:
-    FUSEDMOE_TRITON_TMA not 0 and a CUDA sm90+ device (or =force), the unquantized kernels
-    (bf16 / fp16), no split-K, BLOCK_M >= 64, and TMA's rules: last dim contiguous, base and
-    row stride 16-byte aligned, box dims <= 256 and >= 16 B inner.
+    FUSEDMOE_TRITON_TMA not 0 and a CUDA sm90+ device (or =force), the unquantized (bf16 / fp16)
+    or W8A8 (int8 / e4m3 codes) kernels, no split-K, BLOCK_M >= 64, and TMA's rules: last dim
+    contiguous, base and row stride 16-byte aligned, box dims <= 256 and >= 16 B inner.
     """
     # The kernel and tile rules first: a decode launch (every eager decode step) then reads no knob.
     reason = _tma_tile_reason(tile, quant_args) or _tma_device_reason(w.device)
@@ -701,13 +710,16 @@ def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor 
     return _view_reason(a, (tile.block_m, tile.block_k)), w_reason
 
 
-def tma_planned(problem: GemmProblem, device: torch.device) -> tuple[str | None, str | None]:
+def tma_planned(problem: GemmProblem, device: torch.device,
+                codes: torch.dtype | None = None) -> tuple[str | None, str | None]:
     """The heuristic's `tma` for (gemm1, gemm2): what `tma_reasons` will say for this problem's
-    operands when they are contiguous (x / w13 rows of H elements, a / w2 rows of I)."""
+    operands when they are contiguous (x / w13 rows of H elements, a / w2 rows of I); codes: the
+    W8A8 code dtype the GEMMs read instead of problem.dtype."""
     if _tma_device_reason(device) is not None or problem.dtype not in TMA_DTYPES:
         return None, None
-    return (None if _row_stride_reason(problem.hidden, problem.dtype) else "w",
-            None if _row_stride_reason(problem.inter, problem.dtype) else "a+w")
+    dtype = codes or problem.dtype
+    return (None if _row_stride_reason(problem.hidden, dtype) else "w",
+            None if _row_stride_reason(problem.inter, dtype) else "a+w")
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, int]):

@@ -13,10 +13,11 @@ Every row block belongs to one expert (`block_expert`), blocks past the padded r
 once, so the grid can be sized for the worst case and the launch captured in a CUDA graph.
 Row offsets are computed in int64: T*K*H may exceed 2^31.
 
-TMA (unquantized bf16/fp16, SPLIT_K == 1, BLOCK_M >= 64 on sm90+; experts.tma_reasons decides):
-W_DESC loads the weight tiles through a host TensorDescriptor over w13 / w2 viewed as
-[L*rows, K], A_DESC gemm2's sorted rows through one over a [R, I]; gemm1's x rows are gathered
-by token and stay on pointers. Off, the pointer loads below are unchanged.
+TMA (unquantized bf16/fp16 and W8A8 int8/e4m3 codes, SPLIT_K == 1, BLOCK_M >= 64 on sm90+;
+experts.tma_reasons decides): W_DESC loads the weight tiles through a host TensorDescriptor over
+w13 / w2 viewed as [L*rows, K], A_DESC gemm2's sorted rows (or codes) through one over a [R, I];
+gemm1's x rows are gathered by token and stay on pointers. Off, the pointer loads below are
+unchanged. Weight-only codes (Q_W8, Q_W4) and moe_gemm2_rows_kernel keep pointer loads.
 
 W8A8 (QUANT != Q_NONE): 8-bit codes into tl.dot (fp32 accumulation for fp8, int32 for int8);
 per-channel/token scales multiply the accumulator after the K loop, 128x128 block scales each

@@ -233,6 +233,12 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
     ("int8_w8a8", 4, 256, 8, 7168, 256, False, False),  # DeepSeek-V3 TP8
     ("int8_w8a8", 1024, 256, 8, 7168, 256, False, True),  # its GEMM2 row-stationary (gemm2_rows), biases
     ("fp8_w8a8_block", 1024, 256, 8, 7168, 256, False, False),  # the same for fp8 block
+    # the sixteenth session's entries, tuned with the W8A8 GEMMs on TMA descriptors (64+ row blocks)
+    ("fp8_w8a8_block", 4096, 128, 8, 2048, 768, False, False),  # Qwen3-30B M=4096
+    ("fp8_w8a8_block", 2048, 8, 2, 4096, 14336, False, False),  # Mixtral: the M=4096 entry serves 2048
+    ("fp8_w8a8_block", 256, 8, 2, 4096, 14336, False, False),  # Mixtral M=256
+    ("fp8_w8a8_block", 1024, 128, 4, 2880, 2880, False, True),  # gpt-oss M=1024, biases
+    ("int8_w8a8", 4096, 128, 8, 2048, 768, False, False),  # int8 on descriptors at 128-row blocks
 ]
 
 

@@ -599,7 +599,7 @@ TMA_DTYPES = (torch.bfloat16, torch.float16)
 # -11%, benchmarks/results/2026-11-24_h200_263251b_w8a8_tma_ab.txt); weight-only codes, decoded
 # in registers from pointer loads, keep them.
 TMA_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-TMA_W8A8 = (2, 3)  # kernels.Q_CHANNEL, kernels.Q_BLOCK
+TMA_W8A8 = frozenset(W8A8_QUANT_CODES.values())  # kernels.Q_CHANNEL, kernels.Q_BLOCK
 # The descriptor loads were measured at M=4096 (benchmarks/bench_tma_gemm.py: tiles of 64 and 128
 # rows); the decode tiles (16-32 rows: weight streams, split-K GEMM1) keep pointer loads.
 TMA_MIN_BLOCK_M = 64

@@ -1039,8 +1039,9 @@ def test_pdl_launch_keywords(monkeypatch):
     with knobs.override(PDL=False):
         assert pdl(torch.device("cuda", 0)) == {}
     monkeypatch.setenv("FUSEDMOE_PDL", "maybe")
-    with pytest.raises(ValueError, match="FUSEDMOE_PDL='maybe'"):
-        pdl(torch.device("cuda", 0))
+    for device in (torch.device("cuda", 0), torch.device("cpu")):  # refused on CPU tensors too
+        with pytest.raises(ValueError, match="FUSEDMOE_PDL='maybe'"):
+            pdl(device)
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["auto", "aligned"])

@@ -109,10 +109,10 @@ def _pdl_supported(device_index: int) -> bool:
 def pdl(device: torch.device) -> dict:
     """Launch keywords for programmatic dependent launch (kernels._pdl_enter) on this device:
     sm90+ GPUs whose Triton has grid dependency control, unless FUSEDMOE_PDL=0. The interpreter
-    (CPU tensors) launches plainly."""
+    (CPU tensors) launches plainly; the knob is read (and a bad value refused) on every device."""
     from fusedmoe import knobs
 
-    if device.type != "cuda" or knobs.get("PDL") is False:
+    if knobs.get("PDL") is False or device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return dict(PDL=True, launch_pdl=True) if _pdl_supported(index) else {}

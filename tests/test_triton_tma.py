@@ -25,6 +25,7 @@ from fusedmoe import MoEConfig, fused_experts_ref, knobs  # noqa: E402
 from fusedmoe.backends.triton import experts  # noqa: E402
 from fusedmoe.backends.triton.experts import GemmProblem, tma_planned, tma_reasons  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
+from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (CPU tensors)")
 TILE = TileConfig(64, 32, 32, 4, 2)  # the smallest BLOCK_M on descriptors; 32-wide N and K tails
@@ -107,9 +108,11 @@ def test_tma_planned_follows_the_predicate():
         assert tma_planned(odd, cpu) == ("w", None)  # a / w2 rows of 1538 B
         assert tma_planned(GemmProblem(32768, 128, 2048, 768, 8, True, torch.float32), cpu) == (None, None)
         # W8A8: one-byte codes (I = 776: bf16 rows of 1552 B, code rows of 776 B)
-        assert tma_planned(qwen3, cpu, torch.int8) == ("w", "a+w")
+        int8, w4 = get_scheme("int8_w8a8"), get_scheme("int4_w4a16_g32")
+        assert tma_planned(qwen3, cpu, int8) == ("w", "a+w")
         odd8 = GemmProblem(32768, 128, 2048, 776, 8, True, torch.bfloat16)
-        assert tma_planned(odd8, cpu) == ("w", "a+w") and tma_planned(odd8, cpu, torch.int8) == ("w", None)
+        assert tma_planned(odd8, cpu) == ("w", "a+w") and tma_planned(odd8, cpu, int8) == ("w", None)
+        assert tma_planned(qwen3, cpu, w4) == (None, None)  # weight-only: pointer loads
     with knobs.override(TRITON_TMA=False):
         assert tma_planned(qwen3, cpu) == (None, None)
 

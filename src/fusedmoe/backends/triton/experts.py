@@ -569,12 +569,9 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         return dict(path="direct", why=why, launches=f"{qx}gemm1{split}{qa} + {gemm2}{shares}",
                     gemm1=dict(tile=t1, source=src1, tma=None, swap_ab=swap1),
                     gemm2=dict(tile=t2, source=src2, tma=None, swap_ab=swap2), **extra)
-    tma1 = tma2 = None
-    if scheme is None or not scheme.weight_only:  # W8A8: int8 / e4m3 codes through descriptors
-        codes = None if scheme is None else torch.int8  # int8 and e4m3: rows of one byte an element
-        tma1, tma2 = tma_planned(problem, device, codes)
-        tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
-        tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
+    tma1, tma2 = tma_planned(problem, device, scheme)
+    tma1 = tma1 if _tma_tile_reason(t1, None) is None else None
+    tma2 = tma2 if _tma_tile_reason(t2, None) is None else None
     rows = None
     if scheme is not None and not scheme.weight_only:
         from fusedmoe.backends.triton.quant import gemm2_rows
@@ -599,6 +596,7 @@ TMA_DTYPES = (torch.bfloat16, torch.float16)
 # -11%, benchmarks/results/2026-11-24_h200_263251b_w8a8_tma_ab.txt); weight-only codes, decoded
 # in registers from pointer loads, keep them.
 TMA_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+TMA_OPERAND_DTYPES = TMA_DTYPES + TMA_CODE_DTYPES
 TMA_W8A8 = frozenset(W8A8_QUANT_CODES.values())  # kernels.Q_CHANNEL, kernels.Q_BLOCK
 # The descriptor loads were measured at M=4096 (benchmarks/bench_tma_gemm.py: tiles of 64 and 128
 # rows); the decode tiles (16-32 rows: weight streams, split-K GEMM1) keep pointer loads.
@@ -656,8 +654,8 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | str:
 def _view_reason(v: torch.Tensor, block: tuple[int, int]) -> str | None:
     """Why TMA cannot load `block` boxes from the 2D tensor v, or None."""
     es = v.element_size()
-    if v.dtype not in TMA_DTYPES + TMA_CODE_DTYPES:
-        return f"dtype {v.dtype} (descriptors serve {', '.join(map(str, TMA_DTYPES + TMA_CODE_DTYPES))})"
+    if v.dtype not in TMA_OPERAND_DTYPES:
+        return f"dtype {v.dtype} (descriptors serve {', '.join(map(str, TMA_OPERAND_DTYPES))})"
     if v.stride(1) != 1:
         return f"last dim not contiguous (strides {v.stride()})"
     if v.data_ptr() % TMA_ALIGN:
@@ -710,14 +708,15 @@ def tma_reasons(tile: TileConfig, w: torch.Tensor, w_rows: int, a: torch.Tensor 
     return _view_reason(a, (tile.block_m, tile.block_k)), w_reason
 
 
-def tma_planned(problem: GemmProblem, device: torch.device,
-                codes: torch.dtype | None = None) -> tuple[str | None, str | None]:
+def tma_planned(problem: GemmProblem, device: torch.device, scheme=None) -> tuple[str | None, str | None]:
     """The heuristic's `tma` for (gemm1, gemm2): what `tma_reasons` will say for this problem's
-    operands when they are contiguous (x / w13 rows of H elements, a / w2 rows of I); codes: the
-    W8A8 code dtype the GEMMs read instead of problem.dtype."""
-    if _tma_device_reason(device) is not None or problem.dtype not in TMA_DTYPES:
+    operands when they are contiguous (x / w13 rows of H elements, a / w2 rows of I). scheme (a
+    `QuantScheme`, None = unquantized): W8A8 GEMMs read one-byte codes; weight-only ones keep
+    pointer loads (as `_tma_tile_reason` says of their QUANT codes)."""
+    weight_only = scheme is not None and scheme.weight_only
+    if weight_only or _tma_device_reason(device) is not None or problem.dtype not in TMA_DTYPES:
         return None, None
-    dtype = codes or problem.dtype
+    dtype = problem.dtype if scheme is None else torch.int8  # int8 and e4m3 codes: one byte each
     return (None if _row_stride_reason(problem.hidden, dtype) else "w",
             None if _row_stride_reason(problem.inter, dtype) else "a+w")
 

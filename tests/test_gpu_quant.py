@@ -239,6 +239,10 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
     ("fp8_w8a8_block", 256, 8, 2, 4096, 14336, False, False),  # Mixtral M=256
     ("fp8_w8a8_block", 1024, 128, 4, 2880, 2880, False, True),  # gpt-oss M=1024, biases
     ("int8_w8a8", 4096, 128, 8, 2048, 768, False, False),  # int8 on descriptors at 128-row blocks
+    # the seventeenth session's int8 decode entries: the direct GEMM2 swapped (wgmma on w2's side)
+    ("int8_w8a8", 1, 128, 1, 5120, 1024, True, False),  # Llama-4 M=1 (swapped, GEMM1 split-K 4)
+    ("int8_w8a8", 2, 128, 1, 5120, 1024, True, True),  # the M=1 entry serves M=2; biases
+    ("int8_w8a8", 1, 128, 8, 4096, 384, False, False),  # Qwen3-235B M=1 (unswapped, 4 shares)
 ]
 
 

@@ -263,9 +263,10 @@ def test_tune_shape_measures_against_the_tables_plan(monkeypatch):
     assert (entry["us"], entry["heuristic_us"], entry["table_us"]) == (45.0, 65.0, 85.0)
 
 
-def test_search_tries_swap_ab_for_fp8_w8a8_only():
+def test_search_tries_swap_ab_for_w8a8_codes():
     """The descent's neighbours set SWAP_AB both ways for W8A8 with fp8 activations (written into
-    the entry's tiles when it wins), never for int8 or the float and weight-only GEMMs."""
+    the entry's tiles when it wins), for int8 codes on the direct decode path only, never for the
+    float and weight-only GEMMs."""
     from fusedmoe.tune import _neighbours, _swappable
 
     tile = TileConfig(16, 64, 128, 4, 3)
@@ -276,4 +277,6 @@ def test_search_tries_swap_ab_for_fp8_w8a8_only():
     assert flipped.count(False) == 1 and flipped.count(True) == len(flipped) - 1
     assert _swappable(get_scheme("fp8_w8a8_block")) and _swappable(get_scheme("fp8_w8a8_channel"))
     assert not any(_swappable(get_scheme(s)) for s in ("int8_w8a8", "fp8_w8a16", "int4_w4a16_g32"))
+    assert _swappable(get_scheme("int8_w8a8"), direct=True)  # the direct decode path: int8 codes too
+    assert not any(_swappable(get_scheme(s), direct=True) for s in ("fp8_w8a16", "int4_w4a16_g32"))
     assert not _swappable(None)

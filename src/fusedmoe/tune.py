@@ -378,17 +378,23 @@ def _x_quantization(scheme, x) -> Callable[[int], None] | None:
     return lambda i: quantize_activation(x, scheme.activation)
 
 
-def _swappable(scheme) -> bool:
+def _swappable(scheme, *, direct: bool = False) -> bool:
     """Whether the search tries SWAP_AB both ways: W8A8 with fp8 activation codes (the ones
-    wgmma takes only swapped at 16-32-row blocks)."""
-    return scheme is not None and not scheme.weight_only and scheme.activation.dtype == "fp8"
+    wgmma takes only swapped at 16-32-row blocks), and on the direct decode path int8 codes too
+    (swapped, one live row's GEMMs run wgmma on the weight side instead of IMMA: the direct GEMM2
+    at Qwen3-30B M=4 145 -> 104 registers, 17 ldmatrix -> 1 in the sm90 compile; forced on every
+    decode cell it won at Llama-4 M=1 and lost elsewhere with tiles tuned unswapped, H200:
+    benchmarks/results/2026-11-24_h200_1cbdac8_w8a8_decode_swap_probe.txt)."""
+    if scheme is None or scheme.weight_only:
+        return False
+    return scheme.activation.dtype == "fp8" or (direct and scheme.activation.dtype == "int8")
 
 
 def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) -> TileConfig:
     """`tile` with the swap the rule (`quant.swap_ab`) gives it made explicit, where the search
     tries SWAP_AB: the descent then flips it once instead of timing the rule's own choice again,
     and an entry keeps the swap it was timed with if the rule changes."""
-    if not _swappable(scheme) or tile.swap_ab is not None:
+    if not _swappable(scheme, direct=direct) or tile.swap_ab is not None:
         return tile
     from fusedmoe.backends.triton.quant import swap_ab
 
@@ -425,7 +431,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
     d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
     time1, time2 = _once(time1), _once(time2)
     time1.known[d1], time2.known[d2] = us1, us2
-    swap = _swappable(scheme)
+    swap = _swappable(scheme, direct=True)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
                       allow_swap=swap)
     b2, u2 = _descend(time2, d2, ok2, allow_split=True, allow_swap=swap)

@@ -9,6 +9,9 @@ MODE 0: `acc += tl.dot(a, b) * (sa * sb)[:, None]` per K step of 128 (the librar
 MODE 1: the same with the scaling lagged one step (step k's dot issued before step k-1's partial
         is scaled), hoping Triton keeps one wgmma in flight across the scaling.
 MODE 2: no scales, `acc = tl.dot(a, b, acc)`: the fp8 rate of this loop.
+MODE 3: two 128-deep K steps per iteration (K a multiple of 256), both dots issued before either
+        product is scaled. sm90 compile (2026-11-24, seventeenth session): Triton 3.6 still waits
+        (`pendings = 0`) right after each dot, at twice the shared memory; not timed.
 No expert gather, no routing: the ceiling of the block-scaled loop itself. Results:
 results/2026-11-23_h200_8aa383c_fp8_block_scaling.txt (H200, Triton 3.6): MODE 0 753-841 TFLOP/s
 at its best tile, MODE 2 1022-1382, MODE 1 slower than MODE 0 (Triton still waits for each
@@ -45,10 +48,24 @@ def gemm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # MODE 1: the previous step's product
     s_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)  # and its scale
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K * (2 if MODE == 3 else 1)):
         a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
         b = tl.load(b_ptrs)
-        if MODE == 2:  # no scales (the dense fp8 rate of this loop)
+        if MODE == 3:  # two 128-deep K steps per iteration: both dots issued, then both scaled
+            a1 = tl.load(a_ptrs + BLOCK_K, mask=m_ok[:, None], other=0.0)
+            b1 = tl.load(b_ptrs + BLOCK_K)
+            kb = k0 // 128
+            sa = tl.load(sa_ptr + offs_m * nkb + kb, mask=m_ok, other=0.0)
+            sa1 = tl.load(sa_ptr + offs_m * nkb + kb + 1, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptr + (pid_n * BLOCK_N // 128) * nkb + kb)
+            sb1 = tl.load(sb_ptr + (pid_n * BLOCK_N // 128) * nkb + kb + 1)
+            p0 = tl.dot(a, b)
+            p1 = tl.dot(a1, b1)
+            acc += p0 * (sa * sb)[:, None]
+            acc += p1 * (sa1 * sb1)[:, None]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        elif MODE == 2:  # no scales (the dense fp8 rate of this loop)
             acc = tl.dot(a, b, acc)
         else:
             kb = k0 // 128
@@ -123,7 +140,7 @@ def run(M, N, K, configs, iters=50):
 
 if __name__ == "__main__":
     if sys.argv[1] == "compile":
-        for mode in (0, 1, 2):
+        for mode in (0, 1, 2, 3):
             for (bm, bn, w, s) in [(128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4)]:
                 k = compile_only(mode, bm, bn, w, s)
                 ttgir = k.asm["ttgir"]

@@ -1062,3 +1062,38 @@ def test_bad_knob_raises_before_any_launch_unquantized(direct, knob, monkeypatch
     with pytest.raises(ValueError, match=f"FUSEDMOE_{knob}='fast'"):
         triton_experts(x, torch.randn(4, 64, 64, generator=gen), torch.randn(4, 64, 32, generator=gen), w, ids,
                        None, None, None, 4, "silu", False, 1.702, None, direct=direct)
+
+
+def test_tuned_tables_of_a_sibling_gpu_serve_missing_shapes(tmp_path, monkeypatch):
+    """A GPU whose tables have no entry for a shape borrows a sibling GPU's (tuning.SIBLINGS: the
+    same architecture, SM count, shared memory and L2); its own entries win where it has them;
+    FUSEDMOE_TUNED_SIBLINGS=0 reads its own tables only; explain names the table."""
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_tiles, describe_plan
+
+    assert tuning.SIBLINGS["NVIDIA H100 80GB HBM3"] == ("NVIDIA H200",)  # measured (docs/perf-notes.md)
+    own = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
+    theirs = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 64, 128, 4, 3))
+    (tmp_path / "Fake_GPU_A.json").write_text(json.dumps(_table([
+        _entry(16, g1=tuple(own[0].as_list()), g2=tuple(own[1].as_list()))])))
+    (tmp_path / "Fake_GPU_B.json").write_text(json.dumps(_table([
+        _entry(16, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list())),
+        _entry(256, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list()))])))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU A")
+    monkeypatch.setattr(tuning, "SIBLINGS", {"Fake GPU A": ("Fake GPU B",)})
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    at16 = GemmProblem(16 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+    at256 = GemmProblem(256 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+    with knobs.override(TUNED_DIR=str(tmp_path), TRITON_TMA=False):
+        assert choose_tiles(at16, cuda) == own  # its own entry
+        assert choose_tiles(at256, cuda) == theirs  # none of its own: the sibling's
+        assert describe_plan(at256, None, cuda)["gemm1"]["source"] == "tuned table of Fake GPU B"
+        assert describe_plan(at16, None, cuda)["gemm1"]["source"] == "tuned table"
+        with knobs.override(TUNED_SIBLINGS=False):
+            assert choose_tiles(at256, cuda) not in (own, theirs)  # the heuristic
+            assert describe_plan(at256, None, cuda)["gemm1"]["source"] == "heuristic"

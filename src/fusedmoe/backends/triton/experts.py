@@ -270,22 +270,23 @@ class GemmProblem:
 
 def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
     """`choose(problem, [scheme,] device)` remembered per arguments and the knobs it reads
-    (TUNED_DIR, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
+    (TUNED_DIR, TUNED_SIBLINGS, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
     of host time per eager call otherwise. Tables written by `fusedmoe tune` in this process
     clear it (`clear_tile_caches`); a table file rewritten by another process is read by the next
     process, as tuned configs are read once at startup elsewhere (vLLM)."""
     from fusedmoe import knobs
 
     @functools.lru_cache(maxsize=4096)
-    def cached(args: tuple, tuned_dir, tma, direct):
-        del tuned_dir, tma, direct  # part of the key only
+    def cached(args: tuple, tuned_dir, siblings, tma, direct):
+        del tuned_dir, siblings, tma, direct  # part of the key only
         return choose(*args)
 
     @functools.wraps(choose)
     def wrapper(*args):
         if torch.compiler.is_compiling():
             return choose(*args)
-        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TRITON_TMA"), knobs.get("TRITON_DIRECT"))
+        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TUNED_SIBLINGS"), knobs.get("TRITON_TMA"),
+                      knobs.get("TRITON_DIRECT"))
 
     _TILE_CACHES.append(cached)
     return wrapper
@@ -512,17 +513,19 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.tuning import lookup
+    from fusedmoe.backends.triton.tuning import lookup, table_source
 
     mode = knobs.get("TRITON_DIRECT")
     aligned, plan = lookup(problem, device, scheme), None
-    src1 = src2 = "tuned table" if aligned is not None else "heuristic"  # the aligned path's
+    tuned = table_source(problem, device, scheme)  # "tuned table" (of a sibling GPU) or None
+    src1 = src2 = tuned or "heuristic"  # the aligned path's
     is_direct, t1, t2 = choose_plan(problem, scheme, device)
     why = direct_scheme_reason(scheme)
     if why is None:
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:
-            why = f"tuned table: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
+            table = "tuned table" if plan.borrowed is None else f"tuned table of {plan.borrowed}"
+            why = f"{table}: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
         elif is_direct:
             why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
                    else "one token: always direct, GEMM2's slot shares fill the SMs (experts.direct_auto)"
@@ -533,9 +536,9 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         else:
             why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device))
         if plan is not None or is_direct and lookup(problem, device, scheme, path="direct") == (t1, t2):
-            src1 = src2 = "tuned table"
+            src1 = src2 = table_source(problem, device, scheme, "direct" if is_direct else "aligned")
         elif is_direct:  # direct_tiles: a 16-row aligned entry's GEMM1, else the heuristic's
-            src1 = "tuned table" if aligned is not None and aligned[0] == t1 else "heuristic"
+            src1 = tuned if aligned is not None and aligned[0] == t1 else "heuristic"
             src2 = "direct heuristic"
     split = " + act" if t1.split_k > 1 else ""
     qx = qa = ""

@@ -14,7 +14,8 @@ entry is held to the same validity predicate as the heuristic (`tiles.check_plan
 scheme's `tile_mode`): an invalid entry is reported once and ignored; a file that does not
 parse, or was tuned with another Triton major.minor, is reported once and ignored whole. Among
 the entries for a shape the one with the nearest token count (in log2) wins, if it is within a
-factor of two.
+factor of two. Where this GPU's tables have none, a sibling GPU's (SIBLINGS: the same
+architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Tuned(NamedTuple):
     gemm1: TileConfig
     gemm2: TileConfig
     path: str | None = None
+    borrowed: str | None = None  # the sibling device whose table it came from (SIBLINGS), if not this one's
 
     @property
     def direct(self) -> bool:
@@ -198,14 +200,26 @@ def _tokens(problem) -> int:
     return max(1, problem.num_slots // max(1, problem.top_k))
 
 
+# Devices of one architecture, SM count, shared memory and L2 whose tables stand in for each
+# other's missing entries: an H100 SXM runs a shape the H200 table was tuned for (and none of its
+# own was) on the H200's tiles rather than the heuristic's. FUSEDMOE_TUNED_SIBLINGS=0: own only.
+SIBLINGS = {
+    "NVIDIA H100 80GB HBM3": ("NVIDIA H200",),
+    "NVIDIA H200": ("NVIDIA H100 80GB HBM3",),
+}
+
+
 def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
     key, tokens = _key(problem, scheme), _tokens(problem)
-    for table in _tables(_device_name(device)):
-        found = nearest_entry(table, key, tokens, paths)
-        if found is not None:
-            return found
+    name = _device_name(device)
+    names = (name, *SIBLINGS.get(name, ())) if knobs.get("TUNED_SIBLINGS") is not False else (name,)
+    for source in names:
+        for table in _tables(source):
+            found = nearest_entry(table, key, tokens, paths)
+            if found is not None:
+                return found if source == name else found._replace(borrowed=source)
     return None
 
 
@@ -214,6 +228,15 @@ def lookup(problem, device: torch.device, scheme=None, path: str = "aligned") ->
     `path` ("aligned": entries of that path or of none; "direct": the direct path's)."""
     found = _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
     return None if found is None else (found.gemm1, found.gemm2)
+
+
+def table_source(problem, device: torch.device, scheme=None, path: str = "aligned") -> str | None:
+    """Where `lookup` finds its tiles, for `fusedmoe explain`: "tuned table", or "tuned table of
+    <sibling device>" for an entry borrowed through SIBLINGS; None: no entry (the heuristic)."""
+    found = _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
+    if found is None:
+        return None
+    return "tuned table" if found.borrowed is None else f"tuned table of {found.borrowed}"
 
 
 def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:

@@ -1081,8 +1081,8 @@ def test_tuned_tables_of_a_sibling_gpu_serve_missing_shapes(tmp_path, monkeypatc
     (tmp_path / "Fake_GPU_A.json").write_text(json.dumps(_table([
         _entry(16, g1=tuple(own[0].as_list()), g2=tuple(own[1].as_list()))])))
     (tmp_path / "Fake_GPU_B.json").write_text(json.dumps(_table([
-        _entry(16, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list())),
-        _entry(256, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list()))])))
+        _entry(16, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list()), path="aligned"),
+        _entry(256, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list()), path="aligned")])))
     monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU A")
     monkeypatch.setattr(tuning, "SIBLINGS", {"Fake GPU A": ("Fake GPU B",)})
     monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
@@ -1097,3 +1097,6 @@ def test_tuned_tables_of_a_sibling_gpu_serve_missing_shapes(tmp_path, monkeypatc
         with knobs.override(TUNED_SIBLINGS=False):
             assert choose_tiles(at256, cuda) not in (own, theirs)  # the heuristic
             assert describe_plan(at256, None, cuda)["gemm1"]["source"] == "heuristic"
+        # a shape with an entry of its own on any path borrows nothing: the sibling's timed plan
+        # (path "aligned") does not override this GPU's path-less entry
+        assert tuning.lookup_plan(at16, cuda) is None and tuning.lookup_plan(at256, cuda).borrowed == "Fake GPU B"

@@ -41,6 +41,7 @@ PACKAGED = Path(__file__).parent / "tuned"
 FORMAT = 3
 READ_FORMATS = (1, 2, 3)
 PATHS = ("aligned", "direct")
+ALL_PATHS = (*PATHS, None)  # None: a format 1-2 entry's, the aligned path's tiles with no path timed
 
 
 class Tuned(NamedTuple):
@@ -214,12 +215,20 @@ def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
         return None
     key, tokens = _key(problem, scheme), _tokens(problem)
     name = _device_name(device)
-    names = (name, *SIBLINGS.get(name, ())) if knobs.get("TUNED_SIBLINGS") is not False else (name,)
-    for source in names:
+    own = _tables(name)
+    for table in own:
+        found = nearest_entry(table, key, tokens, paths)
+        if found is not None:
+            return found
+    # a sibling's entries only for shapes this GPU has no entry of any path for: where it has one
+    # (a path-less aligned entry, say), its own table and the rule decide, as without siblings
+    if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS) for t in own):
+        return None
+    for source in SIBLINGS.get(name, ()):
         for table in _tables(source):
             found = nearest_entry(table, key, tokens, paths)
             if found is not None:
-                return found if source == name else found._replace(borrowed=source)
+                return found._replace(borrowed=source)
     return None
 
 
@@ -252,7 +261,7 @@ def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:
 MAX_OCTAVES = 1.0  # an entry tuned at M serves M/2 .. 2M; farther off, the heuristic knows better
 
 
-def nearest_entry(table: dict, key: tuple, tokens: int, paths: tuple = ("aligned", "direct", None)) -> Tuned | None:
+def nearest_entry(table: dict, key: tuple, tokens: int, paths: tuple = ALL_PATHS) -> Tuned | None:
     """The entry for `key` on one of `paths` nearest to `tokens` in log2 (ties: the smaller),
     within one octave."""
     entries = [e for e in table.get(key, ()) if e.path in paths]

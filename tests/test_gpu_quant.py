@@ -243,6 +243,10 @@ FULL_SHAPES = [  # scheme, T, E, K, H, I, router weight on input, biases: the pr
     ("int8_w8a8", 1, 128, 1, 5120, 1024, True, False),  # Llama-4 M=1 (swapped, GEMM1 split-K 4)
     ("int8_w8a8", 2, 128, 1, 5120, 1024, True, True),  # the M=1 entry serves M=2; biases
     ("int8_w8a8", 1, 128, 8, 4096, 384, False, False),  # Qwen3-235B M=1 (unswapped, 4 shares)
+    # per-tensor fp8 on fp8 per channel's aligned entries (tuning.SCHEME_SIBLINGS)
+    ("fp8_w8a8_tensor", 256, 128, 8, 4096, 384, False, False),  # Qwen3-235B M=256
+    ("fp8_w8a8_tensor_static", 64, 8, 2, 4096, 14336, False, False),  # Mixtral M=64
+    ("fp8_w8a8_tensor", 1024, 128, 4, 2880, 2880, False, True),  # gpt-oss M=1024, biases
 ]
 
 

@@ -1100,3 +1100,45 @@ def test_tuned_tables_of_a_sibling_gpu_serve_missing_shapes(tmp_path, monkeypatc
         # a shape with an entry of its own on any path borrows nothing: the sibling's timed plan
         # (path "aligned") does not override this GPU's path-less entry
         assert tuning.lookup_plan(at16, cuda) is None and tuning.lookup_plan(at256, cuda).borrowed == "Fake GPU B"
+
+
+def test_per_tensor_fp8_takes_per_channel_entries(tmp_path, monkeypatch):
+    """Per-tensor fp8 W8A8 runs per-channel fp8's kernels (a per-row scale): where it has no entry
+    of its own, fp8_w8a8_channel's aligned entries serve it (tuning.SCHEME_SIBLINGS), never its
+    direct ones (per-tensor has no direct path); its own entries win; FUSEDMOE_TUNED_SIBLINGS=0
+    turns it off; explain names the table and scheme."""
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import quant as quant_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+    from fusedmoe.backends.triton.quant import choose_quant_tiles
+    from fusedmoe.quant.scheme import SCHEMES
+
+    chan = (TileConfig(64, 128, 128, 4, 3), TileConfig(64, 128, 128, 4, 3, swap_ab=False))
+    own = (TileConfig(32, 64, 128, 4, 3), TileConfig(32, 64, 128, 4, 3))
+    (tmp_path / "Fake_GPU_A.json").write_text(json.dumps(_table([
+        _entry(64, g1=tuple(chan[0].as_list()), g2=(64, 128, 128, 4, 3, 1, False), quant="fp8_w8a8_channel",
+               path="aligned"),
+        _entry(1, g1=(16, 64, 128, 4, 3), g2=(16, 64, 128, 4, 3, 2), quant="fp8_w8a8_channel", path="direct"),
+        _entry(1024, g1=tuple(own[0].as_list()), g2=tuple(own[1].as_list()), quant="fp8_w8a8_tensor_static")])))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU A")
+    monkeypatch.setattr(tuning, "SIBLINGS", {})
+    for mod in (experts_mod, quant_mod):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    shape = lambda m: GemmProblem(m * 8, 128, 2048, 768, 8, True, torch.bfloat16)  # noqa: E731
+    tensor, static = SCHEMES["fp8_w8a8_tensor"], SCHEMES["fp8_w8a8_tensor_static"]
+    with knobs.override(TUNED_DIR=str(tmp_path), TRITON_TMA=False):
+        for scheme in (tensor, static):
+            assert choose_quant_tiles(shape(64), scheme, cuda) == chan
+            assert tuning.lookup(shape(1), cuda, scheme, path="direct") is None  # not the direct entry
+            assert tuning.lookup_plan(shape(64), cuda, scheme).borrowed == "Fake GPU A (fp8_w8a8_channel)"
+        src = describe_plan(shape(64), tensor, cuda)["gemm1"]["source"]
+        assert src == "tuned table of Fake GPU A (fp8_w8a8_channel)"
+        assert choose_quant_tiles(shape(1024), static, cuda) == own  # its own entry
+        assert choose_quant_tiles(shape(1024), tensor, cuda) not in (own, chan)  # none: the heuristic
+        with knobs.override(TUNED_SIBLINGS=False):
+            assert choose_quant_tiles(shape(64), tensor, cuda) != chan

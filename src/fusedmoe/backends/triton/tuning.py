@@ -14,8 +14,9 @@ entry is held to the same validity predicate as the heuristic (`tiles.check_plan
 scheme's `tile_mode`): an invalid entry is reported once and ignored; a file that does not
 parse, or was tuned with another Triton major.minor, is reported once and ignored whole. Among
 the entries for a shape the one with the nearest token count (in log2) wins, if it is within a
-factor of two. Where this GPU's tables have none, a sibling GPU's (SIBLINGS: the same
-architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
+factor of two. Where this GPU's tables have none for the shape, a sibling scheme's aligned entries
+(SCHEME_SIBLINGS: per-tensor fp8 runs per-channel fp8's kernels) and a sibling GPU's (SIBLINGS:
+the same architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Tuned(NamedTuple):
     gemm1: TileConfig
     gemm2: TileConfig
     path: str | None = None
-    borrowed: str | None = None  # the sibling device whose table it came from (SIBLINGS), if not this one's
+    borrowed: str | None = None  # where it came from if not this GPU's entries for this scheme: a sibling
+    # GPU's table (SIBLINGS), or "<device> (<scheme>)" for a sibling scheme's entry (SCHEME_SIBLINGS)
 
     @property
     def direct(self) -> bool:
@@ -210,6 +212,16 @@ SIBLINGS = {
 }
 
 
+# Schemes whose GEMMs are another's kernels on the same codes: per-tensor fp8 runs the per-channel
+# path with a per-row scale (be85264), so where it has no entry of its own it takes fp8 per
+# channel's aligned entries (it has no direct path), held to its own tile predicate. H200, whole
+# call, alternating (2026-11-24_h200_95fe0bd_fp8_tensor_borrowed_ab.txt): M=16-4096 -2 to -23%.
+SCHEME_SIBLINGS = {
+    "fp8_w8a8_tensor": "fp8_w8a8_channel",
+    "fp8_w8a8_tensor_static": "fp8_w8a8_channel",
+}
+
+
 def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
@@ -220,16 +232,29 @@ def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
         found = nearest_entry(table, key, tokens, paths)
         if found is not None:
             return found
-    # a sibling's entries only for shapes this GPU has no entry of any path for: where it has one
-    # (a path-less aligned entry, say), its own table and the rule decide, as without siblings
+    # siblings' entries only for shapes this GPU / scheme has no entry of any path for: where it
+    # has one (a path-less aligned entry, say), its own table and the rule decide, as without them
     if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS) for t in own):
         return None
-    for source in SIBLINGS.get(name, ()):
+    # this GPU's entries of a sibling scheme, then each sibling GPU's of this scheme and its sibling
+    kin = (key[:-1] + (SCHEME_SIBLINGS[scheme.name],)) if scheme is not None and scheme.name in SCHEME_SIBLINGS else None
+    aligned = tuple(p for p in paths if p != "direct")
+    sources = [(name, kin, aligned)] if kin else []
+    for sibling in SIBLINGS.get(name, ()):
+        sources += [(sibling, key, paths)] + ([(sibling, kin, aligned)] if kin else [])
+    for source, k, p in sources:
         for table in _tables(source):
-            found = nearest_entry(table, key, tokens, paths)
-            if found is not None:
-                return found._replace(borrowed=source)
+            found = nearest_entry(table, k, tokens, p)
+            if found is not None and (k == key or _fits(found, problem, scheme)):
+                return found._replace(borrowed=source if k == key else f"{source} ({k[-1]})")
     return None
+
+
+def _fits(entry: Tuned, problem, scheme) -> bool:
+    """Whether another scheme's entry is a valid plan for `scheme` (its tile predicate)."""
+    mode, group = tile_mode(scheme)
+    return check_plan(entry.gemm1, entry.gemm2, direct=entry.direct, dtype=problem.dtype, gated=problem.gated,
+                      quant=mode, group=group, running=scheme.name) is None
 
 
 def lookup(problem, device: torch.device, scheme=None, path: str = "aligned") -> tuple[TileConfig, TileConfig] | None:

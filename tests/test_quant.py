@@ -6,7 +6,9 @@ K top-k (for one GEMM: N output rows, K input columns).
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -653,6 +655,12 @@ def test_emulation_caches_dequantized_weights(monkeypatch):
     q13[0].neg_()  # an in-place update bumps the version: the cache must notice
     changed = problem.emulate(experts, q13, q2, params)
     assert len(calls) == 2 and not torch.equal(changed, first)
+    # the fp32 copies live no longer than their source weights (the API keeps one experts object
+    # per config alive: a freed layer's copies must not stay pinned by it)
+    copies = weakref.ref(experts._cache[2][0])
+    del q13, q2, params
+    gc.collect()
+    assert experts._cache is None and copies() is None
 
 
 def test_emulation_errors():

@@ -28,7 +28,9 @@ class EmulationExperts(Experts):
     def __init__(self, config: MoEConfig):
         super().__init__(config)
         # (weak refs to the source tensors, (weight key, their versions), (w13, w2) float32). One
-        # entry: repeated calls on one layer skip dequantization, and no old layer stays pinned.
+        # entry: repeated calls on one layer skip dequantization; it is dropped when its source
+        # weights are freed (`_drop`), so no old layer's fp32 copy stays pinned by this object
+        # (which the API's kernel cache keeps alive per config).
         self._cache: tuple[tuple[weakref.ref, ...], tuple, tuple[torch.Tensor, ...]] | None = None
 
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
@@ -71,8 +73,16 @@ class EmulationExperts(Experts):
             ):
                 return dequantized
         dequantized = dequantize_weights(w13, w2, quant)
-        self._cache = (tuple(weakref.ref(t) for t in present), stamp, dequantized)
+        self._cache = entry = (tuple(weakref.ref(t) for t in present), stamp, dequantized)
+        weakref.finalize(w13, EmulationExperts._drop, weakref.ref(self), id(entry))
         return dequantized
+
+    @staticmethod
+    def _drop(owner: weakref.ref, entry_id: int) -> None:
+        """The cached entry's w13 was freed: release its fp32 copies (unless a newer entry replaced it)."""
+        self = owner()
+        if self is not None and self._cache is not None and id(self._cache) == entry_id:
+            self._cache = None
 
 
 def activation_transform(

@@ -86,9 +86,10 @@ KNOBS: dict[str, Knob] = {
         Knob("TUNED_DIR", _text, None,
              "Folder searched for tuned tile tables before the packaged ones."),
         Knob("TUNED_SIBLINGS", _tristate, None,
-             "Where this GPU's tuned tables have no entry for a shape, use the entry of a sibling GPU "
-             "(same architecture, SM count, shared memory and L2: H100 SXM and H200): unset/1 = on, "
-             "0 = this GPU's own tables only."),
+             "Where this GPU's tuned tables have no entry for a shape and scheme, use a sibling's: "
+             "the aligned entries of a scheme whose GEMMs are the same kernels (per-tensor fp8 takes "
+             "per-channel fp8's), or a sibling GPU's table (same architecture, SM count, shared memory "
+             "and L2: H100 SXM and H200): unset/1 = on, 0 = own entries only."),
         Knob("PDL", _tristate, None,
              "Programmatic dependent launch of the Triton MoE kernels (sm90+: each launch overlaps "
              "the previous kernel's tail): unset/1 = on where the GPU and Triton support it, 0 = off."),

@@ -32,6 +32,7 @@ class EmulationExperts(Experts):
         # weights are freed (`_drop`), so no old layer's fp32 copy stays pinned by this object
         # (which the API's kernel cache keeps alive per config).
         self._cache: tuple[tuple[weakref.ref, ...], tuple, tuple[torch.Tensor, ...]] | None = None
+        self._generation = 0  # which entry a `_drop` finalizer was registered for
 
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
               out_TH=None) -> torch.Tensor:
@@ -73,15 +74,16 @@ class EmulationExperts(Experts):
             ):
                 return dequantized
         dequantized = dequantize_weights(w13, w2, quant)
-        self._cache = entry = (tuple(weakref.ref(t) for t in present), stamp, dequantized)
-        weakref.finalize(w13, EmulationExperts._drop, weakref.ref(self), id(entry))
+        self._cache = (tuple(weakref.ref(t) for t in present), stamp, dequantized)
+        self._generation += 1
+        weakref.finalize(w13, EmulationExperts._drop, weakref.ref(self), self._generation)
         return dequantized
 
     @staticmethod
-    def _drop(owner: weakref.ref, entry_id: int) -> None:
+    def _drop(owner: weakref.ref, generation: int) -> None:
         """The cached entry's w13 was freed: release its fp32 copies (unless a newer entry replaced it)."""
         self = owner()
-        if self is not None and self._cache is not None and id(self._cache) == entry_id:
+        if self is not None and self._generation == generation:
             self._cache = None
 
 

@@ -513,19 +513,17 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.tuning import lookup, table_source
+    from fusedmoe.backends.triton.tuning import entry
 
     mode = knobs.get("TRITON_DIRECT")
-    aligned, plan = lookup(problem, device, scheme), None
-    tuned = table_source(problem, device, scheme)  # "tuned table" (of a sibling GPU) or None
-    src1 = src2 = tuned or "heuristic"  # the aligned path's
+    aligned, plan = entry(problem, device, scheme), None  # the aligned path's entry
+    src1 = src2 = aligned.source if aligned is not None else "heuristic"
     is_direct, t1, t2 = choose_plan(problem, scheme, device)
     why = direct_scheme_reason(scheme)
     if why is None:
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:
-            table = "tuned table" if plan.borrowed is None else f"tuned table of {plan.borrowed}"
-            why = f"{table}: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
+            why = f"{plan.source}: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
         elif is_direct:
             why = ("FUSEDMOE_TRITON_DIRECT=force" if mode == "force"
                    else "one token: always direct, GEMM2's slot shares fill the SMs (experts.direct_auto)"
@@ -535,10 +533,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             why = "FUSEDMOE_TRITON_DIRECT=0"
         else:
             why = direct_reason(problem) or direct_auto_reason(problem, _num_sms(device))
-        if plan is not None or is_direct and lookup(problem, device, scheme, path="direct") == (t1, t2):
-            src1 = src2 = table_source(problem, device, scheme, "direct" if is_direct else "aligned")
+        direct = entry(problem, device, scheme, "direct") if plan is None and is_direct else None
+        if plan is not None or direct is not None and (direct.gemm1, direct.gemm2) == (t1, t2):
+            src1 = src2 = (plan or direct).source
         elif is_direct:  # direct_tiles: a 16-row aligned entry's GEMM1, else the heuristic's
-            src1 = tuned if aligned is not None and aligned[0] == t1 else "heuristic"
+            src1 = aligned.source if aligned is not None and aligned.gemm1 == t1 else "heuristic"
             src2 = "direct heuristic"
     split = " + act" if t1.split_k > 1 else ""
     qx = qa = ""

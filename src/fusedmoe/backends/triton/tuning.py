@@ -60,6 +60,11 @@ class Tuned(NamedTuple):
     def direct(self) -> bool:
         return self.path == "direct"
 
+    @property
+    def source(self) -> str:
+        """The table it came from, for `fusedmoe explain`: "tuned table" or "tuned table of <borrowed>"."""
+        return "tuned table" if self.borrowed is None else f"tuned table of {self.borrowed}"
+
 
 def device_file_name(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name).strip("_") + ".json"
@@ -257,20 +262,16 @@ def _fits(entry: Tuned, problem, scheme) -> bool:
                       quant=mode, group=group, running=scheme.name) is None
 
 
+def entry(problem, device: torch.device, scheme=None, path: str = "aligned") -> Tuned | None:
+    """The tuned entry of `scheme` (a `QuantScheme`, None = unquantized) for this shape on `path`
+    ("aligned": entries of that path or of none; "direct": the direct path's), or None."""
+    return _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
+
+
 def lookup(problem, device: torch.device, scheme=None, path: str = "aligned") -> tuple[TileConfig, TileConfig] | None:
-    """The tuned tiles of `scheme` (a `QuantScheme`, None = unquantized) for this shape on
-    `path` ("aligned": entries of that path or of none; "direct": the direct path's)."""
-    found = _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
+    """`entry`'s tiles (gemm1, gemm2), or None: the heuristic."""
+    found = entry(problem, device, scheme, path)
     return None if found is None else (found.gemm1, found.gemm2)
-
-
-def table_source(problem, device: torch.device, scheme=None, path: str = "aligned") -> str | None:
-    """Where `lookup` finds its tiles, for `fusedmoe explain`: "tuned table", or "tuned table of
-    <sibling device>" for an entry borrowed through SIBLINGS; None: no entry (the heuristic)."""
-    found = _find(problem, device, scheme, ("aligned", None) if path == "aligned" else (path,))
-    if found is None:
-        return None
-    return "tuned table" if found.borrowed is None else f"tuned table of {found.borrowed}"
 
 
 def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:

@@ -1045,10 +1045,10 @@ def test_pdl_launch_keywords(monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["auto", "aligned"])
-@pytest.mark.parametrize("knob", ["TRITON_TMA", "TRITON_DIRECT"])
+@pytest.mark.parametrize("knob", ["TRITON_TMA", "TRITON_DIRECT", "TUNED_SIBLINGS"])
 def test_bad_knob_raises_before_any_launch_unquantized(direct, knob, monkeypatch):
     """The unquantized path reads its plan's knobs (memoized_tiles: TRITON_TMA, TRITON_DIRECT with
-    TUNED_DIR) before the alignment launches, so a bad value raises with nothing launched (W8A8
+    TUNED_DIR and TUNED_SIBLINGS) before the alignment launches, so a bad value raises with nothing launched (W8A8
     reads its own in quant._call_knobs: test_triton_quant.py)."""
     def launched(*args, **kwargs):
         raise AssertionError("a kernel launched before the knob was read")

@@ -444,10 +444,11 @@ def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
-@pytest.mark.parametrize("knob", ["FP8_ACCUMULATE", "TRITON_SWAP_AB", "TRITON_GEMM2_ROWS"])
+@pytest.mark.parametrize("knob", ["FP8_ACCUMULATE", "TRITON_SWAP_AB", "TRITON_GEMM2_ROWS", "TUNED_SIBLINGS"])
 def test_bad_knob_raises_before_any_launch(direct, knob, monkeypatch):
     """A bad FUSEDMOE_FP8_ACCUMULATE, FUSEDMOE_TRITON_SWAP_AB or FUSEDMOE_TRITON_GEMM2_ROWS is read
-    once per call (quant._call_knobs), before the alignment and x's quantization launch."""
+    once per call (quant._call_knobs), and FUSEDMOE_TUNED_SIBLINGS with the plan (memoized_tiles),
+    before the alignment and x's quantization launch."""
     from fusedmoe.backends.triton import quant as tq
 
     def launched(*args, **kwargs):

@@ -935,6 +935,36 @@ def test_batched_launch_packs_live_blocks():
     assert slots[5].tolist() == [120] + [sentinel] * 15
     assert (slots[6:] == sentinel).all()
     assert launch.slot_ok is None  # the batched layout has no top-k reduce to read slot flags
+    # the dispatch's slot count bounds the live blocks: min(L, 58) + 58 // 16 = 7 of the 12 buffer blocks
+    bounded = prepare_batched_launch(x, counts, 6, x.dtype, "silu", 1.702, None, bm, num_slots=58)
+    assert bounded.a.shape == (7 * bm, 6) and bounded.sorted_slot.numel() == 7 * bm
+    assert torch.equal(bounded.sorted_slot, launch.sorted_slot[: 7 * bm]) and int(bounded.num_rows) == 6 * bm
+    # 3 slots, one per expert: 3 blocks, all live (one token's top-3); 40 on one expert: 3 of 6
+    for live, slots, bound in (([1, 1, 1, 0], 3, 3), ([0, 40, 0, 0], 40, 6)):
+        bounded = prepare_batched_launch(x, torch.tensor(live), 6, x.dtype, "silu", 1.702, None, bm, num_slots=slots)
+        assert bounded.sorted_slot.numel() == bound * bm and int(bounded.num_rows) == 3 * bm
+    gen = torch.Generator().manual_seed(46)  # any counts with sum <= num_slots: the live blocks fit
+    for _ in range(300):
+        L, M, bm = int(torch.randint(1, 7, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen)), \
+            (1, 2, 16, 32)[int(torch.randint(0, 4, (1,), generator=gen))]
+        live = torch.randint(0, M + 1, (L,), generator=gen) * (torch.rand(L, generator=gen) < 0.6)
+        slots = int(live.sum()) + int(torch.randint(0, 3, (1,), generator=gen))
+        bounded = prepare_batched_launch(torch.empty(L, M, 2), live, 6, torch.float32, "silu", 1.702, None, bm,
+                                         num_slots=slots)
+        assert int(bounded.num_rows) <= bounded.sorted_slot.numel(), (L, M, bm, live.tolist(), slots)
+
+
+def test_batched_slot_count_must_bound_the_live_rows():
+    """num_slots sizes the grid: a count it does not cover raises (validation) before any launch."""
+    from fusedmoe.backends.triton.experts import triton_batched_experts
+
+    x, w13, w2 = torch.randn(3, 8, 32), torch.randn(3, 32, 32), torch.randn(3, 32, 16)
+    counts = torch.tensor([8, 20, 1], dtype=torch.int32)  # 8 + 8 (clamped) + 1 live rows
+    with pytest.raises(ValueError, match="num_slots=16 must bound the live rows, but num_tokens counts 17"):
+        triton_batched_experts(x, counts, w13, w2, None, None, "silu", 1.702, None, 16)
+    y = triton_batched_experts(x, counts, w13, w2, None, None, "silu", 1.702, None, 17)
+    torch.testing.assert_close(y, triton_batched_experts(x, counts, w13, w2, None, None, "silu", 1.702, None),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("counts", [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([1., 2, 3, 4]),
@@ -966,6 +996,38 @@ def test_batched_end_to_end_through_modular():
     out = make_modular(config, BatchedTritonExperts(config))(x, ExpertWeights(w13, w2), weights, ids)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, apply_router_weight_on_input=True)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_batched_tiles_are_chosen_for_the_dispatched_slots():
+    """The buffer holds L * max_tokens rows, the dispatch filled at most num_slots of them: the
+    tiles are the standard layout's for those slots and that top_k (its tuned entries serve)."""
+    from fusedmoe.backends.triton.experts import GemmProblem, batched_problem
+
+    x = torch.empty(8, 1024, 64, dtype=torch.bfloat16)
+    want = GemmProblem(4096, 8, 64, 32, 2, True, torch.bfloat16)  # T = 2048 tokens, top-2
+    assert batched_problem(x, 32, True, 4096, 2) == want
+    every_row = GemmProblem(8 * 1024, 8, 64, 32, 1, True, torch.bfloat16)
+    assert batched_problem(x, 32, True) == every_row  # unknown: every buffer row may be live
+    assert batched_problem(x, 32, True, 10**6, 2) == every_row  # never past the buffer
+    assert batched_problem(x, 32, True, 4095, 2).top_k == 1  # slots not whole tokens: top-1 rows
+    assert batched_problem(x, 32, True, 4096, 0).top_k == 1
+
+
+def test_batched_dispatch_hands_its_slot_count_to_the_tiles(monkeypatch):
+    """ModularMoE passes the local dispatch's T*K slots and top_k through the custom op's body to
+    the tile choice (W8A8: test_triton_quant; the expert-parallel dispatch hands its received
+    rows as top-1 rows: test_distributed)."""
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts
+    from fusedmoe.modular import make_modular
+
+    seen = []
+    real = experts_mod.batched_problem
+    monkeypatch.setattr(experts_mod, "batched_problem", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    x, w13, w2, _, _, weights, ids = _problem(45, T=13, E=7, K=3, bias=False)
+    config = MoEConfig(7, 3, 48, 32, dtype=torch.float32, activation_format="batched")
+    out = make_modular(config, BatchedTritonExperts(config))(x, ExpertWeights(w13, w2), weights, ids)
+    assert [(p.num_slots, p.top_k, p.num_local_experts) for p in seen] == [(39, 3, 7)]
+    assert rel_err(out, fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)) < 1e-5
 
 
 def test_batched_eager_calls_skip_the_custom_op_dispatch(monkeypatch):

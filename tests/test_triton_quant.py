@@ -831,13 +831,19 @@ def test_batched_counts_and_rows_past_the_count(scheme):
     assert _run_batched(config, x[:, :0], counts * 0, w).shape == (L, 0, H)
 
 
-def test_batched_experts_class_through_modular_and_errors():
+def test_batched_experts_class_through_modular_and_errors(monkeypatch):
+    from fusedmoe.backends.triton import experts as experts_mod
+
+    seen = []  # the tiles are chosen for the dispatch's T*K slots (experts.batched_problem)
+    real = experts_mod.batched_problem
+    monkeypatch.setattr(experts_mod, "batched_problem", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     # heuristic tiles, router weight on input (top-1): the dispatch scales x before quantization
     case = Case("batched-class", T=5, H=64, I=32, K=1, on_input=True)
     config, x, w, weights, ids, _ = problem(case, "int8_w8a8", torch.float32)
     config = MoEConfig(case.E, 1, case.H, case.I, dtype=torch.float32, quant="int8_w8a8",
                        apply_router_weight_on_input=True, activation_format="batched")
     out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
+    assert [(p.num_slots, p.top_k) for p in seen] == [(5, 1)]
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(out, emulated) < TOL[torch.float32]
     x_b = torch.randn(case.E, 3, case.H)
@@ -857,6 +863,7 @@ def test_batched_experts_class_through_modular_and_errors():
     out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(out, emulated) < TOL[torch.float32]
+    assert [(p.num_slots, p.top_k) for p in seen[-1:]] == [(10, 2)]
 
 
 def test_batched_traces_fullgraph():

@@ -401,6 +401,12 @@ class BatchedA2AHandle:
     a2a: AllToAllHandle
     local_R: torch.Tensor
     row_R: torch.Tensor
+    top_k: int = 1  # the received rows are top-1 rows, as in the standard layout's dispatch
+
+    @property
+    def num_slots(self) -> int:
+        """The rows received: at most this many buffer rows are live."""
+        return self.local_R.numel()
 
 
 class AllToAllBatchedPrepareFinalize(AllToAllPrepareFinalize):

@@ -82,9 +82,14 @@ class BatchedExperts(Experts):
 
     @abc.abstractmethod
     def apply_batched(
-        self, x_LMH: torch.Tensor, num_tokens_L: torch.Tensor, weights: ExpertWeights
+        self, x_LMH: torch.Tensor, num_tokens_L: torch.Tensor, weights: ExpertWeights, *,
+        num_slots: int = 0, top_k: int = 1,
     ) -> torch.Tensor:
-        """Return [L, max_tokens, H]; rows past num_tokens[e] are zero."""
+        """Return [L, max_tokens, H]; rows past num_tokens[e] are zero.
+
+        num_slots: at most how many buffer rows the dispatch filled (its slots; 0: unknown, every
+        row may be live) and top_k the routing's: they pick tiles for the live rows instead of
+        L * max_tokens (a buffer sized for the worst case), never the work or the result."""
 
     def apply(self, *args, **kwargs):
         raise TypeError(
@@ -143,6 +148,12 @@ class BatchedHandle:
     valid_N: torch.Tensor
     weight_N: torch.Tensor
     num_tokens: int
+    top_k: int
+
+    @property
+    def num_slots(self) -> int:
+        """The (token, k) slots dispatched: at most this many buffer rows are live."""
+        return self.token_N.numel()
 
 
 class BatchedLocalPrepareFinalize:
@@ -191,7 +202,7 @@ class BatchedLocalPrepareFinalize:
         j_idx = torch.where(valid_N, row_N, 0)
         x_b.index_put_((e_idx, j_idx), torch.where(valid_N.unsqueeze(-1), rows, x_b[e_idx, j_idx]))
         num_tokens_L = counts[: self.num_local].clamp(max=max_tokens).to(torch.int32)
-        return x_b, num_tokens_L, BatchedHandle(token_N, local_N, row_N, valid_N, weight_N, num_tokens)
+        return x_b, num_tokens_L, BatchedHandle(token_N, local_N, row_N, valid_N, weight_N, num_tokens, top_k)
 
     def combine(self, y_LMH: torch.Tensor, handle: BatchedHandle) -> torch.Tensor:
         h = handle
@@ -245,7 +256,8 @@ class ModularMoE:
             pf = self.prepare_finalize
             x_b, counts, handle = pf.dispatch(x_TH, topk_weights_TK, topk_ids_TK, expert_map_E,
                                               weights.w13.shape[0])
-            out = pf.combine(self.experts.apply_batched(x_b, counts, weights), handle)
+            y_b = self.experts.apply_batched(x_b, counts, weights, num_slots=handle.num_slots, top_k=handle.top_k)
+            out = pf.combine(y_b, handle)
             return x_TH.copy_(out) if inplace else out
         pf = self.prepare_finalize
         d = pf.dispatch(x_TH, topk_weights_TK, topk_ids_TK, expert_map_E)

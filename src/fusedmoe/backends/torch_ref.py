@@ -44,7 +44,9 @@ class TorchExperts(Experts):
 class BatchedTorchExperts(BatchedExperts):
     """y[e, j] = expert_e(x[e, j]) for j < num_tokens[e], zero past it (no routed weight)."""
 
-    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
+    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights, *, num_slots: int = 0,
+                      top_k: int = 1) -> torch.Tensor:
+        del num_slots, top_k  # tile hints: nothing to pick here
         num_local, max_tokens, _ = x_LMH.shape
         out = torch.zeros_like(x_LMH)
         for e, count in enumerate(num_tokens_L.tolist()[:num_local]):

@@ -33,6 +33,7 @@ from fusedmoe.backends.triton.tiles import (
     tile_mode,
 )
 from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op
+from fusedmoe.validation import should_validate
 
 ACT_CODES = {name: i for i, name in enumerate(
     ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
@@ -1185,29 +1186,51 @@ def triton_batched_experts(
     activation: str,
     swiglu_alpha: float,
     swiglu_limit: float | None,
+    num_slots: int = 0,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """y[e, j] = w2[e] @ act(w13[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e]; rows past
     the count are not computed (zero). No routed weight: the combine applies it.
 
     The same kernels as the contiguous layout: buffer rows are the "slots" (top_k = 1), each
     expert's max_tokens rows are padded to whole BLOCK_M blocks, rows past the count masked.
+    num_slots / top_k: the dispatch's slot count and top-k, for the tiles (`batched_problem`).
     """
     def gemms(launch: Launch, t1: TileConfig, t2: TileConfig) -> None:
         launch_gemm1(launch, w13, w13_bias, t1)
         launch_gemm2(launch, w2, w2_bias, t2)
 
     return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit,
-                       lambda problem: choose_tiles(problem, x_LMH.device), gemms)
+                       lambda problem: choose_tiles(problem, x_LMH.device), gemms, num_slots=num_slots, top_k=top_k)
+
+
+def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int = 0, top_k: int = 1) -> GemmProblem:
+    """What the batched layout's tiles are chosen for: the live rows, not the buffer.
+
+    A buffer sized for the worst case (the local dispatch's max_tokens = T, an expert-parallel
+    capacity) holds L * max_tokens rows of which the dispatch filled at most `num_slots` (its
+    (token, k) slots, or the rows an all-to-all received). Tiles picked for every buffer row are
+    prefill tiles at decode (Qwen3-30B T=1024: 131072 rows for 8192 slots). With the count, the
+    problem is the standard layout's for the same slots and `top_k`, so its tuned entries and
+    heuristic serve; num_slots = 0 (unknown) keeps every buffer row.
+    """
+    num_local, max_tokens, hidden = x_LMH.shape
+    rows = num_local * max_tokens
+    if num_slots <= 0 or num_slots >= rows:
+        num_slots, top_k = rows, 1
+    elif top_k < 1 or num_slots % top_k:
+        top_k = 1
+    return GemmProblem(max(1, num_slots), num_local, hidden, inter, top_k, gated, x_LMH.dtype)
 
 
 def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_limit,
                 tiles: Callable[[GemmProblem], tuple[TileConfig, TileConfig]],
                 gemms: Callable[[Launch, TileConfig, TileConfig], None],
-                a_dtype: torch.dtype | None = None) -> torch.Tensor:
+                a_dtype: torch.dtype | None = None, num_slots: int = 0, top_k: int = 1) -> torch.Tensor:
     """The batched layout on the contiguous path's kernels, for every scheme: the buffers as
     aligned rows (`prepare_batched_launch`), `gemms(launch, t1, t2)` with the tiles that
-    `tiles(problem)` picks, then y [L, max_tokens, H] (zero past each count). `a_dtype`: the
-    intermediate's dtype (default x's)."""
+    `tiles(problem)` picks for the live rows (`batched_problem`), then y [L, max_tokens, H] (zero
+    past each count). `a_dtype`: the intermediate's dtype (default x's)."""
     num_local, max_tokens, hidden = x_LMH.shape
     if tuple(num_tokens_L.shape) != (num_local,) or num_tokens_L.dtype.is_floating_point \
             or num_tokens_L.dtype == torch.bool or num_tokens_L.device != x_LMH.device:
@@ -1216,18 +1239,21 @@ def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_lim
             f"num_tokens must be one integer count per local expert on {x_LMH.device}: shape ({num_local},), "
             f"got shape {tuple(num_tokens_L.shape)} {num_tokens_L.dtype} on {num_tokens_L.device}"
         )
+    if num_slots > 0 and should_validate(None, x_LMH, num_tokens_L):
+        live = int(num_tokens_L.to(torch.int64).clamp(0, max_tokens).sum())
+        if live > num_slots:  # the grid is sized by num_slots: rows past it would be dropped
+            raise ValueError(f"num_slots={num_slots} must bound the live rows, but num_tokens counts {live}")
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
-    problem = GemmProblem(num_local * max_tokens, num_local, hidden, inter, 1, is_gated(activation), x_LMH.dtype)
-    t1, t2 = tiles(problem)
+    t1, t2 = tiles(batched_problem(x_LMH, inter, is_gated(activation), num_slots, top_k))
     launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype or x_LMH.dtype, activation,
-                                    swiglu_alpha, swiglu_limit, t1.block_m)
+                                    swiglu_alpha, swiglu_limit, t1.block_m, num_slots)
     gemms(launch, t1, t2)
     return batched_output(launch, num_local, max_tokens)
 
 
 def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swiglu_alpha, swiglu_limit,
-                           block_m) -> Launch:
+                           block_m, num_slots: int = 0) -> Launch:
     """The batched buffers as aligned rows: a Launch with top_k = 1 and no routed weight.
 
     Buffer row (e, j) is slot e*M + j of x viewed [L*M, H] (no copy when x is contiguous) and of
@@ -1238,11 +1264,19 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     for the worst case (EP: max_tokens much larger than the typical count) streams each expert's
     weights once per live block, not once per buffer block. All on the device: no host sync,
     graph-capturable.
+
+    `num_slots` = S > 0 bounds the live rows (the dispatch's slots): an expert with c > 0 rows
+    fills (c - 1) // BLOCK_M + 1 blocks, so at most min(L, S) + S // BLOCK_M (and at most S)
+    blocks are live. That sizes the grid and the intermediate instead of every buffer block
+    (Qwen3-30B T=1024 at 16-row blocks: 640 blocks, not 8192; one token: top_k blocks).
     """
     num_local, max_tokens, hidden = x_LMH.shape
     device = x_LMH.device
-    num_slots = num_local * max_tokens
-    rows = num_local * triton_cdiv(max_tokens, block_m) * block_m  # aligned rows, worst case
+    blocks_bound = num_local * triton_cdiv(max_tokens, block_m)  # every buffer row live
+    if num_slots > 0:
+        blocks_bound = min(blocks_bound, num_slots, min(num_local, num_slots) + num_slots // block_m)
+    num_slots = num_local * max_tokens  # from here: the buffer rows, as slots (sentinel: one past)
+    rows = blocks_bound * block_m  # aligned rows, worst case
     counts = num_tokens_L.to(device=device, dtype=torch.int64).clamp(min=0, max=max_tokens)
     live_blocks = (counts + block_m - 1) // block_m
     ends = torch.cumsum(live_blocks, 0)
@@ -1279,9 +1313,11 @@ def _triton_batched_experts_op_impl(
     activation: str,
     swiglu_alpha: float,
     swiglu_limit: float | None,
+    num_slots: int = 0,
+    top_k: int = 1,
 ) -> torch.Tensor:
     return triton_batched_experts(x, num_tokens, w13, w2, w13_bias, w2_bias, activation,
-                                  swiglu_alpha, swiglu_limit).contiguous()
+                                  swiglu_alpha, swiglu_limit, num_slots, top_k).contiguous()
 
 
 # Custom op (torch.compile(fullgraph=True), CUDA graphs); plain eager calls run the impl (call_op).
@@ -1290,7 +1326,7 @@ triton_batched_experts_op = torch.library.custom_op("fusedmoe::triton_batched_ex
 
 
 @triton_batched_experts_op.register_fake
-def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit):
+def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, num_slots=0, top_k=1):
     return torch.empty_like(x)
 
 
@@ -1300,15 +1336,16 @@ class BatchedTritonExperts(BatchedExperts):
 
     process_weights = TritonExperts.process_weights  # the same weights as the contiguous layout
 
-    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights) -> torch.Tensor:
+    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights, *, num_slots: int = 0,
+                      top_k: int = 1) -> torch.Tensor:
         c = self.config
         if weights.quant is not None:
             from fusedmoe.backends.triton.quant import apply_batched_quant
 
-            return apply_batched_quant(c, x_LMH, num_tokens_L, weights)
+            return apply_batched_quant(c, x_LMH, num_tokens_L, weights, num_slots, top_k)
         return call_op(triton_batched_experts_op, _triton_batched_experts_op_impl, x_LMH, num_tokens_L,
                        weights.w13, weights.w2, weights.w13_bias, weights.w2_bias, c.activation,
-                       c.swiglu_alpha, c.swiglu_limit)
+                       c.swiglu_alpha, c.swiglu_limit, num_slots, top_k)
 
 
 # The W8A8 path (TritonExperts.apply with weights.quant) registers its custom ops on import,

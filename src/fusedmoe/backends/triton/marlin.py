@@ -80,5 +80,6 @@ class BatchedMarlinExperts(BatchedTritonExperts):
     def __init__(self, config: MoEConfig):
         super().__init__(_as_weight_only(config))
 
-    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights):
-        return super().apply_batched(x_LMH, num_tokens_L, _weight_only_weights(weights, self.config.quant))
+    def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights, *, num_slots: int = 0, top_k: int = 1):
+        return super().apply_batched(x_LMH, num_tokens_L, _weight_only_weights(weights, self.config.quant),
+                                     num_slots=num_slots, top_k=top_k)

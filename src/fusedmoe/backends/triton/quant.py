@@ -644,6 +644,8 @@ def triton_batched_quant_experts(
     tiles: tuple[TileConfig, TileConfig] | None = None,
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
+    num_slots: int = 0,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
     zero past the count. Weight-only schemes (fq = identity) run
@@ -665,6 +667,7 @@ def triton_batched_quant_experts(
         return triton_batched_weight_only_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
+            num_slots=num_slots, top_k=top_k,
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
@@ -681,7 +684,7 @@ def triton_batched_quant_experts(
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, batched=True)
 
     return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, choose, gemms,
-                       a_dtype=torch.float32)
+                       a_dtype=torch.float32, num_slots=num_slots, top_k=top_k)
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:
@@ -822,11 +825,13 @@ def _triton_batched_quant_experts_op_impl(
     a2_scale: torch.Tensor | None,
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
+    num_slots: int = 0,
+    top_k: int = 1,
 ) -> torch.Tensor:
     return triton_batched_quant_experts(
         x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
         w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
-        w2_global_scale=w2_global_scale,
+        w2_global_scale=w2_global_scale, num_slots=num_slots, top_k=top_k,
     ).contiguous()
 
 
@@ -837,11 +842,11 @@ triton_batched_quant_experts_op = torch.library.custom_op(
 
 @triton_batched_quant_experts_op.register_fake
 def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
-      w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None):
+      w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None, num_slots=0, top_k=1):
     return torch.empty_like(x)
 
 
-def apply_batched_quant(config, x_LMH, num_tokens_L, weights):
+def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0, top_k: int = 1):
     """`BatchedTritonExperts.apply_batched` for quantized weights: validate, then run the custom op."""
     from fusedmoe.quant.weights import check_quant_weights
 
@@ -855,4 +860,5 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights):
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
         config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
         quant.w2_scale, quant.a13_scale, quant.a2_scale, quant.w13_global_scale, quant.w2_global_scale,
+        num_slots, top_k,
     )

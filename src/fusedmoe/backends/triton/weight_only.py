@@ -205,6 +205,8 @@ def triton_batched_weight_only_experts(
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
     tiles: tuple[TileConfig, TileConfig] | None = None,
+    num_slots: int = 0,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """y[e, j] = deq(w2)[e] @ act(deq(w13)[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e],
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
@@ -217,7 +219,8 @@ def triton_batched_weight_only_experts(
                       w13_global_scale, w2_global_scale)
 
     return run_batched(x_LMH, num_tokens_L, _inter(w2, scheme), activation, swiglu_alpha, swiglu_limit,
-                       lambda problem: _tiles(problem, scheme, tiles, x_LMH.device), gemms)
+                       lambda problem: _tiles(problem, scheme, tiles, x_LMH.device), gemms,
+                       num_slots=num_slots, top_k=top_k)
 
 
 def _require_weight_only(scheme: QuantScheme) -> None:

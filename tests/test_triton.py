@@ -926,7 +926,7 @@ def test_batched_launch_packs_live_blocks():
     launch = prepare_batched_launch(x, counts, 6, x.dtype, "silu", 1.702, None, bm)
     assert int(launch.num_rows) == 6 * bm and launch.a.shape == (L * 48, 6)
     assert launch.x.data_ptr() == x.data_ptr() and launch.y.shape == (L * M, H)
-    assert launch.block_expert[:6].tolist() == [0, 0, 2, 2, 2, 3]
+    assert launch.block_expert.tolist() == [0, 0, 2, 2, 2, 3] + [L] * 6  # blocks past the live ones: expert L
     slots = launch.sorted_slot.view(-1, bm)
     sentinel = L * M
     assert slots[0].tolist() == list(range(16))
@@ -952,6 +952,30 @@ def test_batched_launch_packs_live_blocks():
         bounded = prepare_batched_launch(torch.empty(L, M, 2), live, 6, torch.float32, "silu", 1.702, None, bm,
                                          num_slots=slots)
         assert int(bounded.num_rows) <= bounded.sorted_slot.numel(), (L, M, bm, live.tolist(), slots)
+        want = _batched_rows_reference(live, L, M, bounded.block_expert.numel(), bm)
+        got = (bounded.sorted_slot, bounded.block_expert, bounded.num_rows)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (L, M, bm, live.tolist(), slots)
+    # many experts (16 blocks per program), one long expert (64 per program), int64 counts
+    for L, M, bm in ((300, 5, 16), (1, 1000, 1), (129, 33, 32)):
+        live = torch.randint(0, M + 1, (L,), generator=gen) * (torch.rand(L, generator=gen) < 0.5)
+        launch = prepare_batched_launch(torch.empty(L, M, 2), live, 6, torch.float32, "silu", 1.702, None, bm)
+        want = _batched_rows_reference(live, L, M, launch.block_expert.numel(), bm)
+        assert all(torch.equal(g, w) for g, w in zip((launch.sorted_slot, launch.block_expert, launch.num_rows), want, strict=True))
+
+
+def _batched_rows_reference(counts, num_local, max_tokens, blocks, block_m):
+    """The batched rows in torch ops (the kernel's specification; it replaced them)."""
+    counts = counts.to(torch.int64).clamp(0, max_tokens)
+    live = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(live, 0)
+    b = torch.arange(blocks)
+    expert = torch.searchsorted(ends, b, right=True)
+    is_live = b < ends[-1]
+    e = expert.clamp(max=num_local - 1)
+    j = (b - (ends - live)[e])[:, None] * block_m + torch.arange(block_m)
+    valid = is_live[:, None] & (j < counts[e][:, None])
+    slot = torch.where(valid, e[:, None] * max_tokens + j, num_local * max_tokens).flatten().to(torch.int32)
+    return slot, torch.where(is_live, e, num_local).to(torch.int32), (ends[-1:] * block_m).to(torch.int32)
 
 
 def test_batched_slot_count_must_bound_the_live_rows():

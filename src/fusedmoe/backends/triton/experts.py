@@ -1276,26 +1276,38 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     if num_slots > 0:
         blocks_bound = min(blocks_bound, num_slots, min(num_local, num_slots) + num_slots // block_m)
     num_slots = num_local * max_tokens  # from here: the buffer rows, as slots (sentinel: one past)
-    rows = blocks_bound * block_m  # aligned rows, worst case
-    counts = num_tokens_L.to(device=device, dtype=torch.int64).clamp(min=0, max=max_tokens)
-    live_blocks = (counts + block_m - 1) // block_m
-    ends = torch.cumsum(live_blocks, 0)
-    blocks = torch.arange(rows // block_m, device=device)
-    block_expert = torch.searchsorted(ends, blocks, right=True).clamp(max=num_local - 1)
-    first = (ends - live_blocks)[block_expert]
-    j = (blocks - first)[:, None] * block_m + torch.arange(block_m, device=device)  # row within the expert
-    valid = (blocks[:, None] < ends[-1]) & (j < counts[block_expert][:, None])
-    sorted_slot = torch.where(valid, block_expert[:, None] * max_tokens + j, num_slots).flatten().to(torch.int32)
-    num_rows = (ends[-1:] * block_m).to(torch.int32)
+    if num_slots >= 2**31:
+        raise ValueError(f"batched buffers of {num_local} x {max_tokens} rows: slots index them in int32 (< 2^31)")
+    blocks = blocks_bound
+    rows = blocks * block_m  # aligned rows, worst case
+    sorted_slot, block_expert, num_rows = _batched_rows(num_tokens_L, num_local, max_tokens, blocks, block_m)
     # Zeros: gemm2 writes live rows only, so the rows past each count stay 0 without a masking
     # pass over y (and nothing reads memory no kernel wrote; compute-sanitizer initcheck).
     y = torch.zeros(num_slots, hidden, dtype=x_LMH.dtype, device=device)
     launch = Launch(
-        x_LMH.reshape(num_slots, hidden), torch.empty(0, device=device), sorted_slot, block_expert.to(torch.int32),
+        x_LMH.reshape(num_slots, hidden), torch.empty(0, device=device), sorted_slot, block_expert,
         num_rows, None, torch.empty(rows, inter, dtype=a_dtype, device=device), y,  # no top-k reduce: no slot flags
         1, activation, False, False, swiglu_alpha, swiglu_limit, block_m,
     )
     return launch
+
+
+def _batched_rows(num_tokens_L: torch.Tensor, num_local: int, max_tokens: int, blocks: int, block_m: int):
+    """(sorted_slot [blocks*BLOCK_M], block_expert [blocks], num_rows [1]), int32, from the counts
+    in one launch (`kernels.moe_batched_rows_kernel`; a dozen torch ops before)."""
+    from fusedmoe.backends.triton import kernels
+
+    device = num_tokens_L.device
+    sorted_slot = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    block_l = triton_next_pow2(num_local)
+    block_b = max(2, min(64, 8192 // block_l))
+    kernels.moe_batched_rows_kernel[(triton_cdiv(blocks, block_b),)](
+        num_tokens_L.contiguous(), sorted_slot, block_expert, num_rows, num_local, max_tokens, blocks,
+        BLOCK_L=block_l, BLOCK_B=block_b, BLOCK_M=block_m, num_warps=4,
+    )
+    return sorted_slot, block_expert, num_rows
 
 
 def batched_output(launch: Launch, num_local: int, max_tokens: int) -> torch.Tensor:

@@ -1363,3 +1363,41 @@ def moe_align_scatter_kernel(
             other=0) + tl.load(in_run_ptr + offs, mask=mine, other=0))
     tl.store(sorted_slot_ptr + dest, (c0 + key % CHUNK).to(tl.int32), mask=mine)
     tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine)
+
+
+@triton.jit
+def moe_batched_rows_kernel(
+    counts_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr, num_local, max_tokens, num_blocks,
+    BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The batched layout's buffers [L, M, H] as aligned rows, from the counts in one launch.
+
+    Expert e's rows j < count[e] (clamped to [0, M]) fill cdiv(count, BLOCK_M) row blocks,
+    packed in expert order; row r of block b holds slot e*M + j, padding rows slot L*M, blocks
+    past the live ones expert L. Program p: blocks [p*BLOCK_B, (p+1)*BLOCK_B); each program sums
+    the counts itself (L <= BLOCK_L), program 0 writes num_rows = live blocks * BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    offs_l = tl.arange(0, BLOCK_L)
+    counts = tl.load(counts_ptr + offs_l, mask=offs_l < num_local, other=0).to(tl.int64)
+    counts = tl.minimum(tl.maximum(counts, 0), max_tokens)
+    live = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(live, 0)  # padding lanes: live 0, end = the total
+    starts = ends - live
+    total = tl.sum(live, 0)
+    if pid == 0:
+        tl.store(num_rows_ptr, (total * BLOCK_M).to(tl.int32))
+    blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    # a live block's expert: the experts ending at or before it (padding lanes end at the total)
+    expert = tl.sum((ends[None, :] <= blocks[:, None]).to(tl.int64), axis=1)
+    pick = offs_l[None, :] == expert[:, None]
+    first = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
+    count = tl.sum(tl.where(pick, counts[None, :], 0), axis=1)
+    is_live = blocks < total
+    j = (blocks - first)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    valid = is_live[:, None] & (j < count[:, None])
+    slot = tl.where(valid, expert[:, None] * max_tokens + j, num_local * max_tokens)
+    in_grid = blocks < num_blocks
+    rows = blocks.to(tl.int64)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_slot_ptr + rows, slot.to(tl.int32), mask=in_grid[:, None])
+    tl.store(block_expert_ptr + blocks, tl.where(is_live, expert, num_local).to(tl.int32), mask=in_grid)

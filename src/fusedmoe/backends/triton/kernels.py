@@ -9,6 +9,8 @@ Direct decode (DIRECT, few slots; experts.choose_plan): no alignment and no redu
     gemm1:  a[slot, :] as above, row block b = slot b alone (row 0 live), expert from the ids
     gemm2:  out[t, :] = sum_k w * (w2[e_k] @ a[t*K + k] + b2[e_k])       moe_gemm2_direct_kernel,
             one program per (token, H tile), fp32 in slot order
+Batched layout ([L, M, H] buffers with counts): moe_batched_rows_kernel makes the aligned rows from
+the counts (buffer row e*M + j is the slot), then the same gemm1 / gemm2 with y as the output.
 Every row block belongs to one expert (`block_expert`), blocks past the padded row count exit at
 once, so the grid can be sized for the worst case and the launch captured in a CUDA graph.
 Row offsets are computed in int64: T*K*H may exceed 2^31.

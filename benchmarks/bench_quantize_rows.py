@@ -31,7 +31,7 @@ def time_rows(m: int, k: int, live: int, block_r: int, warps: int) -> tuple[floa
 
     def call(x):
         quant_kernels.quantize_rows_kernel[(triton.cdiv(m, block_r), 1)](
-            x, q, s, x, s, num_rows, m, k, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
+            x, q, s, x, s, num_rows, s, m, k, k, 0, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
             s.stride(0), s.stride(1), IS_INT=True, SOFT_FP8=False, SCALE_IN=0, HAS_ROW_W=False,
             HAS_NUM_ROWS=True, BLOCK_R=block_r, BLOCK_K=triton.next_power_of_2(k), ONE_PASS=True,
             num_warps=warps)

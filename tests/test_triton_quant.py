@@ -121,6 +121,30 @@ def test_quantize_activation_matches_torch_reference(name, k):
 
 
 
+@pytest.mark.parametrize("k", [200, 3000])
+@pytest.mark.parametrize("name", ["fp8-token", "int8-token", "fp8-group128"])
+def test_quantize_only_the_listed_rows(name, k):
+    """live_rows = (row_map, count): the rows row_map[:count] (those < M) get the reference's codes
+    and scales; every other row is neither read nor written (the batched layout's dead rows)."""
+    from fusedmoe.backends.triton.quant import _CODE_DTYPE, _launch_rows
+
+    key = KEYS[name]
+    x = _activation_rows(k, k + 5)
+    x[1] = float("nan")  # never listed: reading it would change nothing here, but it is not read either
+    row_map = torch.tensor([6, 0, 7, 3, 7, 4, 2, 7], dtype=torch.int32)  # 7 = M: padding
+    count = torch.tensor([6], dtype=torch.int32)  # row_map[6:] past the count: row 2 stays unset
+    group = k if key.granularity == "token" else key.group
+    codes = torch.full((7, k), 99, dtype=torch.int8).view(_CODE_DTYPE[key.dtype])
+    scales = torch.full((7, math.ceil(k / group)), -1.0)
+    _launch_rows(x, codes, scales, None, group, key, live_rows=(row_map, count))
+    want_codes, want_scales = quantize_activation_ref(x, key)
+    for r in range(7):
+        if r in (0, 3, 4, 6):
+            assert torch.equal(scales[r], want_scales[r]) and torch.equal(codes[r].float(), want_codes[r].float())
+        else:
+            assert (scales[r] == -1).all() and (codes[r].view(torch.int8) == 99).all(), r
+
+
 @pytest.mark.parametrize("k", [3000, ONE_PASS_MAX, ONE_PASS_MAX + 600])
 @pytest.mark.parametrize("name", ["fp8-token", "int8-token"])
 def test_quantize_wide_rows(name, k):

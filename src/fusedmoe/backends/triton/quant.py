@@ -97,11 +97,15 @@ def quantize_activation(
     static_scale: torch.Tensor | None = None,
     *,
     row_weight_M: torch.Tensor | None = None,
+    live_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [M, K], scales) of x (* row_weight per row) with Triton kernels, no host sync.
 
     Scales: fp8/int8 token [M, 1]; fp8 group g [M, ceil(K / g)]; fp8 tensor [1] (the static
     scale, or amax(x) / 448). Same values as `quantize_activation_ref`.
+    live_rows = (row_map [R] int32, count [1] int32), token and group scales only: only rows
+    row_map[i] < M for i < count are quantized; the other rows' codes and scales are left unset
+    (the batched layout's buffer rows past each expert's count, which no GEMM reads).
     """
     _check_key(key)
     if x_MK.dim() != 2:
@@ -117,7 +121,7 @@ def quantize_activation(
     group = k if key.granularity == "token" else key.group
     scales = torch.empty(m, max(1, triton_cdiv(k, group)), dtype=torch.float32, device=device)
     if m and k:
-        _launch_rows(x_MK, codes, scales, row_weight_M, group, key)
+        _launch_rows(x_MK, codes, scales, row_weight_M, group, key, live_rows=live_rows)
     elif m:
         scales.fill_(1.0)
     return codes, scales
@@ -192,11 +196,16 @@ def _tensor_scale(x_MK, static_scale, row_weight_M) -> torch.Tensor:
     return torch.where(amax > 0, amax / torch.full((), 448.0, device=device), torch.ones_like(amax))
 
 
-def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_rows=None):
-    """quantize_rows_kernel over x's rows: scales [rows, groups] out (scale_in 0) or [1] in."""
+def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_rows=None, live_rows=None):
+    """quantize_rows_kernel over x's rows: scales [rows, groups] out (scale_in 0) or [1] in.
+    live_rows = (row_map, count): the programs walk row_map's entries instead (ROW_MAP)."""
     from fusedmoe.backends.triton import quant_kernels
 
     m, k = x.shape
+    row_map, map_end = None, 0
+    if live_rows is not None:
+        row_map, num_rows = live_rows
+        m, map_end = row_map.numel(), x.shape[0]
     group = group if scale_in == 0 else k
     groups = triton_cdiv(k, group)
     # A group of up to ONE_PASS_MAX elements (a per-token row: x's H, the intermediate's I) is
@@ -226,11 +235,13 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
     s_strides = (scales.stride(0), scales.stride(1)) if scale_in == 0 else (0, 0)
     quant_kernels.quantize_rows_kernel[(triton_cdiv(m, block_r), groups)](
         x, codes, scales, row_weight if row_weight is not None else x, scales,
-        num_rows if num_rows is not None else scales, m, k, group,
+        num_rows if num_rows is not None else scales, row_map if row_map is not None else scales,
+        m, k, group, map_end,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), *s_strides,
         IS_INT=key.dtype == "int8", SOFT_FP8=_soft_fp8(x.device), SCALE_IN=scale_in,
         HAS_ROW_W=row_weight is not None, HAS_NUM_ROWS=num_rows is not None,
         BLOCK_R=block_r, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=num_warps,
+        ROW_MAP=row_map is not None,
     )
 
 
@@ -538,9 +549,10 @@ def _sm90_gpu(device: torch.device) -> bool:
 
 
 def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local: int,
-                    call_knobs: dict) -> QuantLaunch:
+                    call_knobs: dict, batched: bool = False) -> QuantLaunch:
     """x's codes per token / group, or (tensor) per aligned row with its expert's scale.
-    Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows)."""
+    Shared by the contiguous and batched layouts (L.x: the tokens, or the batched rows; batched,
+    only the live buffer rows, which the aligned rows list, are quantized)."""
     x_TH, a_amax = L.x, None
     if scheme.weight.granularity == "tensor" and a13_scale is not None:
         x_in, x_scales = _quantize_expert_rows(L, x_TH, _per_expert(a13_scale, num_local), True, row_w, gather=True)
@@ -550,7 +562,8 @@ def _quantize_input(L: Launch, scheme: QuantScheme, a13_scale, row_w, num_local:
         x_in, x_scales = _quantize_expert_rows(L, x_TH, amax[0], False, row_w, gather=True)
         a_amax = amax[1]
     else:
-        x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w)
+        live = (L.sorted_slot, L.num_rows) if batched else None
+        x_in, x_scales = quantize_activation(x_TH, scheme.activation, row_weight_M=row_w, live_rows=live)
     return QuantLaunch(L, scheme, num_local, x_in, x_scales, a_amax=a_amax, **call_knobs)
 
 
@@ -679,7 +692,7 @@ def triton_batched_quant_experts(
         return t1, t2
 
     def gemms(L, t1, t2):
-        q = _quantize_input(L, scheme, a13_scale, None, num_local, call_knobs)
+        q = _quantize_input(L, scheme, a13_scale, None, num_local, call_knobs, batched=True)
         launch_quant_gemm1(q, w13, w13_bias, w13_scale, t1, a2_scale)
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, batched=True)
 

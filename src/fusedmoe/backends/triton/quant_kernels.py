@@ -150,18 +150,20 @@ def _quantize(v, scale, IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, row_w_ptr, scale_in_ptr, num_rows_ptr,
-    num_rows, width, group,
+    x_ptr, q_ptr, s_ptr, row_w_ptr, scale_in_ptr, num_rows_ptr, row_map_ptr,
+    num_rows, width, group, map_end,
     stride_xr, stride_xk, stride_qr, stride_qk, stride_sr, stride_sg,
     IS_INT: tl.constexpr, SOFT_FP8: tl.constexpr, SCALE_IN: tl.constexpr,
     HAS_ROW_W: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_PASS: tl.constexpr = False,
+    ONE_PASS: tl.constexpr = False, ROW_MAP: tl.constexpr = False,
 ):
     """q[r, k] = code(x[r, k] (* w[r]) / s[r, g]) for BLOCK_R rows and group g = program_id(1).
 
     SCALE_IN: 0 = s is the group's amax / qmax (written to s[r, g]); 1 = s = scale_in[0]
     (static); 2 = s = scale_in[0] / qmax with scale_in[0] an amax (dynamic per tensor).
     HAS_NUM_ROWS: rows at or past num_rows_ptr[0] are skipped (the unused tail of aligned rows).
+    ROW_MAP (with HAS_NUM_ROWS): the programs walk aligned rows i and quantize row
+    r = row_map[i] of x (the batched layout's live buffer rows); r >= map_end (padding) is skipped.
     ONE_PASS (SCALE_IN 0, group <= BLOCK_K): the group is loaded once and quantized from registers.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -170,6 +172,9 @@ def quantize_rows_kernel(
         if tl.program_id(0) * BLOCK_R >= num_rows:
             return
     row_ok = rows < num_rows
+    if ROW_MAP:
+        rows = tl.load(row_map_ptr + rows, mask=row_ok, other=map_end)
+        row_ok = rows < map_end
     rows = rows.to(tl.int64)
     start = tl.program_id(1) * group
     end = tl.minimum(start + group, width)

@@ -436,7 +436,7 @@ class AllToAllBatchedPrepareFinalize(AllToAllPrepareFinalize):
         start_L = torch.cumsum(counts_L, 0) - counts_L
         row_sorted = torch.arange(local_R.numel(), device=x_RH.device) - start_L[local_R[order_R]]
         row_R = torch.empty_like(row_sorted).scatter_(0, order_R, row_sorted)
-        x_LMH = x_RH.new_zeros(num_local, width, x_RH.shape[1])
+        x_LMH = x_RH.new_empty(num_local, width, x_RH.shape[1])  # rows past a count are never read
         x_LMH[local_R, row_R] = x_RH
         return x_LMH, counts_L.to(torch.int32), BatchedA2AHandle(handle, local_R, row_R)
 

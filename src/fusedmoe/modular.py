@@ -85,7 +85,8 @@ class BatchedExperts(Experts):
         self, x_LMH: torch.Tensor, num_tokens_L: torch.Tensor, weights: ExpertWeights, *,
         num_slots: int = 0, top_k: int = 1,
     ) -> torch.Tensor:
-        """Return [L, max_tokens, H]; rows past num_tokens[e] are zero.
+        """Return [L, max_tokens, H]; rows past num_tokens[e] are zero. Rows of x past the count
+        may hold anything (dispatch buffers are not cleared): they are never read.
 
         num_slots: at most how many buffer rows the dispatch filled (its slots; 0: unknown, every
         row may be live) and top_k the routing's: they pick tiles for the live rows instead of
@@ -194,13 +195,15 @@ class BatchedLocalPrepareFinalize:
         valid_N = (local_N < self.num_local) & (row_N < max_tokens)
         token_N = torch.arange(num_tokens * top_k, device=x_TH.device) // top_k
         weight_N = topk_weights_TK.flatten().float()
-        x_b = torch.zeros(self.num_local, max_tokens, hidden, dtype=x_TH.dtype, device=x_TH.device)
+        # Not cleared: the experts read rows j < count only. Slots that do not run here write a
+        # spare last row, so nothing reads the buffer before it is written.
+        x_flat = torch.empty(self.num_local * max_tokens + 1, hidden, dtype=x_TH.dtype, device=x_TH.device)
         rows = x_TH[token_N]
         if self.weight_on_input:
             rows = (rows.float() * weight_N.unsqueeze(-1)).to(x_TH.dtype)
-        e_idx = torch.where(valid_N, local_N, 0)
-        j_idx = torch.where(valid_N, row_N, 0)
-        x_b.index_put_((e_idx, j_idx), torch.where(valid_N.unsqueeze(-1), rows, x_b[e_idx, j_idx]))
+        dest = torch.where(valid_N, local_N * max_tokens + row_N, self.num_local * max_tokens)
+        x_flat.index_put_((dest,), rows)
+        x_b = x_flat[:-1].view(self.num_local, max_tokens, hidden)
         num_tokens_L = counts[: self.num_local].clamp(max=max_tokens).to(torch.int32)
         return x_b, num_tokens_L, BatchedHandle(token_N, local_N, row_N, valid_N, weight_N, num_tokens, top_k)
 

@@ -1054,6 +1054,52 @@ def test_batched_dispatch_hands_its_slot_count_to_the_tiles(monkeypatch):
     assert rel_err(out, fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("case", [
+    dict(T=13, E=7, K=3, M=13),  # max_tokens = T: nothing dropped
+    dict(T=40, E=5, K=2, M=9, on_input=True),  # experts past max_tokens: slots dropped (dest -1)
+    dict(T=29, E=9, K=3, M=29, local=5, bad_ids=True),  # expert_map with unmapped experts, ids -1 / >= E
+    dict(T=1, E=128, K=8, M=1),  # decode
+    dict(T=0, E=4, K=2, M=3),
+    dict(T=300, E=6, K=4, M=300, H=37),  # 1200 slots: the chunked alignment; odd H
+], ids=["plain", "dropped-on-input", "expert-map", "decode", "empty", "chunked-odd-h"])
+def test_batched_dispatch_and_combine_kernels_match_the_torch_ops(case):
+    """The GPU dispatch / combine (backends.triton.batched) against the torch ops CPU tensors take:
+    the same counts, rows, buffer rows and (up to fp32 summation order) sums; rows past a count
+    are neither written by the dispatch nor read by the combine (poisoned here)."""
+    from fusedmoe.backends.triton.batched import batched_combine, batched_dispatch
+    from fusedmoe.modular import BatchedHandle, BatchedLocalPrepareFinalize
+
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    T, E, K, M, H = case["T"], case["E"], case["K"], case["M"], case.get("H", 48)
+    L = case.get("local", E)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)] or [torch.empty(0, K)])
+    ids = ids.to(torch.int32).reshape(T, K)
+    if case.get("bad_ids") and T:
+        ids[0, 0], ids[1, 1] = -1, E + 3
+    emap = None
+    if L < E:
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[torch.randperm(E, generator=gen)[:L]] = torch.arange(L, dtype=torch.int32)
+    w = torch.rand(T, K, generator=gen)
+    on_input = case.get("on_input", False)
+    pf = BatchedLocalPrepareFinalize(E, weight_on_input=on_input, max_tokens=M)
+    pf.num_local = L
+    want_b, want_counts, want_dest, want_raw = pf._dispatch_torch(x, w, ids, emap, M)
+    x_b, counts, dest, raw = batched_dispatch(x, w, ids, emap, E, L, M, on_input)
+    assert torch.equal(counts, want_counts) and torch.equal(dest, want_dest)
+    assert torch.equal(raw.long(), want_raw.long())
+    for e in range(L):
+        assert torch.equal(x_b[e, : int(counts[e])], want_b[e, : int(counts[e])])
+    y = torch.randn(L, M, H, generator=gen)
+    for e in range(L):
+        y[e, int(counts[e]):] = float("nan")  # past the count: never read
+    out = batched_combine(y, dest, w, on_input)
+    want = pf.combine(y, BatchedHandle(want_dest, w))
+    assert out.shape == (T, H) and not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
 def test_batched_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     """Plain eager batched calls run the op's body (modular.call_op); autograd inputs take the op."""
     from fusedmoe.backends.triton import experts as experts_mod

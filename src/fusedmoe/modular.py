@@ -141,20 +141,20 @@ LocalPrepareFinalize = PrepareFinalize
 
 @dataclass
 class BatchedHandle:
-    """What `dispatch` did, for `combine`: each slot's token, local expert, row and weight."""
+    """What `dispatch` did, for `combine`: each slot's buffer row e*M + j (-1: not run here) and
+    the routing weights [T, K]."""
 
-    token_N: torch.Tensor
-    local_N: torch.Tensor
-    row_N: torch.Tensor
-    valid_N: torch.Tensor
-    weight_N: torch.Tensor
-    num_tokens: int
-    top_k: int
+    dest_N: torch.Tensor
+    topk_weights_TK: torch.Tensor
 
     @property
     def num_slots(self) -> int:
         """The (token, k) slots dispatched: at most this many buffer rows are live."""
-        return self.token_N.numel()
+        return self.dest_N.numel()
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_weights_TK.shape[1]
 
 
 class BatchedLocalPrepareFinalize:
@@ -164,6 +164,8 @@ class BatchedLocalPrepareFinalize:
         combine:  out[t] = sum_k w[t, k] * y_b[e(t,k), j(t,k)]    (fp32, slot order: deterministic)
     max_tokens defaults to T: a token reaches an expert at most once when its ids are distinct,
     as routing guarantees; rows beyond max_tokens are dropped, and reported when validating.
+    CUDA tensors take Triton kernels (`backends.triton.batched`: ~6 launches), CPU tensors the
+    torch ops below; the same rows, counts and sums. Rows of x_b past a count are not written.
     """
 
     def __init__(self, num_global_experts: int, *, weight_on_input: bool,
@@ -177,46 +179,61 @@ class BatchedLocalPrepareFinalize:
         from fusedmoe.validation import should_validate
 
         self.num_local = num_local
-        num_tokens, hidden = x_TH.shape
-        top_k = topk_ids_TK.shape[1]
-        max_tokens = self.max_tokens or num_tokens
-        slots = sort_slots(topk_ids_TK, expert_map_E, self.num_global, self.num_local)
-        local_N, order, counts = slots.local_N, slots.order_N, slots.counts
-        start = torch.cumsum(counts, 0) - counts
-        row_sorted = torch.arange(local_N.numel(), device=x_TH.device) - start[local_N[order]]
-        row_N = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)
-        if should_validate(self.validate, x_TH) and local_N.numel():
-            worst = int(counts[: self.num_local].max()) if self.num_local else 0
+        max_tokens = self.max_tokens or x_TH.shape[0]
+        if x_TH.is_cuda:
+            from fusedmoe.backends.triton.batched import batched_dispatch
+
+            x_b, num_tokens_L, dest_N, raw = batched_dispatch(
+                x_TH, topk_weights_TK, topk_ids_TK, expert_map_E, self.num_global, num_local, max_tokens,
+                self.weight_on_input)
+        else:
+            x_b, num_tokens_L, dest_N, raw = self._dispatch_torch(x_TH, topk_weights_TK, topk_ids_TK,
+                                                                  expert_map_E, max_tokens)
+        if should_validate(self.validate, x_TH) and num_local and topk_ids_TK.numel():
+            worst = int(raw.max())
             if worst > max_tokens:
                 raise ValueError(
                     f"an expert receives {worst} slots but the batched buffers hold max_tokens="
                     f"{max_tokens} (repeated ids within a token's top-k?)"
                 )
+        return x_b, num_tokens_L, BatchedHandle(dest_N, topk_weights_TK)
+
+    def _dispatch_torch(self, x_TH, topk_weights_TK, topk_ids_TK, expert_map_E, max_tokens):
+        num_tokens, hidden = x_TH.shape
+        top_k = topk_ids_TK.shape[1]
+        slots = sort_slots(topk_ids_TK, expert_map_E, self.num_global, self.num_local)
+        local_N, order, counts = slots.local_N, slots.order_N, slots.counts
+        start = torch.cumsum(counts, 0) - counts
+        row_sorted = torch.arange(local_N.numel(), device=x_TH.device) - start[local_N[order]]
+        row_N = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)
         valid_N = (local_N < self.num_local) & (row_N < max_tokens)
+        dest_N = torch.where(valid_N, local_N * max_tokens + row_N, -1)
         token_N = torch.arange(num_tokens * top_k, device=x_TH.device) // top_k
-        weight_N = topk_weights_TK.flatten().float()
+        rows = x_TH[token_N]
+        if self.weight_on_input:
+            rows = (rows.float() * topk_weights_TK.flatten().float().unsqueeze(-1)).to(x_TH.dtype)
         # Not cleared: the experts read rows j < count only. Slots that do not run here write a
         # spare last row, so nothing reads the buffer before it is written.
         x_flat = torch.empty(self.num_local * max_tokens + 1, hidden, dtype=x_TH.dtype, device=x_TH.device)
-        rows = x_TH[token_N]
-        if self.weight_on_input:
-            rows = (rows.float() * weight_N.unsqueeze(-1)).to(x_TH.dtype)
-        dest = torch.where(valid_N, local_N * max_tokens + row_N, self.num_local * max_tokens)
-        x_flat.index_put_((dest,), rows)
+        x_flat.index_put_((torch.where(valid_N, dest_N, self.num_local * max_tokens),), rows)
         x_b = x_flat[:-1].view(self.num_local, max_tokens, hidden)
-        num_tokens_L = counts[: self.num_local].clamp(max=max_tokens).to(torch.int32)
-        return x_b, num_tokens_L, BatchedHandle(token_N, local_N, row_N, valid_N, weight_N, num_tokens, top_k)
+        raw = counts[: self.num_local]
+        return x_b, raw.clamp(max=max_tokens).to(torch.int32), dest_N, raw
 
     def combine(self, y_LMH: torch.Tensor, handle: BatchedHandle) -> torch.Tensor:
         h = handle
-        e_idx = torch.where(h.valid_N, h.local_N, 0)
-        j_idx = torch.where(h.valid_N, h.row_N, 0)
-        y_N = y_LMH[e_idx, j_idx].float()
-        scale = torch.where(h.valid_N, torch.ones_like(h.weight_N) if self.weight_on_input else h.weight_N,
-                            torch.zeros_like(h.weight_N))
-        y_N = torch.where(h.valid_N.unsqueeze(-1), y_N * scale.unsqueeze(-1), torch.zeros((), device=y_N.device))
-        top_k = y_N.shape[0] // max(1, h.num_tokens)
-        return y_N.view(h.num_tokens, top_k, -1).sum(dim=1).to(y_LMH.dtype)
+        if y_LMH.is_cuda:
+            from fusedmoe.backends.triton.batched import batched_combine
+
+            return batched_combine(y_LMH, h.dest_N, h.topk_weights_TK, self.weight_on_input)
+        valid = h.dest_N >= 0
+        y_N = y_LMH.reshape(-1, y_LMH.shape[-1])[h.dest_N.clamp(min=0)].float()
+        weight_N = h.topk_weights_TK.flatten().float()
+        scale = torch.where(valid, torch.ones_like(weight_N) if self.weight_on_input else weight_N,
+                            torch.zeros_like(weight_N))
+        y_N = torch.where(valid.unsqueeze(-1), y_N * scale.unsqueeze(-1), torch.zeros((), device=y_N.device))
+        num_tokens, top_k = h.topk_weights_TK.shape
+        return y_N.view(num_tokens, top_k, y_LMH.shape[-1]).sum(dim=1).to(y_LMH.dtype)
 
 
 # Custom ops in eager calls -------------------------------------------------------------------

@@ -1403,3 +1403,77 @@ def moe_batched_rows_kernel(
     rows = blocks.to(tl.int64)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_slot_ptr + rows, slot.to(tl.int32), mask=in_grid[:, None])
     tl.store(block_expert_ptr + blocks, tl.where(is_live, expert, num_local).to(tl.int32), mask=in_grid)
+
+
+@triton.jit
+def moe_batched_scatter_kernel(
+    x_ptr, xb_ptr, w_ptr, sorted_slot_ptr, pos_expert_ptr, num_used_ptr, dest_ptr, counts_ptr, raw_ptr,
+    num_pos, top_k, max_tokens, num_local, hidden, search_steps,
+    stride_xt, stride_xh, stride_br, stride_bh,
+    SCALE_IN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The local batched dispatch from the slots sorted by expert (an `align` with BLOCK_M = 1).
+
+    Sorted position p holds slot n = sorted_slot[p] of expert e = pos_expert[p] (non-decreasing
+    over the used positions); its row within the expert is j = p - first(e), first(e) found by a
+    binary search. j < M: xb[e*M + j] = x[n // top_k] (* w[n] rounded to x's dtype, as the torch
+    dispatch), dest[n] = e*M + j; else (past the buffer) dest[n] = -1. The last position of each
+    run writes raw[e] = its length and counts[e] = min(length, M) (both start at 0).
+    """
+    pid = tl.program_id(0)
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    used = tl.minimum(tl.load(num_used_ptr), num_pos)
+    live = p < used
+    e = tl.load(pos_expert_ptr + p, mask=live, other=num_local)
+    slot = tl.load(sorted_slot_ptr + p, mask=live, other=0)
+    lo = tl.zeros((BLOCK_P,), dtype=tl.int32)
+    hi = tl.zeros((BLOCK_P,), dtype=tl.int32) + used
+    for _ in range(search_steps):  # first position of e: lower bound in pos_expert[0:used]
+        open_ = live & (lo < hi)
+        mid = (lo + hi) // 2
+        v = tl.load(pos_expert_ptr + mid, mask=open_, other=num_local)
+        right = v < e
+        lo = tl.where(open_ & right, mid + 1, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    j = p - lo
+    ok = live & (j < max_tokens)
+    row = e.to(tl.int64) * max_tokens + j
+    tl.store(dest_ptr + slot, tl.where(ok, row, -1), mask=live)
+    nxt = tl.load(pos_expert_ptr + p + 1, mask=live & (p + 1 < used), other=num_local)
+    last = live & (nxt != e)
+    tl.store(raw_ptr + e, j + 1, mask=last)
+    tl.store(counts_ptr + e, tl.minimum(j + 1, max_tokens), mask=last)
+    token = (slot // top_k).to(tl.int64)
+    if SCALE_IN:
+        w = tl.load(w_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        m = ok[:, None] & (offs_h < hidden)[None, :]
+        v = tl.load(x_ptr + token[:, None] * stride_xt + offs_h[None, :] * stride_xh, mask=m, other=0.0)
+        if SCALE_IN:
+            v = (v.to(tl.float32) * w[:, None]).to(xb_ptr.dtype.element_ty)
+        tl.store(xb_ptr + row[:, None] * stride_br + offs_h[None, :] * stride_bh, v, mask=m)
+
+
+@triton.jit
+def moe_batched_combine_kernel(
+    y_ptr, out_ptr, dest_ptr, w_ptr, hidden,
+    stride_yr, stride_yh, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t, h] = sum over k of w[t*K + k] * y[dest[t*K + k], h] in fp32, slot order; slots with
+    dest -1 (not run here, or past the buffer) add nothing and are not read. SCALE=False: w = 1
+    (the dispatch applied the router weight)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = t * TOP_K + k
+        d = tl.load(dest_ptr + slot + offs_h * 0)  # the slot's row, as a [BLOCK_H] vector
+        ok = h_ok & (d >= 0)
+        y = tl.load(y_ptr + d * stride_yr + offs_h * stride_yh, mask=ok, other=0.0).to(tl.float32)
+        if SCALE:
+            y = y * tl.load(w_ptr + slot + offs_h * 0, mask=ok, other=0.0).to(tl.float32)
+        acc += y
+    tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)

@@ -82,6 +82,7 @@ def align(
     N <= ALIGN_CHUNKED_MAX_SLOTS one Triton program sorting ALIGN_CHUNK slots at a time; beyond, three
     launches with one program per ALIGN_MULTI_CHUNK slots; more than 4096 local experts, torch ops.
     """
+    topk_ids_TK = topk_ids_TK.contiguous()  # the kernels read ids[t*K + k]; a column slice is strided
     n = topk_ids_TK.numel()
     args = (topk_ids_TK, expert_map_E, num_global_experts, num_local_experts, block_m)
     if num_local_experts > ALIGN_MAX_LOCAL_EXPERTS:

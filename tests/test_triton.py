@@ -20,7 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
-from fusedmoe import MoEConfig, fused_experts_ref, select_experts  # noqa: E402
+from fusedmoe import MoEConfig, fused_experts_ref, knobs, select_experts  # noqa: E402
 from fusedmoe.backends.triton import experts as experts_mod  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
     ALIGN_CHUNKED_MAX_SLOTS,
@@ -878,6 +878,25 @@ def _problem(seed, T=11, E=6, K=2, H=48, I=32, dtype=torch.float32, bias=True):
     return x, w13, w2, b13, b2, weights, ids
 
 
+@pytest.mark.parametrize("direct", [False, "force"], ids=["aligned", "direct"])
+def test_column_slices_of_ids_and_weights(direct):
+    """topk ids / weights that are strided views (columns of a wider top-k, as a caller keeping
+    only some slots passes them): the aligned path read ids[t*K + k] through the view's storage
+    and returned garbage (rel. err 1.3), the direct path copied them; both copy now."""
+    from fusedmoe.backends.triton.experts import TritonExperts
+
+    x, w13, w2, b13, b2, weights, ids = _problem(47, K=4)
+    for cols in (slice(1, 2), slice(0, 4, 2)):
+        w, i = weights[:, cols], ids[:, cols]
+        assert not i.is_contiguous() and not w.is_contiguous()
+        ref = fused_experts_ref(x.double(), w13.double(), w2.double(), w, i, w13_bias_LG=b13.double(),
+                                w2_bias_LH=b2.double())
+        config = MoEConfig(6, i.shape[1], 48, 32, dtype=torch.float32, has_bias=True)
+        with knobs.override(TRITON_DIRECT=direct):
+            out = TritonExperts(config).apply(x, ExpertWeights(w13, w2, b13, b2), w, i, expert_map_E=None)
+        assert rel_err(out, ref) < 1e-5, cols
+
+
 def test_in_place_writes_into_hidden_states():
     from fusedmoe.backends.triton.experts import TritonExperts
 
@@ -1061,7 +1080,8 @@ def test_batched_dispatch_hands_its_slot_count_to_the_tiles(monkeypatch):
     dict(T=1, E=128, K=8, M=1),  # decode
     dict(T=0, E=4, K=2, M=3),
     dict(T=300, E=6, K=4, M=300, H=37),  # 1200 slots: the chunked alignment; odd H
-], ids=["plain", "dropped-on-input", "expert-map", "decode", "empty", "chunked-odd-h"])
+    dict(T=17, E=6, K=2, M=17, strided=True),  # ids / weights: every other column of a top-4
+], ids=["plain", "dropped-on-input", "expert-map", "decode", "empty", "chunked-odd-h", "strided"])
 def test_batched_dispatch_and_combine_kernels_match_the_torch_ops(case):
     """The GPU dispatch / combine (backends.triton.batched) against the torch ops CPU tensors take:
     the same counts, rows, buffer rows and (up to fp32 summation order) sums; rows past a count
@@ -1082,6 +1102,10 @@ def test_batched_dispatch_and_combine_kernels_match_the_torch_ops(case):
         emap = torch.full((E,), -1, dtype=torch.int32)
         emap[torch.randperm(E, generator=gen)[:L]] = torch.arange(L, dtype=torch.int32)
     w = torch.rand(T, K, generator=gen)
+    if case.get("strided"):  # the same values as column views of wider tensors
+        ids = torch.stack([ids, torch.zeros_like(ids)], 2).reshape(T, 2 * K)[:, ::2]
+        w = torch.stack([w, torch.zeros_like(w)], 2).reshape(T, 2 * K)[:, ::2]
+        assert not ids.is_contiguous() and not w.is_contiguous()
     on_input = case.get("on_input", False)
     pf = BatchedLocalPrepareFinalize(E, weight_on_input=on_input, max_tokens=M)
     pf.num_local = L

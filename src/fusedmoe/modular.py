@@ -164,8 +164,9 @@ class BatchedLocalPrepareFinalize:
         combine:  out[t] = sum_k w[t, k] * y_b[e(t,k), j(t,k)]    (fp32, slot order: deterministic)
     max_tokens defaults to T: a token reaches an expert at most once when its ids are distinct,
     as routing guarantees; rows beyond max_tokens are dropped, and reported when validating.
-    CUDA tensors take Triton kernels (`backends.triton.batched`: ~6 launches), CPU tensors the
-    torch ops below; the same rows, counts and sums. Rows of x_b past a count are not written.
+    CUDA tensors take Triton kernels (`backends.triton.batched`: ~6 launches), CPU tensors and
+    torch.compile traces the torch ops below; the same rows, counts and sums. Rows of x_b past a
+    count are not written.
     """
 
     def __init__(self, num_global_experts: int, *, weight_on_input: bool,
@@ -180,7 +181,7 @@ class BatchedLocalPrepareFinalize:
 
         self.num_local = num_local
         max_tokens = self.max_tokens or x_TH.shape[0]
-        if x_TH.is_cuda:
+        if x_TH.is_cuda and not torch.compiler.is_compiling():  # compiled: the torch ops, which Inductor fuses
             from fusedmoe.backends.triton.batched import batched_dispatch
 
             x_b, num_tokens_L, dest_N, raw = batched_dispatch(
@@ -222,7 +223,7 @@ class BatchedLocalPrepareFinalize:
 
     def combine(self, y_LMH: torch.Tensor, handle: BatchedHandle) -> torch.Tensor:
         h = handle
-        if y_LMH.is_cuda:
+        if y_LMH.is_cuda and not torch.compiler.is_compiling():
             from fusedmoe.backends.triton.batched import batched_combine
 
             return batched_combine(y_LMH, h.dest_N, h.topk_weights_TK, self.weight_on_input)

@@ -49,7 +49,7 @@ def batched_dispatch(
     block_h = min(512, triton_next_pow2(hidden))
     flat = x_b.view(num_local * max_tokens, hidden)
     kernels.moe_batched_scatter_kernel[(triton_cdiv(positions, block_p),)](
-        x_TH, flat, topk_weights_TK.reshape(-1), sorted_slot, pos_expert, num_used, dest, counts, raw,
+        x_TH, flat, topk_weights_TK.reshape(-1).contiguous(), sorted_slot, pos_expert, num_used, dest, counts, raw,
         positions, topk_ids_TK.shape[1], max_tokens, num_local, hidden, positions.bit_length() + 1,
         x_TH.stride(0), x_TH.stride(1), flat.stride(0), flat.stride(1),
         SCALE_IN=weight_on_input, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
@@ -70,7 +70,7 @@ def batched_combine(y_LMH: torch.Tensor, dest_N: torch.Tensor, topk_weights_TK: 
     y = y_LMH.reshape(-1, hidden)
     block_h = min(1024, triton_next_pow2(hidden))
     kernels.moe_batched_combine_kernel[(num_tokens, triton_cdiv(hidden, block_h))](
-        y, out, dest_N, topk_weights_TK.reshape(-1), hidden,
+        y, out, dest_N, topk_weights_TK.reshape(-1).contiguous(), hidden,
         y.stride(0), y.stride(1), out.stride(0), out.stride(1),
         TOP_K=top_k, SCALE=not weight_on_input, BLOCK_H=block_h, num_warps=4,
     )

@@ -101,6 +101,7 @@ class FuzzCase:
     quant: str | None
     swiglu_limit: float | None
     ids_dtype: str
+    strided_routing: bool = False  # ids / weights as column views of a wider [T, 2K] (a caller's slice)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -108,7 +109,8 @@ class FuzzCase:
 
     def describe(self) -> str:
         em = "" if self.local_experts is None else f" L={len(self.local_experts)}"
-        feats = [f for f, on in (("bias", self.bias), ("weight_on_input", self.weight_on_input)) if on]
+        feats = [f for f, on in (("bias", self.bias), ("weight_on_input", self.weight_on_input),
+                                 ("strided_routing", self.strided_routing)) if on]
         if self.swiglu_limit is not None:
             feats.append(f"limit={self.swiglu_limit:g}")
         return (f"T={self.num_tokens} E={self.num_experts}{em} K={self.top_k} H={self.hidden} "
@@ -159,6 +161,7 @@ def draw_case(seed: int, profile: str = "ci") -> FuzzCase:
         bias=r.random() < 0.3, local_experts=local,
         weight_on_input=top_k == 1 and r.random() < 0.3, quant=quant, swiglu_limit=limit,
         ids_dtype="int64" if r.random() < 0.2 else "int32",
+        strided_routing=r.random() < 0.2,  # drawn last: the earlier fields of every seed stay as they were
     )
 
 
@@ -219,10 +222,23 @@ def make_problem(case: FuzzCase, device: str | torch.device = "cpu") -> Problem:
         d13, d2 = dequantize_weights(q13, q2, params)
     ids = ids.to(getattr(torch, case.ids_dtype))
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    weights = ExpertWeights(*(to(t) for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)),
-                            _quant_to(weights.quant, device))
+    if case.strided_routing:  # the same values, every other column of wider tensors (after the move)
+        return Problem(to(x), _weights_to(weights, device), to(d13), to(d2), _strided(to(topk_w)), _strided(to(ids)),
+                       to(expert_map), *((None, None) if case.quant is None else (to(w13), to(w2))))
     full = (None, None) if case.quant is None else (to(w13), to(w2))
-    return Problem(to(x), weights, to(d13), to(d2), to(topk_w), to(ids), to(expert_map), *full)
+    return Problem(to(x), _weights_to(weights, device), to(d13), to(d2), to(topk_w), to(ids), to(expert_map), *full)
+
+
+def _weights_to(weights: ExpertWeights, device) -> ExpertWeights:
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return ExpertWeights(*(to(t) for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)),
+                         _quant_to(weights.quant, device))
+
+
+def _strided(t_TK: torch.Tensor) -> torch.Tensor:
+    """t's values as columns 0, 2, ... of a [T, 2K] tensor (a strided view; the odd columns junk)."""
+    wide = torch.stack([t_TK, torch.full_like(t_TK, -7)], dim=2).reshape(t_TK.shape[0], 2 * t_TK.shape[1])
+    return wide[:, ::2]
 
 
 def _route(case: FuzzCase, g: torch.Generator) -> torch.Tensor:

@@ -5,8 +5,10 @@
 
 An `align` with BLOCK_M = 1 sorts the slots by expert (1-3 launches, stable), one kernel places
 them (`kernels.moe_batched_scatter_kernel`), one sums them back (`moe_batched_combine_kernel`):
-about 6 launches per call where the torch ops took ~45 (H100, Qwen3-30B M=1: see
-benchmarks/results). The same results as the torch path in `modular.py`, which CPU tensors take.
+about 6 launches per call where the torch ops took ~45 (H100, whole batched call, Qwen3-30B M=1
+138 -> 61 us: benchmarks/results/2026-11-25_h100_6de5762_batched_dispatch_kernels.txt). The same
+results as the torch path in `modular.py`, which CPU tensors and torch.compile take. Routing
+weights and ids may be strided views (a column slice): both are read through contiguous copies.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def batched_dispatch(
     from fusedmoe.backends.triton import kernels
 
     device = x_TH.device
-    num_tokens, hidden = x_TH.shape
+    hidden = x_TH.shape[1]
     n = topk_ids_TK.numel()
     x_b = torch.empty(num_local, max_tokens, hidden, dtype=x_TH.dtype, device=device)
     dest = torch.full((n,), -1, dtype=torch.int64, device=device)

@@ -4,7 +4,7 @@
     combine:  out[t] = sum_k w[t, k] * y_b[e(t,k), j(t,k)]    (fp32, slot order: deterministic)
 
 An `align` with BLOCK_M = 1 sorts the slots by expert (1-3 launches, stable), one kernel places
-them (`kernels.moe_batched_scatter_kernel`), one sums them back (`moe_batched_combine_kernel`):
+them (`kernels.moe_batched_scatter_kernel`), the top-k reduce gathers them back (`moe_reduce_kernel`):
 about 6 launches per call where the torch ops took ~45 (H100, whole batched call, Qwen3-30B M=1
 138 -> 61 us: benchmarks/results/2026-11-25_h100_6de5762_batched_dispatch_kernels.txt). The same
 results as the torch path in `modular.py`, which CPU tensors and torch.compile take. Routing
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedmoe.backends.triton.experts import align, triton_cdiv, triton_next_pow2
+from fusedmoe.backends.triton.experts import _reduce, align, triton_cdiv, triton_next_pow2
 
 
 def batched_dispatch(
@@ -61,19 +61,13 @@ def batched_dispatch(
 
 def batched_combine(y_LMH: torch.Tensor, dest_N: torch.Tensor, topk_weights_TK: torch.Tensor,
                     weight_on_input: bool) -> torch.Tensor:
-    """out [T, H] in y's dtype: each token's slots summed from their buffer rows (dest >= 0)."""
-    from fusedmoe.backends.triton import kernels
-
+    """out [T, H] in y's dtype: each token's slots summed from their buffer rows (dest >= 0), times
+    their routing weights unless the dispatch applied them (the top-k reduce, gathering)."""
     num_tokens, top_k = topk_weights_TK.shape
     hidden = y_LMH.shape[-1]
     out = torch.empty(num_tokens, hidden, dtype=y_LMH.dtype, device=y_LMH.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    y = y_LMH.reshape(-1, hidden)
-    block_h = min(1024, triton_next_pow2(hidden))
-    kernels.moe_batched_combine_kernel[(num_tokens, triton_cdiv(hidden, block_h))](
-        y, out, dest_N, topk_weights_TK.reshape(-1).contiguous(), hidden,
-        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=top_k, SCALE=not weight_on_input, BLOCK_H=block_h, num_warps=4,
-    )
+    weights = None if weight_on_input else topk_weights_TK.reshape(-1).contiguous()
+    _reduce(y_LMH.reshape(-1, hidden), out, None, top_k, {}, rows=dest_N, weights=weights)
     return out

@@ -1014,17 +1014,19 @@ def launch_reduce(L: Launch, out: torch.Tensor) -> None:
 
 
 def _reduce(y: torch.Tensor, out: torch.Tensor, slot_ok: torch.Tensor | None, rows_per_token: int,
-            launch_kw: dict) -> None:
+            launch_kw: dict, rows: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
     """out[t] = the fp32 sum of y's rows t*rows_per_token .. in order, skipping rows whose
-    slot_ok flag is 0 (None: every row counts)."""
+    slot_ok flag is 0 (None: every row counts). rows: slot n's row of y is rows[n] (int64, -1:
+    skipped); weights: each row times weights[n] (both flat and contiguous)."""
     from fusedmoe.backends.triton import kernels
 
     hidden = y.shape[1]
     block_h = min(1024, triton_next_pow2(hidden))
     kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
-        y, out, y if slot_ok is None else slot_ok, hidden,
-        y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=rows_per_token, BLOCK_H=block_h, FLAGS=slot_ok is not None, num_warps=4, **launch_kw,
+        y, out, y if slot_ok is None else slot_ok, y if rows is None else rows, y if weights is None else weights,
+        hidden, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOP_K=rows_per_token, BLOCK_H=block_h, FLAGS=slot_ok is not None, GATHER=rows is not None,
+        SCALE=weights is not None, num_warps=4, **launch_kw,
     )
 
 
@@ -1273,13 +1275,12 @@ def prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype, activation, swig
     """
     num_local, max_tokens, hidden = x_LMH.shape
     device = x_LMH.device
-    blocks_bound = num_local * triton_cdiv(max_tokens, block_m)  # every buffer row live
+    blocks = num_local * triton_cdiv(max_tokens, block_m)  # every buffer row live
     if num_slots > 0:
-        blocks_bound = min(blocks_bound, num_slots, min(num_local, num_slots) + num_slots // block_m)
+        blocks = min(blocks, num_slots, min(num_local, num_slots) + num_slots // block_m)
     num_slots = num_local * max_tokens  # from here: the buffer rows, as slots (sentinel: one past)
     if num_slots >= 2**31:
         raise ValueError(f"batched buffers of {num_local} x {max_tokens} rows: slots index them in int32 (< 2^31)")
-    blocks = blocks_bound
     rows = blocks * block_m  # aligned rows, worst case
     sorted_slot, block_expert, num_rows = _batched_rows(num_tokens_L, num_local, max_tokens, blocks, block_m)
     # Zeros: gemm2 writes live rows only, so the rows past each count stay 0 without a masking

@@ -1121,14 +1121,17 @@ def moe_gemm2_direct_kernel(
 
 @triton.jit
 def moe_reduce_kernel(
-    y_ptr, out_ptr, slot_ok_ptr,
+    y_ptr, out_ptr, slot_ok_ptr, rows_ptr, w_ptr,
     hidden,
     stride_ys, stride_yh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False, FLAGS: tl.constexpr = True,
+    PDL: tl.constexpr = False, FLAGS: tl.constexpr = True, GATHER: tl.constexpr = False,
+    SCALE: tl.constexpr = False,
 ):
     """out[t, h] = sum over valid k of y[t*K + k, h], accumulated in fp32 in slot order.
-    FLAGS=False: every row is valid (slot_ok_ptr unread): the direct GEMM2's split partials."""
+    FLAGS=False: every row is valid (slot_ok_ptr unread): the direct GEMM2's split partials.
+    GATHER: slot t*K + k's row of y is rows[t*K + k] (int64; -1: adds nothing, not read), the
+    batched layout's buffer rows (backends/triton/batched.py). SCALE: each row times w[t*K + k]."""
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -1139,8 +1142,14 @@ def moe_reduce_kernel(
         ok = h_ok
         if FLAGS:
             ok = ok & (tl.load(slot_ok_ptr + slot + offs_h * 0) != 0)  # the slot's flag, as a [BLOCK_H] mask
-        y = tl.load(y_ptr + slot * stride_ys + offs_h * stride_yh, mask=ok, other=0.0)
-        acc += y.to(tl.float32)
+        row = slot
+        if GATHER:
+            row = tl.load(rows_ptr + slot + offs_h * 0)  # the slot's row, as a [BLOCK_H] vector
+            ok = ok & (row >= 0)
+        y = tl.load(y_ptr + row * stride_ys + offs_h * stride_yh, mask=ok, other=0.0).to(tl.float32)
+        if SCALE:
+            y = y * tl.load(w_ptr + slot + offs_h * 0, mask=ok, other=0.0).to(tl.float32)
+        acc += y
     tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -1454,26 +1463,3 @@ def moe_batched_scatter_kernel(
             v = (v.to(tl.float32) * w[:, None]).to(xb_ptr.dtype.element_ty)
         tl.store(xb_ptr + row[:, None] * stride_br + offs_h[None, :] * stride_bh, v, mask=m)
 
-
-@triton.jit
-def moe_batched_combine_kernel(
-    y_ptr, out_ptr, dest_ptr, w_ptr, hidden,
-    stride_yr, stride_yh, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """out[t, h] = sum over k of w[t*K + k] * y[dest[t*K + k], h] in fp32, slot order; slots with
-    dest -1 (not run here, or past the buffer) add nothing and are not read. SCALE=False: w = 1
-    (the dispatch applied the router weight)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < hidden
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        slot = t * TOP_K + k
-        d = tl.load(dest_ptr + slot + offs_h * 0)  # the slot's row, as a [BLOCK_H] vector
-        ok = h_ok & (d >= 0)
-        y = tl.load(y_ptr + d * stride_yr + offs_h * stride_yh, mask=ok, other=0.0).to(tl.float32)
-        if SCALE:
-            y = y * tl.load(w_ptr + slot + offs_h * 0, mask=ok, other=0.0).to(tl.float32)
-        acc += y
-    tl.store(out_ptr + t * stride_ot + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)

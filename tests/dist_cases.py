@@ -158,7 +158,7 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
         x, logits = _batch(case, gen, rank)
         x = x.to(dev, case.dtype)
         logits = logits.to(dev)
-        with _wire_spy() as wire:
+        with _wire_spy() as wire, _host_reads(layer) as host_reads:
             out = layer(x, logits)
         again = layer(x, logits)
         _, w13, w2, b13, b2 = (t if t is None or isinstance(t, bool) else t.to(case.dtype).float()
@@ -195,8 +195,109 @@ def run_cases(rank: int, world: int, cases: list[DistCase], seed: int,
             "local_experts": layer.w13_weight.shape[0],
             "routed_owners": sorted(set(owner.flatten().tolist())),
             "wire": sorted(set(wire)),
+            "host_reads": sorted(set(host_reads)),
         }
     return results
+
+
+@contextlib.contextmanager
+def _host_reads(layer: FusedMoE):
+    """Records each tensor-to-host read (`tolist`, `item`, `int()`, `bool()`, ...) made inside the
+    layer's dispatch and combine: on a GPU each would be a device-to-host sync, which a CUDA
+    graph cannot capture."""
+    reads = []
+    pf = getattr(layer._kernel, "prepare_finalize", None)
+    if pf is None:
+        yield reads
+        return
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    real = {n: getattr(torch.Tensor, n) for n in names}
+    own = {n for n in names if n in vars(torch.Tensor)}
+    inside = [False]
+
+    def spy(name):
+        def read(self, *args, **kwargs):
+            if inside[0]:
+                reads.append(name)
+            return real[name](self, *args, **kwargs)
+        return read
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            inside[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return call
+
+    for n in names:
+        setattr(torch.Tensor, n, spy(n))
+    pf.dispatch, pf.combine = watched(pf.dispatch), watched(pf.combine)
+    try:
+        yield reads
+    finally:
+        for n in names:
+            if n in own:
+                setattr(torch.Tensor, n, real[n])
+            else:
+                delattr(torch.Tensor, n)
+        del pf.dispatch, pf.combine  # the class's methods again
+
+
+def run_capture(rank: int, world: int, seed: int, local_only: bool = False) -> dict:
+    """Every rank (NCCL, cuda:rank): the all-gather dispatch with a fixed capacity captured in a
+    CUDA graph, then replayed on new inputs copied into the captured ones. Reports whether an eager
+    call synced with the host (sync debug mode "error"), whether each replay equals an eager call
+    on the same inputs bitwise, and each replay's relative error against the fp32 reference.
+
+    local_only: the reference counts this rank's experts only (a loopback group on one GPU, whose
+    reduce-scatter keeps this rank's own partial sums)."""
+    case = DistCase("capture", world, dp=world, ep=world, dispatch="allgather", tokens=(40, 64)[:world],
+                    experts=16, hidden=256, inter=128, backend="auto", dtype=torch.bfloat16,
+                    max_num_tokens=64)
+    import torch.distributed as dist
+
+    dev = torch.device(f"cuda:{torch.cuda.current_device() if local_only else rank}")
+    torch.cuda.set_device(dev)
+    gen = torch.Generator().manual_seed(seed)
+    weights = _checkpoint(case, gen)
+    layer = _layer(case, rank, weights, dist.group.WORLD, dev, seed)
+    _, w13, w2, _, _ = (t if t is None or isinstance(t, bool) else t.to(case.dtype).float() for t in weights)
+    x_s, logits_s = (t.to(dev) for t in _batch(case, gen, rank))
+    x_s = x_s.to(case.dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            layer(x_s, logits_s)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    sync_error = ""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x_s, logits_s)
+    except RuntimeError as exc:
+        sync_error = str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = layer(x_s, logits_s)
+    replays = []
+    for i in range(3):
+        x, logits = _batch(case, torch.Generator().manual_seed(seed + 1 + i), rank)
+        x_s.copy_(x.to(dev, case.dtype))
+        logits_s.copy_(logits.to(dev))
+        graph.replay()
+        got = out_s.clone()
+        eager = layer(x_s, logits_s)
+        topk_w, topk_ids = (t.cpu() for t in layer.route(x_s, logits_s))
+        if local_only:
+            topk_ids = torch.where(layer.expert_map.cpu()[topk_ids.long()] >= 0, topk_ids, -1)
+        ref = fused_experts_ref(x_s.cpu().float(), w13, w2, topk_w, topk_ids, activation=case.activation)
+        replays.append({"equal_eager": torch.equal(got, eager), "rel_err": _rel(got.cpu().float(), ref)})
+    return {"sync_error": sync_error, "replays": replays}
 
 
 @contextlib.contextmanager
@@ -279,5 +380,7 @@ def random_cases(world: int, count: int, seed: int) -> list[DistCase]:
             hidden=rng.choice((16, 24, 40)), inter=8 * tp * rng.choice((1, 2, 3)),
             activation=rng.choice(ACTIVATIONS), bias=rng.random() < 0.5, weight_on_input=on_input,
             backend="auto", shared=rng.random() < 0.3, redundant=redundant,
+            # drawn last (earlier fields keep their values per seed): a fixed all-gather capacity
+            max_num_tokens=None if dispatch != "allgather" or rng.random() < 0.5 else 13 + rng.randint(0, 3),
         ))
     return out

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from dist_cases import DistCase, random_cases, run_cases, run_errors
+from dist_cases import DistCase, random_cases, run_capture, run_cases, run_errors
 from fusedmoe import MoEConfig, ParallelConfig, Platform, select_backend
 from fusedmoe.distributed import ExpertPlacement, MoEGroups
 from fusedmoe.launch import LaunchError, launch
@@ -39,6 +39,11 @@ CASES_2 = [
     C("ep2_dp2_allgather_random", 2, dp=2, ep=2, tokens=(7, 4), dispatch="allgather"),
     C("ep2_dp2_allgather_rank_without_tokens", 2, dp=2, ep=2, tokens=(0, 3), dispatch="allgather",
       routing="skewed", hot_rank=1),
+    C("ep2_dp2_allgather_capacity", 2, dp=2, ep=2, tokens=(7, 4), dispatch="allgather", max_num_tokens=8),
+    C("ep2_dp2_allgather_capacity_full_and_empty", 2, dp=2, ep=2, tokens=(0, 6), dispatch="allgather",
+      max_num_tokens=6, routing="skewed", hot_rank=0, bias=True),
+    C("ep2_replicated_allgather_capacity_int8_on_wire", 2, ep=2, tokens=(7,), dispatch="allgather",
+      max_num_tokens=4, quant="int8_w8a8", backend="auto"),
     C("ep2_dp2_batched_random", 2, dp=2, ep=2, tokens=(7, 4), dispatch="alltoall_batched",
       backend="torch"),
     C("ep2_dp2_batched_skewed_round_robin", 2, dp=2, ep=2, tokens=(3, 8), routing="skewed",
@@ -81,6 +86,8 @@ CASES_4 = [
     C("ep4_dp1_allgather", 4, ep=4, tokens=(9,), dispatch="allgather", routing="skewed", hot_rank=2),
     C("ep2_tp2_dp2_a2a_bias", 4, tp=2, dp=2, ep=2, tokens=(5, 3), bias=True),
     C("ep2_tp2_dp2_allgather", 4, tp=2, dp=2, ep=2, tokens=(4, 0), dispatch="allgather"),
+    C("ep4_dp2_allgather_capacity_replicas", 4, dp=2, ep=4, tokens=(9, 3), dispatch="allgather",
+      max_num_tokens=5, shared=True),
     C("ep2_tp2_batched", 4, tp=2, dp=2, ep=2, tokens=(3, 6), dispatch="alltoall_batched",
       backend="torch"),
     C("dp2_tp2_no_ep", 4, tp=2, dp=2, tokens=(4, 3), bias=True),
@@ -138,6 +145,16 @@ def _check_wire(case: DistCase, wire: list, where: str) -> None:
     assert {(d, tuple(s)) for d, s in wire} == want, f"{where}: moved {wire}, want {sorted(want)}"
 
 
+def _check_host_reads(case: DistCase, reads: list[str], where: str) -> None:
+    """The all-gather dispatch with a fixed capacity reads nothing back to the host (CUDA-graph
+    capturable); the all-to-all dispatches exchange their split sizes through it."""
+    capturable = case.dispatch == "allgather" and case.max_num_tokens is not None
+    if capturable:
+        assert reads == [], f"{where}: dispatch / combine read {reads} back to the host"
+    elif case.ep > 1 and case.dispatch != "allgather":
+        assert "tolist" in reads, f"{where}: expected the split sizes through the host, saw {reads}"
+
+
 @pytest.mark.parametrize("case", CASES_2 + CASES_4 + FUZZ[2] + FUZZ[4], ids=lambda c: c.name)
 def test_split_layer_equals_reference(case: DistCase, results) -> None:
     seed, by_rank = results[case.world]
@@ -156,6 +173,7 @@ def test_split_layer_equals_reference(case: DistCase, results) -> None:
         if case.routing == "skewed" and r["routed_owners"] and not case.redundant:
             assert r["routed_owners"] == [case.hot_rank], where
         _check_wire(case, r["wire"], where)
+        _check_host_reads(case, r["host_reads"], where)
         if case.redundant:
             assert r["rel_err_after_rebalance"] < F32_TOL, f"{where}: after rebalancing {r['rel_err_after_rebalance']:.2e}"
             assert r["physical_to_logical"] == by_rank[0][case.name]["physical_to_logical"], where
@@ -376,3 +394,70 @@ def test_batched_dispatch_refuses_rows_past_its_buffers(monkeypatch) -> None:
     expert_map = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"received 9 rows but the batched buffers hold max_num_tokens=4 x 2 ranks = 8"):
         pf.dispatch(torch.randn(9, 8), torch.ones(9, 1), torch.ones(9, 1, dtype=torch.int32), expert_map, 2)
+
+
+def test_allgather_capacity_refuses_more_rows_before_communicating() -> None:
+    """With max_num_tokens the all-gather dispatch pads every rank to it; a rank holding more rows
+    gets a named error before any collective (the stub group would fail one)."""
+    from types import SimpleNamespace
+
+    from fusedmoe.distributed import AllGatherPrepareFinalize
+
+    parallel = ParallelConfig(dp_size=2, dp_rank=0, ep_size=2, ep_rank=0, dispatch="allgather")
+    pf = AllGatherPrepareFinalize.__new__(AllGatherPrepareFinalize)
+    pf.config = MoEConfig(4, 1, 8, 8, max_num_tokens=4, parallel=parallel)
+    pf.parallel = parallel
+    pf.groups = SimpleNamespace(outer=object(), replicas=None, tp=None)
+    pf.wire = None
+    expert_map = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"dispatches 5 tokens but max_num_tokens=4"):
+        pf.dispatch(torch.randn(5, 8), torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.int32), expert_map)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_allgather_capacity_graph() -> None:
+    """EP=2 over NCCL with the fixed-capacity all-gather: an eager call makes no host sync, and a
+    captured call replayed on new inputs equals the eager call bitwise and the reference."""
+    seed = _seed()
+    by_rank = launch(run_capture, 2, args=(seed,), backend="nccl", timeout_s=300)
+    for rank, r in enumerate(by_rank):
+        where = f"rank {rank} (seed {seed})"
+        print(where, r)
+        assert r["sync_error"] == "", f"{where}: an eager call synced with the host: {r['sync_error']}"
+        for i, rep in enumerate(r["replays"]):
+            assert rep["equal_eager"], f"{where}: replay {i} differs from the eager call"
+            assert rep["rel_err"] < BF16_TOL, f"{where}: replay {i} relative error {rep['rel_err']:.2e}"
+
+
+@pytest.mark.gpu
+def test_allgather_capacity_graph_one_gpu_loopback(monkeypatch) -> None:
+    """One GPU stands in for EP rank 0 of 2 (a 'fake' process group: the all-gather hands back this
+    rank's rows for both ranks, the reduce-scatter keeps this rank's own partial sums). The
+    fixed-capacity forward with the Triton experts makes no host sync, is captured in a CUDA graph,
+    and its replays on new inputs equal eager calls bitwise and the reference over this rank's
+    experts. NCCL inside the graph: test_nccl_allgather_capacity_graph (2 GPUs)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fusedmoe.distributed as fd
+
+    def gather(out, inp, group=None):
+        out.view(2, *inp.shape).copy_(inp.unsqueeze(0).expand(2, *inp.shape))
+
+    def scatter(out, inp, group=None):
+        out.copy_(inp.view(2, *out.shape)[0])
+
+    monkeypatch.setattr(fd, "_all_gather", gather)
+    monkeypatch.setattr(fd, "_reduce_scatter", scatter)
+    seed = _seed()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        r = run_capture(0, 2, seed, local_only=True)
+    finally:
+        dist.destroy_process_group()
+    print(r)
+    assert r["sync_error"] == "", f"seed {seed}: an eager call synced with the host: {r['sync_error']}"
+    for i, rep in enumerate(r["replays"]):
+        assert rep["equal_eager"], f"seed {seed}: replay {i} differs from the eager call"
+        assert rep["rel_err"] < BF16_TOL, f"seed {seed}: replay {i} relative error {rep['rel_err']:.2e}"

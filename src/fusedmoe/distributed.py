@@ -7,7 +7,10 @@
     combine:   results -> the token's rank, w * y summed over k in fp32 in slot order; partial
                outputs summed over EP ranks (reduce_scatter) and TP ranks (all_reduce, fp32)
 Every rank ends with the full output of its own tokens. Ranks with zero tokens still take part
-in every collective; split sizes are exchanged first, so token counts may differ per rank.
+in every collective; split sizes are exchanged first (a device-to-host read), so token counts
+may differ per rank. CUDA graphs: the all-gather dispatch with `max_num_tokens` set pads every
+rank to that many rows instead and reads nothing back to the host, so it can be captured; the
+all-to-all dispatches cannot (their split sizes are data).
 
 Legend: T tokens (this rank), K top-k, N = T*K slots, H hidden, E global experts, L local
 experts, R rows received by this rank, S rows sent by it, M max rows per local expert.
@@ -212,9 +215,12 @@ def all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Every rank's rows, concatenated in rank order; sizes[r] rows from rank r (padded to the
     largest on the wire)."""
     width = max(1, max(sizes))
+    out = x.new_empty((len(sizes) * width, *x.shape[1:]))
+    if min(sizes) == width:  # equal sizes (a fixed capacity): no padding, no copies
+        _all_gather(out, x.contiguous(), group=group)
+        return out
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    out = x.new_empty((len(sizes) * width, *x.shape[1:]))
     _all_gather(out, padded, group=group)
     return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
@@ -223,6 +229,10 @@ def reduce_scatter_v(x: torch.Tensor, sizes: list[int], rank: int, group) -> tor
     """x holds every rank's block (sizes[r] rows each, rank order); returns the sum over ranks
     of this rank's block."""
     width = max(1, max(sizes))
+    if min(sizes) == width:  # equal sizes: x is already the wire layout
+        out = x.new_empty((width, *x.shape[1:]))
+        _reduce_scatter(out, x.contiguous(), group=group)
+        return out
     padded = x.new_zeros((len(sizes) * width, *x.shape[1:]))
     start = 0
     for r, n in enumerate(sizes):
@@ -313,14 +323,18 @@ class _Distributed(PrepareFinalize):
         c = self.parallel.outer_rank % r
         return slice(c * num_tokens // r, (c + 1) * num_tokens // r)
 
-    def _rebuild(self, out_TH: torch.Tensor) -> torch.Tensor:
+    def _share_sizes(self, num_tokens: int) -> list[int]:
+        """Rows of each replica's share of `num_tokens` tokens (`_share`, replica order): every
+        replica holds the same tokens, so each computes all the sizes itself."""
+        r = self.parallel.token_replicas
+        return [(c + 1) * num_tokens // r - c * num_tokens // r for c in range(r)]
+
+    def _rebuild(self, out_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Each replica's share of the output -> the whole of it on every replica (an all-gather
-        over the replica group, in share order)."""
+        over the replica group, in share order; the sizes known without asking)."""
         if self.parallel.token_replicas == 1:
             return out_TH
-        group = self.groups.replicas
-        sizes = gather_sizes(out_TH.shape[0], group, out_TH.device)
-        return all_gather_v(out_TH, sizes, group)
+        return all_gather_v(out_TH, self._share_sizes(num_tokens), self.groups.replicas)
 
     def _reduce_tp(self, out_TH: torch.Tensor) -> torch.Tensor:
         if self.groups.tp is not None:
@@ -393,7 +407,7 @@ class AllToAllPrepareFinalize(_Distributed):
         out_N = torch.zeros(num * top_k, hidden, dtype=torch.float32, device=y_RH.device)
         out_N.index_copy_(0, h.slots_S, values)
         out = self._reduce_tp(out_N.view(num, top_k, hidden).sum(dim=1))
-        return self._rebuild(out.to(y_RH.dtype))
+        return self._rebuild(out.to(y_RH.dtype), h.num_tokens)
 
 
 @dataclass
@@ -446,8 +460,9 @@ class AllToAllBatchedPrepareFinalize(AllToAllPrepareFinalize):
 
 @dataclass
 class AllGatherHandle:
-    sizes: list[int]
-    num_tokens: int
+    sizes: list[int]  # rows each outer rank gathered (all `max_num_tokens` with a fixed capacity)
+    num_tokens: int  # before taking this rank's share
+    rows: int  # this rank's share
 
 
 class AllGatherPrepareFinalize(_Distributed):
@@ -456,6 +471,11 @@ class AllGatherPrepareFinalize(_Distributed):
         dispatch: all_gather x, weights, ids (unequal counts padded to the largest)
         experts:  this rank's experts on all tokens (expert_map), weighted, summed over k
         combine:  reduce_scatter the partial outputs (fp32) back to the tokens' ranks
+
+    With `max_num_tokens` set (the most tokens one rank dispatches per call) every rank's rows
+    are padded to it (zero rows, weight 0, id -1: they contribute nothing), so no counts are
+    exchanged: the forward reads nothing back to the host and is CUDA-graph capturable (NCCL).
+    A rank with more rows than that raises before any collective.
     """
 
     def __init__(self, config: MoEConfig, groups: MoEGroups, placement: ExpertPlacement):
@@ -469,17 +489,38 @@ class AllGatherPrepareFinalize(_Distributed):
         share = self._share(x_TH.shape[0])
         x, w, ids = x_TH[share], topk_weights_TK[share].float(), topk_ids_TK[share].to(torch.int32)
         group = self.groups.outer
-        sizes = gather_sizes(x.shape[0], group, x.device)
+        cap = self.config.max_num_tokens
+        rows = x.shape[0]
+        if cap is None:
+            sizes = gather_sizes(rows, group, x.device)
+        else:
+            if rows > cap:
+                raise ValueError(
+                    f"this rank dispatches {rows} tokens but max_num_tokens={cap} (the fixed capacity "
+                    f"of the all-gather dispatch); raise max_num_tokens or split the batch"
+                )
+            sizes = [cap] * dist.get_world_size(group)
+            x, w, ids = _pad_rows(x, cap, 0), _pad_rows(w, cap, 0), _pad_rows(ids, cap, -1)
         x_all = send_rows(x, self.wire, lambda t: all_gather_v(t, sizes, group))
         w_all = all_gather_v(w, sizes, group)
         ids_all = all_gather_v(ids, sizes, group)
-        return StandardDispatch(x_all, w_all, ids_all, expert_map_E, AllGatherHandle(sizes, x_TH.shape[0]))
+        handle = AllGatherHandle(sizes, x_TH.shape[0], rows)
+        return StandardDispatch(x_all, w_all, ids_all, expert_map_E, handle)
 
     def combine(self, y_MH: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
         rank = dist.get_rank(self.groups.outer)
-        out = reduce_scatter_v(y_MH.float(), handle.sizes, rank, self.groups.outer)
+        out = reduce_scatter_v(y_MH.float(), handle.sizes, rank, self.groups.outer)[: handle.rows]
         out = self._reduce_tp(out)
-        return self._rebuild(out.to(y_MH.dtype))
+        return self._rebuild(out.to(y_MH.dtype), handle.num_tokens)
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    """t's rows, then `value` up to `rows` rows."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_full((rows, *t.shape[1:]), value)
+    out[: t.shape[0]] = t
+    return out
 
 
 class TensorParallelReduce:

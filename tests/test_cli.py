@@ -357,8 +357,12 @@ def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
         (["--ep", "2", "--presets", "nope"], r"nope"),
         (["--ep", "0"], r"--ep 0 must be >= 1"),
         (["--shared"], r"--shared times shared experts .* give --ep N > 1"),
+        (["--graph"], r"--graph times the expert-parallel call .* give --ep N > 1 --dispatch allgather"),
+        (["--ep", "2", "--graph"], r"needs dispatch='allgather' on cuda: the all-to-all dispatches read"),
+        (["--ep", "2", "--graph", "--dispatch", "allgather"], r"needs dispatch='allgather' on cuda"),
     ],
-    ids=("two_backends", "quant", "preset", "ep0", "shared_without_ep"),
+    ids=("two_backends", "quant", "preset", "ep0", "shared_without_ep", "graph_without_ep",
+         "graph_alltoall", "graph_on_cpu"),
 )
 def test_bench_ep_bad_arguments(argv, match, capsys):
     assert main(["bench", "--device", "cpu", *argv]) == 2

@@ -6,9 +6,12 @@
 With `shared` (`--shared`): one shared expert of the routed experts' size (DeepSeek style) is
 added to every timed call, and each row also times it in sequence after the routed experts
 (FUSEDMOE_SHARED_OVERLAP=0): us_sequential / us says what the side-stream overlap with the
-dispatch and combine buys. Routing is drawn once before timing (as in `fusedmoe bench`). No CUDA
-graphs: the dispatch exchanges split sizes through the host. One weight copy per rank: decode
-shapes whose local experts fit in L2 read less HBM than a real model step would.
+dispatch and combine buys. Routing is drawn once before timing (as in `fusedmoe bench`). The
+all-to-all dispatches exchange split sizes through the host, so their calls run eagerly. With
+`graph` (`--graph`, all-gather dispatch only) each M runs at a fixed capacity of M tokens a rank
+(`max_num_tokens`) and the row adds the same call captured in a CUDA graph and replayed
+(`us_graph`), so the launch and host time a graph removes is measured. One weight copy per rank:
+decode shapes whose local experts fit in L2 read less HBM than a real model step would.
 
 GPU: `torchrun --nproc-per-node N -m fusedmoe bench --ep N ...` (nccl, one GPU per rank), or
 `fusedmoe bench --ep N` alone, which starts the N ranks itself. CPU smoke test (gloo, shrunken
@@ -22,7 +25,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -42,8 +45,12 @@ class EpBenchSpec:
     backend: str = "auto"
     baseline: bool = True  # also time the unsplit layer on rank 0's device
     shared: bool = False  # add a shared expert (intermediate size of a routed one) to every call
+    graph: bool = False  # all-gather with a fixed capacity: also time the call as a CUDA graph
 
     def __post_init__(self) -> None:
+        if self.graph and (self.dispatch != "allgather" or self.device != "cuda"):
+            raise ValueError("graph=True (--graph) needs dispatch='allgather' on cuda: the all-to-all "
+                             "dispatches read their split sizes back to the host and cannot be captured")
         if self.dispatch not in ("alltoall", "alltoall_batched", "allgather"):
             raise ValueError(f"dispatch={self.dispatch!r}; expected alltoall, alltoall_batched or allgather")
         if self.device not in ("cuda", "cpu"):
@@ -65,6 +72,7 @@ class EpRow:
     us_one_device: float | None
     speedup: float | None  # t_one / t_ep; ideal = ep
     us_sequential: float | None = None  # with shared: the shared expert after the routed ones
+    us_graph: float | None = None  # with graph: the same call captured and replayed
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, iters: int, barrier) -> float:
@@ -132,11 +140,21 @@ def run_rank(rank: int, world: int, spec: EpBenchSpec) -> list[dict]:
             topk_w, topk_ids = layer.route(x, logits)
             weights = layer._expert_weights()
 
+            if spec.graph:  # this M's capacity (the prepare-finalize reads only max_num_tokens of it)
+                pf = layer._kernel.prepare_finalize
+                pf.config = replace(pf.config, max_num_tokens=max(1, tokens))
             split = _with_shared(functools.partial(layer._kernel, x, weights, topk_w, topk_ids,
                                                    expert_map_E=layer.expert_map), shared, x)
             t = torch.tensor([_median_seconds(split, device, spec.iters, barrier)], dtype=torch.float64,
                              device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            graphed = None
+            if spec.graph:
+                replay = _captured(split, device)
+                t_graph = torch.tensor([_median_seconds(replay, device, spec.iters, barrier)],
+                                       dtype=torch.float64, device=device)
+                dist.all_reduce(t_graph, op=dist.ReduceOp.MAX, group=group)
+                graphed = float(t_graph) * 1e6
             seq = None
             if shared is not None:
                 with knobs.override(SHARED_OVERLAP=False):
@@ -151,12 +169,27 @@ def run_rank(rank: int, world: int, spec: EpBenchSpec) -> list[dict]:
             one = float(t_one) if spec.baseline and tokens else None
             rows.append(asdict(EpRow(
                 preset.name, world, spec.dispatch, layer.selection.name, tokens, float(t) * 1e6,
-                None if one is None else one * 1e6, None if one is None else one / float(t), seq,
+                None if one is None else one * 1e6, None if one is None else one / float(t), seq, graphed,
             )))
         layer = shared = None  # free this preset's weights before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _captured(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """fn captured in a CUDA graph (after warm-up calls on a side stream, as torch asks; every rank
+    captures at the same time, so the collectives pair up); returns its replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _one_device(preset: Preset, spec: EpBenchSpec, device: torch.device, tokens: int) -> float:
@@ -232,14 +265,26 @@ def run(spec: EpBenchSpec, ep: int, *, timeout_s: float = 1800.0) -> list[dict]:
 
 def format_rows(rows: list[dict]) -> str:
     shared = any(r.get("us_sequential") is not None for r in rows)
+    graph = any(r.get("us_graph") is not None for r in rows)
     head = f"{'preset':22} {'ep':>3} {'dispatch':17} {'backend':14} {'M/rank':>6} {'us':>10} {'1-dev us':>10} {'speedup':>8}"
     if shared:
         head += f" {'seq. us':>10} {'overlap':>8}"
+    if graph:
+        head += f" {'graph us':>10} {'1-dev/graph':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
         one = "-" if r["us_one_device"] is None else f"{r['us_one_device']:.1f}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"{r['preset']:22} {r['ep']:>3} {r['dispatch']:17} {r['backend']:14} "
                      f"{r['tokens_per_rank']:>6} {r['us']:>10.1f} {one:>10} {speed:>8}"
-                     + (f" {r['us_sequential']:>10.1f} {r['us_sequential'] / r['us']:>7.2f}x" if shared else ""))
+                     + (f" {r['us_sequential']:>10.1f} {r['us_sequential'] / r['us']:>7.2f}x" if shared else "")
+                     + (_graph_cells(r) if graph else ""))
     return "\n".join(lines)
+
+
+def _graph_cells(r: dict) -> str:
+    g = r.get("us_graph")
+    if g is None:
+        return f" {'-':>10} {'-':>11}"
+    speed = "-" if r["us_one_device"] is None else f"{r['us_one_device'] / g:.2f}x"
+    return f" {g:>10.1f} {speed:>11}"

@@ -7,7 +7,7 @@
     fusedmoe demo --hf mixtral [--tokens 64] [--new-tokens 8]     (needs transformers: pip install -e .[hf])
     fusedmoe bench [--presets qwen3-30b-a3b] [--tokens 1,16,256] [--backends triton,grouped_mm] [--csv out.csv]
                    [--quant fp8_w8a8_block]
-    torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather]   (or without torchrun)
+    torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather [--graph]]   (or without torchrun)
     fusedmoe bench --ep 2 --device cpu --scale 32 --tokens 4                     (gloo smoke test)
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
     fusedmoe fuzz [--cases 200] [--seed 0] [--profile ci|cpu|cpu-triton|gpu] [--device cpu|cuda]
@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shared", action="store_true",
                        help="with --ep: add a shared expert (a routed expert's size) and also time it "
                             "in sequence instead of overlapped with the dispatch / combine")
+    bench.add_argument("--graph", action="store_true",
+                       help="with --ep and --dispatch allgather: run each M at a fixed capacity of M "
+                            "tokens a rank and also time the call captured in a CUDA graph")
     tune = sub.add_parser("tune", help="search Triton tiles for a shape on this GPU, write the table")
     tune.add_argument("--model", default=None, help="a model preset (its benchmark TP split and biases)")
     tune.add_argument("--experts", type=int)
@@ -420,6 +423,9 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--ep {args.ep} must be >= 1")
     if args.shared:
         raise ValueError("--shared times shared experts against expert-parallel communication: give --ep N > 1")
+    if args.graph:
+        raise ValueError("--graph times the expert-parallel call captured in a CUDA graph: give --ep N > 1 "
+                         "--dispatch allgather (`fusedmoe bench` always replays graphs)")
     bench.quant_bytes(args.quant)  # a scheme neither triton nor marlin runs fails before any GPU work
     quant_backend = bench.quant_backend(args.quant)
     if args.backends is None:
@@ -480,7 +486,7 @@ def cmd_bench_ep(args) -> int:
     tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (1, 16, 256, 1024)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     spec = bench_ep.EpBenchSpec(presets, tokens, args.dispatch, args.device, dtype, args.scale,
-                                args.iters, backend, shared=args.shared)
+                                args.iters, backend, shared=args.shared, graph=args.graph)
     rows = bench_ep.run(spec, args.ep)
     launched = bench_ep._torchrun_rank()
     if launched is not None and launched[0] != 0:

@@ -3,6 +3,7 @@ or as its A operand (swap AB), on an H100/H200.
 
     python benchmarks/bench_w4_swap.py [--fmt int4|e2m1] [--shapes mixtral-gemm1,...] [--json out.json]
     python benchmarks/bench_w4_swap.py --ir        # sm90 TTGIR of each variant, no GPU needed
+    python benchmarks/bench_w4_swap.py --rows 16 --fmt int4 --variants bf16,shipped,swap,swapjoin   # decode
 
 Where a row block has 64 rows (Mixtral at M=256: 512 slots over 8 experts) the weight-only
 GEMMs run on wgmma, whose B operand must sit in shared memory: the shipped kernel decodes each
@@ -117,6 +118,13 @@ def w4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
         if not W4:
             w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None])
             acc = tl.dot(xa, w, acc)
+        elif W4 == 2:  # chunk layout: byte 8c + i holds k = 16c + i (low) and 16c + 8 + i (high)
+            offs_j = tl.arange(0, BLOCK_K // 2)
+            kk = k0 + (offs_j // 8) * 16 + offs_j % 8
+            x_lo = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :])
+            x_hi = tl.load(x_ptr + offs_m[:, None] * K + (kk + 8)[None, :])
+            lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.dot(x_hi, hi, tl.dot(x_lo, lo, acc))
         elif SWAP == 0:
             lo, hi = _w4_tile_jn(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, FMT, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.dot(x_odd, hi, tl.dot(x_even, lo, acc))
@@ -131,10 +139,13 @@ def w4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
 
 
-VARIANTS = {"bf16": (0, 0), "shipped": (1, 0), "swap": (1, 1), "swapjoin": (1, 2), "gated": (1, 0),
+VARIANTS = {"bf16": (0, 0), "shipped": (1, 0), "chunk": (2, 0), "swap": (1, 1), "swapjoin": (1, 2), "gated": (1, 0),
             "interleaved": (1, 0)}
 GATED = ("gated", "interleaved")
 TILES = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((128, 256), (64, 128), ((4, 3), (4, 4), (8, 3)))]
+# Decode (16 rows or fewer): narrower N tiles, longer K steps, deeper pipelines.
+DECODE_TILES = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+    (64, 128, 256), (128, 256), ((4, 3), (4, 4), (4, 6), (8, 4)))]
 
 
 def _launch(x, w, s, out, *, variant, fmt, group, bn, bk, warps, stages):
@@ -176,7 +187,38 @@ def _run(x, ws, ss, ref, *, variant, fmt, group, tile) -> dict | None:
     return dict(variant=variant, tile=list(tile), us=us, rel_err=err)
 
 
-def _ir_report(fmt: int, group: int) -> None:
+def _loop_instructions(compiled) -> str:
+    """The longest loop of the SASS (a backward branch's span): its instruction count and the
+    most frequent opcodes."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from fusedmoe.backends.triton import kernel_report
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([kernel_report._tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    rows = [(int(m.group(1), 16), m.group(2)) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    spans = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass):
+        at, to = int(m.group(1), 16), int(m.group(2), 16)
+        if to < at:
+            spans.append((to, at))
+    if not spans:
+        return "none"
+    lo, hi = max(spans, key=lambda t: t[1] - t[0])
+    ops = collections.Counter(op.split(".")[0] for a, op in rows if lo <= a <= hi)
+    return f"{sum(ops.values())} instr {dict(ops.most_common(16))}"
+
+
+def _ir_report(fmt: int, group: int, rows: int) -> None:
     """TTGIR facts per variant for sm90, compiled on this machine (Triton's CUDA backend)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -186,9 +228,9 @@ def _ir_report(fmt: int, group: int) -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "K": "i32",
            "stride_wn": "i32", "stride_sn": "i32"}
     for variant, (w4, swap) in VARIANTS.items():
-        for bn, bk, warps, stages in ((128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3)):
+        for bn, bk, warps, stages in ((128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3), (128, 256, 4, 4)):
             kernel = w4_gated_kernel if variant in GATED else w4_rows_kernel
-            consts = dict(FMT=fmt, GROUP=group, BLOCK_M=64, BLOCK_N=bn // 2 if variant == "gated" else bn,
+            consts = dict(FMT=fmt, GROUP=group, BLOCK_M=rows, BLOCK_N=bn // 2 if variant == "gated" else bn,
                           BLOCK_K=bk)
             if variant in GATED:
                 consts.update(INTERLEAVED=variant == "interleaved")
@@ -206,12 +248,14 @@ def _ir_report(fmt: int, group: int) -> None:
                 print(f"{variant:9s} {bn}x{bk} w{warps} s{stages}: {type(e).__name__}: {str(e).splitlines()[-1][:150]}")
                 continue
             ir, u = c.asm["ttgir"], kernel_report.usage(c)
+            loop = _loop_instructions(c)
             dots = [ln for ln in ir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
             reg_a = sum("dot_op" in ln.split(" : ")[-1].split(" * ")[0] for ln in dots)  # A's type: registers
             print(f"{variant:9s} {bn}x{bk} w{warps} s{stages}: mma {'v3' if 'versionMajor = 3' in ir else 'v2'}, "
                   f"dots {len(dots)} (A in registers {reg_a}), local_alloc {ir.count('ttg.local_alloc')}, "
                   f"local_store {ir.count('ttg.local_store')}, regs {u['regs']}, stack {u['stack']}, "
-                  f"shared {u['shared']}, STS {u['opcodes']['STS']}, HGMMA {u['opcodes']['HGMMA']}")
+                  f"shared {u['shared']}, STS {u['opcodes']['STS']}, HGMMA {u['opcodes']['HGMMA']}, "
+                  f"main loop {loop}")
 
 
 def main() -> None:
@@ -220,11 +264,12 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="bf16,shipped,swapjoin")
     ap.add_argument("--ir", action="store_true")
+    ap.add_argument("--rows", type=int, default=64, help="x's rows (one row block; 16 for decode)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     fmt, group = (0, 32) if args.fmt == "int4" else (1, 16)
     if args.ir:
-        _ir_report(fmt, group)
+        _ir_report(fmt, group, args.rows)
         return
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
@@ -232,7 +277,8 @@ def main() -> None:
     rows = []
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
-        x = torch.randn(64, K, device=dev, dtype=torch.bfloat16)
+        rows_m = args.rows
+        x = torch.randn(rows_m, K, device=dev, dtype=torch.bfloat16)
         qs = [torch.randint(0, 256, (N, K // 2), device=dev, dtype=torch.uint8) for _ in range(4)]
         if fmt == 0:
             ss = [(torch.rand(N, K // group, device=dev) * 0.02 + 0.001).to(torch.bfloat16).float() for _ in range(4)]
@@ -246,34 +292,43 @@ def main() -> None:
             table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=dev)
             vals = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
         wref = vals * ss[0].repeat_interleave(group, dim=1)
+        # the chunk layout of the same codes: byte 8c + i = code(16c + i) | code(16c + 8 + i) << 4
+        qc = []
+        for q in qs:
+            c16 = torch.stack(((q & 15), (q >> 4)), dim=-1).reshape(N, K // 16, 16)
+            qc.append((c16[:, :, :8] | (c16[:, :, 8:] << 4)).reshape(N, K // 2).contiguous())
         ref4 = x.float() @ wref.t()
         del vals, codes, lo, hi
         wb = [wref.bfloat16()] + [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(3)]
         ref16 = x.float() @ wb[0].float().t()
         del wref
-        flops = 2 * 64 * N * K
-        print(f"\n{name}: N={N} K={K}, 64 rows; bf16 {N * K * 2 / 1e6:.0f} MB, 4-bit {N * K // 2 / 1e6:.0f} MB "
+        flops = 2 * rows_m * N * K
+        w4_bytes = N * K // 2 + N * (K // group) * 4  # the prototype keeps fp32 scales
+        print(f"\n{name}: N={N} K={K}, {rows_m} rows; bf16 {N * K * 2 / 1e6:.0f} MB, 4-bit {N * K // 2 / 1e6:.0f} MB "
               f"+ scales; {flops / 1e9:.1f} GFLOP")
         for variant in args.variants.split(","):
             best = None
-            for tile in TILES:
+            for tile in (DECODE_TILES if rows_m <= 16 else TILES):
                 ref = ref4 if VARIANTS[variant][0] else ref16
                 if variant == "gated":
                     ref = torch.nn.functional.silu(ref[:, :N // 2]) * ref[:, N // 2:]
                 elif variant == "interleaved":
                     ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
-                row = _run(x, qs if VARIANTS[variant][0] else wb, ss, ref, variant=variant, fmt=fmt, group=group,
+                wsv = {0: wb, 1: qs, 2: qc}[VARIANTS[variant][0]]
+                row = _run(x, wsv, ss, ref, variant=variant, fmt=fmt, group=group,
                            tile=tile)
                 if row is None:
                     continue
-                row.update(shape=name, tflops=flops / row["us"] / 1e6)
+                w_bytes = w4_bytes if VARIANTS[variant][0] else N * K * 2
+                row.update(shape=name, rows=rows_m, tflops=flops / row["us"] / 1e6, gbs=w_bytes / row["us"] / 1e3)
                 rows.append(row)
                 if best is None or row["us"] < best["us"]:
                     best = row
             if best:
                 print(f"  {variant:9s} best {best['tile']}: {best['us']:8.1f} us {best['tflops']:6.0f} TFLOP/s "
+                      f"{best['gbs']:6.0f} GB/s of weights "
                       f"rel err {best['rel_err']:.1e}", flush=True)
-        del qs, ss, wb
+        del qs, qc, ss, wb
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,21 @@ def test_explain_shows_the_split_and_batched_dispatch(capsys):
     assert "opt-in" in env_cutlass["reason"]  # EP without DP: only the opt-in stands in its way
 
 
+def test_explain_says_whether_the_ep_forward_captures_in_a_cuda_graph(capsys):
+    """The dispatch decides: all-gather at a fixed capacity captures, the others read sizes back."""
+    base = ["explain", "--model", "deepseek-v3", "--ep", "8", "--dp", "8", "--platform", "cuda:9.0"]
+    assert main([*base, "--dispatch", "allgather", "--max-num-tokens", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "cuda graphs: capturable (allgather dispatch at a fixed capacity, max_num_tokens=128 a rank)"
+    for dispatch, why in (("alltoall", "the alltoall dispatch exchanges its split sizes"),
+                          ("allgather", "the all-gather exchanges its row counts")):
+        assert main([*base, "--dispatch", dispatch, "--json"]) == 0
+        note = json.loads(capsys.readouterr().out)["cuda_graphs"]
+        assert note.startswith(f"not capturable: {why} through the host"), note
+    assert main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cuda_graphs"] is None  # no EP: nothing to say
+
+
 def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the plan is for this machine's device
     rc = main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--tokens", "1,4,64"])

@@ -152,6 +152,9 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", choices=("alltoall", "alltoall_batched", "allgather"), default="alltoall",
                    help="how tokens reach the experts' ranks under EP (default alltoall)")
     p.add_argument("--placement", choices=("linear", "round_robin"), default="linear")
+    p.add_argument("--max-num-tokens", type=int, default=None,
+                   help="with --ep: the most tokens a rank dispatches per call (fixed batched buffers; the "
+                        "allgather dispatch at that capacity is CUDA-graph capturable)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--platform", default=None,
                    help="describe another machine: KIND[:MAJOR.MINOR], e.g. cuda:9.0, rocm:9.4, cpu")
@@ -192,7 +195,7 @@ def _config_from_args(args):
         fmt = "batched" if args.ep > 1 and args.dispatch == "alltoall_batched" else "standard"
     common = dict(
         dtype=DTYPES[args.dtype], quant=args.quant, lora=args.lora, swiglu_limit=args.swiglu_limit,
-        activation_format=fmt, backend=args.backend,
+        activation_format=fmt, backend=args.backend, max_num_tokens=args.max_num_tokens,
     )
     if args.activation:
         common["activation"] = args.activation

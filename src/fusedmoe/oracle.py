@@ -102,6 +102,9 @@ class Explanation:
             notes = [f"note: {note}"] if note else []
         else:
             head += "no backend: " + (self.error or "").splitlines()[0]
+        graphs = graph_note(self.config)
+        if graphs:
+            notes.append(f"cuda graphs: {graphs}")
         return "\n".join([head, *notes, *lines])
 
     def to_dict(self) -> dict:
@@ -116,6 +119,7 @@ class Explanation:
             },
             "chosen": self.chosen,
             "note": execution_note(REGISTRY[self.chosen], self.config) if self.chosen else None,
+            "cuda_graphs": graph_note(self.config),
             "via": self.via,
             "error": self.error,
             "verdicts": [v.__dict__ for v in self.verdicts],
@@ -385,6 +389,20 @@ def _split(config: MoEConfig) -> str:
         return ""
     how = f"{p.dispatch} dispatch, " if p.use_ep else ""
     return f", {' '.join(sizes)} ({how}{config.activation_format} layout)"
+
+
+def graph_note(config: MoEConfig) -> str | None:
+    """Whether the expert-parallel forward can be captured in a CUDA graph (its dispatch decides),
+    and why; None without EP (the one-rank forward always can)."""
+    p = config.parallel
+    if not p.use_ep:
+        return None
+    cap = config.max_num_tokens
+    if p.dispatch == "allgather" and cap is not None:
+        return f"capturable (allgather dispatch at a fixed capacity, max_num_tokens={cap} a rank)"
+    why = ("the all-gather exchanges its row counts" if p.dispatch == "allgather"
+           else f"the {p.dispatch} dispatch exchanges its split sizes")
+    return f"not capturable: {why} through the host; dispatch='allgather' with max_num_tokens set is"
 
 
 def row_activation(backend: Backend, config: MoEConfig) -> str:

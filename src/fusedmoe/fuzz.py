@@ -297,7 +297,8 @@ def _quant_to(quant, device):
 def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False,
               weight_only: bool = False, round_weighted_input: bool = False) -> torch.Tensor:
     """float64 fused_experts_ref on the dequantized weights; W8A8/W4A4 schemes fake-quantize the
-    activations (float32 rounding, as emulation) at GEMM1's and GEMM2's inputs, unless
+    activations (float32 rounding, as emulation; the intermediate rounded to the activation dtype
+    first, as the kernels store it) at GEMM1's and GEMM2's inputs, unless
     weight_only (backends with `weight_only_execution` keep activations in 16 bits).
 
     magnitude=True: sum_k |w| * (|a| @ |w2[e]|^T + |b2[e]|) instead, the size of the terms the
@@ -313,6 +314,7 @@ def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False,
     if scheme is not None and scheme.activation is not None and not weight_only:
         q = p.weights.quant
         hooks = [_f64(activation_transform(scheme.activation, s)) for s in (q.a13_scale, q.a2_scale)]
+        hooks[1] = _rounded_first(hooks[1], case.torch_dtype)  # stored in the activation dtype, as emulation
     if round_weighted_input and case.weight_on_input:
         hooks[0] = _rounded_first(hooks[0], case.torch_dtype)
     d = lambda t: None if t is None else t.double()  # noqa: E731

@@ -2,8 +2,10 @@
 
     w13, w2 = dequantize_weights(q13, q2, quant)            # float32, cached for the last weights
     out = fused_experts_ref(x, w13, w2, ..., input_transform=fq(a13_scale[e]),
-                            intermediate_transform=fq(a2_scale[e]))
+                            intermediate_transform=fq(a2_scale[e]) after rounding to x's dtype)
 fq = fake_quantize_activation with the scheme's activation key (weight-only schemes: identity).
+The intermediate is rounded to the activation dtype before its quantization, as the Triton
+kernels store it (and vLLM's): the codes come from what a 16-bit intermediate holds.
 The hooks see one local expert's rows at a time, so a dynamic per-tensor scale (fp8 tensor, the
 NVFP4 global scale) covers the rows routed to that expert, not the whole batch.
 """
@@ -53,7 +55,7 @@ class EmulationExperts(Experts):
         y = reference_for(
             c, x_TH, w13_LGH, w2_LHI, weights, topk_weights_TK, topk_ids_TK, expert_map_E,
             input_transform=activation_transform(key, quant.a13_scale),
-            intermediate_transform=activation_transform(key, quant.a2_scale),
+            intermediate_transform=activation_transform(key, quant.a2_scale, round_to=x_TH.dtype),
         )
         if out_TH is not None:
             return out_TH.copy_(y)
@@ -88,16 +90,20 @@ class EmulationExperts(Experts):
 
 
 def activation_transform(
-    key: QuantKey | None, static_scale: torch.Tensor | None
+    key: QuantKey | None, static_scale: torch.Tensor | None, round_to: torch.dtype | None = None,
 ) -> Transform | None:
     """The reference hook fake-quantizing one expert's activations (None: weight-only).
 
-    static_scale holds one value for all experts or one per local expert ([L]).
+    static_scale holds one value for all experts or one per local expert ([L]). round_to: the
+    activations are first rounded to this dtype (the intermediate: the kernels store it in the
+    activation dtype, as vLLM's do, and quantize it from there).
     """
     if key is None:
         return None
 
     def transform(a: torch.Tensor, local_expert: int) -> torch.Tensor:
+        if round_to is not None:
+            a = a.to(round_to).to(a.dtype)
         scale = None
         if static_scale is not None:
             scale = static_scale.reshape(-1)[local_expert if static_scale.numel() > 1 else 0]

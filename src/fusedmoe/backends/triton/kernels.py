@@ -669,7 +669,8 @@ def moe_gemm1_kernel(
                               stride_be, stride_bn, inter, alpha, limit,
                               GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
         if FUSE_AQ:  # BLOCK_N == 128: this tile holds whole 1x128 groups of the intermediate
-            act = tl.where(n_ok[None, :], act, 0.0)
+            # quantized from the activation dtype a is stored in, as the unfused path reads it
+            act = tl.where(n_ok[None, :], act.to(a_ptr.dtype.element_ty).to(tl.float32), 0.0)
             a_scale = _scale_of(tl.reduce(tl.abs(act), 1, _max_nan), FP8_MAX)
             q = _quantize(act, a_scale[:, None], False, SOFT_FP8)
             rows64 = rows.to(tl.int64)
@@ -679,9 +680,10 @@ def moe_gemm1_kernel(
             tl.store(as_ptr + rows64 * stride_asr + pid_n * stride_asg, a_scale, mask=tl.sum(store_ok, 1) > 0)
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
-            tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=store_ok)
-            if A_AMAX:
-                _amax_update(amax_ptr + expert, act, row_ok, n_ok)
+            stored = act.to(a_ptr.dtype.element_ty)
+            tl.store(a_ptrs, stored, mask=store_ok)
+            if A_AMAX:  # the amax of what is stored, which the quantization reads
+                _amax_update(amax_ptr + expert, stored.to(tl.float32), row_ok, n_ok)
 
 
 @triton.jit
@@ -727,9 +729,10 @@ def moe_act_kernel(
                           stride_be, stride_bn, inter, alpha, limit,
                           GATED, ACT, HAS_LIMIT, HAS_BIAS, SCALE_ROWS)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
-    tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ok)
-    if A_AMAX:
-        _amax_update(amax_ptr + expert, act, row_ok, n_ok)
+    stored = act.to(a_ptr.dtype.element_ty)
+    tl.store(a_ptrs, stored, mask=ok)
+    if A_AMAX:  # the amax of what is stored
+        _amax_update(amax_ptr + expert, stored.to(tl.float32), row_ok, n_ok)
 
 
 @triton.jit
@@ -974,7 +977,7 @@ def moe_gemm2_direct_kernel(
     part_ptr=None, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
     FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
-    # FUSE_AQ (Q_CHANNEL, per-token codes): a_ptr is GEMM1's fp32 a, quantized here as
+    # FUSE_AQ (Q_CHANNEL, per-token codes): a_ptr is GEMM1's a (activation dtype), quantized here as
     # quantize_rows_kernel does (the same codes and scales): each of the share's slot rows, AQ_WIDTH
     # >= I wide, is read once for its scale before the K loop, each K step's codes made from its
     # a tile (AQ_INT: int8 codes, else fp8)

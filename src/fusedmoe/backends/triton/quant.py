@@ -13,8 +13,12 @@ The activations are quantized exactly where and how the `emulation` backend fake
     fp8_w8a8_channel, int8    one scale per token (x) / per aligned row (a): quantize_rows_kernel
     fp8_w8a8_block            1x128 groups; GEMM1 quantizes its output in the epilogue when its
                               N tile is one group (BLOCK_N 128, no split-K), else a separate pass
-Router weight on input scales x before quantization. The intermediate is kept in fp32 between
-GEMM1 and its quantization, as the reference computes it. No host sync: CUDA-graph safe.
+Router weight on input scales x before quantization. The intermediate is stored in the
+activation dtype between GEMM1 and its quantization (as vLLM's kernels keep it; emulation rounds it
+the same way): half the bytes of fp32 for GEMM1 to write and the quantization to read. H200,
+fp32 / bf16 alternating (benchmarks/results/2026-11-25_h200_1f23cc4_w8a8_intermediate_ab.txt):
+int8 M=256-4096 -1 to -3.7% (Qwen3-30B M=4096 554 -> 537 us, Mixtral 3040 -> 2933), fp8 per
+channel -1 to -4%; decode within +-2% but Qwen3-235B int8 M=1 +5%. No host sync: CUDA-graph safe.
 Batched layout [L, max_tokens, H]: the same launches with buffer rows as slots (top_k 1, no
 routed weight); an expert's rows are exactly its routed tokens, so the per-expert scales equal
 the contiguous layout's (the dispatch has already applied a router weight on input).
@@ -343,7 +347,7 @@ def triton_quant_experts(
 
 @dataclass
 class QuantLaunch:
-    """A W8A8 call between its stages: the shared Launch (fp32 intermediate `a`), x quantized,
+    """A W8A8 call between its stages: the shared Launch (intermediate `a` in the activation dtype), x quantized,
     and (after GEMM1) the intermediate's codes and scales for GEMM2."""
 
     L: Launch
@@ -365,7 +369,7 @@ class QuantLaunch:
 
     @property
     def a_fused(self) -> bool:
-        """(After GEMM1) the direct GEMM2 quantizes the fp32 a itself (kernels.py FUSE_AQ in
+        """(After GEMM1) the direct GEMM2 quantizes a itself (kernels.py FUSE_AQ in
         moe_gemm2_direct_kernel): a_in is a, no codes were made for it."""
         return self.a_in is not None and self.a_scales is None
 
@@ -383,7 +387,7 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
         weights_N = weights_N.contiguous()
     n_slots, rows = topk_ids_TK.numel(), sorted_slot.numel()
     y = torch.empty(n_slots, x_TH.shape[1], dtype=x_TH.dtype, device=device)
-    a = torch.empty(rows, inter, dtype=torch.float32, device=device)
+    a = torch.empty(rows, inter, dtype=x_TH.dtype, device=device)
     L = Launch(x_TH, weights_N, sorted_slot, block_expert, num_rows, slot_ok, a, y,
                topk_ids_TK.shape[1], activation, False, not apply_router_weight_on_input,
                swiglu_alpha, swiglu_limit, block_m)
@@ -394,12 +398,12 @@ def prepare_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_glo
 def prepare_direct_quant_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                 num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                                 swiglu_limit, scheme: QuantScheme) -> QuantLaunch:
-    """The direct decode path's launch (no alignment, a [T*K, I] fp32 by slot) with x quantized
+    """The direct decode path's launch (no alignment, a [T*K, I] by slot in the activation dtype) with x quantized
     per token / group (router weight on input applied first: top_k 1, slot == token)."""
     call_knobs = _call_knobs(scheme)  # before any launch, as prepare_quant_launch
     L = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts, num_local,
                               inter, activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit,
-                              a_dtype=torch.float32, prescaled=True)
+                              a_dtype=x_TH.dtype, prescaled=True)
     if fuse_x_quantization(scheme.activation, x_TH.shape[1], inter, is_gated(activation), topk_ids_TK.numel(),
                            num_local):
         return QuantLaunch(L, scheme, num_local, x_TH, None, **call_knobs)
@@ -627,7 +631,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
         return
     args = dict(ws_ptr=w2_scale, **_weight_scale_strides(w2_scale, gran), QUANT=W8A8_QUANT_CODES[gran],
                 FP8_PROMOTE=q.fp8_promote, **swap)
-    if q.a_fused:  # the direct GEMM2 quantizes GEMM1's fp32 a itself (kernels.py FUSE_AQ)
+    if q.a_fused:  # the direct GEMM2 quantizes GEMM1's a itself (kernels.py FUSE_AQ)
         args.update(FUSE_AQ=True, AQ_WIDTH=triton_next_pow2(q.a_in.shape[1]),
                     AQ_INT=q.scheme.activation.dtype == "int8", SOFT_FP8=_soft_fp8(q.a_in.device))
     else:
@@ -697,7 +701,7 @@ def triton_batched_quant_experts(
         launch_quant_gemm2(q, w2, w2_bias, w2_scale, t2, batched=True)
 
     return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, choose, gemms,
-                       a_dtype=torch.float32, num_slots=num_slots, top_k=top_k)
+                       num_slots=num_slots, top_k=top_k)
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:

@@ -12,6 +12,9 @@ it once. With `group=` it dispatches/combines over torch.distributed and returns
 of this rank's tokens (`fusedmoe.distributed`, docs/parallel.md). `enable_eplb` makes the local
 experts physical slots, (num_experts + num_redundant_experts) / ep_size of them, rebalanced by
 `rebalance_experts()` (`fusedmoe.eplb`); `shared_experts` adds a dense MLP (`fusedmoe.shared`).
+`max_num_tokens` (the most tokens a rank dispatches per call) fixes the batched buffers' shape,
+and with `dispatch="allgather"` pads every rank's rows to it, so no sizes are exchanged and the
+EP forward can be captured in a CUDA graph (docs/parallel.md).
 With `quant=<scheme>` the layer loads full-precision checkpoints and quantizes them in
 `process_weights_after_loading` (online quantization; scales become buffers `w13_scale`, ...).
 With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and scales instead

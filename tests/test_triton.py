@@ -1298,3 +1298,30 @@ def test_per_tensor_fp8_takes_per_channel_entries(tmp_path, monkeypatch):
         assert choose_quant_tiles(shape(1024), tensor, cuda) not in (own, chan)  # none: the heuristic
         with knobs.override(TUNED_SIBLINGS=False):
             assert choose_quant_tiles(shape(64), tensor, cuda) != chan
+
+
+def test_fit_k_caps_block_k_at_the_k_dimension():
+    """K steps no wider than K rounded up to a power of two (at least 32), and no wider than 64 for
+    a 16-row, 128-wide tile at 4 warps where K is not a multiple of 16: Triton 3.6 compiled the GEMM1
+    tile 16 x 128 x 128 at 4 warps to out-of-bounds shared-memory reads there (an illegal memory
+    access on an H200 at H = 8, 11, 13, 24, 136, 200, 2888; GPU fuzz seed 90064)."""
+    from fusedmoe.backends.triton.experts import GemmProblem, fit_k, plan_tiles
+
+    tile = TileConfig(16, 128, 128, 4, 3)
+    small = TileConfig(16, 16, 256, 4, 4)
+
+    def fitted(hidden, inter, t1=tile, t2=small):
+        return fit_k(t1, t2, GemmProblem(1152, 257, hidden, inter, 6, True, torch.bfloat16))
+
+    assert fitted(11, 688) == (TileConfig(16, 128, 32, 4, 3), small)
+    assert fitted(8, 688)[0].block_k == 32 and fitted(24, 688)[0].block_k == 32
+    assert fitted(136, 688)[0].block_k == 64 and fitted(2888, 688)[0].block_k == 64
+    assert fitted(2880, 688) == (tile, small)  # a multiple of 16: as planned
+    assert fitted(2880, 20)[1].block_k == 32  # GEMM2's K is I
+    assert fitted(2888, 688, t1=TileConfig(16, 128, 128, 8, 3))[0].block_k == 128  # 8 warps ran
+    assert fitted(2888, 688, t1=TileConfig(16, 64, 128, 4, 3))[0].block_k == 128  # 64 wide ran
+    assert fitted(2888, 688, t1=TileConfig(64, 128, 128, 4, 3))[0].block_k == 128  # 64 rows: not seen to fail
+    # every call's tiles pass through it, given ones too
+    problem = GemmProblem(1152, 257, 11, 688, 6, True, torch.bfloat16)
+    _, t1, _ = plan_tiles(problem, None, torch.device("cpu"), (tile, small), direct=False)
+    assert t1.block_k == 32

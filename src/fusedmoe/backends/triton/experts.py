@@ -16,6 +16,7 @@ so layers using it compile with `torch.compile(fullgraph=True)` and capture in C
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -483,8 +484,37 @@ def _aligned_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[
     return choose_weight_only_tiles(problem, scheme, device)
 
 
+FIT_K_MIN_BLOCK_K = 32  # fit_k never goes below this (8-bit and 4-bit dots need >= 32)
+
+
+def fit_k(t1: TileConfig, t2: TileConfig, problem: GemmProblem) -> tuple[TileConfig, TileConfig]:
+    """The tiles with block_k at most each GEMM's K (hidden for GEMM1, inter for GEMM2) rounded up
+    to a power of two, and at least FIT_K_MIN_BLOCK_K. Wider K steps only load masked lanes, and
+    Triton 3.6 miscompiles one of them: the 16 x 128 x 128 GEMM1 tile with 4 warps, at any stage
+    count, read shared memory out of bounds (an illegal memory access) wherever H was not a
+    multiple of 16 (H = 8, 11, 13, 24 on an H200; 16 x 128 x 16 / 32 / 64 ran correctly; fuzz seed
+    90064, H = 11: docs/reliability.md). The same tile failed at H = 136, 200 and 2888 too, where K
+    is wide: so where K is not a multiple of 16, a 16-row, 128-wide tile at 4 warps also steps K by
+    at most 64 (the K steps that ran correctly at H = 11; not yet run at the wider H; 64-row tiles
+    were not seen to fail and keep their steps)."""
+    def fit(tile: TileConfig, k: int) -> TileConfig:
+        cap = max(FIT_K_MIN_BLOCK_K, triton_next_pow2(max(k, 1)))
+        if k % 16 and tile.block_m == 16 and tile.block_n >= 128 and tile.num_warps == 4:
+            cap = min(cap, max(FIT_K_MIN_BLOCK_K, 64))
+        return tile if tile.block_k <= cap else dataclasses.replace(tile, block_k=cap)
+
+    return fit(t1, problem.hidden), fit(t2, problem.inter)
+
+
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
                tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
+    """`_plan_tiles`, its block_k fitted to the K dimensions (`fit_k`)."""
+    is_direct, t1, t2 = _plan_tiles(problem, scheme, device, tiles, direct)
+    return (is_direct, *fit_k(t1, t2, problem))
+
+
+def _plan_tiles(problem: GemmProblem, scheme, device: torch.device,
+                tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) for a call. direct None: `choose_plan`, or the aligned
     path when `tiles` are given; False: aligned; True: the direct path (`tiles`, when given, are
     its (gemm1, direct gemm2) tiles), a ValueError when it cannot run. Given tiles are held to
@@ -521,6 +551,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     aligned, plan = entry(problem, device, scheme), None  # the aligned path's entry
     src1 = src2 = aligned.source if aligned is not None else "heuristic"
     is_direct, t1, t2 = choose_plan(problem, scheme, device)
+    t1, t2 = fit_k(t1, t2, problem)  # as plan_tiles runs them
     why = direct_scheme_reason(scheme)
     if why is None:
         plan = tuned_plan(problem, scheme, device)
@@ -939,7 +970,7 @@ def gemm2_rows_config(quant: int, inter: int, block_m: int) -> dict:
 def gemm2_rows_split(inter: int) -> tuple[int, int]:
     """(BLOCK_I, TAIL_I) of kernels.moe_gemm2_rows_kernel for I = inter: one power-of-two tile, or a
     head and a tail tile where those cover I with less of it masked (384 = 256 + 128, 768 = 512 + 256)."""
-    size = triton_next_pow2(inter)
+    size = max(32, triton_next_pow2(inter))  # 8-bit tl.dot needs K >= 32 (I = 4 did not compile)
     if size >= 512 and inter <= size // 2 + size // 4:
         return size // 2, size // 4
     return size, 0
@@ -1248,7 +1279,8 @@ def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_lim
             raise ValueError(f"num_slots={num_slots} must bound the live rows, but num_tokens counts {live}")
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
-    t1, t2 = tiles(batched_problem(x_LMH, inter, is_gated(activation), num_slots, top_k))
+    problem = batched_problem(x_LMH, inter, is_gated(activation), num_slots, top_k)
+    t1, t2 = fit_k(*tiles(problem), problem)
     launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype or x_LMH.dtype, activation,
                                     swiglu_alpha, swiglu_limit, t1.block_m, num_slots)
     gemms(launch, t1, t2)

@@ -211,17 +211,19 @@ def gather_sizes(n: int, group, device: torch.device) -> list[int]:
     return out.tolist()
 
 
-def all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """Every rank's rows, concatenated in rank order; sizes[r] rows from rank r (padded to the
-    largest on the wire)."""
+def all_gather_v(x: torch.Tensor, sizes: list[int], group, fill=0) -> torch.Tensor:
+    """Every rank's rows, concatenated in rank order; sizes[r] rows from rank r (each rank's rows
+    padded with `fill` to the largest on the wire). Equal sizes (a fixed capacity): the wire layout
+    is the result, padding rows included."""
     width = max(1, max(sizes))
     out = x.new_empty((len(sizes) * width, *x.shape[1:]))
-    if min(sizes) == width:  # equal sizes (a fixed capacity): no padding, no copies
-        _all_gather(out, x.contiguous(), group=group)
-        return out
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[: x.shape[0]] = x
+    padded = x.contiguous()
+    if x.shape[0] != width:
+        padded = x.new_full((width, *x.shape[1:]), fill)
+        padded[: x.shape[0]] = x
     _all_gather(out, padded, group=group)
+    if min(sizes) == width:
+        return out
     return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
 
@@ -316,18 +318,18 @@ class _Distributed(PrepareFinalize):
             self._owner = self.placement.owner_E(device)
         return self._owner
 
-    def _share(self, num_tokens: int) -> slice:
-        """The tokens this rank dispatches: the EP ranks of one DP rank hold the same tokens and
-        split them evenly (replica c of r takes [c*T/r, (c+1)*T/r))."""
+    def _share(self, num_tokens: int, replica: int | None = None) -> slice:
+        """The tokens a replica (default: this rank's) dispatches: the EP ranks of one DP rank hold
+        the same tokens and split them evenly (replica c of r takes [c*T/r, (c+1)*T/r))."""
         r = self.parallel.token_replicas
-        c = self.parallel.outer_rank % r
+        c = self.parallel.outer_rank % r if replica is None else replica
         return slice(c * num_tokens // r, (c + 1) * num_tokens // r)
 
     def _share_sizes(self, num_tokens: int) -> list[int]:
-        """Rows of each replica's share of `num_tokens` tokens (`_share`, replica order): every
-        replica holds the same tokens, so each computes all the sizes itself."""
-        r = self.parallel.token_replicas
-        return [(c + 1) * num_tokens // r - c * num_tokens // r for c in range(r)]
+        """Rows of each replica's share (replica order): every replica holds the same tokens, so
+        each computes all the sizes itself."""
+        shares = (self._share(num_tokens, c) for c in range(self.parallel.token_replicas))
+        return [s.stop - s.start for s in shares]
 
     def _rebuild(self, out_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Each replica's share of the output -> the whole of it on every replica (an all-gather
@@ -499,11 +501,10 @@ class AllGatherPrepareFinalize(_Distributed):
                     f"this rank dispatches {rows} tokens but max_num_tokens={cap} (the fixed capacity "
                     f"of the all-gather dispatch); raise max_num_tokens or split the batch"
                 )
-            sizes = [cap] * dist.get_world_size(group)
-            x, w, ids = _pad_rows(x, cap, 0), _pad_rows(w, cap, 0), _pad_rows(ids, cap, -1)
+            sizes = [cap] * dist.get_world_size(group)  # padding rows: zeros, weight 0, id -1 (add nothing)
         x_all = send_rows(x, self.wire, lambda t: all_gather_v(t, sizes, group))
         w_all = all_gather_v(w, sizes, group)
-        ids_all = all_gather_v(ids, sizes, group)
+        ids_all = all_gather_v(ids, sizes, group, fill=-1)
         handle = AllGatherHandle(sizes, x_TH.shape[0], rows)
         return StandardDispatch(x_all, w_all, ids_all, expert_map_E, handle)
 
@@ -512,15 +513,6 @@ class AllGatherPrepareFinalize(_Distributed):
         out = reduce_scatter_v(y_MH.float(), handle.sizes, rank, self.groups.outer)[: handle.rows]
         out = self._reduce_tp(out)
         return self._rebuild(out.to(y_MH.dtype), handle.num_tokens)
-
-
-def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
-    """t's rows, then `value` up to `rows` rows."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_full((rows, *t.shape[1:]), value)
-    out[: t.shape[0]] = t
-    return out
 
 
 class TensorParallelReduce:

@@ -500,7 +500,7 @@ def fit_k(t1: TileConfig, t2: TileConfig, problem: GemmProblem) -> tuple[TileCon
     def fit(tile: TileConfig, k: int) -> TileConfig:
         cap = max(FIT_K_MIN_BLOCK_K, triton_next_pow2(max(k, 1)))
         if k % 16 and tile.block_m == 16 and tile.block_n >= 128 and tile.num_warps == 4:
-            cap = min(cap, max(FIT_K_MIN_BLOCK_K, 64))
+            cap = min(cap, 64)
         return tile if tile.block_k <= cap else dataclasses.replace(tile, block_k=cap)
 
     return fit(t1, problem.hidden), fit(t2, problem.inter)

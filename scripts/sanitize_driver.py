@@ -3,7 +3,7 @@
     python scripts/sanitize_driver.py [--big] [--list] [--only 0,3,7]
 
 Cases 35.. repeat some with the direct decode path forced (`DIRECT`); 48.. run on the direct path
-only (`direct_only_cases`).
+only (`direct_only_cases`); 50.. are odd K dimensions (`odd_k_cases`).
 
 Each case runs through fusedmoe's public path on CUDA (`fusedmoe.fuzz.run_case` with backends
 triton and batched_triton), so align (one-program, chunked, multi-launch), gemm1/gemm2, the
@@ -78,10 +78,27 @@ def direct_only_cases() -> list[fuzz.FuzzCase]:
     return [r(c, seed=first + i) for i, c in enumerate(out)]
 
 
+def odd_k_cases() -> list[fuzz.FuzzCase]:
+    """K not a multiple of 16 under the tiles Triton 3.6 miscompiled there (`experts.fit_k`): GPU
+    fuzz seed 90064's shape (H = 11, the 16 x 128 GEMM1 tile at 4 warps) and wider odd H, and the
+    row-stationary W8A8 GEMM2 at I = 4 (BLOCK_I < 32 did not compile). Numbered after the
+    direct-only cases."""
+    r = dataclasses.replace
+    seed_90064 = r(BASE, num_tokens=192, num_experts=257, top_k=6, hidden=11, inter=688, activation="gelu",
+                   bias=True, routing="zipf")
+    out = [seed_90064, r(seed_90064, hidden=136), r(seed_90064, hidden=200), r(seed_90064, hidden=2888),
+           r(BASE, quant="int8_w8a8", num_tokens=1024, top_k=8, num_experts=16, hidden=384, inter=4),
+           r(BASE, quant="fp8_w8a8_channel", num_tokens=1024, top_k=8, num_experts=16, hidden=384, inter=4)]
+    first = len(cases()) + len(DIRECT) + len(direct_only_cases())
+    return [r(c, seed=first + i) for i, c in enumerate(out)]
+
+
 def all_cases() -> list[tuple[fuzz.FuzzCase, bool]]:
-    """(case, direct forced) for every case: cases(), the DIRECT repeats, direct_only_cases()."""
+    """(case, direct forced) for every case: cases(), the DIRECT repeats, direct_only_cases(),
+    odd_k_cases()."""
     base = cases()
-    return [(c, False) for c in base] + [(base[i], True) for i in DIRECT] + [(c, True) for c in direct_only_cases()]
+    return ([(c, False) for c in base] + [(base[i], True) for i in DIRECT] + [(c, True) for c in direct_only_cases()]
+            + [(c, False) for c in odd_k_cases()])
 
 
 def big() -> None:

@@ -297,6 +297,21 @@ def _crash_on_seeds() -> None:
     fuzz.make_problem = crashing
 
 
+def _lose_context_on_seeds() -> None:
+    """Seeds 1 and 3 leave their process's (pretended) CUDA context unusable: `context_lost`
+    reports it after those cases and every later one in that process, as after an illegal memory
+    access."""
+    make_problem, broken = fuzz.make_problem, []
+
+    def recording(case, device="cpu"):
+        if case.seed in (1, 3):
+            broken.append(case.seed)
+        return make_problem(case, device)
+
+    fuzz.make_problem = recording
+    fuzz.context_lost = lambda device: "AcceleratorError: an illegal memory access" if broken else None
+
+
 def _comparable(report: fuzz.Report) -> dict:
     """The report's JSON without wall/backend seconds and the job count."""
     d = report.to_dict()
@@ -336,6 +351,29 @@ def test_parallel_records_a_dead_worker_and_goes_on():
     assert worker == [(0, died), (1, died), (2, "outside the backends: ValueError: boom, VALIDATE=True")]
     assert report.per_backend[fuzz.WORKER].errors == 3
     assert not multiprocessing.active_children()
+
+
+def test_a_lost_cuda_context_retires_its_worker():
+    # Without the retirement every later case of those workers would fail; here each such case
+    # is one WORKER error under its seed, replacements run the rest, and nothing is attributed
+    # to the seed handed out next.
+    import multiprocessing
+
+    report = fuzz.fuzz(8, 0, profile="cpu", interpreter=False, jobs=2, worker_setup=_lose_context_on_seeds)
+    assert report.cases == 8 and report.seeds == list(range(8)) and report.stopped is None
+    lost = f"{fuzz.CONTEXT_LOST}: AcceleratorError: an illegal memory access"
+    assert [(f["seed"], f["backend"], f["detail"]) for f in report.failures] == [
+        (1, fuzz.WORKER, lost), (3, fuzz.WORKER, lost)]
+    assert not multiprocessing.active_children()
+
+
+def test_a_lost_cuda_context_stops_a_serial_run(monkeypatch):
+    monkeypatch.setattr(fuzz, "make_problem", fuzz.make_problem)  # restored after the test
+    monkeypatch.setattr(fuzz, "context_lost", fuzz.context_lost)
+    _lose_context_on_seeds()
+    report = fuzz.fuzz(8, 0, profile="cpu", interpreter=False)
+    assert report.seeds == [0, 1] and report.stopped.startswith("the CUDA context was lost at seed 1")
+    assert report.seeds_not_run == list(range(2, 8))
 
 
 def test_time_limit_cuts_a_serial_run_short():

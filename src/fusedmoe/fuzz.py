@@ -557,8 +557,35 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
         outcomes.append(Outcome(name, status, reason, time.perf_counter() - start))
     if device.type == "cuda":  # the next case (or another worker on this GPU) gets the memory back
         del p, refs
+    lost = context_lost(device)
+    if lost is not None:
+        outcomes.append(Outcome(WORKER, "error", f"{CONTEXT_LOST}: {lost}"))
+    elif device.type == "cuda":
         torch.cuda.empty_cache()
     return CaseResult(case, outcomes)
+
+
+CONTEXT_LOST = "the CUDA context was lost during this case"
+
+
+def context_lost(device: torch.device) -> str | None:
+    """Why the CUDA context of `device` can no longer run kernels (an illegal memory access or
+    another sticky error left it unusable), or None. One tiny kernel and a synchronization: every
+    later case in this process would fail with the same error, so a run stops or replaces the
+    process (`fuzz`), rather than reporting one fault as a failure of every later case."""
+    if device.type != "cuda":
+        return None
+    try:
+        probe = torch.ones(1, device=device)
+        probe.add_(1)
+        torch.cuda.synchronize(device)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any error here means the context is unusable
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _context_was_lost(result: CaseResult) -> bool:
+    return any(o.backend == WORKER and o.detail and o.detail.startswith(CONTEXT_LOST) for o in result.outcomes)
 
 
 OOM_RETRIES = 3
@@ -707,6 +734,8 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
     in-process changes (monkeypatches, registered backends): `worker_setup`, a picklable function,
     runs in each worker before its first case for those. A case that kills its worker, or raises
     outside the backends (serially: the exception propagates), is a WORKER error under its seed.
+    So is a case after which the CUDA context cannot run kernels (`context_lost`: an illegal memory
+    access is sticky): its worker is replaced, or, serially, the run stops there (report.stopped).
     time_limit: no case starts after that many seconds; report.stopped says so, report.seeds lists
     the seeds that ran (cases under way finish; in parallel those still running STOP_GRACE_S later
     are stopped and count as not run). progress: a stream (stderr) that gets a line every
@@ -733,6 +762,10 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
             if result.failures and on_failure is not None:
                 on_failure(result)
             meter.tick(report.cases, time.perf_counter())
+            if _context_was_lost(result):  # every later case would fail with the same error
+                report.stopped = (f"the CUDA context was lost at seed {seed} (a new process is needed: "
+                                  "--jobs 2 or more replaces a worker that loses it)")
+                break
     else:
         job = _Job(profile, str(device), None if backends is None else tuple(backends), interpreter,
                    _interpreter_active(), tuple(knobs.overrides().items()),
@@ -790,7 +823,17 @@ def _worker(conn: Connection, job: _Job) -> None:
                 result = run_case(case, job.device, backends=job.backends, interpreter=job.interpreter)
             except Exception as exc:  # noqa: BLE001 - recorded under the seed; the other seeds go on
                 result = CaseResult(case, [Outcome(WORKER, "error", f"outside the backends: {type(exc).__name__}: {exc}")])
+            if _context_was_lost(result):  # no later case could run here: the parent starts a new worker
+                conn.send(_Retiring(result))
+                return
             conn.send(result)
+
+
+@dataclass
+class _Retiring:
+    """A worker's last result: it exits after sending it (its CUDA context was lost)."""
+
+    result: CaseResult
 
 
 @dataclass
@@ -874,6 +917,10 @@ def _run_parallel(report: Report, seeds: range, job: _Job, jobs: int, deadline: 
                             WORKER, "error", f"the worker process died during this case (exit code {code})")]))
                     if todo and not expired:
                         start()
+                    continue
+                if isinstance(message, _Retiring):  # it exits next: its EOF starts a replacement
+                    finished(message.result)
+                    w.seed = None
                     continue
                 if message == "ready":
                     w.ready = started = True

@@ -353,6 +353,28 @@ def test_parallel_records_a_dead_worker_and_goes_on():
     assert not multiprocessing.active_children()
 
 
+def test_chained_fp8_tolerance_only_where_the_gemms_chain_fp8(monkeypatch):
+    import dataclasses
+
+    case = dataclasses.replace(fuzz.draw_case(0, "gpu"), quant="fp8_w8a8_tensor", dtype="float32")
+    base = fuzz.tolerance(case)
+    assert base == fuzz.ACTIVATION_QUANTIZED[torch.float32]
+    assert fuzz.tolerance(case, chained_fp8=True) == fuzz.CHAINED_FP8
+    for quant in ("fp8_w8a8_block", "int8_w8a8", "fp8_w8a16", None):  # their sums are exact or promoted
+        other = dataclasses.replace(case, quant=quant)
+        assert fuzz.tolerance(other, chained_fp8=True) == fuzz.tolerance(other), quant
+    # chains_fp8: a CUDA sm90 device and the chained mode only
+    assert not fuzz.chains_fp8(case, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert fuzz.chains_fp8(case, cuda)
+    assert not fuzz.chains_fp8(dataclasses.replace(case, quant="fp8_w8a8_block"), cuda)
+    with knobs.override(FP8_ACCUMULATE="promoted"):
+        assert not fuzz.chains_fp8(case, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert not fuzz.chains_fp8(case, cuda)
+
+
 def test_a_lost_cuda_context_retires_its_worker():
     # Without the retirement every later case of those workers would fail; here each such case
     # is one WORKER error under its seed, replacements run the rest, and nothing is attributed

@@ -367,13 +367,43 @@ UNQUANTIZED = {d: Tolerance(max(4 * u, 1e-5), max(8 * u, 2e-5)) for d, u in _U.i
 ACTIVATION_QUANTIZED = {d: Tolerance(max(4 * u, 2e-2), max(8 * u, 1e-1)) for d, u in _U.items()}
 
 
+# fp8 codes with per-tensor / per-channel scales on sm90 sum K in one chained wgmma accumulator
+# (the default, `FUSEDMOE_FP8_ACCUMULATE` unset or chained), whose limited-precision adds move
+# GEMM1's output by up to ~1e-2 at long K; more intermediate codes then round the other way.
+# GPU fuzz seed 111150 (float32, H = 2992, I = 16): 2.3e-2 chained, within 1e-5 promoted. The GPU
+# tests hold these schemes to 3e-2 against emulation (docs/quantization.md); so does the fuzz.
+CHAINED_FP8 = Tolerance(3e-2, 1e-1)
+
+
 SMALL_OUTPUT = 64
 
 
-def tolerance(case: FuzzCase) -> Tolerance:
+def tolerance(case: FuzzCase, *, chained_fp8: bool = False) -> Tolerance:
+    """The bounds `case` is held to; chained_fp8: its fp8 GEMMs chain one accumulator across K on
+    this device (`chains_fp8`)."""
     scheme = get_scheme(case.quant)
     table = UNQUANTIZED if scheme is None or scheme.activation is None else ACTIVATION_QUANTIZED
-    return table[case.torch_dtype]
+    tol = table[case.torch_dtype]
+    if chained_fp8 and _chained_fp8_scheme(scheme):
+        tol = Tolerance(max(tol.rel_fro, CHAINED_FP8.rel_fro), max(tol.rel_max, CHAINED_FP8.rel_max))
+    return tol
+
+
+def _chained_fp8_scheme(scheme) -> bool:
+    return (scheme is not None and scheme.activation is not None and scheme.activation.dtype == "fp8"
+            and scheme.weight.granularity in ("tensor", "channel"))
+
+
+def chains_fp8(case: FuzzCase, device: torch.device) -> bool:
+    """Whether the case's Triton fp8 GEMMs run with one chained accumulator on `device`: an sm90
+    GPU (Triton lets wgmma accumulate fp8 products imprecisely there), an fp8 per-tensor /
+    per-channel W8A8 scheme, and FUSEDMOE_FP8_ACCUMULATE not promoted."""
+    if device.type != "cuda" or not _chained_fp8_scheme(get_scheme(case.quant)):
+        return False
+    from fusedmoe.backends.triton.quant import fp8_accumulation
+
+    return (torch.cuda.get_device_capability(device)[0] == 9
+            and fp8_accumulation(get_scheme(case.quant)) == "chained")
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
@@ -536,7 +566,7 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
                                   round_weighted_input=rounded)
         return refs[key]
 
-    tol = tolerance(case)
+    tol = tolerance(case, chained_fp8=chains_fp8(case, device))
     outcomes = []
     for name, runner in runners.items():
         start = time.perf_counter()

@@ -298,14 +298,16 @@ def _crash_on_seeds() -> None:
 
 
 def _lose_context_on_seeds() -> None:
-    """Seeds 1 and 3 leave their process's (pretended) CUDA context unusable: `context_lost`
+    """Seeds 1, 3 and 5 leave their process's (pretended) CUDA context unusable: `context_lost`
     reports it after those cases and every later one in that process, as after an illegal memory
-    access."""
+    access; seed 5's fault surfaces outside the backends (building the problem raises)."""
     make_problem, broken = fuzz.make_problem, []
 
     def recording(case, device="cpu"):
-        if case.seed in (1, 3):
+        if case.seed in (1, 3, 5):
             broken.append(case.seed)
+        if case.seed == 5:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return make_problem(case, device)
 
     fuzz.make_problem = recording
@@ -385,7 +387,9 @@ def test_a_lost_cuda_context_retires_its_worker():
     assert report.cases == 8 and report.seeds == list(range(8)) and report.stopped is None
     lost = f"{fuzz.CONTEXT_LOST}: AcceleratorError: an illegal memory access"
     assert [(f["seed"], f["backend"], f["detail"]) for f in report.failures] == [
-        (1, fuzz.WORKER, lost), (3, fuzz.WORKER, lost)]
+        (1, fuzz.WORKER, lost), (3, fuzz.WORKER, lost),
+        (5, fuzz.WORKER, "outside the backends: RuntimeError: CUDA error: an illegal memory access was encountered"),
+        (5, fuzz.WORKER, lost)]
     assert not multiprocessing.active_children()
 
 

@@ -370,7 +370,7 @@ ACTIVATION_QUANTIZED = {d: Tolerance(max(4 * u, 2e-2), max(8 * u, 1e-1)) for d, 
 # fp8 codes with per-tensor / per-channel scales on sm90 sum K in one chained wgmma accumulator
 # (the default, `FUSEDMOE_FP8_ACCUMULATE` unset or chained), whose limited-precision adds move
 # GEMM1's output by up to ~1e-2 at long K; more intermediate codes then round the other way.
-# GPU fuzz seed 111150 (float32, H = 2992, I = 16): 2.3e-2 chained, within 1e-5 promoted. The GPU
+# GPU fuzz seed 111150 (float32, H = 2992, I = 16): 2.3e-2 chained, within 2e-2 promoted. The GPU
 # tests hold these schemes to 3e-2 against emulation (docs/quantization.md); so does the fuzz.
 CHAINED_FP8 = Tolerance(3e-2, 1e-1)
 
@@ -853,6 +853,9 @@ def _worker(conn: Connection, job: _Job) -> None:
                 result = run_case(case, job.device, backends=job.backends, interpreter=job.interpreter)
             except Exception as exc:  # noqa: BLE001 - recorded under the seed; the other seeds go on
                 result = CaseResult(case, [Outcome(WORKER, "error", f"outside the backends: {type(exc).__name__}: {exc}")])
+                lost = context_lost(torch.device(job.device))  # the fault may have been outside the backends
+                if lost is not None:
+                    result.outcomes.append(Outcome(WORKER, "error", f"{CONTEXT_LOST}: {lost}"))
             if _context_was_lost(result):  # no later case could run here: the parent starts a new worker
                 conn.send(_Retiring(result))
                 return

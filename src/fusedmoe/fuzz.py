@@ -313,8 +313,9 @@ def reference(case: FuzzCase, p: Problem, *, magnitude: bool = False,
     scheme = get_scheme(case.quant)
     if scheme is not None and scheme.activation is not None and not weight_only:
         q = p.weights.quant
-        hooks = [_f64(activation_transform(scheme.activation, s)) for s in (q.a13_scale, q.a2_scale)]
-        hooks[1] = _rounded_first(hooks[1], case.torch_dtype)  # stored in the activation dtype, as emulation
+        # the intermediate as emulation: stored in the activation dtype, then quantized
+        hooks = [_f64(activation_transform(scheme.activation, q.a13_scale)),
+                 _f64(activation_transform(scheme.activation, q.a2_scale, round_to=case.torch_dtype))]
     if round_weighted_input and case.weight_on_input:
         hooks[0] = _rounded_first(hooks[0], case.torch_dtype)
     d = lambda t: None if t is None else t.double()  # noqa: E731
@@ -390,20 +391,22 @@ def tolerance(case: FuzzCase, *, chained_fp8: bool = False) -> Tolerance:
 
 
 def _chained_fp8_scheme(scheme) -> bool:
-    return (scheme is not None and scheme.activation is not None and scheme.activation.dtype == "fp8"
-            and scheme.weight.granularity in ("tensor", "channel"))
+    """A W8A8 scheme whose fp8 GEMMs may chain (`quant.fp8_accumulation` names one mode for it)."""
+    from fusedmoe.backends.triton.quant import fp8_accumulation
+
+    return scheme is not None and scheme.activation is not None and fp8_accumulation(scheme) is not None
 
 
 def chains_fp8(case: FuzzCase, device: torch.device) -> bool:
     """Whether the case's Triton fp8 GEMMs run with one chained accumulator on `device`: an sm90
     GPU (Triton lets wgmma accumulate fp8 products imprecisely there), an fp8 per-tensor /
     per-channel W8A8 scheme, and FUSEDMOE_FP8_ACCUMULATE not promoted."""
-    if device.type != "cuda" or not _chained_fp8_scheme(get_scheme(case.quant)):
+    scheme = get_scheme(case.quant)
+    if device.type != "cuda" or not _chained_fp8_scheme(scheme):
         return False
     from fusedmoe.backends.triton.quant import fp8_accumulation
 
-    return (torch.cuda.get_device_capability(device)[0] == 9
-            and fp8_accumulation(get_scheme(case.quant)) == "chained")
+    return torch.cuda.get_device_capability(device)[0] == 9 and fp8_accumulation(scheme) == "chained"
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,

@@ -495,8 +495,9 @@ def fit_k(t1: TileConfig, t2: TileConfig, problem: GemmProblem) -> tuple[TileCon
     multiple of 16 (H = 8, 11, 13, 24 on an H200; 16 x 128 x 16 / 32 / 64 ran correctly; fuzz seed
     90064, H = 11: docs/reliability.md). The same tile failed at H = 136, 200 and 2888 too, where K
     is wide: so where K is not a multiple of 16, a 16-row, 128-wide tile at 4 warps also steps K by
-    at most 64 (the K steps that ran correctly at H = 11; not yet run at the wider H; 64-row tiles
-    were not seen to fail and keep their steps)."""
+    at most 64 (correct at H = 11, 136, 200 and 2888 on an H200, clean under memcheck:
+    scripts/sanitize_driver.py cases 50-53; 64-row tiles were not seen to fail and keep their
+    steps)."""
     def fit(tile: TileConfig, k: int) -> TileConfig:
         cap = max(FIT_K_MIN_BLOCK_K, triton_next_pow2(max(k, 1)))
         if k % 16 and tile.block_m == 16 and tile.block_n >= 128 and tile.num_warps == 4:

@@ -17,8 +17,9 @@ tiles it would choose); the timed calls are GEMM2 alone, the library's against e
 variant, each output checked against the library's (bitwise: the same tile order within a
 program gives the same fp32 sums). First run (H200, results/2026-11-23_h200_persistent-gemm2.txt):
 Qwen3-30B M=4096 GEMM2 library 234.4 us (440 TFLOP/s), persistent at best 236.3 (two programs
-per SM), 251.6-313.8 otherwise; the first warp_specialize=True variant did not finish compiling
-or running within the call's limit. Not adopted.
+per SM), 251.6-313.8 otherwise; the warp_specialize=True variants compile (in ~1 s for sm90) but
+hang on the GPU with Triton 3.6, as a plain dense GEMM does (`probe_warp_specialize.py`,
+results/2026-11-25_h200_c7ed091_ws_probe.txt). Not adopted.
 """
 
 from __future__ import annotations

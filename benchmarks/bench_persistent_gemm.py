@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe.backends.triton.kernels import _grouped_tile
+
 
 @triton.jit
 def persistent_gemm2_kernel(
@@ -44,12 +46,8 @@ def persistent_gemm2_kernel(
     num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     num_n = tl.cdiv(hidden, BLOCK_N)
     k_tiles = tl.cdiv(inter, BLOCK_K)
-    per_group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WS):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_m
-        pid_n = (tile % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

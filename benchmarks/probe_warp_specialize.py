@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe.backends.triton.kernels import _grouped_tile
+
 VARIANTS = (  # BM, BN, BK, warps, stages, WS
     (128, 256, 64, 8, 3, 0), (128, 256, 64, 4, 3, 1), (128, 128, 64, 8, 4, 0),
     (128, 128, 64, 4, 4, 1), (128, 256, 64, 4, 4, 1), (128, 128, 64, 4, 3, 1),
@@ -39,16 +41,12 @@ def dense_persistent_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_c,
                             NUM_PROGRAMS: tl.constexpr, GROUP_M: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WS: tl.constexpr):
     """c = a @ b.T (a [M, K], b [N, K], bf16, fp32 accumulation), NUM_PROGRAMS programs striding
-    over the tiles in grouped order."""
+    over the tiles in the library's grouped order (`kernels._grouped_tile`)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    per_group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WS):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_m
-        pid_n = (tile % per_group) // group_m
+        pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_tiles):
             a = a_desc.load([pid_m * BM, kk * BK])

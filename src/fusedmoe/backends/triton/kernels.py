@@ -398,16 +398,21 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program, in groups of GROUP_M row blocks that sweep all N tiles
-    together: a row block's activations and an expert's weight tiles are reused from L2."""
-    pid = tl.program_id(0)
+def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number `tile`, in groups of GROUP_M row blocks that sweep all N
+    tiles together: a row block's activations and an expert's weight tiles are reused from L2."""
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m = first_m + (tile % per_group) % group_m
+    pid_n = (tile % per_group) // group_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program (`_grouped_tile` of its program id)."""
+    return _grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
 
 
 @triton.jit

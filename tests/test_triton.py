@@ -624,7 +624,11 @@ def test_tuned_table_parse_and_nearest():
     # swap_ab, a tile's optional 7th value: W8A8 only, true / false
     (_entry(1, g1=(16, 32, 128, 4, 4, 1, True)), "gemm1 .*: swap_ab=True: only the W8A8 GEMMs swap"),
     (_entry(1, g2=(16, 64, 64, 4, 4, 1, 1), quant="fp8_w8a8_block"), "malformed.*swap_ab=1 is not true/false"),
-    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 0)), "malformed.*not a tile list"),
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 8, 0)), "malformed.*not a tile list"),
+    # group_m, the optional 8th value (after swap_ab, null for the rule's): a power of two <= 64
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, None, 0)), "gemm2 .*: group_m=0 must be a power of two in \\[1, 64\\]"),
+    (_entry(1, g1=(16, 64, 64, 4, 4, 1, None, 128)), "gemm1 .*: group_m=128 must be a power of two"),
+    (_entry(1, g1=(16, 64, 64, 4, 4, 1, None, 2.0)), "malformed.*2.0 is not an integer"),
 ])
 def test_tuned_table_rejects_invalid(bad, match):
     from fusedmoe.backends.triton.tuning import parse_table
@@ -646,6 +650,26 @@ def test_tuned_table_swap_ab_round_trip():
     table = parse_table(_table([entry]), "t.json")
     t1, t2 = nearest(table, ("bfloat16", 128, 2048, 768, 8, True, "fp8_w8a8_block"), 16)
     assert (t1, t2) == (swapped, plain) and t2.swap_ab is None
+
+
+def test_tuned_table_group_m_round_trip():
+    """group_m (the aligned GEMMs' program order) is written only when it is not the default,
+    after swap_ab (null where the rule decides), and read back; the launch takes it."""
+    from fusedmoe.backends.triton.tiles import GROUP_M
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    rows = TileConfig(64, 128, 64, 4, 4, group_m=1)
+    swapped = TileConfig(16, 128, 128, 4, 3, 1, swap_ab=True, group_m=32)
+    assert TileConfig(64, 128, 64, 4, 4).group_m == GROUP_M == 8
+    assert rows.as_list() == [64, 128, 64, 4, 4, 1, None, 1]
+    assert swapped.as_list() == [16, 128, 128, 4, 3, 1, True, 32]
+    assert TileConfig(64, 128, 64, 4, 4, group_m=GROUP_M).as_list() == [64, 128, 64, 4, 4, 1]
+    entry = _entry(1024, g1=tuple(rows.as_list()), g2=(64, 128, 64, 4, 3))
+    t1, t2 = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 1024)
+    assert (t1, t2.group_m) == (rows, GROUP_M)
+    entry = _entry(16, g1=tuple(swapped.as_list()), g2=(16, 64, 128, 4, 3), quant="fp8_w8a8_block")
+    t1, _ = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, "fp8_w8a8_block"), 16)
+    assert t1 == swapped
 
 
 def test_tuned_table_quant_entries_serve_their_scheme_only():
@@ -1172,14 +1196,16 @@ def test_batched_opcheck():
     )
 
 
-def test_grouped_program_order_covers_every_tile():
-    """12+ row blocks (a partial last group of GROUP_M) x 5-6 N tiles: every output written once."""
-    gen = torch.Generator().manual_seed(60)
+@pytest.mark.parametrize("group_m", [1, 4, 8, 32])
+def test_grouped_program_order_covers_every_tile(group_m):
+    """12+ row blocks (a partial last group of group_m) x 5-6 N tiles: every output written once,
+    in each program order (group_m 1: row-major; 32: one group over every row block)."""
+    gen = torch.Generator().manual_seed(60 + group_m)
     T, E, K, H, I = 60, 5, 2, 96, 80
     x = torch.randn(T, H, generator=gen)
     w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
     weights, ids = select_experts(x, torch.randn(T, E, generator=gen), K)
-    tiles = (TileConfig(16, 16, 32, 4, 2), TileConfig(16, 16, 32, 4, 2))
+    tiles = (TileConfig(16, 16, 32, 4, 2, group_m=group_m), TileConfig(16, 16, 32, 4, 2, group_m=group_m))
     out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None, tiles=tiles)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
     assert rel_err(out, ref) < 1e-5

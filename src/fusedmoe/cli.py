@@ -10,6 +10,7 @@
     torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather [--graph]]   (or without torchrun)
     fusedmoe bench --ep 2 --device cpu --scale 32 --tokens 4                     (gloo smoke test)
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
+                  [--search descent|grid] [--min-gain 0.03]
     fusedmoe fuzz [--cases 200] [--seed 0] [--profile ci|cpu|cpu-triton|gpu] [--device cpu|cuda]
                   [--backends triton,emulation] [--json out.json]     (exit 1 on any failure)
                   [--jobs 16] [--time-limit 540]      (worker processes; no case starts after 540 s)
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="tune the triton GEMMs of a W8A8 or weight-only scheme (fp8_w8a8_block, "
                            "int8_w8a8, int4_w4a16_g32, mxfp4_w4a16, ...) on quantized weights")
     tune.add_argument("--out", default=None, help="folder (default: FUSEDMOE_TUNED_DIR, else the packaged tables)")
+    tune.add_argument("--search", choices=("descent", "grid"), default="descent",
+                      help="descent: coordinate descent from the heuristic's tiles; grid: time every tile of "
+                           "tune.GRID at each block_m first (minutes per token count), then descend")
+    tune.add_argument("--min-gain", type=float, default=0.03,
+                      help="write an entry only when it beats the plan that runs now by this fraction")
     fuzz = sub.add_parser("fuzz", help="random problems, every backend that accepts them, vs the float64 reference")
     fuzz.add_argument("--cases", type=int, default=200, help="number of cases (seeds --seed .. --seed + N - 1)")
     fuzz.add_argument("--seed", type=int, default=0, help="first seed")
@@ -643,6 +649,8 @@ def cmd_tune(args) -> int:
     if args.model and args.bias:  # before the device check: a wrong command line says so anywhere
         raise ValueError(f"--bias is for an explicit shape; --model {args.model} times its preset's biases "
                          f"({'with' if get_preset(args.model).has_bias else 'without'} them)")
+    if not 0 <= args.min_gain < 1:
+        raise ValueError(f"--min-gain {args.min_gain}: a fraction in [0, 1) (0.03 writes entries 3% faster)")
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
     if args.model:
@@ -662,11 +670,11 @@ def cmd_tune(args) -> int:
     written = 0
     for count in tokens:  # written after each token count, so an interrupted run keeps its work
         entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
-                             progress=progress)
+                             progress=progress, search=args.search, min_gain=args.min_gain)
         print(file=sys.stderr)
         if not entries:
             print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
-                  "is within 3% of the best config found; nothing written")
+                  f"is within {args.min_gain:.1%} of the best config found; nothing written")
             continue
         e = entries[0]
         table = f", tuned table {e['table_us']:8.1f} us" if "table_us" in e else ""

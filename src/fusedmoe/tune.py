@@ -3,12 +3,17 @@
 For each token count: draw uniform routing, then for block_m in {heuristic/2, heuristic,
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
 num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
-keep the block_m whose two GEMMs sum fastest. Where the direct decode path can run (unquantized
+keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
+(their program order, `TileConfig.group_m`) over GROUP_MS. `search="grid"` (`fusedmoe tune --search grid`)
+first times every valid tile of GRID at each block_m and descends from the grid's best as well:
+a descent moves one parameter at a time and stops where no single move helps, which misses
+tiles several moves away (gpt-oss-120b bf16 on an H100, M=16: the descent stayed at GEMM1
+16 x 128 x 128 in 3 stages, 587 us; the grid found 16 x 32 x 256 in 5 stages, 568 us). Where the direct decode path can run (unquantized
 and weight-only, at most `experts.DIRECT_MAX_SLOTS` slots) its pair descends too (GEMM1 by slot;
 GEMM2 with the top-k sum, its split_k the slot shares), from `experts.direct_heuristic`. The
 faster path's entry is written, naming its path, only when it beats what runs without a table
-(the rule's path, `experts.direct_auto`, on heuristic tiles) by more than 3% (tuned tables age:
-a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
+(the rule's path, `experts.direct_auto`, on heuristic tiles) by more than `min_gain` (3% by
+default: tuned tables age, and a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
 (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
 its predicate accepts, and the entries carry the scheme (W8A8's paths with their quantizers:
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -40,6 +46,11 @@ BLOCK_K = (32, 64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SPLITS = (1, 2, 4, 8)
+GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8 the default)
+# search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
+# the best of them tries the values past these and split_k)
+GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
+SEARCHES = ("descent", "grid")
 # timer(kind, tile, fn) -> us: one launch fn(i) on weight copy i, timed; kind is "gemm1", "gemm2",
 # "direct gemm1", "direct gemm2" or "align" (the aligned path's alignment at tile.block_m and its
 # top-k sum); the default ignores kind and tile, tests model them
@@ -77,13 +88,16 @@ def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float
     return statistics.median(times)
 
 
-def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False) -> list[TileConfig]:
+def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False,
+                allow_group: bool = False) -> list[TileConfig]:
     out = []
     if allow_swap:  # W8A8 fp8: SWAP_AB set either way (unset: quant.swap_ab's rule)
         out += [TileConfig(**{**tile.__dict__, "swap_ab": v}) for v in (False, True) if v != tile.swap_ab]
     fields = [("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS), ("num_stages", STAGES)]
     if allow_split:
         fields.append(("split_k", SPLITS))
+    if allow_group:  # the aligned GEMMs' program order (the direct path has one block per slot)
+        fields.append(("group_m", GROUP_MS))
     for field, values in fields:
         current = getattr(tile, field)
         i = values.index(current) if current in values else 0
@@ -107,13 +121,14 @@ class _once:
 
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
-             allow_split: bool = False, allow_swap: bool = False) -> tuple[TileConfig, float]:
+             allow_split: bool = False, allow_swap: bool = False,
+             allow_group: bool = False) -> tuple[TileConfig, float]:
     """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts;
     `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing."""
     best, best_t = start, time_tile(start)
     for _ in range(rounds):
         improved = False
-        for cand in _neighbours(best, allow_split, allow_swap):
+        for cand in _neighbours(best, allow_split, allow_swap, allow_group):
             if reason(cand):
                 continue
             try:
@@ -131,7 +146,7 @@ def tune_shape(
     *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
     copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
-    timer: Timer | None = None, bias: bool = False,
+    timer: Timer | None = None, bias: bool = False, search: str = "descent", min_gain: float = 0.03,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
@@ -147,10 +162,16 @@ def tune_shape(
     and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), and W8A8's
     launch quantizing x per token / group on either path (the direct GEMM1 may do it itself,
     `quant.fuse_x_quantization`: then it is in GEMM1's time), so the two paths compare as the
-    layer runs them. An entry is written when it beats by 3% both the rule's
+    layer runs them. An entry is written when it beats by `min_gain` (a fraction) both the rule's
     plan on heuristic tiles (`heuristic_us`) and the plan the tables give this shape now
     (`table_us`, timed where an entry serves it).
+    search: "descent" (from the heuristic's tiles) or "grid" (every valid GRID tile at each
+    block_m first, then the descent from the best of them too); the direct path descends either way.
     """
+    if search not in SEARCHES:
+        raise ValueError(f"search={search!r} must be one of {', '.join(SEARCHES)}")
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain={min_gain} must be a fraction in [0, 1) (0.03: 3% faster)")
     from fusedmoe.activations import is_gated
     from fusedmoe.backends.triton.experts import (
         DIRECT_MAX_SLOTS,
@@ -231,9 +252,13 @@ def tune_shape(
             time1, time2 = (_once(f) for f in (heuristic_timers if same else timers(starts1[0])))
             if same:
                 time1.known[starts1[0]], time2.known[starts2[0]] = h_us[0], h_us[1]
-            b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap) for t in starts1),
+            if search == "grid":
+                starts1 += [t for t in [_grid_best(time1, block_m, ok1, scheme, device)] if t is not None]
+                starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
+            b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True)
+                          for t in starts1), key=lambda r: r[1])
+            b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True) for t in starts2),
                          key=lambda r: r[1])
-            b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap) for t in starts2), key=lambda r: r[1])
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
         direct_xq_us = 0.0
         if direct_reason(problem) is None and direct_scheme_reason(scheme) is None \
@@ -255,7 +280,7 @@ def tune_shape(
         # too: an entry no better than the table's is not written again
         table_us = _table_plan_us(problem, scheme, device, sms, default[0], (h1, h2), timers, align_us,
                                   weights, x, topk_w, topk_ids, activation, timer, direct_xq_us)
-        if best[0] > 0.97 * min(default[1], table_us or default[1]):
+        if best[0] > (1 - min_gain) * min(default[1], table_us or default[1]):
             continue
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
@@ -268,6 +293,25 @@ def tune_shape(
             **({} if table_us is None else {"table_us": round(table_us, 2)}),
         })
     return entries
+
+
+def _grid_best(time_tile: Callable[[TileConfig], float], block_m: int,
+               reason: Callable[[TileConfig], str | None], scheme, device: torch.device) -> TileConfig | None:
+    """The fastest of the GRID tiles at block_m that `reason` (the validity predicate) accepts and
+    Triton compiles (None: none does), each timed through `time_tile` (a `_once`: the descents
+    reuse the times)."""
+    best, best_t = None, float("inf")
+    for n, k, warps, stages in itertools.product(*GRID.values()):
+        tile = _rule_swap(TileConfig(block_m, n, k, warps, stages), scheme, device, direct=False)
+        if reason(tile):
+            continue
+        try:
+            t = time_tile(tile)
+        except Exception:  # a config Triton cannot compile here (e.g. out of resources)
+            continue
+        if t < best_t:
+            best, best_t = tile, t
+    return best
 
 
 def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic, timers, align_us,

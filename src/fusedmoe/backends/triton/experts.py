@@ -46,7 +46,6 @@ assert set(ACT_CODES) == set(ACTIVATIONS)
 # Per-tensor runs the per-channel mode: its codes carry a scale per aligned row (the expert's),
 # its weight scale is read at channel stride 0.
 W8A8_QUANT_CODES = {"tensor": 2, "channel": 2, "block": 3}
-GROUP_M = 8  # row blocks that sweep the N tiles together (L2 reuse of activations and weights)
 # Which alignment, from benchmarks/bench_align.py on an H200 (us per call, CUDA graph, E = 8..256):
 #   N      small      chunked    multi      torch
 #   256    9.3-14.8   8.0-9.5    -          69-72
@@ -897,7 +896,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         w13.stride(0), w13.stride(1), w13.stride(2),
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
-        IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=GROUP_M, EVEN_K=hidden % tile.block_k == 0,
+        IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0,
         W_DESC=w_desc, **flags, **tile.as_kwargs(),
         **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
@@ -932,7 +931,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         bias.stride(0) if w2_bias is not None else 0, bias.stride(1) if w2_bias is not None else 0,
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
-        IEEE=_ieee(a, quant_args), GROUP_M=GROUP_M, EVEN_K=inter % tile.block_k == 0,
+        IEEE=_ieee(a, quant_args), GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0,
         A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
     )

@@ -25,6 +25,8 @@ TMA_LOADS = ("w", "a+w")
 # 8-bit modes whose GEMM1 takes the 4-bit decode rule where the bf16 rule's tile is 16 wide
 NARROW_8BIT = ("block", "w8")
 NARROW_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM the K shares of a 4- or 8-bit decode aim for
+GROUP_M = 8  # the default row blocks per group of the aligned GEMMs' program order (TileConfig.group_m)
+MAX_GROUP_M = 64
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class TileConfig:
     # W8A8 only: whether the GEMM runs kernels.py's SWAP_AB (w^T @ a^T), as a tuned entry found
     # it; None: quant.swap_ab's rule decides
     swap_ab: bool | None = None
+    # the aligned GEMMs' program order: row blocks that sweep the N tiles together
+    # (kernels._grouped_tile). 1 walks every N tile of one row block before the next: gpt-oss-120b
+    # bf16 on an H100, M=1024, 64 x 128 x 64 tiles: GEMM1 1563 -> 1515 us, GEMM2 801 -> 774 us
+    # (benchmarks/results/2026-11-25_h100_3589f2c_group_m_probe.txt)
+    group_m: int = GROUP_M
 
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
@@ -45,8 +52,11 @@ class TileConfig:
 
     def as_list(self) -> list:
         """The tuned-table form: [block_m, block_n, block_k, num_warps, num_stages, split_k], with
-        swap_ab appended when it is set."""
+        swap_ab appended when it is set, and swap_ab (true / false / null) then group_m when
+        group_m is not the default GROUP_M."""
         values = [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k]
+        if self.group_m != GROUP_M:
+            return [*values, self.swap_ab, self.group_m]
         return values if self.swap_ab is None else [*values, self.swap_ab]
 
 
@@ -99,6 +109,8 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             return f"swap_ab={tile.swap_ab!r} must be true, false or unset"
         if quant not in QUANT_GRANULARITIES:
             return f"swap_ab={tile.swap_ab}: only the W8A8 GEMMs swap their operands (kernels.py SWAP_AB)"
+    if not _pow2(tile.group_m) or tile.group_m > MAX_GROUP_M:
+        return f"group_m={tile.group_m} must be a power of two in [1, {MAX_GROUP_M}]"
     if tile.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={tile.num_warps} must be one of 1, 2, 4, 8, 16"
     if not 1 <= tile.num_stages <= 7:

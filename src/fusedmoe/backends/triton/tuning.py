@@ -121,13 +121,15 @@ def _int(value: object) -> int:
 
 
 def _tile(values: object) -> TileConfig:
-    # 5 or 6 integers (split_k defaults to 1), then an optional true/false swap_ab
-    if not isinstance(values, list) or not 5 <= len(values) <= 7:
-        raise TypeError(f"{values!r} is not a tile list of 5-7 values")
-    swap = values[6] if len(values) == 7 else None
+    # 5 or 6 integers (split_k defaults to 1), then an optional true/false/null swap_ab, then an
+    # optional group_m (TileConfig.as_list)
+    if not isinstance(values, list) or not 5 <= len(values) <= 8:
+        raise TypeError(f"{values!r} is not a tile list of 5-8 values")
+    swap = values[6] if len(values) >= 7 else None
     if swap is not None and not isinstance(swap, bool):
         raise TypeError(f"swap_ab={swap!r} is not true/false")
-    return TileConfig(*map(_int, values[:6]), swap_ab=swap)
+    group = {"group_m": _int(values[7])} if len(values) == 8 else {}
+    return TileConfig(*map(_int, values[:6]), swap_ab=swap, **group)
 
 
 def _parse_entry(e: object) -> tuple[tuple, Tuned]:

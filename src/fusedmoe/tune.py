@@ -4,17 +4,21 @@ For each token count: draw uniform routing, then for block_m in {heuristic/2, he
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
 num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
-(their program order, `TileConfig.group_m`) over GROUP_MS. `search="grid"` (`fusedmoe tune --search grid`)
-first times every valid tile of GRID at each block_m and descends from the grid's best as well:
-a descent moves one parameter at a time and stops where no single move helps, which misses
-tiles several moves away (gpt-oss-120b bf16 on an H100, M=16: the descent stayed at GEMM1
-16 x 128 x 128 in 3 stages, 587 us; the grid found 16 x 32 x 256 in 5 stages, 568 us). Where the direct decode path can run (unquantized
-and weight-only, at most `experts.DIRECT_MAX_SLOTS` slots) its pair descends too (GEMM1 by slot;
-GEMM2 with the top-k sum, its split_k the slot shares), from `experts.direct_heuristic`. The
-faster path's entry is written, naming its path, only when it beats what runs without a table
-(the rule's path, `experts.direct_auto`, on heuristic tiles) by more than `min_gain` (3% by
-default: tuned tables age, and a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a CUDA graph
-(median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
+(their program order, `TileConfig.group_m`) over GROUP_MS.
+
+`search="grid"` (`fusedmoe tune --search grid`) first times every valid tile of GRID at each
+block_m and descends from the grid's best as well: a descent moves one parameter at a time and
+stops where no single move helps, which misses tiles several moves away (gpt-oss-120b bf16 on an
+H100, M=16: the descent stayed at GEMM1 16 x 128 x 128 in 3 stages, 587 us; the grid found
+16 x 32 x 256 in 5 stages, 568 us).
+
+Where the direct decode path can run (unquantized and weight-only, at most
+`experts.DIRECT_MAX_SLOTS` slots) its pair descends too (GEMM1 by slot; GEMM2 with the top-k sum,
+its split_k the slot shares), from `experts.direct_heuristic`. The faster path's entry is
+written, naming its path, only when it beats what runs without a table (the rule's path,
+`experts.direct_auto`, on heuristic tiles) by more than `min_gain` (3% by default: tuned tables
+age, and a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a
+CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
 its predicate accepts, and the entries carry the scheme (W8A8's paths with their quantizers:
 x's launch per token / 1x128 group timed once and added to each path that runs it, the direct

@@ -36,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -131,18 +131,27 @@ def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
     `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing."""
     best, best_t = start, time_tile(start)
     for _ in range(rounds):
-        improved = False
-        for cand in _neighbours(best, allow_split, allow_swap, allow_group):
-            if reason(cand):
-                continue
-            try:
-                t = time_tile(cand)
-            except Exception:  # a config Triton cannot compile here (e.g. out of resources)
-                continue
-            if t < best_t:
-                best, best_t, improved = cand, t, True
-        if not improved:
+        cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group), reason)
+        if t >= best_t:
             break
+        best, best_t = cand, t
+    return best, best_t
+
+
+def _fastest(time_tile: Callable[[TileConfig], float], tiles: Iterable[TileConfig],
+             reason: Callable[[TileConfig], str | None]) -> tuple[TileConfig | None, float]:
+    """(tile, us) of the fastest of `tiles` that `reason` (the validity predicate) accepts and
+    Triton compiles; (None, inf) when none does."""
+    best, best_t = None, float("inf")
+    for tile in tiles:
+        if reason(tile):
+            continue
+        try:
+            t = time_tile(tile)
+        except Exception:  # a config Triton cannot compile here (e.g. out of resources)
+            continue
+        if t < best_t:
+            best, best_t = tile, t
     return best, best_t
 
 
@@ -304,18 +313,9 @@ def _grid_best(time_tile: Callable[[TileConfig], float], block_m: int,
     """The fastest of the GRID tiles at block_m that `reason` (the validity predicate) accepts and
     Triton compiles (None: none does), each timed through `time_tile` (a `_once`: the descents
     reuse the times)."""
-    best, best_t = None, float("inf")
-    for n, k, warps, stages in itertools.product(*GRID.values()):
-        tile = _rule_swap(TileConfig(block_m, n, k, warps, stages), scheme, device, direct=False)
-        if reason(tile):
-            continue
-        try:
-            t = time_tile(tile)
-        except Exception:  # a config Triton cannot compile here (e.g. out of resources)
-            continue
-        if t < best_t:
-            best, best_t = tile, t
-    return best
+    grid = (_rule_swap(TileConfig(block_m, **dict(zip(GRID, values, strict=True))), scheme, device, direct=False)
+            for values in itertools.product(*GRID.values()))
+    return _fastest(time_tile, grid, reason)[0]
 
 
 def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic, timers, align_us,

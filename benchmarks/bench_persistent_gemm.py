@@ -38,7 +38,7 @@ from fusedmoe.backends.triton.kernels import _grouped_tile
 def persistent_gemm2_kernel(
     a_desc, w_desc, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
     num_slots, hidden, inter, stride_ys,
-    NUM_PROGRAMS: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr, FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y[slot(r), n] = w[slot(r)] * sum_i a[r, i] * w2[e, n, i] over every real (row block,
@@ -46,7 +46,7 @@ def persistent_gemm2_kernel(
     num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     num_n = tl.cdiv(hidden, BLOCK_N)
     k_tiles = tl.cdiv(inter, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
         pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m)
         w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
@@ -65,15 +65,16 @@ def persistent_gemm2_kernel(
                  mask=row_ok[:, None] & (offs_n < hidden)[None, :])
 
 
-def persistent_call(L, w2, tile, programs, ws, warps, stages):
-    from fusedmoe.backends.triton.experts import GROUP_M, _descriptor
+def persistent_call(L, w2, tile, programs, ws, warps, stages, flatten=False):
+    from fusedmoe.backends.triton.experts import _descriptor
+    from fusedmoe.backends.triton.tiles import GROUP_M
 
     a, y = L.a, L.y
     hidden, inter = y.shape[1], a.shape[1]
     persistent_gemm2_kernel[(programs,)](
         _descriptor(a, (tile.block_m, tile.block_k)), _descriptor(w2, (tile.block_n, tile.block_k)), y,
         L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, y.shape[0], hidden, inter, y.stride(0),
-        NUM_PROGRAMS=programs, GROUP_M=GROUP_M, WS=ws, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        NUM_PROGRAMS=programs, GROUP_M=GROUP_M, WS=ws, FLATTEN=flatten, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=warps, num_stages=stages,
     )
 
@@ -105,16 +106,18 @@ def main() -> int:
     rows = []
     for case in aligned_gemm2_cases(shapes, tokens, device, torch.float16 if smoke else torch.bfloat16, tiles=tiles):
         t2 = case.tile
-        variants = ([(t2, sms, False, 4, 1), (t2, 3, False, 4, 2)] if smoke else
-                    [(TileConfig(t2.block_m, bn, 64, warps, stages), mult * sms, ws, warps, stages)
-                     for bn, warps, stages, mult, ws in ((128, 8, 3, 1, False), (256, 8, 3, 1, False),
-                                                         (128, 4, 4, 1, False), (128, 8, 3, 2, False),
-                                                         (128, 4, 3, 1, True), (256, 4, 3, 1, True))])
+        variants = ([(t2, sms, False, 4, 1, False), (t2, 3, False, 4, 2, True)] if smoke else
+                    [(TileConfig(t2.block_m, bn, 64, warps, stages), mult * sms, ws, warps, stages, flat)
+                     for bn, warps, stages, mult, ws, flat in (
+                         (128, 8, 3, 1, False, False), (256, 8, 3, 1, False, False), (128, 4, 4, 1, False, False),
+                         (128, 8, 3, 2, False, False), (128, 4, 3, 1, True, False), (256, 4, 3, 1, True, False),
+                         (256, 8, 3, 1, False, True), (128, 8, 3, 1, False, True), (256, 8, 4, 1, False, True),
+                         (128, 8, 4, 1, False, True), (256, 8, 3, 1, True, True))])
         cells = [("library", case.library())]
-        for tile, programs, ws, warps, stages in variants:
+        for tile, programs, ws, warps, stages, flat in variants:
             label = f"persistent {tile.block_m}x{tile.block_n}x{tile.block_k} w{warps} s{stages} " \
-                    f"p{programs}{' ws' if ws else ''}"
-            cells.append((label, case.calls(lambda L, w, v=(tile, programs, ws, warps, stages):
+                    f"p{programs}{' flat' if flat else ''}{' ws' if ws else ''}"
+            cells.append((label, case.calls(lambda L, w, v=(tile, programs, ws, warps, stages, flat):
                                             persistent_call(L, w, *v))))
         cells = [(label, calls) for label, calls in cells
                  if args.only is None or args.only in label or label == "library"]

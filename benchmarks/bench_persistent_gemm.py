@@ -19,7 +19,14 @@ program gives the same fp32 sums). First run (H200, results/2026-11-23_h200_pers
 Qwen3-30B M=4096 GEMM2 library 234.4 us (440 TFLOP/s), persistent at best 236.3 (two programs
 per SM), 251.6-313.8 otherwise; the warp_specialize=True variants compile (in ~1 s for sm90) but
 hang on the GPU with Triton 3.6, as a plain dense GEMM does (`probe_warp_specialize.py`,
-results/2026-11-25_h200_c7ed091_ws_probe.txt). Not adopted.
+results/2026-11-25_h200_c7ed091_ws_probe.txt). Not adopted then.
+
+`flat` variants flatten the tile loop (`tl.range(..., flatten=True)`: the next tile's loads are
+issued during this tile's epilogue, as OpenAI's triton_kernels does). H200, M=4096
+(results/2026-11-25_h200_eb0ebd3_persistent_flatten_gemm2.txt): 128 x 256 x 64 in 8 warps,
+DeepSeek-V3 489 -> 417 us, gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215; with
+warp_specialize=True as well it ran (no hang) and gained nothing more. Adopted as
+`TileConfig.persistent` (kernels.moe_gemm2_kernel PERSISTENT).
 """
 
 from __future__ import annotations

@@ -252,6 +252,39 @@ def test_tma_descriptor_loads(monkeypatch, T, E, K, H, I, act, bias, operands):
     assert torch.equal(replayed(run), out)
 
 
+@pytest.mark.parametrize("T,E,K,H,I,bias,on_input", [
+    (2000, 7, 3, 1000, 296, True, False),  # K and N tails, an expert left empty, biases
+    (4096, 128, 8, 2048, 768, False, False),  # Qwen3-30B's shape
+    (1500, 16, 1, 5120, 256, True, True),  # the routed weight on the input
+])
+def test_persistent_gemm2(T, E, K, H, I, bias, on_input):
+    """The persistent GEMM2 (TileConfig.persistent: one program per SM over every real tile, in a
+    flattened loop) gives bitwise the tile-per-program launch's output, matches the reference,
+    and replays from a CUDA graph (the tile count is read on the device)."""
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=13)
+    logits = torch.randn(T, E, device="cuda")
+    logits[:, 1] = -1e4  # expert 1 gets no token
+    w, ids = select_experts(x, logits, K, renormalize=not on_input)
+    t1 = TileConfig(128, 64, 64, 8, 3)
+    outs = {}
+    for persistent in (False, True):
+        tiles = (t1, TileConfig(128, 256, 64, 8, 3, persistent=persistent))
+
+        def run(tiles=tiles):
+            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, "silu", on_input, 1.702, None,
+                                          tiles=tiles)
+
+        outs[persistent] = run()
+        if persistent:
+            assert torch.equal(replayed(run), outs[True])
+    assert torch.equal(outs[False], outs[True])
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, apply_router_weight_on_input=on_input)
+    assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_direct_decode_on_presets(name):
     """The direct decode path (no alignment, GEMM2 with the top-k sum) against the reference and

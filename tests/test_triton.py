@@ -624,7 +624,7 @@ def test_tuned_table_parse_and_nearest():
     # swap_ab, a tile's optional 7th value: W8A8 only, true / false
     (_entry(1, g1=(16, 32, 128, 4, 4, 1, True)), "gemm1 .*: swap_ab=True: only the W8A8 GEMMs swap"),
     (_entry(1, g2=(16, 64, 64, 4, 4, 1, 1), quant="fp8_w8a8_block"), "malformed.*swap_ab=1 is not true/false"),
-    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 8, 0)), "malformed.*not a tile list"),
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 8, 0, 0)), "malformed.*not a tile list"),
     # group_m, the optional 8th value (after swap_ab, null for the rule's): a power of two <= 64
     (_entry(1, g2=(16, 64, 64, 4, 4, 1, None, 0)), "gemm2 .*: group_m=0 must be a power of two in \\[1, 64\\]"),
     (_entry(1, g1=(16, 64, 64, 4, 4, 1, None, 128)), "gemm1 .*: group_m=128 must be a power of two"),
@@ -1209,6 +1209,63 @@ def test_grouped_program_order_covers_every_tile(group_m):
     out = triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None, tiles=tiles)
     ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bias,on_input,programs", [(False, False, 1), (True, False, 3), (True, True, 5)],
+                         ids=["plain-1", "bias-3", "bias-on-input-5"])
+def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias, on_input, programs):
+    """The persistent GEMM2 (TileConfig.persistent): `programs` programs stride over every real
+    (row block, N tile) tile in one loop; the output is bitwise the tile-per-program launch's (the
+    same tiles, the same K order), on E = 7 experts (one with no tokens, padded row blocks, tail
+    N and K tiles: H = 72, I = 40), with biases and the routed weight on the input or the output."""
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: programs)
+    gen = torch.Generator().manual_seed(70 + programs)
+    T, E, K, H, I = 37, 7, 2, 72, 40
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 3] = -1e9  # expert 3 gets no token
+    weights, ids = select_experts(x, logits, K)
+    t1 = TileConfig(16, 16, 32, 4, 2)
+    outs = []
+    for persistent in (False, True):
+        t2 = TileConfig(16, 32, 16, 4, 2, persistent=persistent)
+        out = torch.full_like(x, float("nan"))
+        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, "silu", on_input, 1.702, None, tiles=(t1, t2),
+                       out=out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation="silu",
+                            w13_bias_LG=None if b13 is None else b13.double(),
+                            w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
+    assert rel_err(outs[1], ref) < 1e-5
+
+
+def test_persistent_tile_predicate_and_table_round_trip():
+    """persistent runs on the aligned path's unquantized GEMM2 only (the predicate says so for
+    GEMM1, W8A8 / weight-only and the direct path); a table writes it as the 9th value, after
+    swap_ab and group_m, and reads it back."""
+    from fusedmoe.backends.triton.tiles import check_plan
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    p = TileConfig(128, 256, 64, 8, 3, persistent=True)
+    assert check_tile(p, dtype=torch.bfloat16) is None
+    only = "only the aligned path's unquantized GEMM2"
+    assert only in check_tile(p, dtype=torch.bfloat16, operands=2, allow_split=True)
+    assert only in check_tile(replace(p, block_n=128), dtype=torch.bfloat16, quant="channel")
+    assert only in check_plan(TileConfig(16, 64, 128), TileConfig(16, 64, 128, persistent=True), direct=True,
+                              dtype=torch.bfloat16, gated=True)
+    assert "must be true or false" in check_tile(replace(p, persistent=1), dtype=torch.bfloat16)
+    assert p.as_list() == [128, 256, 64, 8, 3, 1, None, 8, True]
+    assert TileConfig(128, 256, 64, 8, 3).as_list() == [128, 256, 64, 8, 3, 1]
+    entry = _entry(4096, g1=(128, 64, 64, 8, 3), g2=tuple(p.as_list()))
+    _, t2 = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 4096)
+    assert t2 == p
+    with pytest.raises(ValueError, match="gemm1 .*only the aligned path's unquantized GEMM2"):
+        parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3, 1, None, 8, True), g2=(128, 64, 64, 8, 3))]), "t")
+    with pytest.raises(ValueError, match="malformed.*persistent=1 is not true/false"):
+        parse_table(_table([_entry(4096, g2=(128, 64, 64, 8, 3, 1, None, 8, 1))]), "t")
 
 
 def test_pdl_launch_keywords(monkeypatch):

@@ -345,3 +345,27 @@ def test_descent_moves_the_aligned_program_order():
     tune_shape(**shape, tokens_list=[1], timer=_model_timer(costs, seen))
     assert any(kind.startswith("direct") for kind, _ in seen)
     assert all(tile.group_m == GROUP_M for kind, tile in seen if kind.startswith("direct"))
+
+
+def test_descent_toggles_the_persistent_gemm2():
+    """The aligned unquantized GEMM2's descent toggles a persistent launch (written as the tile's
+    9th value when it wins); GEMM1 and the direct path never time one, and W8A8 GEMM2 neither
+    (its predicate refuses it)."""
+    from fusedmoe.tune import _neighbours, tune_shape
+
+    tile = TileConfig(64, 128, 64, 4, 4)
+    assert [t for t in _neighbours(tile, False, allow_persistent=True) if t.persistent] == [
+        TileConfig(64, 128, 64, 4, 4, persistent=True)]
+    assert not any(t.persistent for t in _neighbours(tile, True, allow_group=True))
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu)
+    flat = lambda us: lambda tile: us  # noqa: E731
+    costs = {"gemm1": flat(30.0), "gemm2": lambda tile: 20.0 if tile.persistent else 30.0, "align": flat(5.0),
+             "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
+    seen = []
+    [entry] = tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen))
+    assert entry["path"] == "aligned" and entry["gemm2"][8] is True and len(entry["gemm1"]) == 6
+    assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
+    seen = []
+    tune_shape(**shape, tokens_list=[40], quant="int8_w8a8", timer=_model_timer(costs, seen))
+    assert not any(tile.persistent for kind, tile in seen if kind != "align")

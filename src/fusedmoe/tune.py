@@ -4,7 +4,9 @@ For each token count: draw uniform routing, then for block_m in {heuristic/2, he
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
 num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
-(their program order, `TileConfig.group_m`) over GROUP_MS.
+(their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMM2's
+toggles a persistent launch (`TileConfig.persistent`) and, at 64-128 row blocks, also starts from
+the persistent 128 x 256 x 64 family (PERSISTENT_MIN_BLOCK_M).
 
 `search="grid"` (`fusedmoe tune --search grid`) first times every valid tile of GRID at each
 block_m and descends from the grid's best as well: a descent moves one parameter at a time and
@@ -51,6 +53,10 @@ WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SPLITS = (1, 2, 4, 8)
 GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8 the default)
+# Row blocks from which the aligned GEMM2's descent also starts at the persistent 128 x 256 x 64
+# tile in 8 warps, 3 stages (TileConfig.persistent: the best of its family at M=4096 on the H200,
+# results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt); every descent may toggle it
+PERSISTENT_MIN_BLOCK_M = 64
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
@@ -93,10 +99,12 @@ def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float
 
 
 def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False,
-                allow_group: bool = False) -> list[TileConfig]:
+                allow_group: bool = False, allow_persistent: bool = False) -> list[TileConfig]:
     out = []
     if allow_swap:  # W8A8 fp8: SWAP_AB set either way (unset: quant.swap_ab's rule)
         out += [TileConfig(**{**tile.__dict__, "swap_ab": v}) for v in (False, True) if v != tile.swap_ab]
+    if allow_persistent:  # the aligned GEMM2: a persistent launch or not (the predicate decides where)
+        out.append(TileConfig(**{**tile.__dict__, "persistent": not tile.persistent}))
     fields = [("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS), ("num_stages", STAGES)]
     if allow_split:
         fields.append(("split_k", SPLITS))
@@ -126,12 +134,13 @@ class _once:
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
              allow_split: bool = False, allow_swap: bool = False,
-             allow_group: bool = False) -> tuple[TileConfig, float]:
+             allow_group: bool = False, allow_persistent: bool = False) -> tuple[TileConfig, float]:
     """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts;
     `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing."""
     best, best_t = start, time_tile(start)
     for _ in range(rounds):
-        cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group), reason)
+        cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group, allow_persistent),
+                           reason)
         if t >= best_t:
             break
         best, best_t = cand, t
@@ -256,6 +265,8 @@ def tune_shape(
                                          group=group, codes=codes, block_m=block_m)
                 starts1 = [dataclasses.replace(h1, block_m=block_m), pick(inter, hidden, dtype, gated=gated, tma=tma1)]
                 starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
+            if PERSISTENT_MIN_BLOCK_M <= block_m <= 128:  # the persistent GEMM2's start (ok2: unquantized only)
+                starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
             if not starts1 or not starts2:
@@ -270,7 +281,8 @@ def tune_shape(
                 starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
             b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True)
                           for t in starts1), key=lambda r: r[1])
-            b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True) for t in starts2),
+            b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True, allow_persistent=True)
+                          for t in starts2),
                          key=lambda r: r[1])
             found.append((u1 + u2 + (h_us[2] if same else align_us(block_m)), "aligned", b1, b2))
         direct_xq_us = 0.0

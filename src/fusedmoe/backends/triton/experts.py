@@ -28,6 +28,7 @@ from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
+    PERSISTENT_PROGRAMS,
     TileConfig,
     heuristic,
     require_plan,
@@ -923,7 +924,10 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     a_reason, w_reason = tma_reasons(tile, w2, hidden, a, quant_args)
     a_arg = _descriptor(a, (tile.block_m, tile.block_k)) if a_reason is None else a
     w_arg = _descriptor(w2, (tile.block_n, tile.block_k)) if w_reason is None else w2
-    kernels.moe_gemm2_kernel[(blocks * triton_cdiv(hidden, tile.block_n),)](
+    tiles = blocks * triton_cdiv(hidden, tile.block_n)  # at most: the programs past the real rows exit
+    if tile.persistent:  # the programs stride over the real tiles (read on the device)
+        tiles = min(tiles, PERSISTENT_PROGRAMS * _num_sms(y.device))
+    kernels.moe_gemm2_kernel[(tiles,)](
         a_arg, w_arg, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
         y.shape[0], hidden, inter,
         a.stride(0), a.stride(1),
@@ -932,7 +936,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
         y.stride(0), y.stride(1),
         HAS_BIAS=w2_bias is not None, SCALE_ROWS=L.scale_output,
         IEEE=_ieee(a, quant_args), GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0,
-        A_DESC=a_reason is None, W_DESC=w_reason is None, **tile.as_kwargs(),
+        A_DESC=a_reason is None, W_DESC=w_reason is None, PERSISTENT=tile.persistent, **tile.as_kwargs(),
         **(quant_args or {}), **L.launch_kw,
     )
 

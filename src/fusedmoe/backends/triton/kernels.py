@@ -741,43 +741,15 @@ def moe_act_kernel(
 
 
 @triton.jit
-def moe_gemm2_kernel(
-    a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr,
-    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
-    num_slots, hidden, inter,
-    stride_ar, stride_ai,
-    stride_we, stride_wh, stride_wi,
-    stride_be, stride_bh,
-    stride_ys, stride_yh,
-    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # W8A8: a scales (Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted rows), w2 scales ([L, H], [L]
-    # at channel stride 0, [L, H/128, I/128]).
-    # Weight-only: as in moe_gemm1_kernel (ws [L, H] or [L, H, I / W_GROUP], w2 bytes [L, H, I / 2]).
-    as_ptr=None, ws_ptr=None,
-    stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
-    QUANT: tl.constexpr = 0, ACC_INT: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-    A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
-    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
-):
-    """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
-
-    Unquantized, TMA descriptors instead of pointers: A_DESC a_ptr over a [R, I] with
-    [BLOCK_M, BLOCK_K] boxes (the block's rows pid_m*BLOCK_M..; padding rows hold gemm1's output
-    for no slot and are masked at the store), W_DESC w2_ptr over w2 viewed [L*H, I] with
-    [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
-    fill, masked at the store). Past I both are zero-filled.
-    """
-    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
-    _pdl_wait(PDL)
-    num_n = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
+def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, num_slots,
+                hidden, inter, stride_ar, stride_ai, stride_we, stride_wh, stride_wi, stride_be, stride_bh, stride_ys,
+                stride_yh, HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, as_ptr, ws_ptr, stride_as0,
+                stride_as1, stride_ws0, stride_ws1, stride_ws2, QUANT: tl.constexpr, ACC_INT: tl.constexpr, wgs_ptr,
+                W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
+                PDL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SWAP_AB: tl.constexpr,
+                FP8_PROMOTE: tl.constexpr):
+    """One (row block, N tile) of moe_gemm2_kernel (its docstring)."""
     expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -851,6 +823,66 @@ def moe_gemm2_kernel(
         acc = acc * w[:, None]
     y_ptrs = y_ptr + slot.to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, hidden, inter,
+    stride_ar, stride_ai,
+    stride_we, stride_wh, stride_wi,
+    stride_be, stride_bh,
+    stride_ys, stride_yh,
+    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # W8A8: a scales (Q_CHANNEL [R], Q_BLOCK [R, I/128]; R = sorted rows), w2 scales ([L, H], [L]
+    # at channel stride 0, [L, H/128, I/128]).
+    # Weight-only: as in moe_gemm1_kernel (ws [L, H] or [L, H, I / W_GROUP], w2 bytes [L, H, I / 2]).
+    as_ptr=None, ws_ptr=None,
+    stride_as0=0, stride_as1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
+    QUANT: tl.constexpr = 0, ACC_INT: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    A_DESC: tl.constexpr = False, W_DESC: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
+    PERSISTENT: tl.constexpr = False,
+):
+    """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
+
+    Unquantized, TMA descriptors instead of pointers: A_DESC a_ptr over a [R, I] with
+    [BLOCK_M, BLOCK_K] boxes (the block's rows pid_m*BLOCK_M..; padding rows hold gemm1's output
+    for no slot and are masked at the store), W_DESC w2_ptr over w2 viewed [L*H, I] with
+    [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
+    fill, masked at the store). Past I both are zero-filled.
+    """
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
+    _pdl_wait(PDL)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:  # the grid's programs stride over the real (row block, N tile) tiles, one loop
+        # (flatten: the next tile's loads are issued during this one's epilogue)
+        num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+            _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr,
+                        num_slots, hidden, inter, stride_ar, stride_ai, stride_we, stride_wh, stride_wi,
+                        stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
+                        stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE)
+    else:
+        pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
+        if pid_m * BLOCK_M < tl.load(num_rows_ptr):
+            _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr,
+                        num_slots, hidden, inter, stride_ar, stride_ai, stride_we, stride_wh, stride_wi,
+                        stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
+                        stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ TMA_LOADS = ("w", "a+w")
 NARROW_8BIT = ("block", "w8")
 NARROW_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM the K shares of a 4- or 8-bit decode aim for
 GROUP_M = 8  # the default row blocks per group of the aligned GEMMs' program order (TileConfig.group_m)
+PERSISTENT_PROGRAMS = 1  # programs per SM of a persistent GEMM2 launch (TileConfig.persistent)
 MAX_GROUP_M = 64
 
 
@@ -45,6 +46,13 @@ class TileConfig:
     # bf16 on an H100, M=1024, 64 x 128 x 64 tiles: GEMM1 1563 -> 1515 us, GEMM2 801 -> 774 us
     # (benchmarks/results/2026-11-25_h100_3589f2c_group_m_probe.txt)
     group_m: int = GROUP_M
+    # GEMM2 of the aligned path, unquantized: a persistent launch (PERSISTENT_PROGRAMS per SM,
+    # each striding over the real (row block, N tile) tiles in one flattened loop, so the next
+    # tile's loads overlap this one's epilogue; kernels.moe_gemm2_kernel). H200, GEMM2 alone at
+    # M=4096, 128 x 256 x 64, 8 warps (benchmarks/bench_persistent_gemm.py,
+    # results/2026-11-25_h200_eb0ebd3_persistent_flatten_gemm2.txt): DeepSeek-V3 489 -> 417 us
+    # (3 stages), gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215 (4 stages)
+    persistent: bool = False
 
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
@@ -52,9 +60,11 @@ class TileConfig:
 
     def as_list(self) -> list:
         """The tuned-table form: [block_m, block_n, block_k, num_warps, num_stages, split_k], with
-        swap_ab appended when it is set, and swap_ab (true / false / null) then group_m when
-        group_m is not the default GROUP_M."""
+        swap_ab appended when it is set, swap_ab (true / false / null) then group_m when group_m
+        is not the default GROUP_M, and swap_ab, group_m, true when the tile is persistent."""
         values = [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k]
+        if self.persistent:
+            return [*values, self.swap_ab, self.group_m, True]
         if self.group_m != GROUP_M:
             return [*values, self.swap_ab, self.group_m]
         return values if self.swap_ab is None else [*values, self.swap_ab]
@@ -109,6 +119,11 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             return f"swap_ab={tile.swap_ab!r} must be true, false or unset"
         if quant not in QUANT_GRANULARITIES:
             return f"swap_ab={tile.swap_ab}: only the W8A8 GEMMs swap their operands (kernels.py SWAP_AB)"
+    if not isinstance(tile.persistent, bool):
+        return f"persistent={tile.persistent!r} must be true or false"
+    if tile.persistent and (quant is not None or allow_split or operands != 1):
+        return ("persistent=True: only the aligned path's unquantized GEMM2 runs a persistent launch "
+                "(kernels.moe_gemm2_kernel PERSISTENT)")
     if not _pow2(tile.group_m) or tile.group_m > MAX_GROUP_M:
         return f"group_m={tile.group_m} must be a power of two in [1, {MAX_GROUP_M}]"
     if tile.num_warps not in (1, 2, 4, 8, 16):

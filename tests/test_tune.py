@@ -369,3 +369,18 @@ def test_descent_toggles_the_persistent_gemm2():
     seen = []
     tune_shape(**shape, tokens_list=[40], quant="int8_w8a8", timer=_model_timer(costs, seen))
     assert not any(tile.persistent for kind, tile in seen if kind != "align")
+
+
+def test_descent_from_a_start_that_does_not_compile():
+    """A start Triton cannot compile (the persistent start on a smaller GPU, say) ends its
+    descent at infinite time instead of failing the tune; the other starts decide."""
+    from fusedmoe.tune import _descend, _once
+
+    def time_tile(tile):
+        if tile.persistent:
+            raise RuntimeError("out of resources")
+        return 10.0
+
+    start = TileConfig(128, 256, 64, 8, 3, persistent=True)
+    assert _descend(_once(time_tile), start, lambda t: None) == (start, float("inf"))
+    assert _descend(_once(time_tile), TileConfig(128, 128, 64, 8, 3), lambda t: None)[1] == 10.0

@@ -136,8 +136,11 @@ def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              allow_split: bool = False, allow_swap: bool = False,
              allow_group: bool = False, allow_persistent: bool = False) -> tuple[TileConfig, float]:
     """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts;
-    `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing."""
-    best, best_t = start, time_tile(start)
+    `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing. A
+    start Triton cannot compile here ends the descent at once, at infinite time."""
+    best, best_t = _fastest(time_tile, [start], reason)
+    if best is None:
+        return start, float("inf")
     for _ in range(rounds):
         cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group, allow_persistent),
                            reason)

@@ -33,7 +33,7 @@ from fusedmoe.presets import get_preset  # noqa: E402
 from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
-        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N")
+        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N", "PERSISTENT")
 # moe_gemm2_rows_kernel names its K extent BLOCK_I (the whole I) and its stages NUM_STAGES (tl.range's)
 TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     for r in rows:
         tile = ",".join(str(r.get(k, r.get(TILE_ALIASES.get(k, k), "-")))
                         for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+        tile += ",p" if r.get("PERSISTENT") else ""  # a persistent launch (TileConfig.persistent)
         ops = " ".join(f"{k}={v}" for k, v in r["opcodes"].items() if v)
         print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:20} {r['regs']:>4} "
               f"{r['stack']:>5} {r['shared']:>7} {r['programs_per_sm']:>3} {r['instructions']:>6}  {ops}")

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe.activations import interleave_gate_up
 from fusedmoe.backends.triton.kernels import _activation, _row_block, _tile_ids
 
 
@@ -69,12 +70,6 @@ def interleaved_gemm1_kernel(
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=(offs_n < inter)[None, :])  # padding rows are rows of a
 
 
-def interleave_rows(w13: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, H] gate rows then up rows -> rows gate 0, up 0, gate 1, up 1, ... (contiguous)."""
-    gate, up = w13.chunk(2, dim=1)
-    return torch.stack((gate, up), dim=2).flatten(1, 2).contiguous()
-
-
 def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool):
     from fusedmoe.activations import SWIGLUOAI_LIMIT
     from fusedmoe.backends.triton.experts import ACT_CODES, _descriptor
@@ -109,7 +104,7 @@ def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bo
     launch_gemm1(L, w13s[0], None, t1)
     live = int(L.num_rows.item())  # the aligned rows the GEMMs write (blocks past them exit)
     ref = L.a[:live].clone()
-    w13is = [interleave_rows(w13) for w13 in w13s]
+    w13is = [interleave_gate_up(w13, 1) for w13 in w13s]
 
     def calls(fn, ws):
         return [lambda w=w: (fn(w), L.a[:live])[1] for w in ws]

@@ -38,12 +38,13 @@ import argparse
 import importlib
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
 import triton
 
-from fusedmoe.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, is_gated
+from fusedmoe.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, interleave_gate_up, is_gated
 from fusedmoe.bench import measure_ceilings, random_expert_weights, roofline, time_rotated
 
 
@@ -53,14 +54,8 @@ def load_tk(src: Path):
     if not (src / "triton_kernels" / "matmul_ogs.py").is_file():
         raise SystemExit(f"{src}: no triton_kernels/matmul_ogs.py (this script reads the matmul_ogs API)")
     sys.path.insert(0, str(src))
-    mods = {m: importlib.import_module(f"triton_kernels.{m}") for m in ("matmul_ogs", "routing", "swiglu", "topk")}
-    return type("TK", (), mods)
-
-
-def interleave(w13: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, ...] gate rows then up rows -> gate / up rows alternating (gate 0, up 0, gate 1, ...)."""
-    gate, up = w13.chunk(2, dim=1)
-    return torch.stack((gate, up), dim=2).flatten(1, 2)
+    return types.SimpleNamespace(**{m: importlib.import_module(f"triton_kernels.{m}")
+                                    for m in ("matmul_ogs", "routing", "swiglu", "topk")})
 
 
 def as_kn(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -88,8 +83,8 @@ class Cell:
         for _ in range(copies):
             w13, w2, b13, b2 = random_expert_weights(E, H, inter, preset.activation, device=device,
                                                      dtype=torch.bfloat16, generator=gen, bias=preset.has_bias)
-            tk_w1 = as_kn(interleave(w13), layout)
-            tk_b1 = interleave(b13).float() if b13 is not None else None
+            tk_w1 = as_kn(interleave_gate_up(w13, 1), layout)
+            tk_b1 = interleave_gate_up(b13, 1).float() if b13 is not None else None
             self.copies.append(dict(ours=(w13, w2, b13, b2), tk=(tk_w1, as_kn(w2, layout),
                                                                tk_b1, b2.float() if b2 is not None else None)))
         self.routing = tk.routing.routing_from_bitmatrix(self.bitmatrix, topk_w, ids, E, K)

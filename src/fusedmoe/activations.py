@@ -44,6 +44,20 @@ def w13_rows(name: str, intermediate_size: int) -> int:
     return 2 * intermediate_size if is_gated(name) else intermediate_size
 
 
+def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[.., g0, u0, g1, u1, ..] -> [.., g0, g1, .., u0, u1, ..] along dim (one copy): gate and up
+    rows or columns interleaved (gpt-oss checkpoints, OpenAI's triton_kernels) to the gate half
+    then the up half that `apply_activation` and the kernels read."""
+    pairs = t.unflatten(dim, (-1, 2))
+    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
+
+
+def interleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `deinterleave_gate_up`."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
 def apply_activation(
     h: torch.Tensor,
     name: str,

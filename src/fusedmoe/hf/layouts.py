@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fusedmoe.activations import deinterleave_gate_up, interleave_gate_up
+
 
 class Layout:
     """How one family stores its experts; `adopt` converts to ours in place, `restore` undoes it."""
@@ -63,18 +65,6 @@ def _transpose(w_EAB: torch.Tensor) -> torch.Tensor:
     return w_EAB.transpose(1, 2).contiguous()
 
 
-def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """[.., g0, u0, g1, u1, ..] -> [.., g0, g1, .., u0, u1, ..] along dim (one copy)."""
-    pairs = t.unflatten(dim, (-1, 2))
-    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
-
-
-def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_deinterleave`."""
-    gate, up = t.chunk(2, dim=dim)
-    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
-
-
 class Transposed(Layout):
     """gate_up_proj [E, H, 2I] and down_proj [E, I, H] (x @ w); gate/up concatenated or interleaved."""
 
@@ -86,11 +76,11 @@ class Transposed(Layout):
 
     def _to_ours_gate_up(self, w_EHG: torch.Tensor) -> torch.Tensor:
         w_EGH = w_EHG.transpose(1, 2)
-        return _deinterleave(w_EGH, 1) if self.interleaved else w_EGH.contiguous()
+        return deinterleave_gate_up(w_EGH, 1) if self.interleaved else w_EGH.contiguous()
 
     def _to_hf_gate_up(self, w_EGH: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
-            w_EGH = _interleave(w_EGH, 1)
+            w_EGH = interleave_gate_up(w_EGH, 1)
         return _transpose(w_EGH)
 
     def adopt(self, experts):
@@ -98,20 +88,20 @@ class Transposed(Layout):
             experts.gate_up_proj.data = self._to_ours_gate_up(experts.gate_up_proj.data)
             experts.down_proj.data = _transpose(experts.down_proj.data)
             if self.interleaved and getattr(experts, "gate_up_proj_bias", None) is not None:
-                experts.gate_up_proj_bias.data = _deinterleave(experts.gate_up_proj_bias.data, 1)
+                experts.gate_up_proj_bias.data = deinterleave_gate_up(experts.gate_up_proj_bias.data, 1)
 
     def restore(self, experts):
         with torch.no_grad():
             experts.gate_up_proj.data = self._to_hf_gate_up(experts.gate_up_proj.data)
             experts.down_proj.data = _transpose(experts.down_proj.data)
             if self.interleaved and getattr(experts, "gate_up_proj_bias", None) is not None:
-                experts.gate_up_proj_bias.data = _interleave(experts.gate_up_proj_bias.data, 1)
+                experts.gate_up_proj_bias.data = interleave_gate_up(experts.gate_up_proj_bias.data, 1)
 
     def save(self, experts, state_dict, prefix):
         state_dict[prefix + "gate_up_proj"] = self._to_hf_gate_up(state_dict[prefix + "gate_up_proj"])
         state_dict[prefix + "down_proj"] = _transpose(state_dict[prefix + "down_proj"])
         if self.interleaved and prefix + "gate_up_proj_bias" in state_dict:
-            state_dict[prefix + "gate_up_proj_bias"] = _interleave(state_dict[prefix + "gate_up_proj_bias"], 1)
+            state_dict[prefix + "gate_up_proj_bias"] = interleave_gate_up(state_dict[prefix + "gate_up_proj_bias"], 1)
 
     def load(self, experts, state_dict, prefix):
         if prefix + "gate_up_proj" in state_dict:
@@ -119,7 +109,7 @@ class Transposed(Layout):
         if prefix + "down_proj" in state_dict:
             state_dict[prefix + "down_proj"] = _transpose(state_dict[prefix + "down_proj"])
         if self.interleaved and prefix + "gate_up_proj_bias" in state_dict:
-            state_dict[prefix + "gate_up_proj_bias"] = _deinterleave(state_dict[prefix + "gate_up_proj_bias"], 1)
+            state_dict[prefix + "gate_up_proj_bias"] = deinterleave_gate_up(state_dict[prefix + "gate_up_proj_bias"], 1)
 
 
 class Dbrx(Layout):

@@ -6,7 +6,7 @@ num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
 (their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMM2's
 toggles a persistent launch (`TileConfig.persistent`) and, at 64-128 row blocks, also starts from
-the persistent 128 x 256 x 64 family (PERSISTENT_MIN_BLOCK_M).
+the persistent 128 x 256 x 64 family (PERSISTENT_START_BLOCK_MS).
 
 `search="grid"` (`fusedmoe tune --search grid`) first times every valid tile of GRID at each
 block_m and descends from the grid's best as well: a descent moves one parameter at a time and
@@ -53,10 +53,10 @@ WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SPLITS = (1, 2, 4, 8)
 GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8 the default)
-# Row blocks from which the aligned GEMM2's descent also starts at the persistent 128 x 256 x 64
+# Row blocks at which the aligned GEMM2's descent also starts from the persistent BLOCK_M x 256 x 64
 # tile in 8 warps, 3 stages (TileConfig.persistent: the best of its family at M=4096 on the H200,
 # results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt); every descent may toggle it
-PERSISTENT_MIN_BLOCK_M = 64
+PERSISTENT_START_BLOCK_MS = (64, 128)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
@@ -268,7 +268,7 @@ def tune_shape(
                                          group=group, codes=codes, block_m=block_m)
                 starts1 = [dataclasses.replace(h1, block_m=block_m), pick(inter, hidden, dtype, gated=gated, tma=tma1)]
                 starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
-            if PERSISTENT_MIN_BLOCK_M <= block_m <= 128:  # the persistent GEMM2's start (ok2: unquantized only)
+            if block_m in PERSISTENT_START_BLOCK_MS:  # the persistent GEMM2's start (ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))

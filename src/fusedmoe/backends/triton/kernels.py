@@ -825,8 +825,6 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-
-
 @triton.jit
 def moe_gemm2_kernel(
     a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr,
@@ -859,6 +857,10 @@ def moe_gemm2_kernel(
     for no slot and are masked at the store), W_DESC w2_ptr over w2 viewed [L*H, I] with
     [BLOCK_N, BLOCK_K] boxes at row e*H + n0 (a tail tile reads the next expert's rows or zero
     fill, masked at the store). Past I both are zero-filled.
+
+    PERSISTENT (TileConfig.persistent): the grid (a few programs per SM) strides over the real
+    tiles; each tile runs `_gemm2_tile`, the same body as a program per tile, so the output is
+    the same bit for bit.
     """
     tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     _pdl_wait(PDL)

@@ -285,6 +285,41 @@ def test_persistent_gemm2(T, E, K, H, I, bias, on_input):
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("T,E,K,H,I,bias,on_input,act,block_m", [
+    (2000, 7, 3, 1000, 296, True, False, "swigluoai", 128),  # K and N tails, an expert left empty, biases
+    (4096, 128, 8, 2048, 768, False, False, "silu", 128),  # Qwen3-30B's shape
+    (1500, 16, 1, 5120, 256, True, True, "silu", 64),  # the routed weight on the input
+    (300, 9, 2, 1000, 296, True, False, "gelu", 16),  # pointer loads (16-row blocks)
+])
+def test_one_dot_gemm1(T, E, K, H, I, bias, on_input, act, block_m):
+    """The one-dot GEMM1 (TileConfig.one_dot: gate over up as one [2 * block_n]-wide operand, a
+    3D TMA box from 64-row blocks) matches the two-dot launch and the reference, and replays
+    from a CUDA graph."""
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=17)
+    logits = torch.randn(T, E, device="cuda")
+    logits[:, 1] = -1e4  # expert 1 gets no token
+    w, ids = select_experts(x, logits, K, renormalize=not on_input)
+    t2 = TileConfig(block_m, 64, 64, 4, 3)
+    outs = {}
+    for one_dot in (False, True):
+        tiles = (TileConfig(block_m, 128 if block_m > 16 else 32, 64, 8 if block_m > 16 else 4, 4, one_dot=one_dot),
+                 t2)
+
+        def run(tiles=tiles):
+            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, on_input, 1.702, None,
+                                          tiles=tiles)
+
+        outs[one_dot] = run()
+        if one_dot:
+            assert torch.equal(replayed(run), outs[True])
+    assert rel_err(outs[True], outs[False]) < 1e-3
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act, apply_router_weight_on_input=on_input)
+    assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_direct_decode_on_presets(name):
     """The direct decode path (no alignment, GEMM2 with the top-k sum) against the reference and

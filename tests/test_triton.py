@@ -1268,6 +1268,64 @@ def test_persistent_tile_predicate_and_table_round_trip():
         parse_table(_table([_entry(4096, g2=(128, 64, 64, 8, 3, 1, None, 8, 1))]), "t")
 
 
+@pytest.mark.parametrize("act,bias,on_input,split,direct", [
+    ("silu", False, False, 1, False), ("swigluoai", True, False, 1, False), ("silu", True, True, 1, False),
+    ("gelu", True, False, 2, False), ("silu", True, False, 1, True),
+], ids=["silu", "swigluoai-bias", "bias-on-input", "split-k", "direct"])
+def test_one_dot_gemm1_matches_two_dots(act, bias, on_input, split, direct):
+    """The one-dot GEMM1 (TileConfig.one_dot: gate over up as one [2 * block_n]-wide operand, the
+    accumulator split after the K loop) against the two-dot launch and the reference: E = 7 (one
+    expert with no tokens), a tail N tile (I = 40 over 16-wide tiles) and a K tail (H = 72), with
+    biases, the routed weight on the input, split-K partials and the direct decode path."""
+    gen = torch.Generator().manual_seed(80 + split + 2 * direct)
+    T, E, K, H, I = (3 if direct else 37), 7, 2, 72, 40
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 3] = -1e9  # expert 3 gets no token
+    weights, ids = select_experts(x, logits, K)
+    t2 = TileConfig(16, 32, 16, 4, 2)
+    outs = []
+    for one_dot in (False, True):
+        t1 = TileConfig(16, 16, 32, 4, 2, split_k=split, one_dot=one_dot)
+        out = torch.full_like(x, float("nan"))
+        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=(t1, t2),
+                       out=out, direct=direct)
+        outs.append(out)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation=act,
+                            w13_bias_LG=None if b13 is None else b13.double(),
+                            w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    assert rel_err(outs[1], ref) < 1e-5
+
+
+def test_one_dot_tile_predicate_and_table_round_trip():
+    """one_dot runs on the unquantized gated GEMM1 only, with at most 256 weight rows a step (the
+    predicate says so for GEMM2, ungated GEMM1 and the quantized GEMMs); a table writes it as
+    the 10th value, after swap_ab, group_m and persistent, and reads it back."""
+    from fusedmoe.backends.triton.tiles import check_plan
+    from fusedmoe.backends.triton.tuning import nearest, parse_table
+
+    o = TileConfig(128, 128, 64, 8, 4, one_dot=True)
+    assert check_tile(o, dtype=torch.bfloat16, operands=2, allow_split=True) is None
+    only = "only the unquantized gated GEMM1"
+    assert only in check_tile(o, dtype=torch.bfloat16)
+    assert only in check_tile(o, dtype=torch.bfloat16, operands=2, quant="channel")
+    assert only in check_plan(o, TileConfig(128, 128, 64, 8, 4), direct=False, dtype=torch.bfloat16, gated=False)
+    assert "makes a 512-row weight tile" in check_tile(replace(o, block_n=256), dtype=torch.bfloat16, operands=2)
+    assert "must be true or false" in check_tile(replace(o, one_dot=1), dtype=torch.bfloat16, operands=2)
+    assert o.as_list() == [128, 128, 64, 8, 4, 1, None, 8, False, True]
+    entry = _entry(4096, g1=tuple(o.as_list()), g2=(128, 64, 64, 8, 3))
+    t1, _ = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 4096)
+    assert t1 == o
+    with pytest.raises(ValueError, match="gemm2 .*only the unquantized gated GEMM1"):
+        parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3), g2=(128, 64, 64, 8, 3, 1, None, 8, False, True))]),
+                    "t")
+    with pytest.raises(ValueError, match="malformed.*one_dot=1 is not true/false"):
+        parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3, 1, None, 8, False, 1))]), "t")
+
+
 def test_pdl_launch_keywords(monkeypatch):
     """Programmatic dependent launch only on CUDA devices, and FUSEDMOE_PDL=0 turns it off
     before the device is even looked at (the interpreter launches plainly)."""

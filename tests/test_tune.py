@@ -371,6 +371,31 @@ def test_descent_toggles_the_persistent_gemm2():
     assert not any(tile.persistent for kind, tile in seen if kind != "align")
 
 
+def test_descent_toggles_the_one_dot_gemm1():
+    """The aligned unquantized gated GEMM1's descent toggles one dot over gate and up (written as
+    the tile's 10th value when it wins); GEMM2 never times one, and neither do the W8A8 GEMMs
+    (the predicate refuses it) nor an ungated GEMM1."""
+    from fusedmoe.tune import _neighbours, tune_shape
+
+    tile = TileConfig(64, 128, 64, 4, 4)
+    assert [t for t in _neighbours(tile, True, allow_one_dot=True) if t.one_dot] == [
+        TileConfig(64, 128, 64, 4, 4, one_dot=True)]
+    assert not any(t.one_dot for t in _neighbours(tile, False, allow_persistent=True))
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu)
+    flat = lambda us: lambda tile: us  # noqa: E731
+    costs = {"gemm1": lambda tile: 20.0 if tile.one_dot else 30.0, "gemm2": flat(30.0), "align": flat(5.0),
+             "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
+    seen = []
+    [entry] = tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen))
+    assert entry["path"] == "aligned" and entry["gemm1"][9] is True and len(entry["gemm2"]) == 6
+    assert not any(tile.one_dot for kind, tile in seen if kind != "gemm1")
+    for kw in (dict(quant="int8_w8a8"), dict(activation="gelu_no_mul")):
+        seen = []
+        tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen), **kw)
+        assert not any(tile.one_dot for kind, tile in seen if kind != "align"), kw
+
+
 def test_descent_from_a_start_that_does_not_compile():
     """A start Triton cannot compile (the persistent start on a smaller GPU, say) ends its
     descent at infinite time instead of failing the tune; the other starts decide."""

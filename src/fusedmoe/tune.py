@@ -6,7 +6,9 @@ num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
 (their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMM2's
 toggles a persistent launch (`TileConfig.persistent`) and, at 64-128 row blocks, also starts from
-the persistent 128 x 256 x 64 family (PERSISTENT_START_BLOCK_MS).
+the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS). The aligned GEMM1's toggles
+one dot over gate and up (`TileConfig.one_dot`, unquantized gated only) and, at the same row
+blocks, also starts from the one-dot 2*128 x 64 tile in 8 warps and 4 stages.
 
 `search="grid"` (`fusedmoe tune --search grid`) first times every valid tile of GRID at each
 block_m and descends from the grid's best as well: a descent moves one parameter at a time and
@@ -55,8 +57,10 @@ SPLITS = (1, 2, 4, 8)
 GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8 the default)
 # Row blocks at which the aligned GEMM2's descent also starts from the persistent BLOCK_M x 256 x 64
 # tile in 8 warps, 3 stages (TileConfig.persistent: the best of its family at M=4096 on the H200,
-# results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt); every descent may toggle it
-PERSISTENT_START_BLOCK_MS = (64, 128)
+# results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt), and GEMM1's from the one-dot
+# BLOCK_M x 2*128 x 64 tile in 8 warps, 4 stages (TileConfig.one_dot,
+# results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt); every descent may toggle either
+WIDE_START_BLOCK_MS = (64, 128)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
@@ -99,12 +103,15 @@ def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float
 
 
 def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False,
-                allow_group: bool = False, allow_persistent: bool = False) -> list[TileConfig]:
+                allow_group: bool = False, allow_persistent: bool = False,
+                allow_one_dot: bool = False) -> list[TileConfig]:
     out = []
     if allow_swap:  # W8A8 fp8: SWAP_AB set either way (unset: quant.swap_ab's rule)
         out += [TileConfig(**{**tile.__dict__, "swap_ab": v}) for v in (False, True) if v != tile.swap_ab]
     if allow_persistent:  # the aligned GEMM2: a persistent launch or not (the predicate decides where)
         out.append(TileConfig(**{**tile.__dict__, "persistent": not tile.persistent}))
+    if allow_one_dot:  # the aligned GEMM1: gate and up in one dot or two (the predicate decides where)
+        out.append(TileConfig(**{**tile.__dict__, "one_dot": not tile.one_dot}))
     fields = [("block_n", BLOCK_N), ("block_k", BLOCK_K), ("num_warps", WARPS), ("num_stages", STAGES)]
     if allow_split:
         fields.append(("split_k", SPLITS))
@@ -134,7 +141,8 @@ class _once:
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
              reason: Callable[[TileConfig], str | None], rounds: int = 2,
              allow_split: bool = False, allow_swap: bool = False,
-             allow_group: bool = False, allow_persistent: bool = False) -> tuple[TileConfig, float]:
+             allow_group: bool = False, allow_persistent: bool = False,
+             allow_one_dot: bool = False) -> tuple[TileConfig, float]:
     """Coordinate descent from `start` over the tiles `reason` (the validity predicate) accepts;
     `time_tile` is a `_once`, so a tile timed already (the start, a revisit) costs nothing. A
     start Triton cannot compile here ends the descent at once, at infinite time."""
@@ -142,8 +150,8 @@ def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
     if best is None:
         return start, float("inf")
     for _ in range(rounds):
-        cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group, allow_persistent),
-                           reason)
+        cand, t = _fastest(time_tile, _neighbours(best, allow_split, allow_swap, allow_group, allow_persistent,
+                                                  allow_one_dot), reason)
         if t >= best_t:
             break
         best, best_t = cand, t
@@ -268,8 +276,9 @@ def tune_shape(
                                          group=group, codes=codes, block_m=block_m)
                 starts1 = [dataclasses.replace(h1, block_m=block_m), pick(inter, hidden, dtype, gated=gated, tma=tma1)]
                 starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
-            if block_m in PERSISTENT_START_BLOCK_MS:  # the persistent GEMM2's start (ok2: unquantized only)
+            if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
+                starts1.append(TileConfig(block_m, 128, 64, 8, 4, one_dot=True))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
             if not starts1 or not starts2:
@@ -282,8 +291,8 @@ def tune_shape(
             if search == "grid":
                 starts1 += [t for t in [_grid_best(time1, block_m, ok1, scheme, device)] if t is not None]
                 starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
-            b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True)
-                          for t in starts1), key=lambda r: r[1])
+            b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True,
+                                   allow_one_dot=True) for t in starts1), key=lambda r: r[1])
             b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True, allow_persistent=True)
                           for t in starts2),
                          key=lambda r: r[1])

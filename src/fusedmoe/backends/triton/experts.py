@@ -757,11 +757,12 @@ def tma_planned(problem: GemmProblem, device: torch.device, scheme=None) -> tupl
             None if _row_stride_reason(problem.inter, dtype) else "a+w")
 
 
-def _descriptor(t: torch.Tensor, block: tuple[int, int]):
-    """A host TMA descriptor over the 2D view of t (validated by `tma_reasons`)."""
+def _descriptor(t: torch.Tensor, block: tuple[int, ...], rows: int | None = None):
+    """A host TMA descriptor over the 2D view of t (validated by `tma_reasons`), or with rows,
+    over its 3D view [-1, rows, K] (the 2D view's rows in runs of `rows`; a 3D block)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    view = t.view(-1, t.shape[-1])
+    view = t.view(-1, t.shape[-1]) if rows is None else t.view(-1, rows, t.shape[-1])
     return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block))
 
 
@@ -884,7 +885,10 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     b_strides = (bias.stride(0), bias.stride(1)) if w13_bias is not None else (0, 0)
     h_strides = (hpart.stride(0), hpart.stride(1)) if splits > 1 else (0, 0)
     w_desc = tma_reasons(tile, w13, (2 if gated else 1) * inter, None, quant_args)[1] is None
-    w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
+    if w_desc and tile.one_dot:  # [2L, I, H]: a gate box over an up box (kernels ONE_DOT)
+        w_arg = _descriptor(w13, (2, tile.block_n, tile.block_k), rows=inter)
+    else:
+        w_arg = _descriptor(w13, (tile.block_n, tile.block_k)) if w_desc else w13
     direct = L.direct_kwargs()
     amax_args = {}
     if quant_args and "A_AMAX" in quant_args:  # for the kernel that finishes a (split-K: the act kernel)
@@ -898,7 +902,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0,
-        W_DESC=w_desc, **flags, **tile.as_kwargs(),
+        W_DESC=w_desc, ONE_DOT=tile.one_dot, **flags, **tile.as_kwargs(),
         **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
     if splits > 1:

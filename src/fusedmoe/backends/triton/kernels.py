@@ -517,6 +517,7 @@ def moe_gemm1_kernel(
     # row, XQ_WIDTH >= H wide, is read once for its amax, then each K step's codes are made from
     # its x tile (times the slot's router weight first: XQ_ROW_W)
     FUSE_XQ: tl.constexpr = False, XQ_WIDTH: tl.constexpr = 128, XQ_ROW_W: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -527,6 +528,13 @@ def moe_gemm1_kernel(
     [BLOCK_N, BLOCK_K] boxes: the gate tile at row e*G + n0, the up tile at e*G + I + n0. Tail
     tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
     the store; past H the box is zero-filled.
+    ONE_DOT (TileConfig.one_dot; unquantized, gated): the gate tile and the up tile are one
+    [2*BLOCK_N, BLOCK_K] operand (gate rows over up rows) of one dot per K step, and the
+    accumulator's two halves are gate and up. With W_DESC, w13_ptr is a 3D descriptor over w13
+    viewed [2L, I, H] with [2, BLOCK_N, BLOCK_K] boxes at (2e, n0, k0), zero-filled past I and H.
+    One wgmma of twice the width replaces two (H200, GEMM1 alone, 128 x 2*128 x 64, 8 warps:
+    gpt-oss-120b M=4096 1608 -> 1425 us, Mixtral M=1024 978 -> 905 us;
+    benchmarks/bench_interleaved_gemm1.py, results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt).
     """
     tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     tl.static_assert(not FUSE_XQ or (DIRECT and QUANT == Q_CHANNEL), "FUSE_XQ: direct per-token W8A8")
@@ -560,6 +568,14 @@ def moe_gemm1_kernel(
         w_base = w13_ptr + expert * stride_we
         wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
         wu_ptrs = wg_ptrs + inter * stride_wn
+    if ONE_DOT:
+        tl.static_assert(GATED and QUANT == Q_NONE, "ONE_DOT: the unquantized gated GEMM1")
+        j = tl.arange(0, 2 * BLOCK_N) % BLOCK_N
+        n_ok2 = pid_n * BLOCK_N + j < inter  # both halves' rows inside I
+        if not W_DESC:  # gate rows n0 + j, then up rows I + n0 + j
+            offs_w = tl.where(tl.arange(0, 2 * BLOCK_N) < BLOCK_N, 0, inter) + pid_n * BLOCK_N + j
+            w_ptrs = w_base + offs_w[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
     if FUSE_XQ:  # the slot's token row and its scale
@@ -592,6 +608,17 @@ def moe_gemm1_kernel(
                                    k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty,
                                    PTX_DECODE)
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE, False), IEEE, False)
+        elif ONE_DOT:
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_DESC:
+                w = w13_ptr.load([2 * expert.to(tl.int32), pid_n * BLOCK_N, k0])
+                w = tl.reshape(w, (2 * BLOCK_N, BLOCK_K)).T
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok2[None, :], other=0.0)
+                w_ptrs += BLOCK_K * stride_wh
+            acc = _dot(xa, w, acc, IEEE, False)
+            x_ptrs += BLOCK_K * stride_xh
         else:
             k_ok = offs_k < k_end - k0
             if FUSE_XQ:
@@ -637,6 +664,8 @@ def moe_gemm1_kernel(
                 wg_ptrs += BLOCK_K * stride_wh
                 wu_ptrs += BLOCK_K * stride_wh
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
+    if ONE_DOT:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 * BLOCK_N) up
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)

@@ -53,6 +53,11 @@ class TileConfig:
     # results/2026-11-25_h200_eb0ebd3_persistent_flatten_gemm2.txt): DeepSeek-V3 489 -> 417 us
     # (3 stages), gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215 (4 stages)
     persistent: bool = False
+    # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
+    # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,
+    # GEMM1 alone, 128 x 2*128 x 64, 8 warps: gpt-oss-120b M=4096 1608 -> 1425 us
+    # (results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt)
+    one_dot: bool = False
 
     def as_kwargs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
@@ -61,8 +66,11 @@ class TileConfig:
     def as_list(self) -> list:
         """The tuned-table form: [block_m, block_n, block_k, num_warps, num_stages, split_k], with
         swap_ab appended when it is set, swap_ab (true / false / null) then group_m when group_m
-        is not the default GROUP_M, and swap_ab, group_m, true when the tile is persistent."""
+        is not the default GROUP_M, swap_ab, group_m, persistent when the tile is persistent, and
+        swap_ab, group_m, persistent, true when it runs one dot (one_dot)."""
         values = [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k]
+        if self.one_dot:
+            return [*values, self.swap_ab, self.group_m, self.persistent, True]
         if self.persistent:
             return [*values, self.swap_ab, self.group_m, True]
         if self.group_m != GROUP_M:
@@ -124,6 +132,13 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
     if tile.persistent and (quant is not None or allow_split or operands != 1):
         return ("persistent=True: only the aligned path's unquantized GEMM2 runs a persistent launch "
                 "(kernels.moe_gemm2_kernel PERSISTENT)")
+    if not isinstance(tile.one_dot, bool):
+        return f"one_dot={tile.one_dot!r} must be true or false"
+    if tile.one_dot and (quant is not None or operands != 2):
+        return ("one_dot=True: only the unquantized gated GEMM1 runs gate and up as one dot "
+                "(kernels.moe_gemm1_kernel ONE_DOT)")
+    if tile.one_dot and 2 * tile.block_n > 256:
+        return f"one_dot=True: block_n={tile.block_n} makes a {2 * tile.block_n}-row weight tile (at most 256)"
     if not _pow2(tile.group_m) or tile.group_m > MAX_GROUP_M:
         return f"group_m={tile.group_m} must be a power of two in [1, {MAX_GROUP_M}]"
     if tile.num_warps not in (1, 2, 4, 8, 16):

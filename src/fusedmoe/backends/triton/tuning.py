@@ -122,17 +122,19 @@ def _int(value: object) -> int:
 
 def _tile(values: object) -> TileConfig:
     # 5 or 6 integers (split_k defaults to 1), then an optional true/false/null swap_ab, then an
-    # optional group_m, then an optional true/false persistent (TileConfig.as_list)
-    if not isinstance(values, list) or not 5 <= len(values) <= 9:
-        raise TypeError(f"{values!r} is not a tile list of 5-9 values")
+    # optional group_m, then an optional true/false persistent, then an optional true/false
+    # one_dot (TileConfig.as_list)
+    if not isinstance(values, list) or not 5 <= len(values) <= 10:
+        raise TypeError(f"{values!r} is not a tile list of 5-10 values")
     swap = values[6] if len(values) >= 7 else None
     if swap is not None and not isinstance(swap, bool):
         raise TypeError(f"swap_ab={swap!r} is not true/false")
     extra = {"group_m": _int(values[7])} if len(values) >= 8 else {}
-    if len(values) == 9:
-        if not isinstance(values[8], bool):
-            raise TypeError(f"persistent={values[8]!r} is not true/false")
-        extra["persistent"] = values[8]
+    for i, name in ((8, "persistent"), (9, "one_dot")):
+        if len(values) > i:
+            if not isinstance(values[i], bool):
+                raise TypeError(f"{name}={values[i]!r} is not true/false")
+            extra[name] = values[i]
     return TileConfig(*map(_int, values[:6]), swap_ab=swap, **extra)
 
 

@@ -19,6 +19,7 @@ same alignment (relative error), then timed over rotated w13 copies (CUDA-graph 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -35,10 +36,15 @@ def interleaved_gemm1_kernel(
     num_slots, top_k, hidden, inter, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ar, stride_ai,
     ACT: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STACKED: tl.constexpr = False,
 ):
     """a[r, n] = act(gate, up) of x[token(r)] @ w13i[e]^T for one row block and BLOCK_N outputs:
-    w13i rows 2n and 2n + 1 are gate and up row n (unbiased, router weight on the output)."""
+    w13i rows 2n and 2n + 1 are gate and up row n (unbiased, router weight on the output).
+
+    STACKED: w is the library's w13 ([E, 2I, H], gate rows then up rows), read as one
+    [2, BLOCK_N, BLOCK_K] box of its [2E, I, H] view (the gate tile over the up tile; a 3D TMA
+    box on sm90, zero past I), so the one wide dot needs no weight layout change; the
+    accumulator's halves are gate and up."""
     num_n = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -46,7 +52,13 @@ def interleaved_gemm1_kernel(
     expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     x_row = (slot // top_k).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # this tile's interleaved rows
+    j = tl.arange(0, 2 * BLOCK_N)
+    if STACKED:  # this tile's gate rows, then its up rows
+        offs_w = tl.where(j < BLOCK_N, pid_n * BLOCK_N + j, inter + pid_n * BLOCK_N + j - BLOCK_N)
+        w_ok = pid_n * BLOCK_N + j % BLOCK_N < inter
+    else:  # this tile's interleaved rows
+        offs_w = pid_n * 2 * BLOCK_N + j
+        w_ok = offs_w < 2 * inter
     x_ptrs = x_ptr + x_row[:, None] * stride_xt + offs_k[None, :] * stride_xh
     if W_DESC:
         w_row = (expert * 2 * inter + pid_n * 2 * BLOCK_N).to(tl.int32)
@@ -56,27 +68,38 @@ def interleaved_gemm1_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
+        if W_DESC and STACKED:
+            ww = tl.reshape(w_ptr.load([2 * expert.to(tl.int32), pid_n * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T
+        elif W_DESC:
             ww = w_ptr.load([w_row, k0]).T
         else:
-            ww = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_w < 2 * inter)[None, :], other=0.0)
+            ww = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wh
         acc = tl.dot(xa, ww, acc)
         x_ptrs += BLOCK_K * stride_xh
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if STACKED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     act = _activation(gate, up, alpha, limit, ACT, False)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=(offs_n < inter)[None, :])  # padding rows are rows of a
 
 
-def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool):
+def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool, stacked: bool = False):
     from fusedmoe.activations import SWIGLUOAI_LIMIT
     from fusedmoe.backends.triton.experts import ACT_CODES, _descriptor
 
     x, a = L.x, L.a
     inter, hidden = a.shape[1], x.shape[1]
-    w_arg = _descriptor(w13i, (2 * tile.block_n, tile.block_k)) if tma else w13i
+    if tma and stacked:  # the [2E, I, H] view, [2, BLOCK_N, BLOCK_K] boxes
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        view = w13i.view(-1, inter, hidden)
+        w_arg = TensorDescriptor(view, list(view.shape), list(view.stride()), [2, tile.block_n, tile.block_k])
+    else:
+        w_arg = _descriptor(w13i, (2 * tile.block_n, tile.block_k)) if tma else w13i
     limit = SWIGLUOAI_LIMIT if L.activation == "swigluoai" else 0.0
     blocks = L.sorted_slot.numel() // tile.block_m
     interleaved_gemm1_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
@@ -84,7 +107,8 @@ def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool):
         float(L.swiglu_alpha), float(limit),
         x.stride(0), x.stride(1), w13i.stride(0), w13i.stride(1), w13i.stride(2), a.stride(0), a.stride(1),
         ACT=ACT_CODES[L.activation], GROUP_M=tile.group_m, W_DESC=tma, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STACKED=stacked, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 
@@ -95,7 +119,8 @@ def variants(block_m: int) -> list[tuple[int, int, int, int]]:
     return [(32, 128, 4, 4), (64, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4)]
 
 
-def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bool, flops: int) -> list[dict]:
+def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bool, flops: int,
+              forms: tuple[str, ...] = ("interleaved", "stacked", "library")) -> list[dict]:
     """The library's GEMM1 (its output the reference) and each interleaved tile on one alignment L,
     checked and (timed) over the rotated w13 copies."""
     from fusedmoe.backends.triton.experts import launch_gemm1
@@ -109,10 +134,17 @@ def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bo
     def calls(fn, ws):
         return [lambda w=w: (fn(w), L.a[:live])[1] for w in ws]
 
-    cells = [("library " + str(t1.as_list()), calls(lambda w: launch_gemm1(L, w, None, t1), w13s))]
-    for tile in tiles:
-        label = f"interleaved {tile.block_m}x{2 * tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
-        cells.append((label, calls(lambda w, tile=tile: interleaved_call(L, w, tile, tma=tma), w13is)))
+    plan = ("plan " + str(t1.as_list()), calls(lambda w: launch_gemm1(L, w, None, t1), w13s))
+    cells = [plan]
+    for form in forms:
+        for tile in tiles:
+            label = f"{form} {tile.block_m}x{2 * tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
+            if form == "library":  # the library's own launch of the tile with one_dot set
+                fn = lambda w, t=dataclasses.replace(tile, one_dot=True): launch_gemm1(L, w, None, t)  # noqa: E731
+            else:
+                fn = lambda w, tile=tile, st=form == "stacked": interleaved_call(L, w, tile, tma=tma, stacked=st)  # noqa: E731
+            cells.append((label, calls(fn, w13s if form != "interleaved" else w13is)))
+    cells.append(("plan again", plan[1]))  # drift over the case
     poison = lambda first: L.a.fill_(float("nan")) if first else None  # noqa: E731 (before the checked calls)
     return check_variants(f"{name:16s} M={L.x.shape[0]:<5d}", cells,
                           lambda c: check_and_time(c, ref, timed=timed, poison=poison),
@@ -129,6 +161,9 @@ def main() -> int:
     parser.add_argument("--presets", default="gpt-oss-120b,mixtral-8x7b,qwen3-30b-a3b,deepseek-v3")
     parser.add_argument("--tokens", default="64,1024,4096")
     parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--forms", default="interleaved,stacked,library",
+                        help="which one-dot forms to run (library: the library's GEMM1 with TileConfig.one_dot)")
+    parser.add_argument("--wide", action="store_true", help="only the 2*BLOCK_N = 256 tiles at >= 64 rows")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -150,9 +185,9 @@ def main() -> int:
               choose_tiles(GemmProblem(t * K, E, H, inter, K, True, dtype), device)[0])
         L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, SWIGLUOAI_ALPHA, None, t1.block_m)
         tiles = ([TileConfig(16, 16, 32, 4, 1), TileConfig(16, 32, 16, 4, 2)] if smoke else
-                 [TileConfig(t1.block_m, *v) for v in variants(t1.block_m)])
+                 [TileConfig(t1.block_m, *v) for v in variants(t1.block_m) if not args.wide or v[0] == 128])
         rows += case_rows(name, L, t1, [w13 for w13, _ in weights], tiles, tma=tma, timed=not smoke,
-                          flops=2 * t * K * H * 2 * inter)
+                          flops=2 * t * K * H * 2 * inter, forms=tuple(args.forms.split(",")))
     return finish_variants(rows, args.json, device)
 
 

@@ -1,6 +1,6 @@
 """Would a GEMM1 over w13 with gate and up rows interleaved beat the library's gated GEMM1? (H100/H200)
 
-    python benchmarks/bench_interleaved_gemm1.py [--presets a,b] [--tokens 64,1024,4096] [--json out.json]
+    python benchmarks/bench_interleaved_gemm1.py [--presets a,b] [--tokens 64,1024,4096] [--forms library] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/bench_interleaved_gemm1.py --smoke
 
 The library's gated GEMM1 (`kernels.moe_gemm1_kernel`) loads a gate tile and an up tile per K step
@@ -14,6 +14,14 @@ once at load), one [2*BLOCK_N, BLOCK_K] weight tile per K step (a TMA descriptor
 2*BLOCK_N <= 256), the activation on the split halves, the [rows, I] intermediate stored as the
 library stores it. Each variant's output is checked against the library's GEMM1 output on the
 same alignment (relative error), then timed over rotated w13 copies (CUDA-graph replay, median).
+
+Forms (--forms): `interleaved` (the permuted w13 above), `stacked` (w13 as the library stores it,
+read as one [2, BLOCK_N, BLOCK_K] box of its [2E, I, H] view: no layout change) and `library`
+(the library's own GEMM1 launch with `TileConfig.one_dot`, the stacked form merged). The plan's
+two-dot tile is timed first and again last, to show the drift over a case. H200, library form
+(results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt): gpt-oss-120b M=4096 1624-1659 -> 1475 us,
+Mixtral M=4096 3474-3527 -> 3192, Mixtral M=1024 985-1094 -> 938, Qwen3-30B M=4096 457-501 -> 438;
+level at the other M=1024 cells, behind at DeepSeek-V3 M=4096 (I = 256).
 """
 
 from __future__ import annotations
@@ -140,7 +148,8 @@ def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bo
         for tile in tiles:
             label = f"{form} {tile.block_m}x{2 * tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
             if form == "library":  # the library's own launch of the tile with one_dot set
-                fn = lambda w, t=dataclasses.replace(tile, one_dot=True): launch_gemm1(L, w, None, t)  # noqa: E731
+                one = dataclasses.replace(tile, one_dot=True)
+                fn = lambda w, t=one: launch_gemm1(L, w, None, t)  # noqa: E731
             else:
                 fn = lambda w, tile=tile, st=form == "stacked": interleaved_call(L, w, tile, tma=tma, stacked=st)  # noqa: E731
             cells.append((label, calls(fn, w13s if form != "interleaved" else w13is)))

@@ -59,7 +59,7 @@ GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8
 # tile in 8 warps, 3 stages (TileConfig.persistent: the best of its family at M=4096 on the H200,
 # results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt), and GEMM1's from the one-dot
 # BLOCK_M x 2*128 x 64 tile in 8 warps, 4 stages (TileConfig.one_dot,
-# results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt); every descent may toggle either
+# results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt); every descent may toggle either
 WIDE_START_BLOCK_MS = (64, 128)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)

@@ -533,8 +533,8 @@ def moe_gemm1_kernel(
     accumulator's two halves are gate and up. With W_DESC, w13_ptr is a 3D descriptor over w13
     viewed [2L, I, H] with [2, BLOCK_N, BLOCK_K] boxes at (2e, n0, k0), zero-filled past I and H.
     One wgmma of twice the width replaces two (H200, GEMM1 alone, 128 x 2*128 x 64, 8 warps:
-    gpt-oss-120b M=4096 1608 -> 1425 us, Mixtral M=1024 978 -> 905 us;
-    benchmarks/bench_interleaved_gemm1.py, results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt).
+    gpt-oss-120b M=4096 1624-1659 -> 1475 us, Mixtral M=4096 3474-3527 -> 3192 us;
+    benchmarks/bench_interleaved_gemm1.py --forms library, results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt).
     """
     tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
     tl.static_assert(not FUSE_XQ or (DIRECT and QUANT == Q_CHANNEL), "FUSE_XQ: direct per-token W8A8")

@@ -55,8 +55,8 @@ class TileConfig:
     persistent: bool = False
     # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
     # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,
-    # GEMM1 alone, 128 x 2*128 x 64, 8 warps: gpt-oss-120b M=4096 1608 -> 1425 us
-    # (results/2026-11-26_h200_60e5cab_one_dot_gemm1.txt)
+    # GEMM1 alone, 128 x 2*128 x 64, 8 warps: gpt-oss-120b M=4096 1624-1659 -> 1475 us
+    # (results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt)
     one_dot: bool = False
 
     def as_kwargs(self) -> dict:

@@ -624,7 +624,7 @@ def test_tuned_table_parse_and_nearest():
     # swap_ab, a tile's optional 7th value: W8A8 only, true / false
     (_entry(1, g1=(16, 32, 128, 4, 4, 1, True)), "gemm1 .*: swap_ab=True: only the W8A8 GEMMs swap"),
     (_entry(1, g2=(16, 64, 64, 4, 4, 1, 1), quant="fp8_w8a8_block"), "malformed.*swap_ab=1 is not true/false"),
-    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 8, 0, 0)), "malformed.*not a tile list"),
+    (_entry(1, g2=(16, 64, 64, 4, 4, 1, True, 8, False, False, 0)), "malformed.*not a tile list"),
     # group_m, the optional 8th value (after swap_ab, null for the rule's): a power of two <= 64
     (_entry(1, g2=(16, 64, 64, 4, 4, 1, None, 0)), "gemm2 .*: group_m=0 must be a power of two in \\[1, 64\\]"),
     (_entry(1, g1=(16, 64, 64, 4, 4, 1, None, 128)), "gemm1 .*: group_m=128 must be a power of two"),

@@ -1211,6 +1211,27 @@ def test_grouped_program_order_covers_every_tile(group_m):
     assert rel_err(out, ref) < 1e-5
 
 
+def _seven_experts(seed: int, T: int, bias: bool) -> tuple:
+    """x, w13, w2, b13, b2, weights, ids on E = 7 experts (expert 3 gets no token), K = 2, with
+    tail N and K tiles for 16-32 wide tiles (H = 72, I = 40); biases when `bias`."""
+    gen = torch.Generator().manual_seed(seed)
+    E, K, H, I = 7, 2, 72, 40
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 3] = -1e9  # expert 3 gets no token
+    weights, ids = select_experts(x, logits, K)
+    return x, w13, w2, b13, b2, weights, ids
+
+
+def _ref_f64(x, w13, w2, b13, b2, weights, ids, act: str, on_input: bool) -> torch.Tensor:
+    """fused_experts_ref in float64 (biases when given)."""
+    return fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation=act,
+                             w13_bias_LG=None if b13 is None else b13.double(),
+                             w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
+
+
 @pytest.mark.parametrize("bias,on_input,programs", [(False, False, 1), (True, False, 3), (True, True, 5)],
                          ids=["plain-1", "bias-3", "bias-on-input-5"])
 def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias, on_input, programs):
@@ -1219,14 +1240,8 @@ def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias,
     same tiles, the same K order), on E = 7 experts (one with no tokens, padded row blocks, tail
     N and K tiles: H = 72, I = 40), with biases and the routed weight on the input or the output."""
     monkeypatch.setattr(experts_mod, "_num_sms", lambda device: programs)
-    gen = torch.Generator().manual_seed(70 + programs)
-    T, E, K, H, I = 37, 7, 2, 72, 40
-    x = torch.randn(T, H, generator=gen)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
-    b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
-    logits = torch.randn(T, E, generator=gen)
-    logits[:, 3] = -1e9  # expert 3 gets no token
-    weights, ids = select_experts(x, logits, K)
+    x, w13, w2, b13, b2, weights, ids = problem = _seven_experts(70 + programs, 37, bias)
+    E = w13.shape[0]
     t1 = TileConfig(16, 16, 32, 4, 2)
     outs = []
     for persistent in (False, True):
@@ -1236,10 +1251,7 @@ def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias,
                        out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation="silu",
-                            w13_bias_LG=None if b13 is None else b13.double(),
-                            w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
-    assert rel_err(outs[1], ref) < 1e-5
+    assert rel_err(outs[1], _ref_f64(*problem, "silu", on_input)) < 1e-5
 
 
 def test_persistent_tile_predicate_and_table_round_trip():
@@ -1277,14 +1289,8 @@ def test_one_dot_gemm1_matches_two_dots(act, bias, on_input, split, direct):
     accumulator split after the K loop) against the two-dot launch and the reference: E = 7 (one
     expert with no tokens), a tail N tile (I = 40 over 16-wide tiles) and a K tail (H = 72), with
     biases, the routed weight on the input, split-K partials and the direct decode path."""
-    gen = torch.Generator().manual_seed(80 + split + 2 * direct)
-    T, E, K, H, I = (3 if direct else 37), 7, 2, 72, 40
-    x = torch.randn(T, H, generator=gen)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
-    b13, b2 = (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
-    logits = torch.randn(T, E, generator=gen)
-    logits[:, 3] = -1e9  # expert 3 gets no token
-    weights, ids = select_experts(x, logits, K)
+    x, w13, w2, b13, b2, weights, ids = problem = _seven_experts(80 + split + 2 * direct, 3 if direct else 37, bias)
+    E = w13.shape[0]
     t2 = TileConfig(16, 32, 16, 4, 2)
     outs = []
     for one_dot in (False, True):
@@ -1293,11 +1299,8 @@ def test_one_dot_gemm1_matches_two_dots(act, bias, on_input, split, direct):
         triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=(t1, t2),
                        out=out, direct=direct)
         outs.append(out)
-    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids, activation=act,
-                            w13_bias_LG=None if b13 is None else b13.double(),
-                            w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
     assert rel_err(outs[1], outs[0]) < 1e-6
-    assert rel_err(outs[1], ref) < 1e-5
+    assert rel_err(outs[1], _ref_f64(*problem, act, on_input)) < 1e-5
 
 
 def test_one_dot_tile_predicate_and_table_round_trip():

@@ -15,9 +15,9 @@ once at load), one [2*BLOCK_N, BLOCK_K] weight tile per K step (a TMA descriptor
 library stores it. Each variant's output is checked against the library's GEMM1 output on the
 same alignment (relative error), then timed over rotated w13 copies (CUDA-graph replay, median).
 
-Forms (--forms): `interleaved` (the permuted w13 above), `stacked` (w13 as the library stores it,
-read as one [2, BLOCK_N, BLOCK_K] box of its [2E, I, H] view: no layout change) and `library`
-(the library's own GEMM1 launch with `TileConfig.one_dot`, the stacked form merged). The plan's
+Forms (--forms): `interleaved` (the permuted w13 above) and `library` (the library's own GEMM1
+launch with `TileConfig.one_dot`: w13 as stored, the gate tile over the up tile as one
+[2, BLOCK_N, BLOCK_K] box of its [2E, I, H] view, so no layout change). The plan's
 two-dot tile is timed first and again last, to show the drift over a case. H200, library form
 (results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt): gpt-oss-120b M=4096 1624-1659 -> 1475 us,
 Mixtral M=4096 3474-3527 -> 3192, Mixtral M=1024 985-1094 -> 938, Qwen3-30B M=4096 457-501 -> 438;
@@ -44,15 +44,10 @@ def interleaved_gemm1_kernel(
     num_slots, top_k, hidden, inter, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ar, stride_ai,
     ACT: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STACKED: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """a[r, n] = act(gate, up) of x[token(r)] @ w13i[e]^T for one row block and BLOCK_N outputs:
-    w13i rows 2n and 2n + 1 are gate and up row n (unbiased, router weight on the output).
-
-    STACKED: w is the library's w13 ([E, 2I, H], gate rows then up rows), read as one
-    [2, BLOCK_N, BLOCK_K] box of its [2E, I, H] view (the gate tile over the up tile; a 3D TMA
-    box on sm90, zero past I), so the one wide dot needs no weight layout change; the
-    accumulator's halves are gate and up."""
+    w13i rows 2n and 2n + 1 are gate and up row n (unbiased, router weight on the output)."""
     num_n = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -60,13 +55,7 @@ def interleaved_gemm1_kernel(
     expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     x_row = (slot // top_k).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    j = tl.arange(0, 2 * BLOCK_N)
-    if STACKED:  # this tile's gate rows, then its up rows
-        offs_w = tl.where(j < BLOCK_N, pid_n * BLOCK_N + j, inter + pid_n * BLOCK_N + j - BLOCK_N)
-        w_ok = pid_n * BLOCK_N + j % BLOCK_N < inter
-    else:  # this tile's interleaved rows
-        offs_w = pid_n * 2 * BLOCK_N + j
-        w_ok = offs_w < 2 * inter
+    offs_w = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # this tile's interleaved rows
     x_ptrs = x_ptr + x_row[:, None] * stride_xt + offs_k[None, :] * stride_xh
     if W_DESC:
         w_row = (expert * 2 * inter + pid_n * 2 * BLOCK_N).to(tl.int32)
@@ -76,38 +65,27 @@ def interleaved_gemm1_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC and STACKED:
-            ww = tl.reshape(w_ptr.load([2 * expert.to(tl.int32), pid_n * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T
-        elif W_DESC:
+        if W_DESC:
             ww = w_ptr.load([w_row, k0]).T
         else:
-            ww = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+            ww = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_w < 2 * inter)[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wh
         acc = tl.dot(xa, ww, acc)
         x_ptrs += BLOCK_K * stride_xh
-    if STACKED:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    else:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     act = _activation(gate, up, alpha, limit, ACT, False)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_ar + offs_n[None, :] * stride_ai
     tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=(offs_n < inter)[None, :])  # padding rows are rows of a
 
 
-def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool, stacked: bool = False):
+def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool):
     from fusedmoe.activations import SWIGLUOAI_LIMIT
     from fusedmoe.backends.triton.experts import ACT_CODES, _descriptor
 
     x, a = L.x, L.a
     inter, hidden = a.shape[1], x.shape[1]
-    if tma and stacked:  # the [2E, I, H] view, [2, BLOCK_N, BLOCK_K] boxes
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        view = w13i.view(-1, inter, hidden)
-        w_arg = TensorDescriptor(view, list(view.shape), list(view.stride()), [2, tile.block_n, tile.block_k])
-    else:
-        w_arg = _descriptor(w13i, (2 * tile.block_n, tile.block_k)) if tma else w13i
+    w_arg = _descriptor(w13i, (2 * tile.block_n, tile.block_k)) if tma else w13i
     limit = SWIGLUOAI_LIMIT if L.activation == "swigluoai" else 0.0
     blocks = L.sorted_slot.numel() // tile.block_m
     interleaved_gemm1_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
@@ -115,8 +93,7 @@ def interleaved_call(L, w13i: torch.Tensor, tile, *, tma: bool, stacked: bool = 
         float(L.swiglu_alpha), float(limit),
         x.stride(0), x.stride(1), w13i.stride(0), w13i.stride(1), w13i.stride(2), a.stride(0), a.stride(1),
         ACT=ACT_CODES[L.activation], GROUP_M=tile.group_m, W_DESC=tma, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STACKED=stacked, num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
@@ -128,7 +105,7 @@ def variants(block_m: int) -> list[tuple[int, int, int, int]]:
 
 
 def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bool, flops: int,
-              forms: tuple[str, ...] = ("interleaved", "stacked", "library")) -> list[dict]:
+              forms: tuple[str, ...] = ("interleaved", "library")) -> list[dict]:
     """The library's GEMM1 (its output the reference) and each interleaved tile on one alignment L,
     checked and (timed) over the rotated w13 copies."""
     from fusedmoe.backends.triton.experts import launch_gemm1
@@ -151,8 +128,8 @@ def case_rows(name: str, L, t1, w13s: list, tiles: list, *, tma: bool, timed: bo
                 one = dataclasses.replace(tile, one_dot=True)
                 fn = lambda w, t=one: launch_gemm1(L, w, None, t)  # noqa: E731
             else:
-                fn = lambda w, tile=tile, st=form == "stacked": interleaved_call(L, w, tile, tma=tma, stacked=st)  # noqa: E731
-            cells.append((label, calls(fn, w13s if form != "interleaved" else w13is)))
+                fn = lambda w, tile=tile: interleaved_call(L, w, tile, tma=tma)  # noqa: E731
+            cells.append((label, calls(fn, w13s if form == "library" else w13is)))
     cells.append(("plan again", plan[1]))  # drift over the case
     poison = lambda first: L.a.fill_(float("nan")) if first else None  # noqa: E731 (before the checked calls)
     return check_variants(f"{name:16s} M={L.x.shape[0]:<5d}", cells,
@@ -170,7 +147,7 @@ def main() -> int:
     parser.add_argument("--presets", default="gpt-oss-120b,mixtral-8x7b,qwen3-30b-a3b,deepseek-v3")
     parser.add_argument("--tokens", default="64,1024,4096")
     parser.add_argument("--copies", type=int, default=4)
-    parser.add_argument("--forms", default="interleaved,stacked,library",
+    parser.add_argument("--forms", default="interleaved,library",
                         help="which one-dot forms to run (library: the library's GEMM1 with TileConfig.one_dot)")
     parser.add_argument("--wide", action="store_true", help="only the 2*BLOCK_N = 256 tiles at >= 64 rows")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")

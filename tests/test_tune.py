@@ -347,53 +347,38 @@ def test_descent_moves_the_aligned_program_order():
     assert all(tile.group_m == GROUP_M for kind, tile in seen if kind.startswith("direct"))
 
 
-def test_descent_toggles_the_persistent_gemm2():
-    """The aligned unquantized GEMM2's descent toggles a persistent launch (written as the tile's
-    9th value when it wins); GEMM1 and the direct path never time one, and W8A8 GEMM2 neither
-    (its predicate refuses it)."""
+@pytest.mark.parametrize("field,gemm,index,allow,other_allow,refusers", [
+    ("persistent", "gemm2", 8, dict(allow_split=False, allow_persistent=True),
+     dict(allow_split=True, allow_group=True), (dict(quant="int8_w8a8"),)),
+    ("one_dot", "gemm1", 9, dict(allow_split=True, allow_one_dot=True),
+     dict(allow_split=False, allow_persistent=True), (dict(quant="int8_w8a8"), dict(activation="gelu_no_mul"))),
+], ids=["persistent-gemm2", "one-dot-gemm1"])
+def test_descent_toggles_a_wide_tile(field, gemm, index, allow, other_allow, refusers):
+    """The aligned unquantized GEMM2's descent toggles a persistent launch and the gated GEMM1's
+    one dot over gate and up (written as the tile's 9th / 10th value when it wins); the other
+    GEMM and the direct path never time it, and neither do the W8A8 GEMMs (the predicate refuses
+    it) nor, for one dot, an ungated GEMM1."""
     from fusedmoe.tune import _neighbours, tune_shape
 
     tile = TileConfig(64, 128, 64, 4, 4)
-    assert [t for t in _neighbours(tile, False, allow_persistent=True) if t.persistent] == [
-        TileConfig(64, 128, 64, 4, 4, persistent=True)]
-    assert not any(t.persistent for t in _neighbours(tile, True, allow_group=True))
+    assert [t for t in _neighbours(tile, **allow) if getattr(t, field)] == [
+        TileConfig(64, 128, 64, 4, 4, **{field: True})]
+    assert not any(getattr(t, field) for t in _neighbours(tile, **other_allow))
     cpu = torch.device("cpu")
     shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu)
     flat = lambda us: lambda tile: us  # noqa: E731
-    costs = {"gemm1": flat(30.0), "gemm2": lambda tile: 20.0 if tile.persistent else 30.0, "align": flat(5.0),
+    costs = {"gemm1": flat(30.0), "gemm2": flat(30.0), "align": flat(5.0),
              "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
+    costs[gemm] = lambda tile: 20.0 if getattr(tile, field) else 30.0
     seen = []
     [entry] = tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen))
-    assert entry["path"] == "aligned" and entry["gemm2"][8] is True and len(entry["gemm1"]) == 6
-    assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
-    seen = []
-    tune_shape(**shape, tokens_list=[40], quant="int8_w8a8", timer=_model_timer(costs, seen))
-    assert not any(tile.persistent for kind, tile in seen if kind != "align")
-
-
-def test_descent_toggles_the_one_dot_gemm1():
-    """The aligned unquantized gated GEMM1's descent toggles one dot over gate and up (written as
-    the tile's 10th value when it wins); GEMM2 never times one, and neither do the W8A8 GEMMs
-    (the predicate refuses it) nor an ungated GEMM1."""
-    from fusedmoe.tune import _neighbours, tune_shape
-
-    tile = TileConfig(64, 128, 64, 4, 4)
-    assert [t for t in _neighbours(tile, True, allow_one_dot=True) if t.one_dot] == [
-        TileConfig(64, 128, 64, 4, 4, one_dot=True)]
-    assert not any(t.one_dot for t in _neighbours(tile, False, allow_persistent=True))
-    cpu = torch.device("cpu")
-    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu)
-    flat = lambda us: lambda tile: us  # noqa: E731
-    costs = {"gemm1": lambda tile: 20.0 if tile.one_dot else 30.0, "gemm2": flat(30.0), "align": flat(5.0),
-             "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
-    seen = []
-    [entry] = tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen))
-    assert entry["path"] == "aligned" and entry["gemm1"][9] is True and len(entry["gemm2"]) == 6
-    assert not any(tile.one_dot for kind, tile in seen if kind != "gemm1")
-    for kw in (dict(quant="int8_w8a8"), dict(activation="gelu_no_mul")):
+    other = "gemm1" if gemm == "gemm2" else "gemm2"
+    assert entry["path"] == "aligned" and entry[gemm][index] is True and len(entry[other]) == 6
+    assert not any(getattr(tile, field) for kind, tile in seen if kind != gemm)
+    for kw in refusers:
         seen = []
         tune_shape(**shape, tokens_list=[40], timer=_model_timer(costs, seen), **kw)
-        assert not any(tile.one_dot for kind, tile in seen if kind != "align"), kw
+        assert not any(getattr(tile, field) for kind, tile in seen if kind != "align"), kw
 
 
 def test_descent_from_a_start_that_does_not_compile():

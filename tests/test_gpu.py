@@ -320,6 +320,73 @@ def test_one_dot_gemm1(T, E, K, H, I, bias, on_input, act, block_m):
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("T,E,K,H,I,bias,on_input,act,one_dot,block_m", [
+    (2000, 7, 3, 1000, 296, True, False, "swigluoai", True, 128),  # K and N tails, an empty expert, biases
+    (4096, 256, 8, 7168, 256, False, False, "silu", True, 128),  # DeepSeek-V3 TP8's shape
+    (4096, 128, 4, 2880, 2880, True, False, "swigluoai", True, 128),  # gpt-oss-120b's
+    (1500, 16, 1, 5120, 256, True, True, "silu", True, 64),  # the routed weight on the input
+    (2000, 7, 3, 1000, 296, True, False, "silu", False, 128),  # two dots
+    (700, 9, 2, 1000, 296, True, False, "gelu_no_mul", False, 64),  # ungated
+])
+def test_persistent_gemm1(T, E, K, H, I, bias, on_input, act, one_dot, block_m):
+    """The persistent GEMM1 (TileConfig.persistent on GEMM1: one program per SM over every real
+    tile, in a flattened loop) gives bitwise the tile-per-program launch's output, one dot or
+    two, gated or not, matches the reference, and replays from a CUDA graph (the tile count is
+    read on the device)."""
+    from fusedmoe.activations import is_gated
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=19)
+    if not is_gated(act):  # [E, I, H]
+        w13, b13 = w13[:, :I].contiguous(), None if b13 is None else b13[:, :I].contiguous()
+    logits = torch.randn(T, E, device="cuda")
+    logits[:, 1] = -1e4  # expert 1 gets no token
+    w, ids = select_experts(x, logits, K, renormalize=not on_input)
+    t2 = TileConfig(block_m, 128, 64, 8, 3)
+    outs = {}
+    for persistent in (False, True):
+        tiles = (TileConfig(block_m, 128 if one_dot else 64, 64, 8, 4, one_dot=one_dot, persistent=persistent), t2)
+
+        def run(tiles=tiles):
+            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, on_input, 1.702, None,
+                                          tiles=tiles)
+
+        outs[persistent] = run()
+        if persistent:
+            assert torch.equal(replayed(run), outs[True])
+    assert torch.equal(outs[False], outs[True])
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act, apply_router_weight_on_input=on_input)
+    assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("T,bias,act", [(1, False, "silu"), (3, True, "swigluoai")])
+def test_one_dot_gemm1_direct(T, bias, act):
+    """The one-dot GEMM1 on the direct decode path (one slot per 16-row block, pointer loads)
+    matches the two-dot launch and the reference, and replays from a CUDA graph."""
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    E, K, H, I = 9, 3, 1000, 296  # K and N tails
+    x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=23)
+    w, ids = select_experts(x, torch.randn(T, E, device="cuda"), K)
+    t2 = TileConfig(16, 64, 128, 4, 3)
+    outs = {}
+    for one_dot in (False, True):
+        tiles = (TileConfig(16, 64, 128, 4, 3, one_dot=one_dot), t2)
+
+        def run(tiles=tiles):
+            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, False, 1.702, None,
+                                          tiles=tiles, direct=True)
+
+        outs[one_dot] = run()
+        if one_dot:
+            assert torch.equal(replayed(run), outs[True])
+    assert rel_err(outs[True], outs[False]) < 1e-3
+    ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act)
+    assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_direct_decode_on_presets(name):
     """The direct decode path (no alignment, GEMM2 with the top-k sum) against the reference and

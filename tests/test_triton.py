@@ -21,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from fusedmoe import MoEConfig, fused_experts_ref, knobs, select_experts  # noqa: E402
+from fusedmoe.activations import is_gated  # noqa: E402
 from fusedmoe.backends.triton import experts as experts_mod  # noqa: E402
 from fusedmoe.backends.triton.experts import (  # noqa: E402
     ALIGN_CHUNKED_MAX_SLOTS,
@@ -1254,28 +1255,60 @@ def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias,
     assert rel_err(outs[1], _ref_f64(*problem, "silu", on_input)) < 1e-5
 
 
+@pytest.mark.parametrize("act,one_dot,bias,on_input,programs", [
+    ("silu", True, False, False, 1), ("swigluoai", True, True, False, 3), ("silu", True, True, True, 5),
+    ("silu", False, True, False, 2), ("gelu_no_mul", False, True, False, 4),
+], ids=["one-dot-1", "one-dot-swigluoai-bias-3", "one-dot-bias-on-input-5", "two-dots-bias-2", "ungated-4"])
+def test_persistent_gemm1_matches_the_tile_per_program_launch(monkeypatch, act, one_dot, bias, on_input, programs):
+    """The persistent GEMM1 (TileConfig.persistent on GEMM1): `programs` programs stride over
+    every real (row block, N tile) tile in one loop, each running the tile-per-program body, so
+    the output is bitwise that launch's: one dot or two, gated or not, on E = 7 experts (one with
+    no tokens, padded row blocks, a tail N tile: I = 40 over 16-wide tiles, a K tail: H = 72),
+    with biases and the routed weight on the input."""
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: programs)
+    x, w13, w2, b13, b2, weights, ids = problem = _seven_experts(90 + programs, 37, bias)
+    if not is_gated(act):  # an ungated layer's w13 (and bias) is [E, I, H]
+        w13, b13 = w13[:, :40].contiguous(), None if b13 is None else b13[:, :40].contiguous()
+        problem = (x, w13, w2, b13, b2, weights, ids)
+    E = w13.shape[0]
+    t2 = TileConfig(16, 32, 16, 4, 2)
+    outs = []
+    for persistent in (False, True):
+        t1 = TileConfig(16, 16, 32, 4, 2, one_dot=one_dot, persistent=persistent)
+        out = torch.full_like(x, float("nan"))
+        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=(t1, t2),
+                       out=out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], _ref_f64(*problem, act, on_input)) < 1e-5
+
+
 def test_persistent_tile_predicate_and_table_round_trip():
-    """persistent runs on the aligned path's unquantized GEMM2 only (the predicate says so for
-    GEMM1, W8A8 / weight-only and the direct path); a table writes it as the 9th value, after
-    swap_ab and group_m, and reads it back."""
+    """persistent runs on the aligned path's unquantized GEMMs, GEMM1 with its K unsplit (the
+    predicate says so for split-K, W8A8 / weight-only and the direct path); a table writes it as
+    the 9th value, after swap_ab and group_m, and reads it back for either GEMM."""
     from fusedmoe.backends.triton.tiles import check_plan
     from fusedmoe.backends.triton.tuning import nearest, parse_table
 
     p = TileConfig(128, 256, 64, 8, 3, persistent=True)
     assert check_tile(p, dtype=torch.bfloat16) is None
-    only = "only the aligned path's unquantized GEMM2"
-    assert only in check_tile(p, dtype=torch.bfloat16, operands=2, allow_split=True)
+    assert check_tile(replace(p, block_n=128), dtype=torch.bfloat16, operands=2, allow_split=True) is None
+    only = "only the aligned path's unquantized GEMMs"
+    assert only in check_tile(replace(p, block_n=64, split_k=2), dtype=torch.bfloat16, operands=2, allow_split=True)
     assert only in check_tile(replace(p, block_n=128), dtype=torch.bfloat16, quant="channel")
-    assert only in check_plan(TileConfig(16, 64, 128), TileConfig(16, 64, 128, persistent=True), direct=True,
-                              dtype=torch.bfloat16, gated=True)
+    for t1, t2 in ((TileConfig(16, 64, 128), TileConfig(16, 64, 128, persistent=True)),
+                   (TileConfig(16, 64, 128, persistent=True), TileConfig(16, 64, 128))):
+        assert "the direct path runs one program per slot" in check_plan(t1, t2, direct=True, dtype=torch.bfloat16,
+                                                                          gated=True)
     assert "must be true or false" in check_tile(replace(p, persistent=1), dtype=torch.bfloat16)
     assert p.as_list() == [128, 256, 64, 8, 3, 1, None, 8, True]
     assert TileConfig(128, 256, 64, 8, 3).as_list() == [128, 256, 64, 8, 3, 1]
-    entry = _entry(4096, g1=(128, 64, 64, 8, 3), g2=tuple(p.as_list()))
-    _, t2 = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 4096)
-    assert t2 == p
-    with pytest.raises(ValueError, match="gemm1 .*only the aligned path's unquantized GEMM2"):
-        parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3, 1, None, 8, True), g2=(128, 64, 64, 8, 3))]), "t")
+    g1 = TileConfig(128, 128, 64, 8, 4, persistent=True, one_dot=True)
+    entry = _entry(4096, g1=tuple(g1.as_list()), g2=tuple(p.as_list()))
+    t1, t2 = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 4096)
+    assert (t1, t2) == (g1, p)
+    with pytest.raises(ValueError, match="gemm1 .*only the aligned path's unquantized GEMMs"):
+        parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3, 2, None, 8, True), g2=(128, 64, 64, 8, 3))]), "t")
     with pytest.raises(ValueError, match="malformed.*persistent=1 is not true/false"):
         parse_table(_table([_entry(4096, g2=(128, 64, 64, 8, 3, 1, None, 8, 1))]), "t")
 

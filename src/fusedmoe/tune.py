@@ -4,11 +4,12 @@ For each token count: draw uniform routing, then for block_m in {heuristic/2, he
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
 num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
-(their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMM2's
-toggles a persistent launch (`TileConfig.persistent`) and, at 64-128 row blocks, also starts from
-the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS). The aligned GEMM1's toggles
-one dot over gate and up (`TileConfig.one_dot`, unquantized gated only) and, at the same row
-blocks, also starts from the one-dot 2*128 x 64 tile in 8 warps and 4 stages.
+(their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMMs
+toggle a persistent launch (`TileConfig.persistent`; GEMM1 with K unsplit) and, at 64-128 row
+blocks, GEMM2 also starts from the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS). The
+aligned GEMM1's descent toggles one dot over gate and up (`TileConfig.one_dot`, unquantized gated
+only) and, at the same row blocks, also starts from the persistent one-dot 2*128 x 64 tile in 8
+warps and 4 stages.
 
 `search="grid"` (`fusedmoe tune --search grid`) first times every valid tile of GRID at each
 block_m and descends from the grid's best as well: a descent moves one parameter at a time and
@@ -58,8 +59,10 @@ GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8
 # Row blocks at which the aligned GEMM2's descent also starts from the persistent BLOCK_M x 256 x 64
 # tile in 8 warps, 3 stages (TileConfig.persistent: the best of its family at M=4096 on the H200,
 # results/2026-11-25_h200_27daab3_persistent_gemm2_library.txt), and GEMM1's from the one-dot
-# BLOCK_M x 2*128 x 64 tile in 8 warps, 4 stages (TileConfig.one_dot,
-# results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt); every descent may toggle either
+# BLOCK_M x 2*128 x 64 tile in 8 warps, 4 stages, persistent (TileConfig.one_dot,
+# results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt; persistent: the best of the one-dot variants
+# at DeepSeek-V3, gpt-oss-120b M=4096 and Qwen3-30B M=1024 on the H200,
+# results/2026-11-27_h200_67424e3_persistent_gemm1.txt); every descent may toggle either
 WIDE_START_BLOCK_MS = (64, 128)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
@@ -108,7 +111,7 @@ def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False,
     out = []
     if allow_swap:  # W8A8 fp8: SWAP_AB set either way (unset: quant.swap_ab's rule)
         out += [TileConfig(**{**tile.__dict__, "swap_ab": v}) for v in (False, True) if v != tile.swap_ab]
-    if allow_persistent:  # the aligned GEMM2: a persistent launch or not (the predicate decides where)
+    if allow_persistent:  # the aligned GEMMs: a persistent launch or not (the predicate decides where)
         out.append(TileConfig(**{**tile.__dict__, "persistent": not tile.persistent}))
     if allow_one_dot:  # the aligned GEMM1: gate and up in one dot or two (the predicate decides where)
         out.append(TileConfig(**{**tile.__dict__, "one_dot": not tile.one_dot}))
@@ -278,7 +281,7 @@ def tune_shape(
                 starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
-                starts1.append(TileConfig(block_m, 128, 64, 8, 4, one_dot=True))
+                starts1.append(TileConfig(block_m, 128, 64, 8, 4, persistent=True, one_dot=True))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
             if not starts1 or not starts2:
@@ -292,7 +295,8 @@ def tune_shape(
                 starts1 += [t for t in [_grid_best(time1, block_m, ok1, scheme, device)] if t is not None]
                 starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
             b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True,
-                                   allow_one_dot=True) for t in starts1), key=lambda r: r[1])
+                                   allow_persistent=True, allow_one_dot=True) for t in starts1),
+                         key=lambda r: r[1])
             b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True, allow_persistent=True)
                           for t in starts2),
                          key=lambda r: r[1])

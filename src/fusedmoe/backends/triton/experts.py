@@ -894,7 +894,10 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     if quant_args and "A_AMAX" in quant_args:  # for the kernel that finishes a (split-K: the act kernel)
         quant_args = dict(quant_args)
         amax_args = {k: quant_args.pop(k) for k in ("amax_ptr", "A_AMAX")}
-    kernels.moe_gemm1_kernel[(blocks * triton_cdiv(inter, tile.block_n), splits)](
+    programs = blocks * triton_cdiv(inter, tile.block_n)  # at most: the programs past the real rows exit
+    if tile.persistent:  # the programs stride over the real tiles (read on the device)
+        programs = min(programs, PERSISTENT_PROGRAMS * _num_sms(x.device))
+    kernels.moe_gemm1_kernel[(programs, splits)](
         x, w_arg, bias, a, L.weights_N, hpart, *L.row_args(),
         L.num_slots, L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
@@ -902,7 +905,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
         *b_strides, a.stride(0), a.stride(1), *h_strides,
         float(L.swiglu_alpha), float(limit),
         IEEE=_ieee(x, quant_args), SPLIT_K=splits, GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0,
-        W_DESC=w_desc, ONE_DOT=tile.one_dot, **flags, **tile.as_kwargs(),
+        W_DESC=w_desc, ONE_DOT=tile.one_dot, PERSISTENT=tile.persistent, **flags, **tile.as_kwargs(),
         **(quant_args or {}), **(amax_args if splits == 1 else {}), **direct, **L.launch_kw,
     )
     if splits > 1:

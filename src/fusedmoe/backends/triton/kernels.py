@@ -475,82 +475,25 @@ def _xq_codes(x_ptrs, k_ok, w, scale, row_ok, IS_INT: tl.constexpr, ROW_W: tl.co
 
 
 @triton.jit
-def moe_gemm1_kernel(
-    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
-    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
-    num_slots, top_k, hidden, inter, k_per_split,
-    stride_xt, stride_xh,
-    stride_we, stride_wn, stride_wh,
-    stride_be, stride_bn,
-    stride_ar, stride_ai,
-    stride_hs, stride_hr,
-    alpha, limit,
+def _gemm1_tile(
+    pid_m, pid_n, pid_s, expert, rows, slot, row_ok,
+    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr, top_k, hidden, inter, k_per_split,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_ar, stride_ai,
+    stride_hs, stride_hr, alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # W8A8: x scales (Q_CHANNEL [T], or [R] with X_SORTED; Q_BLOCK [T, H/128]), w13 scales
-    # ([L, G], [L] at channel stride 0, [L, G/128, H/128]); FUSE_AQ also quantizes the output
-    # per 1x128 (aq, a_s). X_SORTED: x is [R, H], read by sorted row instead of token.
-    # Weight-only: Q_W8 ws [L, G]; Q_W4 ws [L, G, H / W_GROUP], w13 bytes [L, G, H / 2], nvfp4
-    # global scales wgs [L].
-    xs_ptr=None, ws_ptr=None, aq_ptr=None, as_ptr=None,
-    stride_xs0=0, stride_xs1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
-    stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
-    QUANT: tl.constexpr = 0, X_SORTED: tl.constexpr = False,
-    ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
-    UP_UNIFORM: tl.constexpr = False,
-    # A_AMAX (per-tensor fp8, dynamic): amax_ptr[e] = max(amax_ptr[e], |a| over this tile's live
-    # rows), the intermediate's per-expert amax taken where it is finished (no pass over a)
-    amax_ptr=None, A_AMAX: tl.constexpr = False,
-    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-    W_DESC: tl.constexpr = False,
-    # DIRECT (decode, no alignment): row block b is slot b alone (row 0 live), its expert read
-    # from the top-k ids (ids_ptr, through emap_ptr when HAS_MAP); a / hpart rows are slots.
-    ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
-    DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
-    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
-    # FUSE_XQ (DIRECT W8A8 with per-token activation codes, Q_CHANNEL): x_ptr is the float x,
-    # quantized here as quantize_rows_kernel does (the same codes and scale): the slot's token
-    # row, XQ_WIDTH >= H wide, is read once for its amax, then each K step's codes are made from
-    # its x tile (times the slot's router weight first: XQ_ROW_W)
-    FUSE_XQ: tl.constexpr = False, XQ_WIDTH: tl.constexpr = 128, XQ_ROW_W: tl.constexpr = False,
-    ONE_DOT: tl.constexpr = False,
+    xs_ptr, ws_ptr, aq_ptr, as_ptr, stride_xs0, stride_xs1, stride_ws0, stride_ws1, stride_ws2,
+    stride_aqr, stride_aqi, stride_asr, stride_asg,
+    QUANT: tl.constexpr, X_SORTED: tl.constexpr, ACC_INT: tl.constexpr, SOFT_FP8: tl.constexpr,
+    FUSE_AQ: tl.constexpr, UP_UNIFORM: tl.constexpr, amax_ptr, A_AMAX: tl.constexpr,
+    wgs_ptr, W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr, W_DESC: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP8_PROMOTE: tl.constexpr, FUSE_XQ: tl.constexpr, XQ_WIDTH: tl.constexpr, XQ_ROW_W: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
-    """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
-
-    SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
-    the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
-    Quantized: the partials / outputs are dequantized (scales applied) before either path.
-    W_DESC (unquantized, SPLIT_K == 1): w13_ptr is a TMA descriptor over w13 viewed [L*G, H] with
-    [BLOCK_N, BLOCK_K] boxes: the gate tile at row e*G + n0, the up tile at e*G + I + n0. Tail
-    tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
-    the store; past H the box is zero-filled.
-    ONE_DOT (TileConfig.one_dot; unquantized, gated): the gate tile and the up tile are one
-    [2*BLOCK_N, BLOCK_K] operand (gate rows over up rows) of one dot per K step, and the
-    accumulator's two halves are gate and up. With W_DESC, w13_ptr is a 3D descriptor over w13
-    viewed [2L, I, H] with [2, BLOCK_N, BLOCK_K] boxes at (2e, n0, k0), zero-filled past I and H.
-    One wgmma of twice the width replaces two (H200, GEMM1 alone, 128 x 2*128 x 64, 8 warps:
-    gpt-oss-120b M=4096 1624-1659 -> 1475 us, Mixtral M=4096 3474-3527 -> 3192 us;
-    benchmarks/bench_interleaved_gemm1.py --forms library, results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt).
-    """
-    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
-    tl.static_assert(not FUSE_XQ or (DIRECT and QUANT == Q_CHANNEL), "FUSE_XQ: direct per-token W8A8")
-    _pdl_wait(PDL)
-    pid_m, pid_n = _tile_ids(tl.num_programs(0) // tl.cdiv(inter, BLOCK_N), tl.cdiv(inter, BLOCK_N), GROUP_M)
-    pid_s = tl.program_id(1)
-    if DIRECT:
-        expert, slot, row_ok = _direct_slot(ids_ptr, emap_ptr, pid_m, num_slots, num_global, num_local,
-                                            HAS_MAP, BLOCK_M)
-        if expert >= num_local:  # routed to no local expert: nothing reads this slot's row
-            return
-        rows = slot
-    else:
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-        expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
+    """One (row block, N tile, K share) of moe_gemm1_kernel (its docstring): the row block's
+    expert, aligned rows, slots and live lanes come from the caller."""
     if X_SORTED:  # noqa: SIM108 (constexpr branch)
         x_row = rows.to(tl.int64)
     else:
@@ -718,6 +661,117 @@ def moe_gemm1_kernel(
             tl.store(a_ptrs, stored, mask=store_ok)
             if A_AMAX:  # the amax of what is stored, which the quantization reads
                 _amax_update(amax_ptr + expert, stored.to(tl.float32), row_ok, n_ok)
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
+    sorted_slot_ptr, block_expert_ptr, num_rows_ptr,
+    num_slots, top_k, hidden, inter, k_per_split,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_be, stride_bn,
+    stride_ar, stride_ai,
+    stride_hs, stride_hr,
+    alpha, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # W8A8: x scales (Q_CHANNEL [T], or [R] with X_SORTED; Q_BLOCK [T, H/128]), w13 scales
+    # ([L, G], [L] at channel stride 0, [L, G/128, H/128]); FUSE_AQ also quantizes the output
+    # per 1x128 (aq, a_s). X_SORTED: x is [R, H], read by sorted row instead of token.
+    # Weight-only: Q_W8 ws [L, G]; Q_W4 ws [L, G, H / W_GROUP], w13 bytes [L, G, H / 2], nvfp4
+    # global scales wgs [L].
+    xs_ptr=None, ws_ptr=None, aq_ptr=None, as_ptr=None,
+    stride_xs0=0, stride_xs1=0, stride_ws0=0, stride_ws1=0, stride_ws2=0,
+    stride_aqr=0, stride_aqi=0, stride_asr=0, stride_asg=0,
+    QUANT: tl.constexpr = 0, X_SORTED: tl.constexpr = False,
+    ACC_INT: tl.constexpr = False, SOFT_FP8: tl.constexpr = False, FUSE_AQ: tl.constexpr = False,
+    UP_UNIFORM: tl.constexpr = False,
+    # A_AMAX (per-tensor fp8, dynamic): amax_ptr[e] = max(amax_ptr[e], |a| over this tile's live
+    # rows), the intermediate's per-expert amax taken where it is finished (no pass over a)
+    amax_ptr=None, A_AMAX: tl.constexpr = False,
+    wgs_ptr=None, W4_FMT: tl.constexpr = 0, W_GROUP: tl.constexpr = 32, PTX_DECODE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    W_DESC: tl.constexpr = False,
+    # DIRECT (decode, no alignment): row block b is slot b alone (row 0 live), its expert read
+    # from the top-k ids (ids_ptr, through emap_ptr when HAS_MAP); a / hpart rows are slots.
+    ids_ptr=None, emap_ptr=None, num_global=0, num_local=0,
+    DIRECT: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
+    FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
+    # FUSE_XQ (DIRECT W8A8 with per-token activation codes, Q_CHANNEL): x_ptr is the float x,
+    # quantized here as quantize_rows_kernel does (the same codes and scale): the slot's token
+    # row, XQ_WIDTH >= H wide, is read once for its amax, then each K step's codes are made from
+    # its x tile (times the slot's router weight first: XQ_ROW_W)
+    FUSE_XQ: tl.constexpr = False, XQ_WIDTH: tl.constexpr = 128, XQ_ROW_W: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+):
+    """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
+
+    SPLIT_K > 1 (few rows, e.g. decode): program (m, n, s) sums only its share of H and stores
+    the raw fp32 gate/up partials in hpart[s, r, :]; moe_act_kernel finishes the rows.
+    Quantized: the partials / outputs are dequantized (scales applied) before either path.
+    W_DESC (unquantized, SPLIT_K == 1): w13_ptr is a TMA descriptor over w13 viewed [L*G, H] with
+    [BLOCK_N, BLOCK_K] boxes: the gate tile at row e*G + n0, the up tile at e*G + I + n0. Tail
+    tiles read the next rows (up rows, the next expert, or TMA's zero fill past L*G), masked at
+    the store; past H the box is zero-filled.
+    ONE_DOT (TileConfig.one_dot; unquantized, gated): the gate tile and the up tile are one
+    [2*BLOCK_N, BLOCK_K] operand (gate rows over up rows) of one dot per K step, and the
+    accumulator's two halves are gate and up. With W_DESC, w13_ptr is a 3D descriptor over w13
+    viewed [2L, I, H] with [2, BLOCK_N, BLOCK_K] boxes at (2e, n0, k0), zero-filled past I and H.
+    One wgmma of twice the width replaces two (H200, GEMM1 alone, 128 x 2*128 x 64, 8 warps:
+    gpt-oss-120b M=4096 1624-1659 -> 1475 us, Mixtral M=4096 3474-3527 -> 3192 us;
+    benchmarks/bench_interleaved_gemm1.py --forms library, results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt).
+    PERSISTENT (TileConfig.persistent; unquantized, aligned, SPLIT_K == 1): the grid (one
+    program per SM) strides over the real (row block, N tile) tiles in one flattened loop, so a
+    tile's epilogue overlaps the next one's loads; each tile runs `_gemm1_tile`, the same body as
+    a program per tile, so the output is the same bit for bit.
+    """
+    tl.static_assert(not SWAP_AB or QUANT == Q_CHANNEL or QUANT == Q_BLOCK, "SWAP_AB: W8A8 codes only")  # noqa: SIM109
+    tl.static_assert(not FUSE_XQ or (DIRECT and QUANT == Q_CHANNEL), "FUSE_XQ: direct per-token W8A8")
+    tl.static_assert(not PERSISTENT or (QUANT == Q_NONE and SPLIT_K == 1 and not DIRECT),
+                     "PERSISTENT: the aligned path's unquantized GEMM1, K unsplit")
+    _pdl_wait(PDL)
+    num_n = tl.cdiv(inter, BLOCK_N)
+    if PERSISTENT:  # the grid's programs stride over the real (row block, N tile) tiles, one loop
+        # (flatten: the next tile's loads are issued during this one's epilogue)
+        num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+            pid_s = 0
+            expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
+            _gemm1_tile(
+                pid_m, pid_n, pid_s, expert, rows, slot, row_ok, x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
+                top_k, hidden, inter, k_per_split, stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be,
+                stride_bn, stride_ar, stride_ai, stride_hs, stride_hr, alpha, limit, GATED, ACT, HAS_LIMIT, HAS_BIAS,
+                SCALE_ROWS, IEEE, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, xs_ptr, ws_ptr, aq_ptr, as_ptr, stride_xs0,
+                stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
+                X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
+                PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT)
+    else:
+        pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
+        pid_s = tl.program_id(1)
+        if DIRECT:
+            expert, slot, row_ok = _direct_slot(ids_ptr, emap_ptr, pid_m, num_slots, num_global, num_local,
+                                                HAS_MAP, BLOCK_M)
+            if expert >= num_local:  # routed to no local expert: nothing reads this slot's row
+                return
+            rows = slot
+        else:
+            if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+                return
+            expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
+        _gemm1_tile(
+            pid_m, pid_n, pid_s, expert, rows, slot, row_ok, x_ptr, w13_ptr, b13_ptr, a_ptr, topk_w_ptr, hpart_ptr,
+            top_k, hidden, inter, k_per_split, stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be,
+            stride_bn, stride_ar, stride_ai, stride_hs, stride_hr, alpha, limit, GATED, ACT, HAS_LIMIT, HAS_BIAS,
+            SCALE_ROWS, IEEE, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, xs_ptr, ws_ptr, aq_ptr, as_ptr, stride_xs0,
+            stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
+            X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
+            PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT)
 
 
 @triton.jit

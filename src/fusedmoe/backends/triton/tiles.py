@@ -26,7 +26,7 @@ TMA_LOADS = ("w", "a+w")
 NARROW_8BIT = ("block", "w8")
 NARROW_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM the K shares of a 4- or 8-bit decode aim for
 GROUP_M = 8  # the default row blocks per group of the aligned GEMMs' program order (TileConfig.group_m)
-PERSISTENT_PROGRAMS = 1  # programs per SM of a persistent GEMM2 launch (TileConfig.persistent)
+PERSISTENT_PROGRAMS = 1  # programs per SM of a persistent GEMM launch (TileConfig.persistent)
 MAX_GROUP_M = 64
 
 
@@ -46,12 +46,15 @@ class TileConfig:
     # bf16 on an H100, M=1024, 64 x 128 x 64 tiles: GEMM1 1563 -> 1515 us, GEMM2 801 -> 774 us
     # (benchmarks/results/2026-11-25_h100_3589f2c_group_m_probe.txt)
     group_m: int = GROUP_M
-    # GEMM2 of the aligned path, unquantized: a persistent launch (PERSISTENT_PROGRAMS per SM,
-    # each striding over the real (row block, N tile) tiles in one flattened loop, so the next
-    # tile's loads overlap this one's epilogue; kernels.moe_gemm2_kernel). H200, GEMM2 alone at
-    # M=4096, 128 x 256 x 64, 8 warps (benchmarks/bench_persistent_gemm.py,
-    # results/2026-11-25_h200_eb0ebd3_persistent_flatten_gemm2.txt): DeepSeek-V3 489 -> 417 us
-    # (3 stages), gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215 (4 stages)
+    # the aligned path's GEMMs, unquantized (GEMM1 with K unsplit): a persistent launch
+    # (PERSISTENT_PROGRAMS per SM, each striding over the real (row block, N tile) tiles in one
+    # flattened loop, so the next tile's loads overlap this one's epilogue; kernels.moe_gemm1_kernel
+    # / moe_gemm2_kernel). H200, GEMM2 alone at M=4096, 128 x 256 x 64, 8 warps
+    # (benchmarks/bench_persistent_gemm.py, results/2026-11-25_h200_eb0ebd3_persistent_flatten_gemm2.txt):
+    # DeepSeek-V3 489 -> 417 us (3 stages), gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215 (4 stages).
+    # GEMM1 with one_dot, 128 x 2*128 x 64, 8 warps, 4 stages (benchmarks/bench_persistent_gemm1.py,
+    # results/2026-11-27_h200_67424e3_persistent_gemm1.txt): DeepSeek-V3 M=4096 628-668 -> 554 us,
+    # gpt-oss-120b 1437-1452 -> 1381
     persistent: bool = False
     # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
     # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,
@@ -129,9 +132,9 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             return f"swap_ab={tile.swap_ab}: only the W8A8 GEMMs swap their operands (kernels.py SWAP_AB)"
     if not isinstance(tile.persistent, bool):
         return f"persistent={tile.persistent!r} must be true or false"
-    if tile.persistent and (quant is not None or allow_split or operands != 1):
-        return ("persistent=True: only the aligned path's unquantized GEMM2 runs a persistent launch "
-                "(kernels.moe_gemm2_kernel PERSISTENT)")
+    if tile.persistent and (quant is not None or tile.split_k > 1):
+        return ("persistent=True: only the aligned path's unquantized GEMMs run a persistent launch, K "
+                "unsplit (kernels.moe_gemm1_kernel / moe_gemm2_kernel PERSISTENT)")
     if not isinstance(tile.one_dot, bool):
         return f"one_dot={tile.one_dot!r} must be true or false"
     if tile.one_dot and (quant is not None or operands != 2):
@@ -194,6 +197,8 @@ def check_plan(t1: TileConfig, t2: TileConfig, *, direct: bool, dtype: torch.dty
     scheme's name), named in a tile's reason."""
     if direct and quant in DIRECT_REFUSED:
         return f"per-tensor W8A8 has no direct path ({DIRECT_REFUSED[quant]})"
+    if direct and (t1.persistent or t2.persistent):
+        return "persistent=True: the direct path runs one program per slot (GEMM1) and per token (GEMM2)"
     for name, tile, operands, split in (("gemm1", t1, 2 if gated else 1, True), ("gemm2", t2, 1, direct)):
         reason = check_tile(tile, dtype=dtype, operands=operands, allow_split=split, quant=quant, group=group)
         if reason:

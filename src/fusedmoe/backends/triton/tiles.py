@@ -54,7 +54,9 @@ class TileConfig:
     # DeepSeek-V3 489 -> 417 us (3 stages), gpt-oss-120b 784 -> 735, Qwen3-30B 232 -> 215 (4 stages).
     # GEMM1 with one_dot, 128 x 2*128 x 64, 8 warps, 4 stages (benchmarks/bench_persistent_gemm1.py,
     # results/2026-11-27_h200_67424e3_persistent_gemm1.txt): DeepSeek-V3 M=4096 628-668 -> 554 us,
-    # gpt-oss-120b 1437-1452 -> 1381
+    # gpt-oss-120b 1437-1452 -> 1381. On an H100 the same entries ran the whole call 10-11% slower
+    # at those two cells (results/2026-11-27_h100_fb9a963_persistent_gemm1_ab.txt): its table keeps
+    # one program per tile there
     persistent: bool = False
     # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
     # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,

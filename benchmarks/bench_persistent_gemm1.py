@@ -2,6 +2,8 @@
 
     python benchmarks/bench_persistent_gemm1.py [--presets a,b] [--tokens 1024,4096] [--tk-src DIR] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/bench_persistent_gemm1.py --smoke
+    ncu --kernel-name regex:one_dot_gemm1 --launch-skip 2 --launch-count 2 \
+        python benchmarks/bench_persistent_gemm1.py --eager-pair gpt-oss-120b
 
 At M=4096 matmul_ogs's GEMM1 (gather + fused SwiGLU) led the library's by 12-15% at gpt-oss-120b
 and DeepSeek-V3 on the H200 (results/2026-11-25_h200_eb0ebd3_triton_kernels_profile.txt), and the
@@ -21,6 +23,12 @@ output is checked against the library's GEMM1 on the same alignment, then timed 
 copies (CUDA-graph replay, median); the library's plan is timed first and last. With --tk-src
 (the folder holding `triton_kernels`, see bench_triton_kernels.py) matmul_ogs's GEMM1 on the same
 routing is timed beside them (its rows in its own order: timed, not compared).
+
+`--eager-pair PRESET` runs the 128 x 2*128 x 64 tile (8 warps, 4 stages) at M=4096 eagerly, one
+program per tile then persistent, twice (for ncu: the second pair). H100
+(results/2026-11-27_h100_8da3dc2_ncu_persistent_gemm1.txt): the persistent launch reads 15-20% more
+bytes from DRAM at the same throughput (L2 hit rate 34 -> 23% at gpt-oss-120b, 24 -> 14% at
+DeepSeek-V3), which is what it loses there.
 """
 
 from __future__ import annotations
@@ -202,6 +210,27 @@ def case_rows(name, shape, w13s, x, logits, tk, *, smoke: bool) -> list[dict]:
     return rows
 
 
+def eager_pair(name: str) -> None:
+    """The one-dot tile at M=4096 eagerly, one program per tile then persistent, twice (ncu)."""
+    from fusedmoe.activations import SWIGLUOAI_ALPHA
+    from fusedmoe.backends.triton.experts import prepare_launch
+    from fusedmoe.backends.triton.tiles import TileConfig
+    from fusedmoe.bench import preset_shapes, random_expert_weights
+    from fusedmoe.routing import select_experts
+
+    E, K, H, inter, act = preset_shapes(name)[name]
+    g = torch.Generator("cuda").manual_seed(0)
+    w13 = random_expert_weights(E, H, inter, act, device="cuda", dtype=torch.bfloat16, generator=g)[0]
+    x = torch.randn(4096, H, device="cuda", generator=g).bfloat16()
+    topk_w, ids = select_experts(x, torch.randn(4096, E, device="cuda", generator=g), K)
+    L = prepare_launch(x, topk_w, ids, None, E, E, inter, act, False, SWIGLUOAI_ALPHA, None, 128)
+    tile = TileConfig(128, 128, 64, 8, 4)
+    for _ in range(2):
+        for persistent in (False, True):
+            one_dot_call(L, w13, tile, persistent=persistent, ws=False, clamp=False)
+        torch.cuda.synchronize()
+
+
 def main() -> int:
     from fusedmoe.activations import is_gated
     from fusedmoe.bench import finish_variants, preset_shapes, random_expert_weights
@@ -213,7 +242,12 @@ def main() -> int:
     parser.add_argument("--tk-src", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--eager-pair", default=None, metavar="PRESET",
+                        help="only run the tile and persistent launches eagerly, twice (for ncu)")
     args = parser.parse_args()
+    if args.eager_pair:
+        eager_pair(args.eager_pair)
+        return 0
     smoke = args.smoke or os.environ.get("TRITON_INTERPRET") == "1"
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16

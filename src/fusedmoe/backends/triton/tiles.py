@@ -55,8 +55,10 @@ class TileConfig:
     # GEMM1 with one_dot, 128 x 2*128 x 64, 8 warps, 4 stages (benchmarks/bench_persistent_gemm1.py,
     # results/2026-11-27_h200_67424e3_persistent_gemm1.txt): DeepSeek-V3 M=4096 628-668 -> 554 us,
     # gpt-oss-120b 1437-1452 -> 1381. On an H100 the same entries ran the whole call 10-11% slower
-    # at those two cells (results/2026-11-27_h100_fb9a963_persistent_gemm1_ab.txt): its table keeps
-    # one program per tile there
+    # at those two cells (results/2026-11-27_h100_fb9a963_persistent_gemm1_ab.txt; 15-20% more
+    # DRAM bytes: the programs drift apart and an expert's row blocks stop sharing its weight
+    # tiles in L2, results/2026-11-27_h100_8da3dc2_ncu_persistent_gemm1.txt): its table keeps one
+    # program per tile there
     persistent: bool = False
     # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
     # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,

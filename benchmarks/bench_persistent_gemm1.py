@@ -82,14 +82,29 @@ def one_dot_gemm1_kernel(
     num_slots, top_k, hidden, inter, alpha, limit, stride_xt, stride_xh, stride_ar, stride_ai,
     ACT: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr,
     CLAMP: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr = 0,
 ):
     """a[r, :] = act(gate, up) of x[token(r)] @ w13[e]^T: one tile per program, or (PERSISTENT)
-    the grid striding over the real tiles in one flattened loop (WS: warp-specialised)."""
+    the grid striding over the real tiles in one flattened loop (WS: warp-specialised). CHUNK > 0:
+    each program takes CHUNK consecutive tiles of the grouped order at a time (chunks c, c + G,
+    ...; with CHUNK = GROUP_M a chunk is one N tile of a group's row blocks, so an expert's row
+    blocks run back to back on one SM and share its weight tile in L2); the last chunk's tiles
+    past the end repeat the last tile (the same values written again)."""
     num_n = tl.cdiv(inter, BLOCK_N)
     if PERSISTENT:
         num_m = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True, warp_specialize=WS):
+        if CHUNK > 0:
+            num_tiles = num_m * num_n
+            chunks = tl.cdiv(num_tiles, CHUNK)
+            mine = tl.cdiv(chunks - tl.program_id(0), tl.num_programs(0)) * CHUNK
+        else:
+            mine = tl.cdiv(num_m * num_n - tl.program_id(0), tl.num_programs(0))
+        for i in tl.range(0, mine, flatten=True, warp_specialize=WS):
+            if CHUNK > 0:
+                tile = (tl.program_id(0) + (i // CHUNK) * tl.num_programs(0)) * CHUNK + i % CHUNK
+                tile = tl.minimum(tile, num_tiles - 1)
+            else:
+                tile = tl.program_id(0) + i * tl.num_programs(0)
             pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
             _one_dot_tile(pid_m, pid_n, x_ptr, w_desc, a_ptr, sorted_slot_ptr, block_expert_ptr, num_slots, top_k,
                           hidden, inter, alpha, limit, stride_xt, stride_xh, stride_ar, stride_ai,
@@ -102,7 +117,8 @@ def one_dot_gemm1_kernel(
                           ACT, CLAMP, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-def one_dot_call(L, w13: torch.Tensor, tile, *, persistent: bool, ws: bool, clamp: bool, per_sm: int = 1):
+def one_dot_call(L, w13: torch.Tensor, tile, *, persistent: bool, ws: bool, clamp: bool, per_sm: int = 1,
+                 chunk: int = 0):
     from fusedmoe.activations import SWIGLUOAI_LIMIT
     from fusedmoe.backends.triton.experts import ACT_CODES, _descriptor
 
@@ -118,7 +134,7 @@ def one_dot_call(L, w13: torch.Tensor, tile, *, persistent: bool, ws: bool, clam
         float(L.swiglu_alpha), float(limit), x.stride(0), x.stride(1), a.stride(0), a.stride(1),
         ACT=ACT_CODES[L.activation], GROUP_M=tile.group_m, PERSISTENT=persistent, WS=ws, CLAMP=clamp,
         EVEN_K=hidden % tile.block_k == 0, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        CHUNK=chunk, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
@@ -140,7 +156,7 @@ def tk_gemm1_calls(tk, x, logits, top_k, w13s):
     return calls, topk_w.float(), ids.to(torch.int32)
 
 
-def case_rows(name, shape, w13s, x, logits, tk, *, smoke: bool) -> list[dict]:
+def case_rows(name, shape, w13s, x, logits, tk, *, smoke: bool, only: tuple = (), stages: tuple = ()) -> list[dict]:
     """The plan, each one-dot variant (checked against the plan's real rows, then timed) and
     matmul_ogs's GEMM1 (timed) on one routed problem."""
     from fusedmoe.activations import SWIGLUOAI_ALPHA
@@ -187,18 +203,24 @@ def case_rows(name, shape, w13s, x, logits, tk, *, smoke: bool) -> list[dict]:
     cells = [plan]
     if smoke:
         shapes_v = [(16, 32, 4, 2)]
+    elif stages:
+        shapes_v = [(128, 64, 8, s) if bm >= 64 else (64, 64, 4, s) for s in stages]
     else:
         shapes_v = [(128, 64, 8, 3), (128, 64, 8, 4)] if bm >= 64 else [(64, 64, 4, 4), (32, 128, 4, 3)]
-    variants = [("tile", False, False, False, 1), ("tile clamp", False, False, True, 1),
-                ("pers", True, False, False, 1), ("pers clamp", True, False, True, 1)]
+    # (label, persistent, warp_specialize, clamp, programs per SM, chunk)
+    variants = [("tile", False, False, False, 1, 0), ("tile clamp", False, False, True, 1, 0),
+                ("pers", True, False, False, 1, 0), ("pers clamp", True, False, True, 1, 0),
+                ("pers chunk8", True, False, False, 1, 8), ("pers chunk16", True, False, False, 1, 16)]
     if not smoke:  # the interpreter runs warp_specialize loops as plain loops
-        variants += [("pers ws clamp", True, True, True, 1), ("pers clamp 2/SM", True, False, True, 2)]
-    for bn, bk, warps, stages in shapes_v:
-        tile = TileConfig(bm, bn, bk, warps, stages)
-        for label, persistent, ws, clamp, per_sm in variants:
-            fn = (lambda w, tile=tile, p=persistent, s=ws, c=clamp, n=per_sm:  # noqa: E731
-                  one_dot_call(L, w, tile, persistent=p, ws=s, clamp=c, per_sm=n))
-            cells.append((f"{label} {bm}x{2 * bn}x{bk} w{warps} s{stages}", calls(fn)))
+        variants += [("pers ws clamp", True, True, True, 1, 0), ("pers clamp 2/SM", True, False, True, 2, 0)]
+    if only:
+        variants = [v for v in variants if v[0] in only]
+    for bn, bk, warps, n_stages in shapes_v:
+        tile = TileConfig(bm, bn, bk, warps, n_stages)
+        for label, persistent, ws, clamp, per_sm, chunk in variants:
+            fn = (lambda w, tile=tile, p=persistent, s=ws, c=clamp, n=per_sm, k=chunk:  # noqa: E731
+                  one_dot_call(L, w, tile, persistent=p, ws=s, clamp=c, per_sm=n, chunk=k))
+            cells.append((f"{label} {bm}x{2 * bn}x{bk} w{warps} s{n_stages}", calls(fn)))
     cells.append(("plan again", plan[1]))
     flops = 2 * t * K * H * 2 * inter
     rows = check_variants(f"{name:16s} M={t:<5d}", cells, check, flops, row=dict(preset=name, tokens=t), width=40)
@@ -242,6 +264,8 @@ def main() -> int:
     parser.add_argument("--tk-src", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (interpreter)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default="", help="comma-separated variant labels to run (tile, pers, pers chunk8, ...)")
+    parser.add_argument("--stages", default="", help="comma-separated num_stages of the variants' tile (default 3,4)")
     parser.add_argument("--eager-pair", default=None, metavar="PRESET",
                         help="only run the tile and persistent launches eagerly, twice (for ncu)")
     args = parser.parse_args()
@@ -272,7 +296,9 @@ def main() -> int:
         for t in tokens:
             x = torch.randn(t, H, device=device, generator=g).to(dtype)
             logits = torch.randn(t, E, device=device, generator=g)
-            rows += case_rows(name, (E, K, H, inter, act), w13s, x, logits, tk, smoke=smoke)
+            rows += case_rows(name, (E, K, H, inter, act), w13s, x, logits, tk, smoke=smoke,
+                              only=tuple(v for v in args.only.split(",") if v),
+                              stages=tuple(int(v) for v in args.stages.split(",") if v))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return finish_variants(rows, args.json, device)

@@ -1,6 +1,7 @@
 """Would a persistent one-dot GEMM1 close the gap to OpenAI's matmul_ogs at large M? (H100/H200)
 
     python benchmarks/bench_persistent_gemm1.py [--presets a,b] [--tokens 1024,4096] [--tk-src DIR] [--json out.json]
+                                                [--only 'tile,pers,pers chunk8'] [--stages 4]
     TRITON_INTERPRET=1 python benchmarks/bench_persistent_gemm1.py --smoke
     ncu --kernel-name regex:one_dot_gemm1 --launch-skip 2 --launch-count 2 \
         python benchmarks/bench_persistent_gemm1.py --eager-pair gpt-oss-120b
@@ -28,7 +29,9 @@ routing is timed beside them (its rows in its own order: timed, not compared).
 program per tile then persistent, twice (for ncu: the second pair). H100
 (results/2026-11-27_h100_8da3dc2_ncu_persistent_gemm1.txt): the persistent launch reads 15-20% more
 bytes from DRAM at the same throughput (L2 hit rate 34 -> 23% at gpt-oss-120b, 24 -> 14% at
-DeepSeek-V3), which is what it loses there.
+DeepSeek-V3), which is what it loses there. Handing each persistent program CHUNK consecutive
+tiles instead (`pers chunk8` / `chunk16`) lost 30-45% more on the H100
+(results/2026-11-27_h100_8da3dc2_persistent_gemm1_chunks.txt).
 """
 
 from __future__ import annotations

@@ -252,6 +252,25 @@ def test_tma_descriptor_loads(monkeypatch, T, E, K, H, I, act, bias, operands):
     assert torch.equal(replayed(run), out)
 
 
+def _off_and_on(x, w13, w2, w, ids, b13, b2, act: str, on_input: bool, tiles_of, **kw) -> dict:
+    """{flag: triton_experts' output with tiles_of(flag)} for a tile flag off and on; the "on"
+    call is also captured in a CUDA graph and replayed, bitwise its eager output."""
+    from fusedmoe.backends.triton import experts
+
+    outs = {}
+    for flag in (False, True):
+        tiles = tiles_of(flag)
+
+        def run(tiles=tiles):
+            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, w13.shape[0], act, on_input, 1.702,
+                                          None, tiles=tiles, **kw)
+
+        outs[flag] = run()
+        if flag:
+            assert torch.equal(replayed(run), outs[True])
+    return outs
+
+
 @pytest.mark.parametrize("T,E,K,H,I,bias,on_input", [
     (2000, 7, 3, 1000, 296, True, False),  # K and N tails, an expert left empty, biases
     (4096, 128, 8, 2048, 768, False, False),  # Qwen3-30B's shape
@@ -261,7 +280,6 @@ def test_persistent_gemm2(T, E, K, H, I, bias, on_input):
     """The persistent GEMM2 (TileConfig.persistent: one program per SM over every real tile, in a
     flattened loop) gives bitwise the tile-per-program launch's output, matches the reference,
     and replays from a CUDA graph (the tile count is read on the device)."""
-    from fusedmoe.backends.triton import experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=13)
@@ -269,17 +287,8 @@ def test_persistent_gemm2(T, E, K, H, I, bias, on_input):
     logits[:, 1] = -1e4  # expert 1 gets no token
     w, ids = select_experts(x, logits, K, renormalize=not on_input)
     t1 = TileConfig(128, 64, 64, 8, 3)
-    outs = {}
-    for persistent in (False, True):
-        tiles = (t1, TileConfig(128, 256, 64, 8, 3, persistent=persistent))
-
-        def run(tiles=tiles):
-            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, "silu", on_input, 1.702, None,
-                                          tiles=tiles)
-
-        outs[persistent] = run()
-        if persistent:
-            assert torch.equal(replayed(run), outs[True])
+    outs = _off_and_on(x, w13, w2, w, ids, b13, b2, "silu", on_input,
+                       lambda p: (t1, TileConfig(128, 256, 64, 8, 3, persistent=p)))
     assert torch.equal(outs[False], outs[True])
     ref = ref_of(x, w13, w2, b13, b2, w, ids, apply_router_weight_on_input=on_input)
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
@@ -295,7 +304,6 @@ def test_one_dot_gemm1(T, E, K, H, I, bias, on_input, act, block_m):
     """The one-dot GEMM1 (TileConfig.one_dot: gate over up as one [2 * block_n]-wide operand, a
     3D TMA box from 64-row blocks) matches the two-dot launch and the reference, and replays
     from a CUDA graph."""
-    from fusedmoe.backends.triton import experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=17)
@@ -303,18 +311,9 @@ def test_one_dot_gemm1(T, E, K, H, I, bias, on_input, act, block_m):
     logits[:, 1] = -1e4  # expert 1 gets no token
     w, ids = select_experts(x, logits, K, renormalize=not on_input)
     t2 = TileConfig(block_m, 64, 64, 4, 3)
-    outs = {}
-    for one_dot in (False, True):
-        tiles = (TileConfig(block_m, 128 if block_m > 16 else 32, 64, 8 if block_m > 16 else 4, 4, one_dot=one_dot),
-                 t2)
-
-        def run(tiles=tiles):
-            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, on_input, 1.702, None,
-                                          tiles=tiles)
-
-        outs[one_dot] = run()
-        if one_dot:
-            assert torch.equal(replayed(run), outs[True])
+    wide = block_m > 16
+    outs = _off_and_on(x, w13, w2, w, ids, b13, b2, act, on_input,
+                       lambda o: (TileConfig(block_m, 128 if wide else 32, 64, 8 if wide else 4, 4, one_dot=o), t2))
     assert rel_err(outs[True], outs[False]) < 1e-3
     ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act, apply_router_weight_on_input=on_input)
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
@@ -334,7 +333,6 @@ def test_persistent_gemm1(T, E, K, H, I, bias, on_input, act, one_dot, block_m):
     two, gated or not, matches the reference, and replays from a CUDA graph (the tile count is
     read on the device)."""
     from fusedmoe.activations import is_gated
-    from fusedmoe.backends.triton import experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=19)
@@ -344,17 +342,9 @@ def test_persistent_gemm1(T, E, K, H, I, bias, on_input, act, one_dot, block_m):
     logits[:, 1] = -1e4  # expert 1 gets no token
     w, ids = select_experts(x, logits, K, renormalize=not on_input)
     t2 = TileConfig(block_m, 128, 64, 8, 3)
-    outs = {}
-    for persistent in (False, True):
-        tiles = (TileConfig(block_m, 128 if one_dot else 64, 64, 8, 4, one_dot=one_dot, persistent=persistent), t2)
-
-        def run(tiles=tiles):
-            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, on_input, 1.702, None,
-                                          tiles=tiles)
-
-        outs[persistent] = run()
-        if persistent:
-            assert torch.equal(replayed(run), outs[True])
+    outs = _off_and_on(x, w13, w2, w, ids, b13, b2, act, on_input,
+                       lambda p: (TileConfig(block_m, 128 if one_dot else 64, 64, 8, 4, one_dot=one_dot, persistent=p),
+                                  t2))
     assert torch.equal(outs[False], outs[True])
     ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act, apply_router_weight_on_input=on_input)
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
@@ -364,24 +354,14 @@ def test_persistent_gemm1(T, E, K, H, I, bias, on_input, act, one_dot, block_m):
 def test_one_dot_gemm1_direct(T, bias, act):
     """The one-dot GEMM1 on the direct decode path (one slot per 16-row block, pointer loads)
     matches the two-dot launch and the reference, and replays from a CUDA graph."""
-    from fusedmoe.backends.triton import experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     E, K, H, I = 9, 3, 1000, 296  # K and N tails
     x, w13, w2, b13, b2, _, _ = make(T, E, K, H, I, torch.bfloat16, bias=bias, seed=23)
     w, ids = select_experts(x, torch.randn(T, E, device="cuda"), K)
     t2 = TileConfig(16, 64, 128, 4, 3)
-    outs = {}
-    for one_dot in (False, True):
-        tiles = (TileConfig(16, 64, 128, 4, 3, one_dot=one_dot), t2)
-
-        def run(tiles=tiles):
-            return experts.triton_experts(x, w13, w2, w, ids, b13, b2, None, E, act, False, 1.702, None,
-                                          tiles=tiles, direct=True)
-
-        outs[one_dot] = run()
-        if one_dot:
-            assert torch.equal(replayed(run), outs[True])
+    outs = _off_and_on(x, w13, w2, w, ids, b13, b2, act, False,
+                       lambda o: (TileConfig(16, 64, 128, 4, 3, one_dot=o), t2), direct=True)
     assert rel_err(outs[True], outs[False]) < 1e-3
     ref = ref_of(x, w13, w2, b13, b2, w, ids, activation=act)
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]

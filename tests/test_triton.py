@@ -1233,6 +1233,19 @@ def _ref_f64(x, w13, w2, b13, b2, weights, ids, act: str, on_input: bool) -> tor
                              w2_bias_LH=None if b2 is None else b2.double(), apply_router_weight_on_input=on_input)
 
 
+def _off_and_on(problem, act: str, on_input: bool, tiles_of, **kw) -> list[torch.Tensor]:
+    """triton_experts' outputs (NaN-poisoned first) with tiles_of(False) and tiles_of(True): a tile
+    flag off, then on."""
+    x, w13, w2, b13, b2, weights, ids = problem
+    outs = []
+    for flag in (False, True):
+        out = torch.full_like(x, float("nan"))
+        triton_experts(x, w13, w2, weights, ids, b13, b2, None, w13.shape[0], act, on_input, 1.702, None,
+                       tiles=tiles_of(flag), out=out, **kw)
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.parametrize("bias,on_input,programs", [(False, False, 1), (True, False, 3), (True, True, 5)],
                          ids=["plain-1", "bias-3", "bias-on-input-5"])
 def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias, on_input, programs):
@@ -1241,16 +1254,9 @@ def test_persistent_gemm2_matches_the_tile_per_program_launch(monkeypatch, bias,
     same tiles, the same K order), on E = 7 experts (one with no tokens, padded row blocks, tail
     N and K tiles: H = 72, I = 40), with biases and the routed weight on the input or the output."""
     monkeypatch.setattr(experts_mod, "_num_sms", lambda device: programs)
-    x, w13, w2, b13, b2, weights, ids = problem = _seven_experts(70 + programs, 37, bias)
-    E = w13.shape[0]
+    problem = _seven_experts(70 + programs, 37, bias)
     t1 = TileConfig(16, 16, 32, 4, 2)
-    outs = []
-    for persistent in (False, True):
-        t2 = TileConfig(16, 32, 16, 4, 2, persistent=persistent)
-        out = torch.full_like(x, float("nan"))
-        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, "silu", on_input, 1.702, None, tiles=(t1, t2),
-                       out=out)
-        outs.append(out)
+    outs = _off_and_on(problem, "silu", on_input, lambda p: (t1, TileConfig(16, 32, 16, 4, 2, persistent=p)))
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[1], _ref_f64(*problem, "silu", on_input)) < 1e-5
 
@@ -1270,15 +1276,9 @@ def test_persistent_gemm1_matches_the_tile_per_program_launch(monkeypatch, act, 
     if not is_gated(act):  # an ungated layer's w13 (and bias) is [E, I, H]
         w13, b13 = w13[:, :40].contiguous(), None if b13 is None else b13[:, :40].contiguous()
         problem = (x, w13, w2, b13, b2, weights, ids)
-    E = w13.shape[0]
     t2 = TileConfig(16, 32, 16, 4, 2)
-    outs = []
-    for persistent in (False, True):
-        t1 = TileConfig(16, 16, 32, 4, 2, one_dot=one_dot, persistent=persistent)
-        out = torch.full_like(x, float("nan"))
-        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=(t1, t2),
-                       out=out)
-        outs.append(out)
+    outs = _off_and_on(problem, act, on_input,
+                       lambda p: (TileConfig(16, 16, 32, 4, 2, one_dot=one_dot, persistent=p), t2))
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[1], _ref_f64(*problem, act, on_input)) < 1e-5
 
@@ -1322,16 +1322,10 @@ def test_one_dot_gemm1_matches_two_dots(act, bias, on_input, split, direct):
     accumulator split after the K loop) against the two-dot launch and the reference: E = 7 (one
     expert with no tokens), a tail N tile (I = 40 over 16-wide tiles) and a K tail (H = 72), with
     biases, the routed weight on the input, split-K partials and the direct decode path."""
-    x, w13, w2, b13, b2, weights, ids = problem = _seven_experts(80 + split + 2 * direct, 3 if direct else 37, bias)
-    E = w13.shape[0]
+    problem = _seven_experts(80 + split + 2 * direct, 3 if direct else 37, bias)
     t2 = TileConfig(16, 32, 16, 4, 2)
-    outs = []
-    for one_dot in (False, True):
-        t1 = TileConfig(16, 16, 32, 4, 2, split_k=split, one_dot=one_dot)
-        out = torch.full_like(x, float("nan"))
-        triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, act, on_input, 1.702, None, tiles=(t1, t2),
-                       out=out, direct=direct)
-        outs.append(out)
+    outs = _off_and_on(problem, act, on_input, lambda o: (TileConfig(16, 16, 32, 4, 2, split_k=split, one_dot=o), t2),
+                       direct=direct)
     assert rel_err(outs[1], outs[0]) < 1e-6
     assert rel_err(outs[1], _ref_f64(*problem, act, on_input)) < 1e-5
 

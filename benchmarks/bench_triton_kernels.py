@@ -2,6 +2,7 @@
 
     python benchmarks/bench_triton_kernels.py --tk-src DIR [--presets a,b] [--tokens 1,4096]
                                               [--w-layout kn|nk] [--no-persistent] [--json out.json]
+                                              [--quant mxfp4_w4a16] [--tk-warps 4|8]
 
 DIR is the folder that holds the `triton_kernels` package (OpenAI's, from the Triton repository's
 `python/triton_kernels`, or the copy vLLM ships: `pip download --no-deps vllm && unzip
@@ -30,11 +31,21 @@ fused activation is gpt-oss's SwiGLU (alpha 1.702, clamp 7, `(u + 1)`), the only
 for the silu presets this times the same work as silu(g) * u. Each side's output is checked
 against fusedmoe's float32 torch reference of the layer with the activation it computes (relative
 error), so a mis-launched call shows instead of timing wrong work.
+
+`--quant mxfp4_w4a16`: both sides read the same mxfp4 weights (e2m1 codes, an e8m0 scale per 32
+along K, from fusedmoe's `quantize_weights`), bf16 activations. fusedmoe runs them as its layer's
+`process_weights` leaves them; matmul_ogs in the layout its Hopper path reads (vLLM's gpt-oss
+set-up): the codes through `HopperMXValueLayout` (bit-twiddled and grouped per thread of the
+wgmma operand, decoded in registers as the dot's left operand, the product transposed), the scales
+through `HopperMXScaleLayout` with `--tk-warps` warps (which also sets its kernels' warps). The
+reference is the float32 layer on the dequantized weights; % of roofline counts the weights at
+their quantized width (0.53125 bytes each).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -45,7 +56,14 @@ import torch
 import triton
 
 from fusedmoe.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, interleave_gate_up, is_gated
-from fusedmoe.bench import measure_ceilings, random_expert_weights, roofline, time_rotated
+from fusedmoe.bench import (
+    measure_ceilings,
+    quant_bytes,
+    quant_operand,
+    random_expert_weights,
+    roofline,
+    time_rotated,
+)
 
 
 def load_tk(src: Path):
@@ -67,8 +85,8 @@ def as_kn(w: torch.Tensor, layout: str) -> torch.Tensor:
 class Cell:
     """One (preset, M): weights (rotated copies), inputs, routing, both sides' calls."""
 
-    def __init__(self, tk, preset, tokens, *, device, copies, layout, gen):
-        self.tk, self.preset, self.tokens = tk, preset, tokens
+    def __init__(self, tk, preset, tokens, *, device, copies, layout, gen, quant=None, tk_warps=8):
+        self.tk, self.preset, self.tokens, self.quant = tk, preset, tokens, quant
         E, K, H = preset.num_experts, preset.top_k, preset.hidden_size
         self.inter = inter = preset.intermediate_size // preset.bench_tp
         if not is_gated(preset.activation):
@@ -80,24 +98,64 @@ class Cell:
         topk_w, ids, self.bitmatrix = tk.topk.topk(self.logits, K, apply_softmax=True)
         self.topk_w, self.ids = topk_w.float(), ids.to(torch.int32)
         self.copies = []
+        self.ref_pending = True  # the dequantized weights of copy 0 only
         for _ in range(copies):
             w13, w2, b13, b2 = random_expert_weights(E, H, inter, preset.activation, device=device,
                                                      dtype=torch.bfloat16, generator=gen, bias=preset.has_bias)
-            tk_w1 = as_kn(interleave_gate_up(w13, 1), layout)
             tk_b1 = interleave_gate_up(b13, 1).float() if b13 is not None else None
-            self.copies.append(dict(ours=(w13, w2, b13, b2), tk=(tk_w1, as_kn(w2, layout),
-                                                               tk_b1, b2.float() if b2 is not None else None)))
+            tk_b2 = b2.float() if b2 is not None else None
+            if quant:
+                self.copies.append(self._quantized(w13, w2, b13, b2, tk_b1, tk_b2, quant, tk_warps))
+                continue
+            tk_w1 = as_kn(interleave_gate_up(w13, 1), layout)
+            self.copies.append(dict(ours=(w13, w2, b13, b2, None), tk=(tk_w1, as_kn(w2, layout), tk_b1, tk_b2, None)))
         self.routing = tk.routing.routing_from_bitmatrix(self.bitmatrix, topk_w, ids, E, K)
         mo = tk.matmul_ogs
         self.act = mo.FusedActivation(mo.FnSpecs("swiglu", tk.swiglu.swiglu_fn, ("alpha", "limit")),
                                       (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT), 2)
 
+    def _quantized(self, w13, w2, b13, b2, tk_b1, tk_b2, quant, tk_warps):
+        """One copy's mxfp4 weights: fusedmoe's (as its process_weights leaves them) and
+        matmul_ogs's (the same codes and scales in its Hopper layouts), plus the dequantized
+        float32 weights the reference reads."""
+        from fusedmoe.backends.triton.weight_only import prepare_weights
+        from fusedmoe.modular import ExpertWeights
+        from fusedmoe.quant.weights import dequantize_weights, quantize_weights
+
+        if quant != "mxfp4_w4a16":
+            raise SystemExit(f"--quant {quant}: only mxfp4_w4a16 (matmul_ogs's Hopper weight-only format)")
+        parts = [quantize_weights(w13[e:e + 8], w2[e:e + 8], quant) for e in range(0, w13.shape[0], 8)]
+        q13, q2 = (torch.cat([p[i] for p in parts]) for i in (0, 1))  # by 8 experts: float32 temporaries
+        params = dataclasses.replace(parts[0][2], **{f: torch.cat([getattr(p[2], f) for p in parts])
+                                                      for f in ("w13_scale", "w2_scale")})
+        ref = dequantize_weights(q13, q2, params) if self.ref_pending else None
+        self.ref_pending = False
+        ours = prepare_weights(ExpertWeights(q13, q2, b13, b2, params))
+        tensor = importlib.import_module("triton_kernels.tensor")
+        lay = importlib.import_module("triton_kernels.tensor_details.layout")
+        mo = self.tk.matmul_ogs
+
+        def tk_weight(q, s):  # [E, N, K/2] codes, [E, N, K/32] scales -> its [E, K, N] FP4 tensor
+            value = tensor.convert_layout(tensor.wrap_torch_tensor(q.transpose(1, 2), dtype=tensor.FP4),
+                                          lay.HopperMXValueLayout, mx_axis=1)
+            scale = tensor.convert_layout(tensor.wrap_torch_tensor(s.transpose(1, 2)), lay.HopperMXScaleLayout,
+                                          mx_axis=1, num_warps=tk_warps)
+            return value, mo.PrecisionConfig(weight_scale=scale)
+
+        w1, pc1 = tk_weight(interleave_gate_up(q13, 1), interleave_gate_up(params.w13_scale, 1))
+        w2_tk, pc2 = tk_weight(q2, params.w2_scale)
+        return dict(ours=(ours.w13, ours.w2, b13, b2, ours.quant), tk=(w1, w2_tk, tk_b1, tk_b2, (pc1, pc2)),
+                    ref=ref)
+
     def tk_run(self, w, routing):
         mo = self.tk.matmul_ogs
         rdata, gather, scatter = routing
-        w1, w2, b1, b2 = w
-        inter = mo.matmul_ogs(self.x, w1, b1, rdata, gather_indx=gather, fused_activation=self.act)
-        return mo.matmul_ogs(inter, w2, b2, rdata, scatter_indx=scatter, gammas=rdata.gate_scal)
+        w1, w2, b1, b2, pcs = w
+        pc1, pc2 = pcs if pcs is not None else (None, None)
+        inter = mo.matmul_ogs(self.x, w1, b1, rdata, gather_indx=gather, precision_config=pc1,
+                              fused_activation=self.act)
+        return mo.matmul_ogs(inter, w2, b2, rdata, scatter_indx=scatter, precision_config=pc2,
+                             gammas=rdata.gate_scal)
 
     def tk_gemm_calls(self):
         return [lambda c=c: self.tk_run(c["tk"], self.routing) for c in self.copies]
@@ -111,7 +169,7 @@ class Cell:
 
         act = self.preset.activation
         return [lambda o=c["ours"]: fused_experts(self.x, o[0], o[1], self.topk_w, self.ids, w13_bias=o[2],
-                                                  w2_bias=o[3], activation=act, backend="triton")
+                                                  w2_bias=o[3], activation=act, backend="triton", quant=o[4])
                 for c in self.copies]
 
     def check(self) -> dict:
@@ -119,7 +177,9 @@ class Cell:
         activation each computes: the preset's for fusedmoe, swigluoai for matmul_ogs."""
         from fusedmoe.api import fused_experts
 
-        w13, w2, b13, b2 = self.copies[0]["ours"]
+        w13, w2, b13, b2, _ = self.copies[0]["ours"]
+        if "ref" in self.copies[0]:  # quantized: the float32 layer on the dequantized weights
+            w13, w2 = self.copies[0]["ref"]
         f = lambda t: None if t is None else t.float()  # noqa: E731
         out = {}
         for side, act, got in (("fusedmoe", self.preset.activation, self.fusedmoe_calls()[0]()),
@@ -153,6 +213,9 @@ def main() -> None:
     parser.add_argument("--no-persistent", action="store_true",
                         help="hold matmul_ogs to its non-persistent kernel (opt_flags constraint is_persistent=False)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--quant", help="mxfp4_w4a16: both sides on the same mxfp4 weights (see above)")
+    parser.add_argument("--tk-warps", type=int, default=8, choices=(4, 8),
+                        help="warps of matmul_ogs's Hopper mxfp4 scale layout (and so of its kernels)")
     args = parser.parse_args()
     from fusedmoe.presets import get_preset
 
@@ -172,10 +235,14 @@ def main() -> None:
         preset = get_preset(name)
         gen = torch.Generator(device=device).manual_seed(0)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            cell = Cell(tk, preset, tokens, device=device, copies=args.copies, layout=args.w_layout, gen=gen)
+            cell = Cell(tk, preset, tokens, device=device, copies=args.copies, layout=args.w_layout, gen=gen,
+                        quant=args.quant, tk_warps=args.tk_warps)
             touched = int(torch.unique(cell.ids).numel())
-            _, _, t_roof, _ = roofline(preset, tokens, touched, cell.inter, ceilings)
-            row = dict(preset=name, tokens=tokens, w_layout=args.w_layout, tk_persistent_allowed=not args.no_persistent)
+            w_bytes, a_bytes = quant_bytes(args.quant)
+            _, _, t_roof, _ = roofline(preset, tokens, touched, cell.inter, ceilings, w_bytes, a_bytes,
+                                       quant_operand(args.quant))
+            row = dict(preset=name, tokens=tokens, w_layout=args.w_layout, tk_persistent_allowed=not args.no_persistent,
+                       quant=args.quant or "bf16")
             row.update(cell.check())
             row["fusedmoe_us"] = time_rotated(cell.fusedmoe_calls()) * 1e6
             for side, calls in (("tk_gemms", cell.tk_gemm_calls), ("tk_call", cell.tk_full_calls)):

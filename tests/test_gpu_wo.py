@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
-from fusedmoe.backends.triton.weight_only import kernel_scale_layout
+from fusedmoe.backends.triton.weight_only import kernel_scale_layout, prepare_weights
+from fusedmoe.modular import ExpertWeights
+from fusedmoe.quant.fragments import is_fragments
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
 from gpu_checks import capture, poison_allocator, rel_err, replayed
 
@@ -21,8 +23,11 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+# "mxfp4_w4a16:fragments": mxfp4 in the fragment layout the triton backend's process_weights
+# gives (fusedmoe.quant.fragments, kernels._w4_frag_tile); plain "mxfp4_w4a16" keeps the
+# checkpoint layout
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
-               "mxfp4_w4a16", "nvfp4_w4a16"]
+               "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16"]
 # Weight-only: emulation is the reference on dequantized weights (fp32). The kernels round the
 # dequantized weights to bf16 (exact for 8-bit codes and e2m1 * 2^s, 2^-9 relative for scaled
 # int4 / nvfp4), the intermediate and y per slot to bf16, and sum in another order: the bf16
@@ -41,8 +46,12 @@ def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
     w2 = torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5
     b13 = torch.randn(E, w13.shape[1], device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
     b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
-    q13, q2, params = quantize_weights(w13, w2, scheme)
+    q13, q2, params = quantize_weights(w13, w2, scheme.removesuffix(":fragments"))
     del w13, w2
+    if scheme.endswith(":fragments"):
+        laid = prepare_weights(ExpertWeights(q13, q2, quant=params))
+        assert is_fragments(laid.quant.w13_scale) and is_fragments(laid.quant.w2_scale), (E, H, I)
+        q13, q2, params = laid.w13, laid.w2, laid.quant
     return q13, q2, params, b13, b2
 
 

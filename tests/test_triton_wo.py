@@ -9,6 +9,7 @@ Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -65,12 +66,12 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
              tiles=((16, 64, 16, 4, 1), (16, 64, 64, 4, 1)))
 
 
-@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "int4_w4a16_g64", "mxfp4_w4a16", "nvfp4_w4a16",
-                                    "int8_w8a16"])
+@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "int4_w4a16_g64", "nvfp4_w4a16", "int8_w8a16"])
 def test_process_weights_lays_int4_scales_group_major(scheme):
     """int4's and nvfp4's group scales come back group-major (same values, strides
-    (N * K/g, 1, N)), mxfp4's e8m0 codes and per-channel 8-bit scales as stored; the kernels give
-    the same output bit for bit from either layout, on both the aligned path and the direct one."""
+    (N * K/g, 1, N)), per-channel 8-bit scales as stored; the kernels give the same output bit
+    for bit from either layout, on both the aligned path and the direct one. (mxfp4: the fragment
+    layout, tests below.)"""
     from fusedmoe.backends.triton.weight_only import kernel_scale_layout
 
     for T in (1, 5):
@@ -89,6 +90,103 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
         experts = TritonExperts(config)
         out = experts.apply(x, w, weights, ids, expert_map_E=None)
         assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
+
+
+# mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
+def test_fragment_layout_round_trips_and_decodes():
+    """to_fragments / from_fragments are inverse on random codes and scales; each fragment byte
+    holds the codes the layout's docstring places there, so the bit-placed decode (torch
+    emulation of kernels.W4_PTX_FRAG's masks and shifts) gives every weight at its (n, k)."""
+    from fusedmoe.quant.formats import e2m1_decode, unpack_nibbles
+    from fusedmoe.quant.fragments import from_fragments, is_fragments, to_fragments
+
+    gen = torch.Generator().manual_seed(7)
+    E, N, K = 3, 48, 192
+    codes = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 129, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    frag, fs = to_fragments(codes, scales)
+    assert frag.shape == codes.shape and fs.shape == (E, N // 16, K // 64, 32) and is_fragments(fs)
+    back = from_fragments(frag, fs)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    # the decode: word j of lane 4g + c holds registers (rh, kh) of rows 8rh + g, k 16j + 8kh + 2c + u
+    w = frag.view(E, N // 16, K // 64, 32, 4, 4).view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
+    m = 0x81C081C0
+    regs = [w & m, (w << 3) & m, (w << 6) & m,
+            ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)]
+    halves = torch.stack([torch.stack(((r & 0xFFFF), (r >> 16) & 0xFFFF), -1) for r in regs], -2)  # ... reg u
+    values = (halves.to(torch.int32) << 16).view(torch.float32).double() * 2.0**126  # e2m1 * 2^-126 -> e2m1
+    values = values.view(E, N // 16, K // 64, 8, 4, 4, 2, 2, 2)  # e n16 k64 g c j rh kh u
+    values = values.permute(0, 1, 6, 3, 2, 5, 7, 4, 8).reshape(E, N, K)  # n16 rh g | k64 j kh c u
+    want = e2m1_decode(unpack_nibbles(codes)).double()
+    assert torch.equal(values, want) and torch.equal(values.signbit(), want.signbit())
+
+
+def test_fragment_layout_conditions():
+    """process_weights re-lays mxfp4 where both weights are whole 16 x 64 fragments and every
+    e8m0 scale code is <= 128, unless FUSEDMOE_TRITON_W4_FRAGMENTS=0; otherwise the checkpoint
+    layout stays, and the reason names what stops it. Scales in the fragment shape pass the
+    weight checks; dequantization reads either layout the same."""
+    from fusedmoe import knobs
+    from fusedmoe.quant.fragments import fragments_reason, is_fragments
+    from fusedmoe.quant.weights import check_quant_weights, dequantize_weights
+
+    config, x, w, weights, ids, _ = problem(Case("cond", T=3, H=128, I=64), "mxfp4_w4a16", torch.float32)
+    experts = TritonExperts(config)
+    laid = experts.process_weights(w)
+    assert is_fragments(laid.quant.w13_scale) and is_fragments(laid.quant.w2_scale)
+    assert laid.w13.shape == w.w13.shape and laid.quant.w13_scale.shape == (4, 8, 2, 32)
+    check_quant_weights(laid.w13, laid.w2, laid.quant, 128, 128)
+    before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(laid.w13, laid.w2, laid.quant)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert experts.process_weights(laid) is laid  # already laid
+    with knobs.override(TRITON_W4_FRAGMENTS=False):
+        assert experts.process_weights(w) is w
+    big = w.quant.w2_scale.clone()
+    big[1, 2, 0] = 129  # a scale of 4: 2^126 * 4 overflows bf16
+    assert "above 128" in fragments_reason(w.w2, big)
+    assert experts.process_weights(w.replace(quant=dataclasses.replace(w.quant, w2_scale=big))).w13 is w.w13
+    config, x, w, weights, ids, _ = problem(Case("cond-odd", T=3, H=96, I=64), "mxfp4_w4a16", torch.float32)
+    assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
+    assert TritonExperts(config).process_weights(w) is w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fragment_layout_kernels_match_emulation(dtype):
+    """The GEMMs over fragment-layout mxfp4 (kernels._w4_frag_tile, the interpreter's integer
+    decode) against emulation on the checkpoint layout: the aligned path with a bias and a K
+    tail under the tile (H = 192, BLOCK_K 128), the direct path (one token, slot shares), a
+    non-gated activation, an expert_map with ids routed elsewhere, narrow tiles (widened to 64 by
+    tiles.fragment_tile), and the batched layout."""
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts
+    from fusedmoe.modular import BatchedLocalPrepareFinalize, make_modular
+
+    tol = TOL.get(dtype, 2e-3)
+    cases = [Case("frag-aligned", T=9, H=192, I=64, bias=True, tiles=((16, 64, 128, 4, 1), (16, 64, 64, 4, 1))),
+             Case("frag-direct", T=1, E=6, K=4, H=128, I=128, tiles=None),
+             Case("frag-nomul", T=5, H=128, I=64, activation="relu2_no_mul", on_input=True, K=1),
+             Case("frag-map", T=7, E=8, H=128, I=64, expert_map=True, tiles=((32, 32, 32, 4, 1), (32, 32, 32, 4, 1)))]
+    for case in cases:
+        config, x, w, weights, ids, emap = problem(case, "mxfp4_w4a16", dtype)
+        laid = TritonExperts(config).process_weights(w)
+        assert laid.w13 is not w.w13, case.id
+        out = run(config, x, laid, weights, ids, emap, tiles=case.tiles)
+        want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=emap)
+        assert rel_err(out, want) < tol, case.id
+    config, x, w, weights, ids, _ = problem(Case("frag-batched", T=6, H=128, I=64), "mxfp4_w4a16", dtype)
+    batched_config = config.replace(activation_format="batched")
+    batched = make_modular(batched_config, BatchedTritonExperts(batched_config))
+    assert isinstance(batched.prepare_finalize, BatchedLocalPrepareFinalize)
+    laid = TritonExperts(config).process_weights(w)
+    want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(batched(x, laid, weights, ids), want) < tol
+
+
+def test_fragment_tile_widens_narrow_tiles():
+    from fusedmoe.backends.triton.tiles import fragment_tile
+
+    assert fragment_tile(TileConfig(16, 32, 32, 4, 3, 2)) == TileConfig(16, 64, 64, 4, 3, 2)
+    wide = TileConfig(64, 128, 128, 4, 3)
+    assert fragment_tile(wide) is wide
 
 
 def test_fp8_nan_codes_are_refused_at_load():

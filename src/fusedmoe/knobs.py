@@ -97,6 +97,10 @@ KNOBS: dict[str, Knob] = {
              "TMA tensor descriptors for the large-M unquantized Triton GEMMs (weights; gemm2's sorted "
              "rows too): unset/1 = where eligible on sm90+, 0 = off (pointer loads), force = wherever "
              "the tensors and tile allow, on any device (the interpreter tests)."),
+        Knob("TRITON_W4_FRAGMENTS", _tristate, None,
+             "mxfp4 weights re-laid in wgmma fragment order by the triton backend's process_weights "
+             "(fusedmoe.quant.fragments): unset/1 = where the shapes and scales allow, 0 = keep the "
+             "checkpoint layout."),
         Knob("TRITON_DIRECT", _on_off_force, None,
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "

@@ -32,6 +32,7 @@ from fusedmoe.quant.formats import (
     nvfp4_global_scale,
     nvfp4_quantize,
 )
+from fusedmoe.quant.fragments import FRAG_K, FRAG_N, FRAG_SCALES, from_fragments, is_fragments
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
 
@@ -127,6 +128,8 @@ def dequantize_weight(
     if global_scale is not None:
         raise ValueError(f"global_scale is set but {scheme.name} has none (only nvfp4 does)")
     if key.dtype == "mxfp4":
+        if is_fragments(scale):  # the triton backend's fragment layout: back to the checkpoint's
+            q, scale = from_fragments(q, scale)
         return mxfp4_dequantize(q, scale)
     if key.dtype == "fp8":
         return fp8_dequantize(q, _expand(scale.float(), key, q.shape))
@@ -193,8 +196,10 @@ def check_quant_weights(
         ("w13_scale", params.w13_scale, rows, hidden),
         ("w2_scale", params.w2_scale, hidden, intermediate),
     ):
-        shape = scale_shape(key, num_experts, n, k)
-        _check_tensor(name, scale, (shape,), scale_dtypes, scheme, device)
+        shapes = (scale_shape(key, num_experts, n, k),)
+        if key.dtype == "mxfp4" and n % FRAG_N == 0 and k % FRAG_K == 0:  # or in fragment order
+            shapes += ((num_experts, n // FRAG_N, k // FRAG_K, FRAG_SCALES),)
+        _check_tensor(name, scale, shapes, scale_dtypes, scheme, device)
     for name, global_scale in (
         ("w13_global_scale", params.w13_global_scale),
         ("w2_global_scale", params.w2_global_scale),

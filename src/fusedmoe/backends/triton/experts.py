@@ -29,7 +29,9 @@ from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
     PERSISTENT_PROGRAMS,
+    W4_MXFP4_FRAG,
     TileConfig,
+    fragment_tile,
     heuristic,
     require_plan,
     tile_mode,
@@ -861,6 +863,14 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
                   swiglu_limit, DIRECT_BLOCK_M, ids, expert_map, num_global_experts, num_local)
 
 
+def _fitted(tile: TileConfig, quant_args: dict | None) -> TileConfig:
+    """The tile a launch runs: `tiles.fragment_tile` of it over fragment-layout mxfp4 weights
+    (weight_only._kernel_args sets W4_FMT to the fragment format), else the tile as chosen."""
+    if quant_args and quant_args.get("W4_FMT") == W4_MXFP4_FRAG:
+        return fragment_tile(tile)
+    return tile
+
+
 def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, tile: TileConfig,
                  quant_args: dict | None = None, *, x: torch.Tensor | None = None) -> None:
     """GEMM1 (+ the split-K finish). quant_args: the kernel's quantization arguments (W8A8 in
@@ -868,6 +878,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     kernel finishes a); x: GEMM1's input when it is not L.x (W8A8 codes)."""
     from fusedmoe.backends.triton import kernels
 
+    tile = _fitted(tile, quant_args)
     x, a = (L.x if x is None else x), L.a
     inter, hidden = a.shape[1], x.shape[1]
     gated = is_gated(L.activation)
@@ -924,6 +935,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     """GEMM2; a: its input when it is not L.a (the W8A8 intermediate's codes)."""
     from fusedmoe.backends.triton import kernels
 
+    tile = _fitted(tile, quant_args)
     a, y = (L.a if a is None else a), L.y
     hidden, inter = y.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else y
@@ -1020,6 +1032,7 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
     a: its input when it is not L.a (the W8A8 intermediate's codes)."""
     from fusedmoe.backends.triton import kernels
 
+    tile = _fitted(tile, quant_args)
     a = L.a if a is None else a
     hidden, inter = out.shape[1], a.shape[1]
     bias = w2_bias if w2_bias is not None else out

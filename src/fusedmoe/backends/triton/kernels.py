@@ -85,6 +85,10 @@ Q_W4 = tl.constexpr(5)  # weight-only: 4-bit codes two per byte, a scale per gro
 W4_INT4 = tl.constexpr(0)  # two's complement nibble in [-8, 7], float scale
 W4_MXFP4 = tl.constexpr(1)  # e2m1, e8m0 scale (uint8 exponent, 2^(s - 127))
 W4_NVFP4 = tl.constexpr(2)  # e2m1, e4m3 scale, fp32 global scale per expert
+# e2m1 with e8m0 scales in the fragment layout (fusedmoe.quant.fragments): `_w4_frag_tile` gives
+# the [BLOCK_N, BLOCK_K] weight tile, multiplied swapped (w @ x^T into a [BLOCK_N, BLOCK_M]
+# accumulator, transposed back after the K loop, as SWAP_AB)
+W4_MXFP4_FRAG = tl.constexpr(3)
 
 
 @triton.jit
@@ -374,6 +378,99 @@ def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexp
     return lo, hi
 
 
+# The fragment layout's decode (fusedmoe.quant.fragments): $4 = one word, the four A registers
+# (rh, kh) = 00, 01, 10, 11 of a lane's k16 chunk, two codes each; $5 / $6 = the bf16x2
+# multipliers (2^126 * scale) of the rh = 0 / rh = 1 rows. Out: $0..$3 = the registers, bf16
+# pairs (k, k + 1). 15 instructions for 8 weights.
+W4_PTX_FRAG = tl.constexpr("""
+{
+.reg .b32 a, b, c, d;
+and.b32 $0, $4, 0x81C081C0;
+shl.b32 a, $4, 3;
+and.b32 $1, a, 0x81C081C0;
+shl.b32 b, $4, 6;
+and.b32 $2, b, 0x81C081C0;
+shr.b32 a, $4, 4;
+shr.b32 b, $4, 5;
+shl.b32 c, $4, 1;
+lop3.b32 d, a, b, 0x00C000C0, 0xE4;
+and.b32 d, d, 0x01C001C0;
+lop3.b32 $3, c, 0x80008000, d, 0xEA;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+
+
+@triton.jit
+def _frag_value(reg, HIGH: tl.constexpr):
+    """fp32 e2m1 value of one 16-bit half of a decoded register (uint32 bits: sign at 15, E1 E0 M
+    at 8 7 6 of the half), by its code and `_w4_value` (no subnormal intermediate)."""
+    if HIGH:  # noqa: SIM108 (constexpr branch)
+        h = reg >> 16
+    else:
+        h = reg & 0xFFFF
+    code = (((h >> 12) & 8) | ((h >> 6) & 7)).to(tl.int32)
+    return _w4_value(code, W4_MXFP4)
+
+
+@triton.jit
+def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's mxfp4 weight in the
+    fragment layout (w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales, [N/16, K/64, 32];
+    kdim = K), as a [BLOCK_N, BLOCK_K] DTYPE tile. Fragments past row block n16_end or past k_end
+    read as 0. PTX (bf16 on a GPU): W4_PTX_FRAG, and the tile comes out in the register layout of
+    the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops."""
+    NB16: tl.constexpr = BLOCK_N // 16
+    F: tl.constexpr = (BLOCK_K // 64) * NB16
+    f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
+    n16 = n16_0 + f % NB16
+    k64 = k0 // 64 + f // NB16
+    ok = (n16 < n16_end) & (k64 * 64 < k_end)
+    frag = n16.to(tl.int64) * (kdim // 64) + k64
+    b = tl.load(w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0)
+    if PTX:
+        g4 = (tl.arange(0, 32) // 4) * 4  # lane 4g + c reads group g's four scales (rh, j2)
+        sc = tl.load(s_ptr + frag[:, None, None] * 32 + g4[None, :, None] + tl.arange(0, 4)[None, None, :],
+                     mask=ok[:, None, None], other=0)
+        # 2^126 * 2^(e - 127) = 2^(e - 1): bf16 exponent field e + 126 (finite: e <= 128)
+        s2 = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+        s2 = tl.permute(tl.reshape(s2, (F, 32, 2, 2)), (0, 1, 3, 2))  # [F, lane, j2, rh]
+        s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, 2, 1, 2, 1)), (F, 32, 2, 2, 2, 2))  # j2 j1 rh | pair
+        r0, r1 = tl.inline_asm_elementwise(W4_PTX_FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        # r0 / r1: rows rh = 0 / 1; element 4j + 2kh + u of a lane
+        v = tl.reshape(tl.join(r0, r1), (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j kh u rh
+        w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
+    else:
+        by = tl.reshape(b.to(tl.uint32), (F, 128, 2, 2))
+        lo, hi = tl.split(by)  # bytes (0, 2), (1, 3) of each word
+        b0, b2 = tl.split(lo)
+        b1, b3 = tl.split(hi)
+        word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [F, 128]: lane-major (g, c), then j
+        m = 0x81C081C0
+        r00 = word & m
+        r01 = (word << 3) & m
+        r10 = (word << 6) & m
+        r11 = ((word >> 4) & 0x00C000C0) | ((word >> 5) & 0x01000100) | ((word << 1) & 0x80008000)
+        t00 = tl.join(_frag_value(r00, False), _frag_value(r00, True))  # [F, 128, u]
+        t01 = tl.join(_frag_value(r01, False), _frag_value(r01, True))
+        t10 = tl.join(_frag_value(r10, False), _frag_value(r10, True))
+        t11 = tl.join(_frag_value(r11, False), _frag_value(r11, True))
+        v = tl.join(tl.join(t00, t01), tl.join(t10, t11))  # [F, 128, u, kh, rh]
+        v = tl.reshape(v, (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j u kh rh
+        w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 6, 3, 5)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
+        sc = tl.load(s_ptr + frag[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0)
+        s = tl.reshape(_w4_scale(sc, W4_MXFP4), (BLOCK_K // 64, NB16, 8, 2, 2))  # k64 n16 g rh j2
+        s = tl.reshape(tl.permute(s, (1, 3, 2, 0, 4)), (BLOCK_N, BLOCK_K // 32))  # n16 rh g | k64 j2
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+        w = (w * s).to(DTYPE)
+    return w
+
+
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
     """Programmatic dependent launch (sm90+, `launch_pdl=True`): wait for the previous kernel in
@@ -524,15 +621,27 @@ def _gemm1_tile(
     if FUSE_XQ:  # the slot's token row and its scale
         x_tok_ptr = x_ptr + (pid_m // top_k).to(tl.int64) * stride_xt
         xq_w, xs_tok = _xq_scale(x_tok_ptr, topk_w_ptr + pid_m, hidden, stride_xh, ACC_INT, XQ_ROW_W, XQ_WIDTH)
-    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
-    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # fragment-layout mxfp4
+    SWAPPED: tl.constexpr = SWAP_AB or FRAG
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
     if QUANT == Q_W4:  # pointers of byte j (k = 2j, 2j + 1) and of its group scale, from k0
         offs_j = tl.arange(0, BLOCK_K // 2)
         x_rows = x_ptr + x_row[:, None] * stride_xt
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
-        if QUANT == Q_W4:
+        if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
+                               BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+            acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
+            if GATED:  # the up rows start at fragment row I / 16
+                wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, k_end,
+                                   hidden, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
+        elif QUANT == Q_W4:
             # x read contiguously and split into its even / odd columns in registers (two
             # stride-2 loads cost more than the whole decode: H200, benchmarks/bench_w4_decode.py)
             k_ok = offs_k < k_end - k0
@@ -609,7 +718,7 @@ def _gemm1_tile(
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
     if ONE_DOT:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 * BLOCK_N) up
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    if SWAP_AB:
+    if SWAPPED:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
 
@@ -847,14 +956,22 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
                   + offs_k[:, None] * stride_wi)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAP_AB)
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # as in moe_gemm1_kernel
+    SWAPPED: tl.constexpr = SWAP_AB or FRAG
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
     if QUANT == Q_W4:  # as in moe_gemm1_kernel
         offs_j = tl.arange(0, BLOCK_K // 2)
         a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_ar
         wq_cols = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(0, inter, BLOCK_K):
-        if QUANT == Q_W4:  # as in moe_gemm1_kernel
+        if FRAG:  # as in moe_gemm1_kernel
+            k_ok = offs_k < inter - k0
+            aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, pid_n * (BLOCK_N // 16), hidden // 16, k0, inter,
+                               inter, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE)
+            acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
+        elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0
             aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -888,7 +1005,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             if not W_DESC:
                 w_ptrs += BLOCK_K * stride_wi
     _pdl_release(PDL)
-    if SWAP_AB:
+    if SWAPPED:
         acc = tl.trans(acc)
 
     if QUANT == Q_CHANNEL:
@@ -1164,7 +1281,9 @@ def moe_gemm2_direct_kernel(
         # of its zero-masked tile); scale 1, and its product is dropped as below
         sk = tl.where(ok, sk, 1.0)
     k_steps = tl.cdiv(inter, BLOCK_K)
-    total = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # as in moe_gemm1_kernel
+    SWAPPED: tl.constexpr = SWAP_AB or FRAG
+    total = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
     if QUANT == Q_W4:
         offs_j = tl.arange(0, BLOCK_K // 2)
     for it in range(0, PER * k_steps):
@@ -1189,8 +1308,13 @@ def moe_gemm2_direct_kernel(
         else:
             aa = tl.load(a_ptr + slot * stride_ar + row0 + (k0 + offs_k)[None, :] * stride_ai,
                          mask=lane0 & k_ok[None, :], other=0.0)
-        acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAP_AB)
-        if QUANT == Q_W4:
+        acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
+        if FRAG:  # a slot with no local expert: every fragment masked (bounds times live)
+            wt = _w4_frag_tile(w2_ptr + e * stride_we, ws_ptr + e * stride_ws0, tl.program_id(1) * (BLOCK_N // 16),
+                               live * (hidden // 16), k0, live * inter, inter, BLOCK_N, BLOCK_K,
+                               a_ptr.dtype.element_ty, PTX_DECODE)
+            acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
+        elif QUANT == Q_W4:
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
             w_mask = n_e[None, :] if EVEN_K else (offs_j < live * ((inter - k0) // 2))[:, None] & n_e[None, :]
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
@@ -1232,7 +1356,7 @@ def moe_gemm2_direct_kernel(
                                     other=0.0).to(tl.float32)[None, :]
         total += acc * w_j
     _pdl_release(PDL)
-    if SWAP_AB:
+    if SWAPPED:
         total = tl.trans(total)
     if HAS_BIAS:
         total += bias[None, :]

@@ -104,6 +104,23 @@ def tile_mode(scheme) -> tuple[str | None, int | None]:
     )
 
 
+# The weight-only GEMMs' code of mxfp4 weights in the fragment layout (fusedmoe.quant.fragments):
+# kernels.W4_MXFP4_FRAG, keep in sync. A fragment is 16 rows x 64 k: the GEMMs over it take
+# BLOCK_N and BLOCK_K of at least 64 (`fragment_tile`).
+W4_MXFP4_FRAG = 3
+FRAGMENT_MIN_TILE = 64
+
+
+def fragment_tile(tile: TileConfig) -> TileConfig:
+    """The tile a GEMM over fragment-layout mxfp4 weights runs for `tile`: BLOCK_N and BLOCK_K
+    raised to FRAGMENT_MIN_TILE (whole fragments per tile, four warps' worth of 16-row A operand
+    rows), the rest as given. The tables and the heuristic's "w4" tiles are chosen for the
+    checkpoint layout; most already are this wide (64 x 128 at decode, 128 x 128 past 16 rows)."""
+    if tile.block_n >= FRAGMENT_MIN_TILE and tile.block_k >= FRAGMENT_MIN_TILE:
+        return tile
+    return replace(tile, block_n=max(tile.block_n, FRAGMENT_MIN_TILE), block_k=max(tile.block_k, FRAGMENT_MIN_TILE))
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

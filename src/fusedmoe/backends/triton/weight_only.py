@@ -36,8 +36,15 @@ from fusedmoe.backends.triton.experts import (
     prepare_launch,
     run_batched,
 )
-from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan, tile_mode
+from fusedmoe.backends.triton.tiles import (
+    W4_MXFP4_FRAG,
+    TileConfig,
+    heuristic,
+    require_plan,
+    tile_mode,
+)
 from fusedmoe.modular import ExpertWeights
+from fusedmoe.quant.fragments import fragments_reason, is_fragments, to_fragments
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
 
@@ -101,12 +108,32 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     if q is not None and q.scheme.weight_only and q.scheme.weight.dtype == "fp8":
         check_fp8_codes(weights.w13, "w13")
         check_fp8_codes(weights.w2, "w2")
+    if q is not None and q.scheme.weight.dtype == "mxfp4":
+        return _mxfp4_fragments(weights)
     if q is None or q.scheme.weight.dtype not in GROUP_MAJOR_SCALES:
         return weights
     w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
     if w13_scale is q.w13_scale and w2_scale is q.w2_scale:
         return weights
     return weights.replace(quant=dataclasses.replace(q, w13_scale=w13_scale, w2_scale=w2_scale))
+
+
+def _mxfp4_fragments(weights: ExpertWeights) -> ExpertWeights:
+    """mxfp4 payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where both
+    weights allow it and FUSEDMOE_TRITON_W4_FRAGMENTS is not 0; else as given. H200, one grouped
+    GEMM at 16 rows per expert (benchmarks/bench_w4_fragments.py,
+    results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): 2.1-2.7 TB/s of 4-bit weights against
+    1.3-1.6 in the checkpoint layout (gpt-oss down 112 -> 57 us, Mixtral gate-up 157 -> 94)."""
+    from fusedmoe import knobs
+
+    q = weights.quant
+    if knobs.get("TRITON_W4_FRAGMENTS") is False or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
+        return weights
+    if fragments_reason(weights.w13, q.w13_scale) or fragments_reason(weights.w2, q.w2_scale):
+        return weights
+    w13, s13 = to_fragments(weights.w13, q.w13_scale)
+    w2, s2 = to_fragments(weights.w2, q.w2_scale)
+    return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, w13_scale=s13, w2_scale=s2))
 
 
 def weight_only_mode(scheme: QuantScheme) -> tuple[str, int | None]:
@@ -272,5 +299,6 @@ def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.T
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
         return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
-    return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
+    fmt = W4_MXFP4_FRAG if is_fragments(scale) else W4_FORMATS[key.dtype]
+    return dict(args, QUANT=Q_W4, W4_FMT=fmt, W_GROUP=key.group, PTX_DECODE=ptx,
                 wgs_ptr=global_scale if global_scale is not None else scale)

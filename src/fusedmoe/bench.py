@@ -567,7 +567,15 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
 
     static = scheme.endswith("_static")
     amax = (torch.tensor(6.0), torch.tensor(10.0)) if static else None  # |x| ~ 5 sigma, |a| ~ 8
-    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    # 8 experts at a time: quantize_weights' float32 temporaries of a whole gpt-oss-120b weight
+    # (~16 GB each) ran an 80 GB H100 out of memory
+    parts = [quantize_weights(w13[e:e + 8], w2[e:e + 8], scheme, activation_amax=amax)
+             for e in range(0, w13.shape[0], 8)]
+    q13, q2 = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
+    per_expert = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")  # dim 0: experts
+    params = dataclasses.replace(parts[0][2], **{name: torch.cat([getattr(part[2], name) for part in parts])
+                                                 for name in per_expert if getattr(parts[0][2], name) is not None})
+    del parts
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
                                      w2_scale=params.w2_scale.to(torch.bfloat16))

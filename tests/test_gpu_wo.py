@@ -265,6 +265,22 @@ def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
             assert torch.equal(replayed(run), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fragments_in_fp16_and_fp32(dtype):
+    """mxfp4 in the fragment layout with fp16 / fp32 activations: no inline PTX there, the
+    fragments are decoded by Triton integer ops (kernels._w4_frag_tile's other branch) on the
+    GPU; against emulation on the aligned and the direct path."""
+    q13, q2, params, b13, b2 = make_weights(16, 512, 256, "mxfp4_w4a16:fragments", seed=9, bias=True)
+    b13, b2 = b13.to(dtype), b2.to(dtype)
+    for tokens in (1, 4, 70):
+        x, w, ids = make_tokens(tokens, 16, 4, 512, seed=9 + tokens)
+        x = x.to(dtype)
+        poison_allocator()
+        out = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="triton")
+        emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="emulation")
+        assert out.dtype == dtype and rel_err(out, emulated) < (TOL if dtype == torch.float16 else 1e-4)
+
+
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_direct_decode(scheme):
     """The direct decode path (GEMM1 by slot, GEMM2 with the top-k sum; the bf16 inline-PTX

@@ -145,6 +145,15 @@ def test_fragment_layout_conditions():
     big[1, 2, 0] = 129  # a scale of 4: 2^126 * 4 overflows bf16
     assert "above 128" in fragments_reason(w.w2, big)
     assert experts.process_weights(w.replace(quant=dataclasses.replace(w.quant, w2_scale=big))).w13 is w.w13
+    # marlin's MXFP4 W4A8 checkpoints: the same weights, re-laid by the same process_weights
+    from fusedmoe.backends.triton.marlin import MarlinExperts
+
+    config, x, w, weights, ids, _ = problem(Case("cond-w4a8", T=3, H=128, I=64), "mxfp4_w4a8", torch.float32)
+    laid = MarlinExperts(config).process_weights(w)
+    assert is_fragments(laid.quant.w13_scale)
+    twin = w.replace(quant=QuantParams("mxfp4_w4a16", w.quant.w13_scale, w.quant.w2_scale))
+    want = EmulationExperts(config.replace(quant="mxfp4_w4a16")).apply(x, twin, weights, ids, expert_map_E=None)
+    assert rel_err(MarlinExperts(config).apply(x, laid, weights, ids, expert_map_E=None), want) < TOL[torch.float32]
     config, x, w, weights, ids, _ = problem(Case("cond-odd", T=3, H=96, I=64), "mxfp4_w4a16", torch.float32)
     assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
     assert TritonExperts(config).process_weights(w) is w

@@ -1210,7 +1210,8 @@ class TritonExperts(Experts):
     """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
     weight-only schemes through quant.py. Payloads are read as stored (the 4-bit kernels take the
     checkpoints' packing, even k in the low nibble); process_weights re-lays int4's and nvfp4's
-    group scales group-major (`weight_only.kernel_scale_layout`)."""
+    group scales group-major (`weight_only.kernel_scale_layout`) and mxfp4's codes and scales
+    into wgmma fragment order (`fusedmoe.quant.fragments`)."""
 
     def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
         from fusedmoe.backends.triton.weight_only import prepare_weights

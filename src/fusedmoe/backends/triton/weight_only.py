@@ -5,7 +5,8 @@
 The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
 4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); int4's
 and nvfp4's group scales are re-laid group-major by `process_weights` (`kernel_scale_layout`;
-any strides run, that one fastest). Nothing
+any strides run, that one fastest), mxfp4's codes and scales into wgmma fragment order where
+the shapes allow (`fusedmoe.quant.fragments`; `_mxfp4_fragments`). Nothing
 dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels
 are the unquantized ones with QUANT = Q_W8 (per-channel scales on the accumulator) or Q_W4
 (group scales per element inside the K loop, nvfp4's global scale on the accumulator): see

@@ -196,6 +196,17 @@ def test_fragment_tile_widens_narrow_tiles():
     assert fragment_tile(TileConfig(16, 32, 32, 4, 3, 2)) == TileConfig(16, 64, 64, 4, 3, 2)
     wide = TileConfig(64, 128, 128, 4, 3)
     assert fragment_tile(wide) is wide
+    # `fusedmoe explain --tokens` says so for mxfp4, and names the tiles that run when they widen
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+    from fusedmoe.backends.triton.tiles import DIRECT_BLOCK_M
+    from fusedmoe.quant.scheme import get_scheme
+
+    problem = GemmProblem(4, 8, 128, 64, 4, True, torch.bfloat16)
+    plan = describe_plan(problem, get_scheme("mxfp4_w4a16"), torch.device("cpu"))
+    assert plan["w4_layout"].startswith("fragments where") and plan["gemm1"]["tile"].block_m == DIRECT_BLOCK_M
+    assert ("run as gemm1" in plan["w4_layout"]) == (fragment_tile(plan["gemm2"]["tile"]) != plan["gemm2"]["tile"]
+                                                     or fragment_tile(plan["gemm1"]["tile"]) != plan["gemm1"]["tile"])
+    assert "w4_layout" not in describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))
 
 
 def test_fp8_nan_codes_are_refused_at_load():

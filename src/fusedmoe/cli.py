@@ -296,6 +296,8 @@ def format_plans(plans: list[dict] | dict) -> str:
         lines.append(f"           why: {p['why']}")
         if p.get("fp8_accumulate"):
             lines.append(f"           fp8 accumulator: {p['fp8_accumulate']}")
+        if p.get("w4_layout"):
+            lines.append(f"           mxfp4 weights: {p['w4_layout']}")
     return "\n".join(lines)
 
 

@@ -545,6 +545,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
     the row-stationary W8A8 kernel's description where quant.gemm2_rows picks it)}, and
     fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
+    w4_layout for mxfp4 (the fragment layout and the tiles it runs: tiles.fragment_tile),
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
@@ -579,6 +580,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     qx = qa = ""
     swap1 = swap2 = False
     extra = {}
+    if scheme is not None and scheme.weight.dtype == "mxfp4":  # process_weights' fragment layout
+        f1, f2 = fragment_tile(t1), fragment_tile(t2)
+        widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
+        extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I multiples "
+                              f"of 64, e8m0 scales <= 2; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
+                              f"layout){widened}")
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
         from fusedmoe.backends.triton.quant import fp8_accumulation, swap_ab
 

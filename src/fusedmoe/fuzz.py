@@ -515,7 +515,9 @@ def _api_runner(name: str, layout: str) -> Runner:
 
 def _interpreted(name: str, layout: str) -> Runner:
     """The Triton backend's experts on CPU tensors (TRITON_INTERPRET=1), behind the same modular
-    kernel fused_experts builds."""
+    kernel fused_experts builds, on the weights as its `process_weights` lays them for a layer
+    (group-major int4 / nvfp4 scales, mxfp4 in fragment order where the shapes allow); the API
+    runners pass them as stored."""
 
     def run(case: FuzzCase, p: Problem) -> torch.Tensor:
         config = case.config(layout)
@@ -523,7 +525,8 @@ def _interpreted(name: str, layout: str) -> Runner:
             return p.x_TH.new_empty(0, case.hidden)
         experts = REGISTRY[name].load_impl()(config)
         return make_modular(config, experts)(
-            p.x_TH, p.weights, p.topk_weights_TK, p.topk_ids_TK, expert_map_E=p.expert_map_E)
+            p.x_TH, experts.process_weights(p.weights), p.topk_weights_TK, p.topk_ids_TK,
+            expert_map_E=p.expert_map_E)
 
     return run
 

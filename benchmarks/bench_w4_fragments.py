@@ -52,8 +52,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fusedmoe.backends.triton.kernels import W4_MXFP4, _w4_ptx_decode  # noqa: E402
+from fusedmoe.backends.triton.kernels import W4_MXFP4, W4_PTX_FRAG, _w4_ptx_decode  # noqa: E402
 from fusedmoe.quant.formats import mxfp4_dequantize, mxfp4_quantize, unpack_nibbles  # noqa: E402
+from fusedmoe.quant.fragments import to_fragments as lib_to_fragments  # noqa: E402
 
 SHAPES = {  # name: (E, N, K): gate/up (N = 2I, K = H) and down (N = H, K = I) of the presets
     "gpt-oss-gate-up": (32, 5760, 2880),
@@ -80,67 +81,16 @@ def to_fragments(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
     return frag.contiguous(), sc.reshape(E, N // 16, K // 64, 32).contiguous()
 
 
-def _place(code: torch.Tensor, slot: int) -> torch.Tensor:
-    """int32 bits of a 4-bit e2m1 code in one 16-bit half, at slot 0-3 (see frag2)."""
-    code = code.to(torch.int32)
-    a = ((code & 8) << 12) | ((code & 7) << 6)  # sign 15, E1 E0 M 8 7 6
-    if slot < 3:
-        return a >> (3 * slot)
-    return ((code & 8) << 11) | ((code & 4) << 11) | ((code & 3) << 10)  # sign 14, E1 13, E0 M 11 10
-
-
 def to_fragments2(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [E, N, K/2], scales [E, N, K/32] -> frag2 words as bytes [E, N/16, K/64, 512], the
-    same scales as `to_fragments`."""
-    E, N, KH = codes.shape
-    K = 2 * KH
-    assert N % 16 == 0 and K % 64 == 0, (N, K)
-    v = unpack_nibbles(codes).view(E, N // 16, 2, 8, K // 64, 4, 2, 4, 2)  # e, n16, rh, g, k64, j, kh, c, u
-    v = v.permute(0, 1, 4, 3, 7, 5, 8, 2, 6)  # e, n16, k64, g, c, j, u, rh, kh
-    half = (_place(v[..., 0, 0], 0) | _place(v[..., 0, 1], 1) | _place(v[..., 1, 0], 2)
-            | _place(v[..., 1, 1], 3))  # e, n16, k64, g, c, j, u
-    word = half[..., 0] | (half[..., 1] << 16)
-    frag = word.contiguous().view(torch.uint8).reshape(E, N // 16, K // 64, 512)
-    _, sc = to_fragments(codes, scales)
-    return frag, sc
+    """frag2's storage: the library's fragment layout (`fusedmoe.quant.fragments`, which this
+    prototype led to), codes as bytes [E, N/16, K/64, 512], scales [E, N/16, K/64, 32]."""
+    E, N, half = codes.shape
+    frag, sc = lib_to_fragments(codes, scales)
+    return frag.view(E, N // 16, 2 * half // 64, 512), sc
 
 
-def decode2_reference(words: torch.Tensor) -> torch.Tensor:
-    """What the frag2 asm computes before the scale, in torch: int32 words -> [..., 4 regs, 2]
-    float32 values (register (rh, kh) = 00, 01, 10, 11; half u), each exactly e2m1 * 2^-126."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    m = 0x81C081C0
-    regs = [w & m, (w << 3) & m, (w << 6) & m]
-    sel = ((w >> 4) & 0x00C000C0) | ((w >> 5) & ~0x00C000C0)
-    regs.append((sel & 0x01C001C0) | ((w << 1) & 0x80008000))
-    r = torch.stack(regs, -1) & 0xFFFFFFFF
-    halves = torch.stack((r & 0xFFFF, r >> 16), -1).to(torch.int32)
-    return (halves << 16).view(torch.float32)
-
-
-# kernels ---------------------------------------------------------------------------------------
-# frag2's decode: $4 = one word (4 codes of each half), $5 / $6 = the bf16x2 multipliers of the
-# rh = 0 / rh = 1 registers; out $0..$3 = registers (rh, kh) = 00, 01, 10, 11.
-W4_FRAG2_TEXT = """
-{
-.reg .b32 a, b, c, d;
-and.b32 $0, $4, 0x81C081C0;
-shl.b32 a, $4, 3;
-and.b32 $1, a, 0x81C081C0;
-shl.b32 b, $4, 6;
-and.b32 $2, b, 0x81C081C0;
-shr.b32 a, $4, 4;
-shr.b32 b, $4, 5;
-shl.b32 c, $4, 1;
-lop3.b32 d, a, b, 0x00C000C0, 0xE4;
-and.b32 d, d, 0x01C001C0;
-lop3.b32 $3, c, 0x80008000, d, 0xEA;
-mul.rn.bf16x2 $0, $0, $5;
-mul.rn.bf16x2 $1, $1, $5;
-mul.rn.bf16x2 $2, $2, $6;
-mul.rn.bf16x2 $3, $3, $6;
-}
-"""
+# frag2's decode is the library's (kernels.W4_PTX_FRAG); frag2n multiplies by 2^126 and the scale apart
+W4_FRAG2_TEXT = W4_PTX_FRAG.value
 W4_FRAG2N_TEXT = W4_FRAG2_TEXT.replace("mul.rn.bf16x2 $0, $0, $5;", """.reg .b32 k;
 mov.b32 k, 0x7E807E80;
 mul.rn.bf16x2 $0, $0, k;

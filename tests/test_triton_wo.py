@@ -154,6 +154,17 @@ def test_fragment_layout_conditions():
     twin = w.replace(quant=QuantParams("mxfp4_w4a16", w.quant.w13_scale, w.quant.w2_scale))
     want = EmulationExperts(config.replace(quant="mxfp4_w4a16")).apply(x, twin, weights, ids, expert_map_E=None)
     assert rel_err(MarlinExperts(config).apply(x, laid, weights, ids, expert_map_E=None), want) < TOL[torch.float32]
+    # fragments are addressed as contiguous runs per expert: other strides are refused, named
+    config, x, w, weights, ids, _ = problem(Case("cond-strides", T=3, H=128, I=64), "mxfp4_w4a16", torch.float32)
+    laid = TritonExperts(config).process_weights(w)
+    wide = torch.zeros(4, 128, 2 * 64, dtype=torch.uint8)[:, :, :64]
+    wide.copy_(laid.w13)
+    with pytest.raises(ValueError, match=r"w13 holds mxfp4 fragments .* each expert's \[N, K/2\] bytes must be contiguous"):
+        run(config, x, laid.replace(w13=wide), weights, ids, None)
+    scale_t = torch.zeros(*laid.quant.w2_scale.shape[:3], 64, dtype=torch.uint8)[..., :32]
+    scale_t.copy_(laid.quant.w2_scale)
+    with pytest.raises(ValueError, match=r"w2_scale holds mxfp4 fragment scales with strides"):
+        run(config, x, laid.replace(quant=dataclasses.replace(laid.quant, w2_scale=scale_t)), weights, ids, None)
     config, x, w, weights, ids, _ = problem(Case("cond-odd", T=3, H=96, I=64), "mxfp4_w4a16", torch.float32)
     assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
     assert TritonExperts(config).process_weights(w) is w

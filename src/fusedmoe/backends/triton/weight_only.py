@@ -93,6 +93,21 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
                          f"kernels decode finite codes only")
 
 
+def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
+    """Fragment-layout mxfp4 (`fusedmoe.quant.fragments`): the kernels address an expert's
+    fragments and scales as contiguous runs (`kernels._w4_frag_tile`), so each expert's payload
+    and scales must be contiguous inside (experts may be strided). Metadata only, no sync."""
+    for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if not is_fragments(scale):
+            continue
+        if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+            raise ValueError(f"{name} holds mxfp4 fragments (its scale is {tuple(scale.shape)}) but has strides "
+                             f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
+        if scale.stride()[1:] != (scale.shape[2] * scale.shape[3], scale.shape[3], 1):
+            raise ValueError(f"{name}_scale holds mxfp4 fragment scales with strides {tuple(scale.stride())}: "
+                             "each expert's [N/16, K/64, 32] must be contiguous")
+
+
 def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     """fp8 NaN codes, in calls with validation on (they need a sync); layers check at load."""
     if scheme.weight.dtype == "fp8" and x.is_cuda and should_validate(None, x):
@@ -192,6 +207,7 @@ def triton_weight_only_experts(
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)
+    _check_fragments(w13, w2, w13_scale, w2_scale)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
@@ -241,6 +257,7 @@ def triton_batched_weight_only_experts(
     weight), through the same kernels as `triton_weight_only_experts`."""
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
+    _check_fragments(w13, w2, w13_scale, w2_scale)
 
     def gemms(launch, t1, t2):
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,

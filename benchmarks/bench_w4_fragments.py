@@ -53,6 +53,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fusedmoe.backends.triton.kernels import W4_MXFP4, W4_PTX_FRAG, _w4_ptx_decode  # noqa: E402
+from fusedmoe.bench import time_rotated  # noqa: E402
 from fusedmoe.quant.formats import mxfp4_dequantize, mxfp4_quantize, unpack_nibbles  # noqa: E402
 from fusedmoe.quant.fragments import to_fragments as lib_to_fragments  # noqa: E402
 
@@ -257,32 +258,6 @@ class Problem:
         return kern[grid](*args, **meta)
 
 
-def time_graph(fns, reps=20) -> float:
-    """Median us of one call over CUDA-graph replays cycling the rotated copies."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * len(fns)))
-    return sorted(times)[len(times) // 2]
-
-
 def sass_counts(compiled) -> dict:
     """SASS instruction counts of a compiled kernel (whole kernel), from Triton's cuobjdump."""
     import re
@@ -338,7 +313,7 @@ def main() -> None:
                               f"{type(exc).__name__}: {str(exc)[:160]}")
                         continue
                     err = ((prob.y.float() - prob.ref).norm() / prob.ref.norm()).item()
-                    us = float("nan") if args.smoke else time_graph(
+                    us = float("nan") if args.smoke else 1e6 * time_rotated(
                         [lambda c=c, p=prob, v=variant, t=tile: p.launch(v, c, t) for c in prob.copies])
                     row = dict(shape=name, E=E, N=N, K=K, rows=rows, variant=variant, tile=tile, us=us,
                                tbps=wbytes / (us * 1e-6) / 1e12, rel_err=err)

@@ -201,6 +201,25 @@ def test_fragment_layout_kernels_match_emulation(dtype):
     assert rel_err(batched(x, laid, weights, ids), want) < tol
 
 
+def test_fragment_layout_edge_cases():
+    """The fragment path at the edges: no tokens, E not a power of two with top_k = E, top_k = 1,
+    every token on one expert (the others empty), against emulation on the checkpoint layout."""
+    for case, one_expert in ((Case("frag-empty", T=0, E=3, K=3, H=64, I=64), False),
+                             (Case("frag-topk-e", T=5, E=3, K=3, H=64, I=128, bias=True), False),
+                             (Case("frag-top1", T=6, E=5, K=1, H=128, I=64, on_input=True), False),
+                             (Case("frag-one-expert", T=11, E=5, K=2, H=64, I=64), True)):
+        config, x, w, weights, ids, _ = problem(case, "mxfp4_w4a16", torch.float32)
+        if one_expert:
+            ids = torch.full_like(ids, 3)
+            ids[:, 1] = 4  # two slots of a token must name two experts: 3 and 4 take every token
+        laid = TritonExperts(config).process_weights(w)
+        out = run(config, x, laid, weights, ids, None)
+        assert out.shape == (case.T, case.H), case.id
+        if case.T:
+            want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+            assert rel_err(out, want) < TOL[torch.float32], case.id
+
+
 def test_fragment_tile_widens_narrow_tiles():
     from fusedmoe.backends.triton.tiles import fragment_tile
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_w4_fragments.py [--shapes gpt-oss-gate-up,...] [--rows 16,64]
                                             [--variants frag,plain] [--ir DIR] [--smoke]
+                                            [--format mxfp4|nvfp4]
 
 One expert-grouped GEMM, y[e] = x[e] @ W[e]^T with W [E, N, K] mxfp4 (e2m1 codes, an e8m0 scale
 per 32 along K) and x [E, rows, K] bf16, the shape of a weight-only MoE GEMM whose experts each
@@ -34,6 +35,14 @@ Variants (same codes and scales, same decode asm as the library's `_w4_ptx_decod
           to 128, scales <= 2; `frag2n` multiplies by 2^126 and the scale apart): 15 instructions
           for 8 weights where the library's e2m1 decode takes 26.
 
+  nvfrag_bf16 / nvfrag_cvt (`--format nvfp4`: e2m1 codes, e4m3 block scales per 16, an fp32
+          global scale per expert): the same fragment order and decode, scales per (row, k16
+          chunk) [E, N/16, K/64, 64], lane group g's eight (j, rh) together. 2^126 * s overflows
+          bf16 for s >= 4, so the multiplier is s * 2^118 (at most 448 * 2^118 < 2^127), giving
+          value * s * 2^-8 (a normal bf16, exact), and 2^8 goes onto the accumulator with the
+          global scale. bf16: the multipliers stored as bf16 by the host (+1/16 byte a weight);
+          cvt: stored as e4m3 bytes, converted in the kernel (fp8 -> fp32 cast, * 2^118, -> bf16).
+
 The question it answers: does the fragment order remove the per-step layout conversion, and how
 many TB/s of 4-bit weights does each variant stream (H200 roof ~4.2-4.8)? `--ir DIR` writes each
 variant's TTGIR and SASS instruction counts for the first shape.
@@ -54,7 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fusedmoe.backends.triton.kernels import W4_MXFP4, W4_PTX_FRAG, _w4_ptx_decode  # noqa: E402
 from fusedmoe.bench import time_rotated  # noqa: E402
-from fusedmoe.quant.formats import mxfp4_dequantize, mxfp4_quantize, unpack_nibbles  # noqa: E402
+from fusedmoe.quant.formats import (  # noqa: E402
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    nvfp4_dequantize,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+    unpack_nibbles,
+)
 from fusedmoe.quant.fragments import to_fragments as lib_to_fragments  # noqa: E402
 
 SHAPES = {  # name: (E, N, K): gate/up (N = 2I, K = H) and down (N = H, K = I) of the presets
@@ -153,6 +169,60 @@ def frag2_gemm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, N, K, stride_xe, stride_xm, 
     yp = y_ptr + e.to(tl.int64) * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(yp, acc.to(tl.bfloat16))
 
+TWO_118 = tl.constexpr(2.0**118)
+
+
+@triton.jit
+def nv_frag_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
+                        stride_se, stride_sn16, stride_ye, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_BF16: tl.constexpr):
+    """frag2's GEMM over nvfp4 (see the module docstring): multipliers s * 2^118 per (row, k16)."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    K64: tl.constexpr = BLOCK_K // 64
+    NB16: tl.constexpr = BLOCK_N // 16
+    F: tl.constexpr = K64 * NB16
+    f = tl.arange(0, F)
+    k64 = f // NB16
+    n16 = pid_n * NB16 + f % NB16
+    wq = (wq_ptr + e.to(tl.int64) * stride_we + n16[:, None].to(tl.int64) * stride_wn16 + k64[:, None] * 512
+          + tl.arange(0, 512)[None, :])
+    lane_g = tl.arange(0, 32) // 4
+    ws = (ws_ptr + e.to(tl.int64) * stride_se + n16[:, None, None].to(tl.int64) * stride_sn16
+          + k64[:, None, None] * 64 + lane_g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :])
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    xp = x_ptr + e.to(tl.int64) * stride_xe + offs_m[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        b = tl.load(wq + (k0 // 64) * 512)  # [F, 512]
+        sc = tl.load(ws + (k0 // 64) * 64)  # [F, 32, 8]: (j, rh)
+        if not SCALE_BF16:  # e4m3 bytes -> s * 2^118 (exact: <= 448 * 2^118, subnormal codes included)
+            sc = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TWO_118).to(tl.bfloat16)
+        sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 4, 2, 1)), (F, 32, 4, 2, 2))  # j, rh, dup
+        r0, r1 = _frag2_decode(b, tl.reshape(sc, (F, 512)), True)  # rh = 0, 1; byte 4j + 2kh + u
+        v = tl.reshape(tl.join(r0, r1), (K64, NB16, 8, 4, 4, 2, 2, 2))  # k64, n16, g, c, j, kh, u, rh
+        w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
+        xa = tl.load(xp + k0)
+        acc = tl.dot(w, tl.trans(xa), acc)
+    acc = acc * (tl.load(gs_ptr + e) * 256.0)  # the global scale, and the 2^8 the multipliers left out
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    yp = y_ptr + e.to(tl.int64) * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(yp, acc.to(tl.bfloat16))
+
+
+def nv_fragment_scales(block: torch.Tensor, as_bf16: bool) -> torch.Tensor:
+    """nvfp4 block scales [E, N, K/16] (e4m3) in fragment order [E, N/16, K/64, 64] (lane group g's
+    (j, rh) together): as bf16 multipliers s * 2^118, or as the e4m3 bytes."""
+    E, N, G = block.shape
+    sc = block.view(torch.uint8).view(E, N // 16, 2, 8, G // 4, 4)  # e n16 rh g k64 j
+    sc = sc.permute(0, 1, 4, 3, 5, 2).reshape(E, N // 16, G // 4, 64).contiguous()  # e n16 k64 | g j rh
+    if as_bf16:
+        return (sc.view(torch.float8_e4m3fn).float() * 2.0**118).to(torch.bfloat16)
+    return sc
+
+
 @triton.jit
 def _e8m0_bf16(s):
     """e8m0 codes (uint8) -> bf16 2^(s - 127) (s = 0 -> 2^-127, which bf16 holds as a subnormal)."""
@@ -226,10 +296,25 @@ def plain_gemm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, N, K, stride_xe, stride_xm, 
 
 
 class Problem:
-    def __init__(self, E, N, K, rows, copies, device):
-        self.E, self.N, self.K, self.rows = E, N, K, rows
+    def __init__(self, E, N, K, rows, copies, device, fmt="mxfp4"):
+        self.E, self.N, self.K, self.rows, self.fmt = E, N, K, rows, fmt
         self.x = torch.randn(E, rows, K, device=device).to(torch.bfloat16)
         self.copies = []
+        if fmt == "nvfp4":
+            for _ in range(copies):
+                w = torch.randn(E, N, K, device=device)
+                gs = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
+                codes, block = nvfp4_quantize(w, gs.view(-1, 1, 1))
+                del w
+                frag, _ = to_fragments2(codes, torch.zeros(E, N, K // 32, dtype=torch.uint8, device=device))
+                self.copies.append(dict(nvfrag_bf16=(frag, nv_fragment_scales(block, True), gs),
+                                        nvfrag_cvt=(frag, nv_fragment_scales(block, False), gs),
+                                        plain=(codes, block, gs)))
+            codes, block, gs = self.copies[0]["plain"]
+            w = nvfp4_dequantize(codes, block, gs.view(-1, 1, 1)).view(E, N, K)
+            self.ref = torch.bmm(self.x.float(), w.transpose(1, 2))
+            self.y = torch.empty(E, rows, N, device=device, dtype=torch.bfloat16)
+            return
         for _ in range(copies):
             codes, scales = mxfp4_quantize(torch.randn(E, N, K, device=device))
             fc, fs = to_fragments(codes, scales)
@@ -245,6 +330,13 @@ class Problem:
         bm = max(16, self.rows)
         assert bm == self.rows, "rows must be a power of two >= 16"
         grid = (self.E, self.N // bn)
+        if variant.startswith("nvfrag"):
+            wq, ws, gs = copy[variant]
+            x, y = self.x, self.y
+            return nv_frag_gemm_kernel[grid](
+                x, wq, ws, gs, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
+                ws.stride(0), ws.stride(1), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                SCALE_BF16=variant == "nvfrag_bf16", num_warps=warps, num_stages=stages)
         wq, ws = copy[variant]
         x, y = self.x, self.y
         args = (x, wq, ws, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
@@ -288,7 +380,11 @@ def main() -> None:
     ap.add_argument("--ir", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="one small shape, check only")
+    ap.add_argument("--format", choices=("mxfp4", "nvfp4"), default="mxfp4",
+                    help="nvfp4: the nvfrag_bf16 / nvfrag_cvt variants (--variants defaults to them)")
     args = ap.parse_args()
+    if args.format == "nvfp4" and args.variants == ap.get_default("variants"):
+        args.variants = "nvfrag_bf16,nvfrag_cvt"
     device = torch.device("cuda")
     torch.manual_seed(0)
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
@@ -298,8 +394,8 @@ def main() -> None:
     rows_out = []
     for name, (E, N, K) in shapes.items():
         for rows in (int(r) for r in args.rows.split(",")):
-            prob = Problem(E, N, K, rows, 1 if args.smoke else args.copies, device)
-            wbytes = E * N * K * (0.5 + 1 / 32)
+            prob = Problem(E, N, K, rows, 1 if args.smoke else args.copies, device, args.format)
+            wbytes = E * N * K * (0.5 + (1 / 16 if args.format == "nvfp4" else 1 / 32))  # e4m3 / e8m0 scale bytes
             for variant in args.variants.split(","):
                 for tile in tiles:
                     if N % tile[0] or K % tile[1]:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_w4_fragments.py [--shapes gpt-oss-gate-up,...] [--rows 16,64]
                                             [--variants frag,plain] [--ir DIR] [--smoke]
-                                            [--format mxfp4|nvfp4]
+                                            [--format mxfp4|nvfp4|int4]
 
 One expert-grouped GEMM, y[e] = x[e] @ W[e]^T with W [E, N, K] mxfp4 (e2m1 codes, an e8m0 scale
 per 32 along K) and x [E, rows, K] bf16, the shape of a weight-only MoE GEMM whose experts each
@@ -43,6 +43,12 @@ Variants (same codes and scales, same decode asm as the library's `_w4_ptx_decod
           global scale. bf16: the multipliers stored as bf16 by the host (+1/16 byte a weight);
           cvt: stored as e4m3 bytes, converted in the kernel (fp8 -> fp32 cast, * 2^118, -> bf16).
 
+  i4frag (`--format int4`: int4 g32, two's complement codes, bf16 group scales): the fragment
+          order with its own bit placement, register r = 2rh + kh's code u at bits 4r + 16u of
+          the word, so `(w >> 4r) & 0x000F000F ^ 0x43084308` (one lop3) is the bf16 of 136 + q;
+          then x * 1 - 136 (exact) and the scale: 15 instructions for 8 weights. Multipliers per
+          (row, k16 chunk) as bf16, as nvfrag_bf16.
+
 The question it answers: does the fragment order remove the per-step layout conversion, and how
 many TB/s of 4-bit weights does each variant stream (H200 roof ~4.2-4.8)? `--ir DIR` writes each
 variant's TTGIR and SASS instruction counts for the first shape.
@@ -72,6 +78,7 @@ from fusedmoe.quant.formats import (  # noqa: E402
     unpack_nibbles,
 )
 from fusedmoe.quant.fragments import to_fragments as lib_to_fragments  # noqa: E402
+from fusedmoe.quant.weights import dequantize_weight, quantize_weight  # noqa: E402
 
 SHAPES = {  # name: (E, N, K): gate/up (N = 2I, K = H) and down (N = H, K = I) of the presets
     "gpt-oss-gate-up": (32, 5760, 2880),
@@ -130,6 +137,64 @@ def _frag2_decode(b, s, FOLD: tl.constexpr):
     return r0, r1
 
 
+W4_I4FRAG_PTX = tl.constexpr("""
+{
+.reg .b32 t, k, one;
+mov.b32 one, 0x3F803F80;
+mov.b32 k, 0xC308C308;
+lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 $0, $0, one, k;
+fma.rn.bf16x2 $1, $1, one, k;
+fma.rn.bf16x2 $2, $2, one, k;
+fma.rn.bf16x2 $3, $3, one, k;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+
+
+@triton.jit
+def _frag_decode_fmt(b, s, INT4: tl.constexpr):
+    """The fragment decode of one word per 4 bytes: e2m1 (frag2's, the multiplier folding 2^126)
+    or int4 (i4frag's); (rh = 0, rh = 1) registers, element 4j + 2kh + u of a lane."""
+    if INT4:
+        r0, r1 = tl.inline_asm_elementwise(W4_I4FRAG_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        r0, r1 = _frag2_decode(b, s, True)
+    return r0, r1
+
+
+def to_int4_fragments(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [E, N, K/2] (two's complement nibbles, low = even k) in i4frag's order:
+    bytes [E, N/16, K/64, 512], word j of lane 4g + c holding register r = 2rh + kh's code u
+    (row 8rh + g, k 16j + 8kh + 2c + u) at bits 4r + 16u."""
+    E, N, half = codes.shape
+    K = 2 * half
+    v = unpack_nibbles(codes).to(torch.int32).view(E, N // 16, 2, 8, K // 64, 4, 2, 4, 2)  # e n16 rh g k64 j kh c u
+    v = v.permute(0, 1, 4, 3, 7, 5, 8, 2, 6).reshape(E, N // 16, K // 64, 8, 4, 4, 2, 4)  # ... g c j | u, r
+    shifts = (4 * torch.arange(4, device=codes.device)).view(1, 4) + 16 * torch.arange(2, device=codes.device).view(2, 1)
+    words = (v << shifts).sum((-1, -2), dtype=torch.int64).to(torch.int32)  # disjoint bits: the sum is an or
+    return words.contiguous().view(torch.uint8).reshape(E, N // 16, K // 64, 512)
+
+
+def row_k16_multipliers(scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-(row, group) scales [E, N, K/group] as bf16 multipliers per (row, k16 chunk) in
+    fragment order [E, N/16, K/64, 64] (lane group g's (j, rh) together)."""
+    E, N, G = scale.shape
+    k16 = scale.repeat_interleave(group // 16, dim=2)  # [E, N, K/16]
+    sc = k16.view(E, N // 16, 2, 8, k16.shape[2] // 4, 4).permute(0, 1, 4, 3, 5, 2)
+    return sc.reshape(E, N // 16, k16.shape[2] // 4, 64).to(torch.bfloat16).contiguous()
+
+
 @triton.jit
 def frag2_gemm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
                       stride_se, stride_sn16, stride_ye, stride_ym,
@@ -176,8 +241,9 @@ TWO_118 = tl.constexpr(2.0**118)
 def nv_frag_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
                         stride_se, stride_sn16, stride_ye, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SCALE_BF16: tl.constexpr):
-    """frag2's GEMM over nvfp4 (see the module docstring): multipliers s * 2^118 per (row, k16)."""
+                        SCALE_BF16: tl.constexpr, INT4: tl.constexpr = False):
+    """frag2's GEMM over nvfp4 (see the module docstring): multipliers s * 2^118 per (row, k16);
+    INT4: i4frag's, the multipliers the group scales themselves and no global scale."""
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     K64: tl.constexpr = BLOCK_K // 64
@@ -201,12 +267,13 @@ def nv_frag_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, N, K, stride_xe, s
         if not SCALE_BF16:  # e4m3 bytes -> s * 2^118 (exact: <= 448 * 2^118, subnormal codes included)
             sc = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TWO_118).to(tl.bfloat16)
         sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 4, 2, 1)), (F, 32, 4, 2, 2))  # j, rh, dup
-        r0, r1 = _frag2_decode(b, tl.reshape(sc, (F, 512)), True)  # rh = 0, 1; byte 4j + 2kh + u
+        r0, r1 = _frag_decode_fmt(b, tl.reshape(sc, (F, 512)), INT4)  # rh = 0, 1; byte 4j + 2kh + u
         v = tl.reshape(tl.join(r0, r1), (K64, NB16, 8, 4, 4, 2, 2, 2))  # k64, n16, g, c, j, kh, u, rh
         w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
         xa = tl.load(xp + k0)
         acc = tl.dot(w, tl.trans(xa), acc)
-    acc = acc * (tl.load(gs_ptr + e) * 256.0)  # the global scale, and the 2^8 the multipliers left out
+    if not INT4:
+        acc = acc * (tl.load(gs_ptr + e) * 256.0)  # the global scale, and the 2^8 the multipliers left out
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     yp = y_ptr + e.to(tl.int64) * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(yp, acc.to(tl.bfloat16))
@@ -300,6 +367,17 @@ class Problem:
         self.E, self.N, self.K, self.rows, self.fmt = E, N, K, rows, fmt
         self.x = torch.randn(E, rows, K, device=device).to(torch.bfloat16)
         self.copies = []
+        if fmt == "int4":
+            for _ in range(copies):
+                q, scale, _ = quantize_weight(torch.randn(E, N, K, device=device), "int4_w4a16_g32")
+                scale = scale.to(torch.bfloat16)  # as the bench and the library run int4
+                self.copies.append(dict(i4frag=(to_int4_fragments(q), row_k16_multipliers(scale, 32),
+                                                torch.ones(E, device=device)), plain=(q, scale)))
+            q, scale = self.copies[0]["plain"]
+            w = dequantize_weight(q, scale.float(), "int4_w4a16_g32").view(E, N, K)
+            self.ref = torch.bmm(self.x.float(), w.transpose(1, 2))
+            self.y = torch.empty(E, rows, N, device=device, dtype=torch.bfloat16)
+            return
         if fmt == "nvfp4":
             for _ in range(copies):
                 w = torch.randn(E, N, K, device=device)
@@ -330,13 +408,13 @@ class Problem:
         bm = max(16, self.rows)
         assert bm == self.rows, "rows must be a power of two >= 16"
         grid = (self.E, self.N // bn)
-        if variant.startswith("nvfrag"):
+        if variant.startswith(("nvfrag", "i4frag")):
             wq, ws, gs = copy[variant]
             x, y = self.x, self.y
             return nv_frag_gemm_kernel[grid](
                 x, wq, ws, gs, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
                 ws.stride(0), ws.stride(1), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                SCALE_BF16=variant == "nvfrag_bf16", num_warps=warps, num_stages=stages)
+                SCALE_BF16=variant != "nvfrag_cvt", INT4=variant == "i4frag", num_warps=warps, num_stages=stages)
         wq, ws = copy[variant]
         x, y = self.x, self.y
         args = (x, wq, ws, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
@@ -380,11 +458,11 @@ def main() -> None:
     ap.add_argument("--ir", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="one small shape, check only")
-    ap.add_argument("--format", choices=("mxfp4", "nvfp4"), default="mxfp4",
-                    help="nvfp4: the nvfrag_bf16 / nvfrag_cvt variants (--variants defaults to them)")
+    ap.add_argument("--format", choices=("mxfp4", "nvfp4", "int4"), default="mxfp4",
+                    help="nvfp4: the nvfrag_bf16 / nvfrag_cvt variants, int4: i4frag (--variants defaults to them)")
     args = ap.parse_args()
-    if args.format == "nvfp4" and args.variants == ap.get_default("variants"):
-        args.variants = "nvfrag_bf16,nvfrag_cvt"
+    if args.format != "mxfp4" and args.variants == ap.get_default("variants"):
+        args.variants = "nvfrag_bf16,nvfrag_cvt" if args.format == "nvfp4" else "i4frag"
     device = torch.device("cuda")
     torch.manual_seed(0)
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
@@ -395,7 +473,7 @@ def main() -> None:
     for name, (E, N, K) in shapes.items():
         for rows in (int(r) for r in args.rows.split(",")):
             prob = Problem(E, N, K, rows, 1 if args.smoke else args.copies, device, args.format)
-            wbytes = E * N * K * (0.5 + (1 / 16 if args.format == "nvfp4" else 1 / 32))  # e4m3 / e8m0 scale bytes
+            wbytes = E * N * K * (0.5 + {"nvfp4": 1 / 16, "int4": 2 / 32}.get(args.format, 1 / 32))  # scale bytes
             for variant in args.variants.split(","):
                 for tile in tiles:
                     if N % tile[0] or K % tile[1]:

@@ -240,6 +240,31 @@ def test_bench_quant_bytes_and_refusals(capsys):
     assert "not a known quantization scheme" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "fp8_w8a8_tensor_static",
+                                    "fp8_w8a8_block", "int8_w8a8"])
+def test_bench_quantizes_by_expert_chunks_as_whole(scheme):
+    """bench._quantized_copy quantizes 8 experts at a time (bounded float32 temporaries): the same
+    payloads and per-expert scales as one quantize_weights over every expert (E = 19: a short
+    last chunk), the static activation scales once."""
+    import torch
+
+    from fusedmoe.bench import _quantized_copy
+    from fusedmoe.quant.weights import quantize_weights
+
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(19, 64, 128, generator=gen), torch.randn(19, 128, 32, generator=gen)
+    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme)
+    amax = (torch.tensor(6.0), torch.tensor(10.0)) if scheme.endswith("_static") else None
+    r13, r2, want = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 (no CPU fp8 equal)
+    assert torch.equal(bits(q13), bits(r13)) and torch.equal(bits(q2), bits(r2))
+    for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale", "w2_global_scale"):
+        got, ref = getattr(params, name), getattr(want, name)
+        assert (got is None) == (ref is None), name
+        if got is not None:  # int4's group scales are stored bf16 (as bench counts their bytes)
+            assert torch.equal(bits(got), bits(ref.to(got.dtype))), name
+
+
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "fusedmoe", "explain", "--model", "qwen3-30b-a3b",
                           "--platform", "cpu"], capture_output=True, text=True, check=True).stdout

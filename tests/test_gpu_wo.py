@@ -218,7 +218,8 @@ def test_opcheck_on_gpu():
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "mxfp4_w4a16", "nvfp4_w4a16", "fp8_w8a16"])
+@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16",
+                                    "fp8_w8a16"])
 def test_batched_layout_and_cuda_graph(scheme):
     """dispatch -> batched_triton (weight-only) -> combine: equal to the contiguous Triton path up
     to summation order and close to emulation, with an expert that gets every token and empty

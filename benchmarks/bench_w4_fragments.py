@@ -126,17 +126,6 @@ W4_FRAG2_PTX = tl.constexpr(W4_FRAG2_TEXT)
 W4_FRAG2N_PTX = tl.constexpr(W4_FRAG2N_TEXT)
 
 
-@triton.jit
-def _frag2_decode(b, s, FOLD: tl.constexpr):
-    if FOLD:
-        r0, r1 = tl.inline_asm_elementwise(W4_FRAG2_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        r0, r1 = tl.inline_asm_elementwise(W4_FRAG2N_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return r0, r1
-
-
 W4_I4FRAG_PTX = tl.constexpr("""
 {
 .reg .b32 t, k, one;
@@ -162,15 +151,55 @@ mul.rn.bf16x2 $3, $3, $6;
 
 
 @triton.jit
-def _frag_decode_fmt(b, s, INT4: tl.constexpr):
-    """The fragment decode of one word per 4 bytes: e2m1 (frag2's, the multiplier folding 2^126)
-    or int4 (i4frag's); (rh = 0, rh = 1) registers, element 4j + 2kh + u of a lane."""
+def _e8m0_bf16(s):
+    """e8m0 codes (uint8) -> bf16 2^(s - 127) (s = 0 -> 2^-127, which bf16 holds as a subnormal)."""
+    v = s.to(tl.int16) << 7
+    v = tl.where(s == 0, 64, v)
+    return v.to(tl.bfloat16, bitcast=True)
+
+
+# Scale modes of frag2_gemm_kernel: e8m0 per (row, 32) as 2^126 * s (mxfp4, folded: frag2) or
+# 2^(s - 127) times 2^126 apart (frag2n); bf16 multipliers per (row, k16) (nvfrag_bf16, i4frag);
+# e4m3 bytes per (row, k16) made s * 2^118 in the kernel (nvfrag_cvt)
+S_E8M0, S_E8M0_UNFOLDED, S_BF16, S_E4M3 = (tl.constexpr(i) for i in range(4))
+TWO_118 = tl.constexpr(2.0**118)
+
+
+@triton.jit
+def _frag_decode(b, s, SCALES: tl.constexpr, INT4: tl.constexpr):
+    """One word per 4 bytes of `b` decoded and times the multipliers `s`: (rh = 0, rh = 1)
+    registers, element 4j + 2kh + u of a lane."""
     if INT4:
         r0, r1 = tl.inline_asm_elementwise(W4_I4FRAG_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif SCALES == S_E8M0_UNFOLDED:
+        r0, r1 = tl.inline_asm_elementwise(W4_FRAG2N_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        r0, r1 = _frag2_decode(b, s, True)
+        r0, r1 = tl.inline_asm_elementwise(W4_FRAG2_PTX, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return r0, r1
+
+
+@triton.jit
+def _frag_multipliers(ws, k0, F: tl.constexpr, SCALES: tl.constexpr):
+    """[F, 512] bf16 multipliers of one K step (element 4j + 2rh + dup of a lane), from the
+    fragment scales: e8m0 [.., 32] (g, rh, j2), or [.., 64] (g, j, rh) bf16 / e4m3."""
+    lane_g = tl.arange(0, 32) // 4
+    if SCALES == S_E8M0 or SCALES == S_E8M0_UNFOLDED:  # noqa: SIM109 (constexprs)
+        sc = tl.load(ws + (k0 // 64) * 32 + lane_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+        if SCALES == S_E8M0:  # 2^(e - 1) = 2^126 * 2^(e - 127), finite for e <= 128
+            sc = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+        else:
+            sc = _e8m0_bf16(sc)
+        sc = tl.permute(tl.reshape(sc, (F, 32, 2, 2)), (0, 1, 3, 2))  # [F, 32, j2, rh]
+        sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 2, 1, 2, 1)), (F, 32, 2, 2, 2, 2))  # j2, j1, rh, dup
+    else:
+        sc = tl.load(ws + (k0 // 64) * 64 + lane_g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :])
+        if SCALES == S_E4M3:  # e4m3 bytes -> s * 2^118 (exact: <= 448 * 2^118, subnormal codes included)
+            sc = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TWO_118).to(tl.bfloat16)
+        sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 4, 2, 1)), (F, 32, 4, 2, 2))  # j, rh, dup
+    return tl.reshape(sc, (F, 512))
 
 
 def to_int4_fragments(codes: torch.Tensor) -> torch.Tensor:
@@ -196,9 +225,13 @@ def row_k16_multipliers(scale: torch.Tensor, group: int) -> torch.Tensor:
 
 
 @triton.jit
-def frag2_gemm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
+def frag2_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
                       stride_se, stride_sn16, stride_ye, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SCALES: tl.constexpr, INT4: tl.constexpr):
+    """The bit-placed fragment GEMM (frag2, frag2n, nvfrag_*, i4frag; module docstring): the
+    weight tile is the dot's register operand; nvfp4's multipliers leave 2^8 and the global
+    scale (gs_ptr[e]) for the accumulator."""
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     K64: tl.constexpr = BLOCK_K // 64
@@ -209,70 +242,20 @@ def frag2_gemm_kernel(x_ptr, wq_ptr, ws_ptr, y_ptr, N, K, stride_xe, stride_xm, 
     n16 = pid_n * NB16 + f % NB16
     wq = (wq_ptr + e.to(tl.int64) * stride_we + n16[:, None].to(tl.int64) * stride_wn16 + k64[:, None] * 512
           + tl.arange(0, 512)[None, :])
-    lane_g = tl.arange(0, 32) // 4
-    ws = (ws_ptr + e.to(tl.int64) * stride_se + n16[:, None, None].to(tl.int64) * stride_sn16
-          + k64[:, None, None] * 32 + lane_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    SW: tl.constexpr = 32 if SCALES == S_E8M0 or SCALES == S_E8M0_UNFOLDED else 64  # noqa: SIM109 (scales a fragment)
+    ws = ws_ptr + e.to(tl.int64) * stride_se + n16[:, None, None].to(tl.int64) * stride_sn16 + k64[:, None, None] * SW
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     xp = x_ptr + e.to(tl.int64) * stride_xe + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         b = tl.load(wq + (k0 // 64) * 512)  # [F, 512]
-        sc = tl.load(ws + (k0 // 64) * 32).to(tl.int16)  # [F, 32, 4]: (rh, j2) e8m0 codes
-        if FOLD:  # 2^(e - 1) = 2^126 * 2^(e - 127), finite for e <= 128
-            sc = ((sc + 126) << 7).to(tl.bfloat16, bitcast=True)
-        else:
-            sc = tl.where(sc == 0, 64, sc << 7).to(tl.bfloat16, bitcast=True)
-        sc = tl.permute(tl.reshape(sc, (F, 32, 2, 2)), (0, 1, 3, 2))  # [F, 32, j2, rh]
-        sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 2, 1, 2, 1)), (F, 32, 2, 2, 2, 2))  # j2, j1, rh, dup
-        r0, r1 = _frag2_decode(b, tl.reshape(sc, (F, 512)), FOLD)  # rh = 0, 1; byte 4j + 2kh + u
+        r0, r1 = _frag_decode(b, _frag_multipliers(ws, k0, F, SCALES), SCALES, INT4)  # rh = 0, 1; byte 4j + 2kh + u
         v = tl.reshape(tl.join(r0, r1), (K64, NB16, 8, 4, 4, 2, 2, 2))  # k64, n16, g, c, j, kh, u, rh
         w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
         xa = tl.load(xp + k0)
         acc = tl.dot(w, tl.trans(xa), acc)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    yp = y_ptr + e.to(tl.int64) * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(yp, acc.to(tl.bfloat16))
-
-TWO_118 = tl.constexpr(2.0**118)
-
-
-@triton.jit
-def nv_frag_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, N, K, stride_xe, stride_xm, stride_we, stride_wn16,
-                        stride_se, stride_sn16, stride_ye, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SCALE_BF16: tl.constexpr, INT4: tl.constexpr = False):
-    """frag2's GEMM over nvfp4 (see the module docstring): multipliers s * 2^118 per (row, k16);
-    INT4: i4frag's, the multipliers the group scales themselves and no global scale."""
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    K64: tl.constexpr = BLOCK_K // 64
-    NB16: tl.constexpr = BLOCK_N // 16
-    F: tl.constexpr = K64 * NB16
-    f = tl.arange(0, F)
-    k64 = f // NB16
-    n16 = pid_n * NB16 + f % NB16
-    wq = (wq_ptr + e.to(tl.int64) * stride_we + n16[:, None].to(tl.int64) * stride_wn16 + k64[:, None] * 512
-          + tl.arange(0, 512)[None, :])
-    lane_g = tl.arange(0, 32) // 4
-    ws = (ws_ptr + e.to(tl.int64) * stride_se + n16[:, None, None].to(tl.int64) * stride_sn16
-          + k64[:, None, None] * 64 + lane_g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :])
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    xp = x_ptr + e.to(tl.int64) * stride_xe + offs_m[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        b = tl.load(wq + (k0 // 64) * 512)  # [F, 512]
-        sc = tl.load(ws + (k0 // 64) * 64)  # [F, 32, 8]: (j, rh)
-        if not SCALE_BF16:  # e4m3 bytes -> s * 2^118 (exact: <= 448 * 2^118, subnormal codes included)
-            sc = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TWO_118).to(tl.bfloat16)
-        sc = tl.broadcast_to(tl.reshape(sc, (F, 32, 4, 2, 1)), (F, 32, 4, 2, 2))  # j, rh, dup
-        r0, r1 = _frag_decode_fmt(b, tl.reshape(sc, (F, 512)), INT4)  # rh = 0, 1; byte 4j + 2kh + u
-        v = tl.reshape(tl.join(r0, r1), (K64, NB16, 8, 4, 4, 2, 2, 2))  # k64, n16, g, c, j, kh, u, rh
-        w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
-        xa = tl.load(xp + k0)
-        acc = tl.dot(w, tl.trans(xa), acc)
-    if not INT4:
+    if (SCALES == S_BF16 or SCALES == S_E4M3) and not INT4:  # noqa: SIM109 (constexprs)
         acc = acc * (tl.load(gs_ptr + e) * 256.0)  # the global scale, and the 2^8 the multipliers left out
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     yp = y_ptr + e.to(tl.int64) * stride_ye + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -288,14 +271,6 @@ def nv_fragment_scales(block: torch.Tensor, as_bf16: bool) -> torch.Tensor:
     if as_bf16:
         return (sc.view(torch.float8_e4m3fn).float() * 2.0**118).to(torch.bfloat16)
     return sc
-
-
-@triton.jit
-def _e8m0_bf16(s):
-    """e8m0 codes (uint8) -> bf16 2^(s - 127) (s = 0 -> 2^-127, which bf16 holds as a subnormal)."""
-    v = s.to(tl.int16) << 7
-    v = tl.where(s == 0, 64, v)
-    return v.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -408,22 +383,21 @@ class Problem:
         bm = max(16, self.rows)
         assert bm == self.rows, "rows must be a power of two >= 16"
         grid = (self.E, self.N // bn)
-        if variant.startswith(("nvfrag", "i4frag")):
-            wq, ws, gs = copy[variant]
+        if variant.startswith(("frag2", "nvfrag", "i4frag")):
+            if variant == "frag2":
+                assert self.max_scale <= 128, "frag2 folds 2^126 into scales <= 2 (e8m0 <= 128)"
+            wq, ws, *gs = copy[variant]
             x, y = self.x, self.y
-            return nv_frag_gemm_kernel[grid](
-                x, wq, ws, gs, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
-                ws.stride(0), ws.stride(1), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                SCALE_BF16=variant != "nvfrag_cvt", INT4=variant == "i4frag", num_warps=warps, num_stages=stages)
+            scales = {"frag2": S_E8M0, "frag2n": S_E8M0_UNFOLDED, "nvfrag_cvt": S_E4M3}.get(variant, S_BF16).value
+            return frag2_gemm_kernel[grid](
+                x, wq, ws, gs[0] if gs else ws, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0),
+                wq.stride(1), ws.stride(0), ws.stride(1), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, SCALES=scales, INT4=variant == "i4frag", num_warps=warps, num_stages=stages)
         wq, ws = copy[variant]
         x, y = self.x, self.y
         args = (x, wq, ws, y, self.N, self.K, x.stride(0), x.stride(1), wq.stride(0), wq.stride(1),
                 ws.stride(0), ws.stride(1), y.stride(0), y.stride(1))
         meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        if variant.startswith("frag2"):
-            fold = variant == "frag2"
-            assert not fold or self.max_scale <= 128, "frag2 folds 2^126 into scales <= 2 (e8m0 <= 128)"
-            return frag2_gemm_kernel[grid](*args, FOLD=fold, **meta)
         kern = frag_gemm_kernel if variant == "frag" else plain_gemm_kernel
         return kern[grid](*args, **meta)
 

@@ -23,11 +23,12 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-# "mxfp4_w4a16:fragments": mxfp4 in the fragment layout the triton backend's process_weights
-# gives (fusedmoe.quant.fragments, kernels._w4_frag_tile); plain "mxfp4_w4a16" keeps the
-# checkpoint layout
+# "<scheme>:fragments": 4-bit weights in the fragment layout the triton backend's process_weights
+# gives (fusedmoe.quant.fragments, kernels._w4_frag_tile); the plain 4-bit schemes keep the
+# checkpoint layout (the functional API does not process weights)
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
-               "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16"]
+               "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16", "nvfp4_w4a16:fragments",
+               "int4_w4a16_g32:fragments", "int4_w4a16_g128:fragments"]
 # Weight-only: emulation is the reference on dequantized weights (fp32). The kernels round the
 # dequantized weights to bf16 (exact for 8-bit codes and e2m1 * 2^s, 2^-9 relative for scaled
 # int4 / nvfp4), the intermediate and y per slot to bf16, and sum in another order: the bf16
@@ -103,11 +104,60 @@ def test_fp8_ptx_decode_is_exact_on_every_code():
     assert torch.equal(out.view(torch.int16), w.to(torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt,group", [("mxfp4", 32), ("nvfp4", 16), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_fragment_tile_decode_is_exact(fmt, group):
+    """kernels._w4_frag_tile on a GPU, PTX (bf16) and integer (fp32) branches, over every code
+    and a spread of scales (nvfp4: all 127 finite non-negative e4m3 codes, subnormals and 448
+    included; mxfp4: e8m0 codes 0-128): the tile is each weight's decoded value times its scale
+    (nvfp4 times 2^-8), bit for bit in fp32 and rounded once to bf16."""
+    import triton
+    import triton.language as tl
+
+    from fusedmoe.backends.triton import kernels
+    from fusedmoe.backends.triton.tiles import W4_FRAG_FORMATS
+    from fusedmoe.quant.formats import e2m1_decode, unpack_nibbles
+    from fusedmoe.quant.fragments import to_fragments
+
+    @triton.jit
+    def decode(w, s, out, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, PTX: tl.constexpr):
+        n16 = tl.program_id(0) * (BN // 16)
+        k0 = tl.program_id(1) * BK
+        t = kernels._w4_frag_tile(w, s, n16, N // 16, k0, K, K, FMT, GROUP, BN, BK, out.dtype.element_ty, PTX)
+        rows = n16 * 16 + tl.arange(0, BN)
+        tl.store(out + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :], t)
+
+    gen = torch.Generator().manual_seed(group)
+    N, K = 128, 256
+    codes = torch.randint(0, 256, (1, N, K // 2), dtype=torch.uint8, generator=gen)
+    if fmt == "mxfp4":
+        scales = torch.randint(0, 129, (1, N, K // group), dtype=torch.uint8, generator=gen)
+        s_val = torch.exp2(scales.double() - 127)
+    elif fmt == "nvfp4":
+        scales = (torch.arange(N * K // group) % 127).to(torch.uint8).view(1, N, K // group).view(torch.float8_e4m3fn)
+        s_val = scales.double() * 2.0**-8
+    else:
+        scales = (torch.rand(1, N, K // group, generator=gen) * 0.1).to(torch.float16)
+        s_val = scales.double()
+    nib = unpack_nibbles(codes)
+    value = ((nib.int() ^ 8) - 8).double() if fmt == "int4" else e2m1_decode(nib).double()
+    want = value * s_val.repeat_interleave(group, dim=2)
+    frag, fs = to_fragments(codes, scales, fmt)
+    frag, fs = frag.cuda(), fs.cuda()
+    for dtype, ptx in ((torch.bfloat16, True), (torch.float32, False)):
+        out = torch.full((N, K), float("nan"), dtype=dtype, device="cuda")
+        decode[(N // 64, K // 128)](frag, fs, out, N=N, K=K, FMT=W4_FRAG_FORMATS[fmt], GROUP=group, BN=64, BK=128,
+                                    PTX=ptx, num_warps=4)
+        expect = want[0].to(dtype) if not (ptx and fmt == "int4") else (value * s_val.bfloat16().double()
+                                                                       .repeat_interleave(group, dim=2))[0].bfloat16()
+        assert torch.equal(out.cpu(), expect), (fmt, dtype, (out.cpu().double() - expect.double()).abs().max())
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_presets(scheme, shape):
     E, K, H, I, activation, bias = SHAPES[shape]
-    if scheme == "int4_w4a16_g128" and H % 128:
+    if scheme.startswith("int4_w4a16_g128") and H % 128:
         pytest.skip(f"H = {H} is not a multiple of the group 128 (quantize_weights refuses it)")
     q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=E, bias=bias)
     for tokens in (1, 33, 512):
@@ -219,7 +269,7 @@ def test_opcheck_on_gpu():
 
 
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16",
-                                    "fp8_w8a16"])
+                                    "fp8_w8a16", "nvfp4_w4a16:fragments", "int4_w4a16_g32:fragments"])
 def test_batched_layout_and_cuda_graph(scheme):
     """dispatch -> batched_triton (weight-only) -> combine: equal to the contiguous Triton path up
     to summation order and close to emulation, with an expert that gets every token and empty
@@ -266,12 +316,13 @@ def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
             assert torch.equal(replayed(run), out)
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fragments_in_fp16_and_fp32(dtype):
-    """mxfp4 in the fragment layout with fp16 / fp32 activations: no inline PTX there, the
-    fragments are decoded by Triton integer ops (kernels._w4_frag_tile's other branch) on the
+def test_fragments_in_fp16_and_fp32(dtype, scheme):
+    """4-bit weights in the fragment layout with fp16 / fp32 activations: no inline PTX there,
+    the fragments are decoded by Triton integer ops (kernels._w4_frag_tile's other branch) on the
     GPU; against emulation on the aligned and the direct path."""
-    q13, q2, params, b13, b2 = make_weights(16, 512, 256, "mxfp4_w4a16:fragments", seed=9, bias=True)
+    q13, q2, params, b13, b2 = make_weights(16, 512, 256, scheme + ":fragments", seed=9, bias=True)
     b13, b2 = b13.to(dtype), b2.to(dtype)
     for tokens in (1, 4, 70):
         x, w, ids = make_tokens(tokens, 16, 4, 512, seed=9 + tokens)
@@ -288,7 +339,7 @@ def test_direct_decode(scheme):
     decode in both) against emulation at decode sizes, and CUDA-graph replay."""
     from fusedmoe.backends.triton.quant import triton_quant_experts
 
-    E, K, H, I, activation, bias = SHAPES["mixtral-like" if scheme == "int4_w4a16_g128" else "gpt-oss-like"]
+    E, K, H, I, activation, bias = SHAPES["mixtral-like" if scheme.startswith("int4_w4a16_g128") else "gpt-oss-like"]
     q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=3, bias=bias)
     for tokens in (1, 4):
         x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 40)

@@ -70,13 +70,15 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
 def test_process_weights_lays_int4_scales_group_major(scheme):
     """int4's and nvfp4's group scales come back group-major (same values, strides
     (N * K/g, 1, N)), per-channel 8-bit scales as stored; the kernels give the same output bit
-    for bit from either layout, on both the aligned path and the direct one. (mxfp4: the fragment
-    layout, tests below.)"""
+    for bit from either layout, on both the aligned path and the direct one. (With the fragment
+    layout off: H and I multiples of 64 take it by default, tests below.)"""
+    from fusedmoe import knobs
     from fusedmoe.backends.triton.weight_only import kernel_scale_layout
 
     for T in (1, 5):
         config, x, w, weights, ids, _ = problem(Case("layout", T=T, H=64, I=64), scheme, torch.float32)
-        processed = TritonExperts(config).process_weights(w)
+        with knobs.override(TRITON_W4_FRAGMENTS=False):
+            processed = TritonExperts(config).process_weights(w)
         if not scheme.startswith(("int4", "nvfp4")):
             assert processed is w
             continue
@@ -121,6 +123,47 @@ def test_fragment_layout_round_trips_and_decodes():
     assert torch.equal(values, want) and torch.equal(values.signbit(), want.signbit())
 
 
+@pytest.mark.parametrize("fmt,group,dtype", [("nvfp4", 16, torch.float8_e4m3fn), ("int4", 32, torch.float32),
+                                             ("int4", 64, torch.float16), ("int4", 128, torch.bfloat16)])
+def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype):
+    """nvfp4 and int4 in the fragment layout: the round trip from any scale strides, the scale
+    shape per group ([E, N/16, K/GF, 16 GF / group], GF = max(group, 64)), every scale at the place
+    the kernels read it for (n, k), and (int4) each code at its register's bits 4r + 16u, so
+    kernels.W4_PTX_I4FRAG's lop3 under the 0x4308 magic gives 136 + q."""
+    from fusedmoe.quant.formats import unpack_nibbles
+    from fusedmoe.quant.fragments import fragment_group, from_fragments, to_fragments
+
+    gen = torch.Generator().manual_seed(group)
+    E, N, K = 2, 32, 256
+    codes = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    if dtype == torch.float8_e4m3fn:
+        scales = torch.randint(0, 0x7F, (E, N, K // group), dtype=torch.uint8, generator=gen).view(dtype)
+    else:
+        scales = torch.rand(E, N, K // group, generator=gen).to(dtype)
+    strided = scales.transpose(1, 2).contiguous().transpose(1, 2)  # kernel_scale_layout's group-major
+    frag, fs = to_fragments(codes, strided, fmt)
+    gf = max(group, 64)
+    assert fs.shape == (E, N // 16, K // gf, 16 * gf // group) and fs.dtype == dtype
+    assert fragment_group(frag, fs) == group
+    back, back_s = from_fragments(frag, fs, fmt)
+    u8 = (lambda t: t.view(torch.uint8)) if dtype == torch.float8_e4m3fn else (lambda t: t)
+    assert torch.equal(back, codes) and torch.equal(u8(back_s), u8(scales))
+    # the scale the kernels read for (n, k): chunk k // GF, entry (g, rh, jg) of row block n // 16
+    n, k = torch.meshgrid(torch.arange(N), torch.arange(K), indexing="ij")
+    g, rh, jg = n % 8, (n % 16) // 8, (k % gf) // group
+    picked = u8(fs)[:, n // 16, k // gf, g * 2 * (gf // group) + rh * (gf // group) + jg]
+    assert torch.equal(picked, u8(scales).repeat_interleave(group, dim=2))
+    if fmt == "int4":  # word j of lane 4g + c: register r = 2rh + kh's code u at bits 4r + 16u
+        w = frag.view(E, N // 16, K // 64, 32, 4, 4).view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
+        regs = torch.stack([(w >> (4 * r)) & 0x000F000F ^ 0x43084308 for r in range(4)], -1)  # ... j r
+        halves = torch.stack((regs & 0xFFFF, regs >> 16), -1).to(torch.int32)  # ... j r u
+        values = (halves << 16).view(torch.float32) - 136.0  # bf16 136 + q, minus 136
+        values = values.view(E, N // 16, K // 64, 8, 4, 4, 2, 2, 2)  # e n16 k64 g c j rh kh u
+        values = values.permute(0, 1, 6, 3, 2, 5, 7, 4, 8).reshape(E, N, K)  # n16 rh g | k64 j kh c u
+        q = unpack_nibbles(codes).to(torch.int32)
+        assert torch.equal(values, ((q ^ 8) - 8).float())
+
+
 def test_fragment_layout_conditions():
     """process_weights re-lays mxfp4 where both weights are whole 16 x 64 fragments and every
     e8m0 scale code is <= 128, unless FUSEDMOE_TRITON_W4_FRAGMENTS=0; otherwise the checkpoint
@@ -159,20 +202,43 @@ def test_fragment_layout_conditions():
     laid = TritonExperts(config).process_weights(w)
     wide = torch.zeros(4, 128, 2 * 64, dtype=torch.uint8)[:, :, :64]
     wide.copy_(laid.w13)
-    with pytest.raises(ValueError, match=r"w13 holds mxfp4 fragments .* each expert's \[N, K/2\] bytes must be contiguous"):
+    with pytest.raises(ValueError, match=r"w13 holds 4-bit fragments .* each expert's \[N, K/2\] bytes must be contiguous"):
         run(config, x, laid.replace(w13=wide), weights, ids, None)
     scale_t = torch.zeros(*laid.quant.w2_scale.shape[:3], 64, dtype=torch.uint8)[..., :32]
     scale_t.copy_(laid.quant.w2_scale)
-    with pytest.raises(ValueError, match=r"w2_scale holds mxfp4 fragment scales with strides"):
+    with pytest.raises(ValueError, match=r"w2_scale holds fragment scales with strides .* \[8, 1, 32\] must be contiguous"):
         run(config, x, laid.replace(quant=dataclasses.replace(laid.quant, w2_scale=scale_t)), weights, ids, None)
     config, x, w, weights, ids, _ = problem(Case("cond-odd", T=3, H=96, I=64), "mxfp4_w4a16", torch.float32)
     assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
     assert TritonExperts(config).process_weights(w) is w
+    # nvfp4 and int4 take the layout on the same shapes (no scale bound), else their scales go group-major
+    for scheme, shape in (("nvfp4_w4a16", (4, 8, 2, 64)), ("int4_w4a16_g32", (4, 8, 2, 32)),
+                          ("int4_w4a16_g64", (4, 8, 2, 16)), ("int4_w4a16_g128", (4, 16, 1, 16))):
+        inter = 128 if scheme.endswith("g128") else 64
+        config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
+        laid = TritonExperts(config).process_weights(w)
+        assert laid.quant.w13_scale.shape == shape and is_fragments(laid.quant.w2_scale), scheme
+        check_quant_weights(laid.w13, laid.w2, laid.quant, 128, 2 * inter)
+        before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(laid.w13, laid.w2, laid.quant)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), scheme
+        with knobs.override(TRITON_W4_FRAGMENTS=False):
+            assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale)
+        if scheme.endswith(("g64", "g128")):  # H, I multiples of the group: always whole fragments
+            continue
+        config, x, w, weights, ids, _ = problem(Case("cond-odd" + scheme, T=3, H=96, I=64), scheme, torch.float32)
+        assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale, scheme.split("_")[0])
+        assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale), scheme
+    with pytest.raises(ValueError, match="holds .*'mxfp4', 'nvfp4', 'int4'.* not 'int8'"):
+        fragments_reason(w.w13, w.quant.w13_scale, "int8")
 
 
+FRAG_SCHEMES = ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128"]
+
+
+@pytest.mark.parametrize("scheme", FRAG_SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fragment_layout_kernels_match_emulation(dtype):
-    """The GEMMs over fragment-layout mxfp4 (kernels._w4_frag_tile, the interpreter's integer
+def test_fragment_layout_kernels_match_emulation(dtype, scheme):
+    """The GEMMs over fragment-layout 4-bit weights (kernels._w4_frag_tile, the interpreter's integer
     decode) against emulation on the checkpoint layout: the aligned path with a bias and a K
     tail under the tile (H = 192, BLOCK_K 128), the direct path (one token, slot shares), a
     non-gated activation, an expert_map with ids routed elsewhere, narrow tiles (widened to 64 by
@@ -185,14 +251,16 @@ def test_fragment_layout_kernels_match_emulation(dtype):
              Case("frag-direct", T=1, E=6, K=4, H=128, I=128, tiles=None),
              Case("frag-nomul", T=5, H=128, I=64, activation="relu2_no_mul", on_input=True, K=1),
              Case("frag-map", T=7, E=8, H=128, I=64, expert_map=True, tiles=((32, 32, 32, 4, 1), (32, 32, 32, 4, 1)))]
+    if scheme.endswith("g128"):  # H and I multiples of the group (no K tail: g32 and mxfp4 cover it)
+        cases = [dataclasses.replace(c, H=128 * -(-c.H // 128), I=128) for c in cases]
     for case in cases:
-        config, x, w, weights, ids, emap = problem(case, "mxfp4_w4a16", dtype)
+        config, x, w, weights, ids, emap = problem(case, scheme, dtype)
         laid = TritonExperts(config).process_weights(w)
         assert laid.w13 is not w.w13, case.id
         out = run(config, x, laid, weights, ids, emap, tiles=case.tiles)
         want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=emap)
         assert rel_err(out, want) < tol, case.id
-    config, x, w, weights, ids, _ = problem(Case("frag-batched", T=6, H=128, I=64), "mxfp4_w4a16", dtype)
+    config, x, w, weights, ids, _ = problem(Case("frag-batched", T=6, H=128, I=cases[-1].I), scheme, dtype)
     batched_config = config.replace(activation_format="batched")
     batched = make_modular(batched_config, BatchedTritonExperts(batched_config))
     assert isinstance(batched.prepare_finalize, BatchedLocalPrepareFinalize)
@@ -236,7 +304,9 @@ def test_fragment_tile_widens_narrow_tiles():
     assert plan["w4_layout"].startswith("fragments where") and plan["gemm1"]["tile"].block_m == DIRECT_BLOCK_M
     assert ("run as gemm1" in plan["w4_layout"]) == (fragment_tile(plan["gemm2"]["tile"]) != plan["gemm2"]["tile"]
                                                      or fragment_tile(plan["gemm1"]["tile"]) != plan["gemm1"]["tile"])
-    assert "w4_layout" not in describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))
+    assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith("fragments")
+    assert "e8m0" not in describe_plan(problem, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"]
+    assert "w4_layout" not in describe_plan(problem, get_scheme("int8_w8a16"), torch.device("cpu"))
 
 
 def test_fp8_nan_codes_are_refused_at_load():

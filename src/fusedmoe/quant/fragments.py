@@ -1,6 +1,9 @@
-"""mxfp4 weights in wgmma fragment order: the storage the Triton weight-only kernels read fastest.
+"""4-bit weights in wgmma fragment order: the storage the Triton weight-only kernels read fastest.
 
-The checkpoint layout (codes [E, N, K/2], byte j = k 2j | 2j+1 << 4; e8m0 scales [E, N, K/32])
+Formats: mxfp4 (e2m1 codes, e8m0 scale per 32), nvfp4 (e2m1, e4m3 scale per 16, fp32 global
+scale per expert) and int4 (two's complement codes, float scale per 32, 64 or 128).
+
+The checkpoint layout (codes [E, N, K/2], byte j = k 2j | 2j+1 << 4; scales [E, N, K/group])
 makes the kernels decode a [BLOCK_K/2, BLOCK_N] tile in its load layout and then move it through
 shared memory into the tensor-core operand layout, every K step. This layout stores each 16 x 64
 block of W (a "fragment": 512 bytes) in the order of Hopper wgmma's register operand A (16-bit
@@ -10,22 +13,30 @@ the decoded values are already where the dot wants them (`kernels._w4_frag_tile`
 computed swapped: W's tile as A, the activations' rows as B).
 
 Within a lane's 16 bytes, word j (k chunk j) holds the lane's four A registers of that chunk,
-(rh, kh) = 00, 01, 10, 11 (row g + 8rh, k 16j + 8kh + 2c + u), each register's two codes (u = 0, 1)
-in the word's two 16-bit halves at the same bit places: a code's sign / E1 / E0 / M bits at
-15 / 8 / 7 / 6 of its half for register 00, at those minus 3 for 01, minus 6 for 10, and at
-14 / 13 / 11 / 10 for 11. Then `w & 0x81C081C0` (after a shift for 01 and 10, two shifts and a
-select for 11) is a bf16 pair of value * 2^-126, and one bf16x2 multiply by 2^126 times the
-scale finishes it: 15 instructions for 8 weights where the checkpoint layout's decode takes 26
-(benchmarks/bench_w4_fragments.py).
+r = (rh, kh) = 00, 01, 10, 11 (row g + 8rh, k 16j + 8kh + 2c + u), each register's two codes
+(u = 0, 1) in the word's two 16-bit halves at the same bit places:
+  e2m1 (mxfp4, nvfp4): a code's sign / E1 / E0 / M bits at 15 / 8 / 7 / 6 of its half for
+      register 00, at those minus 3 for 01, minus 6 for 10, and at 14 / 13 / 11 / 10 for 11.
+      `w & 0x81C081C0` (after a shift for 01 and 10, two shifts and a select for 11) is a bf16
+      pair of value * 2^-126, and one bf16x2 multiply by the row's multiplier finishes it: 15
+      instructions for 8 weights where the checkpoint layout's decode takes 26
+      (benchmarks/bench_w4_fragments.py). Multipliers: mxfp4 2^126 * scale; nvfp4 s * 2^118
+      (2^126 * s overflows bf16 for s >= 4), so the tile holds value * s * 2^-8, exact, and the
+      kernels put 2^8 with the global scale on the accumulator.
+  int4: register r's codes at bits 4r of each half, so `(w >> 4r) & 0x000F000F ^ 0x43084308`
+      (one lop3) is the bf16 pair of 136 + q; x * 1 - 136 (exact) and the scale follow.
 
-Scales go the same way, [E, N/16, K/64, 32]: lane group g reads its four (rh, 32-group) scales as
-one word. Their 4-D shape is what marks the layout: `is_fragments(scale)`. The payload keeps its
-shape [E, N, K/2] (the same bytes, reordered), so shape checks, views and expert slicing by the
-first dim still hold; anything that reads the codes by position (dequantization, other backends)
-goes through `from_fragments` first.
+Scales go the same way, [E, N/16, K/GF, 16 * GF / group] with GF = max(group, 64) (one chunk per
+fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) scales together
+(mxfp4 [.., 32], nvfp4 [.., 64], int4 g32 [.., 32], g64 and g128 [.., 16]). Their values and
+dtype are the checkpoint's, only reordered. Their 4-D shape is what marks the layout:
+`is_fragments(scale)`. The payload keeps its shape [E, N, K/2] (the same bytes, reordered), so
+shape checks, views and expert slicing by the first dim still hold; anything that reads the codes
+by position (dequantization, other backends) goes through `from_fragments` first.
 
-Conditions (`fragments_reason`): N a multiple of 16 and K of 64 (whole fragments), and e8m0 scale
-codes <= 128 (scales <= 2, so 2^126 * scale is a finite bf16 and the decode multiplies once).
+Conditions (`fragments_reason`): N a multiple of 16 and K of 64 (whole fragments), and for mxfp4
+e8m0 scale codes <= 128 (scales <= 2, so 2^126 * scale is a finite bf16 and the decode multiplies
+once).
 """
 
 from __future__ import annotations
@@ -36,69 +47,113 @@ from fusedmoe.quant.formats import unpack_nibbles
 
 FRAG_N, FRAG_K = 16, 64  # the W block one fragment holds
 FRAG_BYTES = FRAG_N * FRAG_K // 2
-FRAG_SCALES = FRAG_N * FRAG_K // 32
+FRAG_SCALES = FRAG_N * FRAG_K // 32  # mxfp4's scales per fragment
 MAX_SCALE_CODE = 128  # e8m0 2^1: 2^126 * scale is finite in bf16
+FORMATS = ("mxfp4", "nvfp4", "int4")
+_SCALE_DTYPES = {"mxfp4": (torch.uint8,), "nvfp4": (torch.float8_e4m3fn,),
+                 "int4": (torch.float32, torch.bfloat16, torch.float16)}
 
 
-def _place(code: torch.Tensor, reg: int) -> torch.Tensor:
-    """int32 bits of 4-bit e2m1 codes in one 16-bit half, for register (rh, kh) = reg (00..11)."""
+def scale_chunk(group: int) -> int:
+    """K width of one fragment-scale chunk: max(group, 64)."""
+    return max(group, FRAG_K)
+
+
+def fragment_scale_shape(num_experts: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
+    """[E, N/16, K/GF, 16 * GF / group] (GF = `scale_chunk(group)`): the fragment layout's scales."""
+    gf = scale_chunk(group)
+    return (num_experts, n // FRAG_N, k // gf, FRAG_N * gf // group)
+
+
+def _place(code: torch.Tensor, reg: int, fmt: str) -> torch.Tensor:
+    """int32 bits of 4-bit codes in one 16-bit half, for register (rh, kh) = reg (00..11)."""
     code = code.to(torch.int32)
+    if fmt == "int4":
+        return code << (4 * reg)
     if reg == 3:  # sign 14, E1 13, E0 M 11 10
         return ((code & 12) << 11) | ((code & 3) << 10)
     return (((code & 8) << 12) | ((code & 7) << 6)) >> (3 * reg)  # sign 15, E1 E0 M 8 7 6, then >> 3r
 
 
-def _unplace(bits: torch.Tensor, reg: int) -> torch.Tensor:
+def _unplace(bits: torch.Tensor, reg: int, fmt: str) -> torch.Tensor:
     """Inverse of `_place`: the codes from one half's bits (int32)."""
+    if fmt == "int4":
+        return (bits >> (4 * reg)) & 15
     if reg == 3:
         return ((bits >> 11) & 12) | ((bits >> 10) & 3)
     bits = bits << (3 * reg)
     return ((bits >> 12) & 8) | ((bits >> 6) & 7)
 
 
-def fragments_reason(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
-    """Why one mxfp4 weight (codes [E, N, K/2], e8m0 scales [E, N, K/32]) cannot take the
-    fragment layout, or None. Reads the scales' max: one device-to-host sync (load time)."""
-    if codes.dim() != 3 or scales.dim() != 3 or codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"the fragment layout holds {FORMATS} weights, not {fmt!r}")
+
+
+def fragments_reason(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> str | None:
+    """Why one 4-bit weight (codes [E, N, K/2], scales [E, N, K/group]) cannot take the fragment
+    layout, or None. mxfp4 reads the scales' max: one device-to-host sync (load time)."""
+    _check_format(fmt)
+    if codes.dim() != 3 or scales.dim() != 3 or codes.dtype != torch.uint8 or scales.dtype not in _SCALE_DTYPES[fmt]:
         return f"codes {tuple(codes.shape)} {codes.dtype} / scales {tuple(scales.shape)} {scales.dtype}"
     n, k = codes.shape[1], 2 * codes.shape[2]
     if n % FRAG_N or k % FRAG_K:
         return f"[{n}, {k}] is not made of whole {FRAG_N} x {FRAG_K} fragments"
-    if scales.numel() and int(scales.max()) > MAX_SCALE_CODE:
+    groups = scales.shape[2]
+    group = k // groups if groups and k % groups == 0 else 0
+    if scales.shape[:2] != codes.shape[:2] or group not in (16, 32, 64, 128) or k % scale_chunk(group):
+        return f"scales {tuple(scales.shape)} are not one per group of 16-128 k of [{n}, {k}]"
+    if fmt == "mxfp4" and scales.numel() and int(scales.max()) > MAX_SCALE_CODE:
         return f"an e8m0 scale code above {MAX_SCALE_CODE} (a scale above 2)"
     return None
 
 
 def is_fragments(scale: torch.Tensor | None) -> bool:
-    """Whether an mxfp4 weight's scales (and so its codes) are in the fragment layout."""
+    """Whether a 4-bit weight's scales (and so its codes) are in the fragment layout."""
     return scale is not None and scale.dim() == 4
 
 
-def to_fragments(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [E, N, K/2] in fragment order, scales [E, N/16, K/64, 32]) from the checkpoint
-    layout; `fragments_reason` must be None."""
+def fragment_group(codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """The scale group of fragment-layout codes [E, N, K/2] and scales [E, N/16, K/GF, S]."""
+    gf = 2 * codes.shape[2] // scale.shape[2]
+    return FRAG_N * gf // scale.shape[3]
+
+
+def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [E, N, K/2] in fragment order, scales `fragment_scale_shape`) from the checkpoint
+    layout (scales in any strides); `fragments_reason` must be None."""
+    _check_format(fmt)
     E, N, half = codes.shape
     K = 2 * half
     # value (n, k): n = 16 n16 + 8 rh + g, k = 64 k64 + 16 j + 8 kh + 2 c + u
     v = unpack_nibbles(codes).view(E, N // 16, 2, 8, K // 64, 4, 2, 4, 2)  # e n16 rh g k64 j kh c u
     v = v.permute(0, 1, 4, 3, 7, 5, 8, 2, 6)  # e n16 k64 g c j u | rh kh
-    half_bits = _place(v[..., 0, 0], 0) | _place(v[..., 0, 1], 1) | _place(v[..., 1, 0], 2) | _place(v[..., 1, 1], 3)
+    half_bits = (_place(v[..., 0, 0], 0, fmt) | _place(v[..., 0, 1], 1, fmt) | _place(v[..., 1, 0], 2, fmt)
+                 | _place(v[..., 1, 1], 3, fmt))
     words = half_bits[..., 0] | (half_bits[..., 1] << 16)  # e n16 k64 g c j
     frag = words.contiguous().view(torch.uint8).view(E, N, half)
-    s = scales.view(E, N // 16, 2, 8, K // 64, 2)  # e n16 rh g k64 j2
-    s = s.permute(0, 1, 4, 3, 2, 5).reshape(E, N // 16, K // 64, FRAG_SCALES)  # e n16 k64 | g rh j2
-    return frag, s.contiguous()
+    group = K // scales.shape[2]
+    gf = scale_chunk(group)
+    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales  # CPU copies of e4m3
+    s = raw.reshape(E, N // 16, 2, 8, K // gf, gf // group)  # e n16 rh g kc jg
+    s = s.permute(0, 1, 4, 3, 2, 5).reshape(fragment_scale_shape(E, N, K, group)).contiguous()  # e n16 kc | g rh jg
+    return frag, (s.view(scales.dtype) if raw is not scales else s)
 
 
-def from_fragments(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `to_fragments`: the checkpoint layout's codes [E, N, K/2] and scales [E, N, K/32]."""
+def from_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `to_fragments`: the checkpoint layout's codes [E, N, K/2] and scales [E, N, K/group]."""
+    _check_format(fmt)
     E, N, half = codes.shape
     K = 2 * half
     words = codes.contiguous().view(E, N // 16, K // 64, 8, 4, 4, 4).view(torch.int32)[..., 0]  # e n16 k64 g c j
     halves = torch.stack((words & 0xFFFF, (words >> 16) & 0xFFFF), -1)  # ... u
-    regs = torch.stack([_unplace(halves, r) for r in range(4)], -1).view(*halves.shape, 2, 2)  # ... u rh kh
+    regs = torch.stack([_unplace(halves, r, fmt) for r in range(4)], -1).view(*halves.shape, 2, 2)  # ... u rh kh
     v = regs.permute(0, 1, 7, 3, 2, 5, 8, 4, 6)  # e n16 rh g k64 j kh c u
     v = v.reshape(E, N, K // 2, 2).to(torch.uint8)
     packed = v[..., 0] | (v[..., 1] << 4)
-    s = scales.view(E, N // 16, K // 64, 8, 2, 2).permute(0, 1, 4, 3, 2, 5)  # e n16 rh g k64 j2
-    return packed.contiguous(), s.reshape(E, N, K // 32).contiguous()
+    group = fragment_group(codes, scales)
+    gf = scale_chunk(group)
+    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    s = raw.reshape(E, N // 16, K // gf, 8, 2, gf // group).permute(0, 1, 4, 3, 2, 5)  # e n16 rh g kc jg
+    s = s.reshape(E, N, K // group).contiguous()
+    return packed.contiguous(), (s.view(scales.dtype) if raw is not scales else s)

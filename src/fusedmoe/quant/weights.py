@@ -32,7 +32,14 @@ from fusedmoe.quant.formats import (
     nvfp4_global_scale,
     nvfp4_quantize,
 )
-from fusedmoe.quant.fragments import FRAG_K, FRAG_N, FRAG_SCALES, from_fragments, is_fragments
+from fusedmoe.quant.fragments import (
+    FRAG_K,
+    FRAG_N,
+    fragment_scale_shape,
+    from_fragments,
+    is_fragments,
+    scale_chunk,
+)
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
 
@@ -121,6 +128,8 @@ def dequantize_weight(
             f"payload of shape {tuple(q.shape)} holds [E, {q.shape[1]}, {q.shape[2] * pack}] "
             f"{scheme.name} weights, expected [E, {shape_NK[0]}, {shape_NK[1]}]"
         )
+    if is_fragments(scale) and key.dtype in _PACKED:  # the triton backend's fragment layout: back to the checkpoint's
+        q, scale = from_fragments(q, scale, key.dtype)
     if key.dtype == "nvfp4":
         if global_scale is None:
             raise ValueError(f"{scheme.name} weights need global_scale (fp32 [E]), got None")
@@ -128,8 +137,6 @@ def dequantize_weight(
     if global_scale is not None:
         raise ValueError(f"global_scale is set but {scheme.name} has none (only nvfp4 does)")
     if key.dtype == "mxfp4":
-        if is_fragments(scale):  # the triton backend's fragment layout: back to the checkpoint's
-            q, scale = from_fragments(q, scale)
         return mxfp4_dequantize(q, scale)
     if key.dtype == "fp8":
         return fp8_dequantize(q, _expand(scale.float(), key, q.shape))
@@ -197,8 +204,8 @@ def check_quant_weights(
         ("w2_scale", params.w2_scale, hidden, intermediate),
     ):
         shapes = (scale_shape(key, num_experts, n, k),)
-        if key.dtype == "mxfp4" and n % FRAG_N == 0 and k % FRAG_K == 0:  # or in fragment order
-            shapes += ((num_experts, n // FRAG_N, k // FRAG_K, FRAG_SCALES),)
+        if key.dtype in _PACKED and n % FRAG_N == 0 and k % FRAG_K == 0 and k % scale_chunk(key.group) == 0:
+            shapes += (fragment_scale_shape(num_experts, n, k, key.group),)  # or in fragment order
         _check_tensor(name, scale, shapes, scale_dtypes, scheme, device)
     for name, global_scale in (
         ("w13_global_scale", params.w13_global_scale),

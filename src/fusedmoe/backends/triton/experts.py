@@ -29,6 +29,7 @@ from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
     PERSISTENT_PROGRAMS,
+    W4_FRAG_FORMATS,
     W4_MXFP4_FRAG,
     TileConfig,
     fragment_tile,
@@ -545,7 +546,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
     the row-stationary W8A8 kernel's description where quant.gemm2_rows picks it)}, and
     fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
-    w4_layout for mxfp4 (the fragment layout and the tiles it runs: tiles.fragment_tile),
+    w4_layout for the 4-bit formats (the fragment layout and the tiles it runs: tiles.fragment_tile),
     for `fusedmoe explain --tokens`.
     `scheme`: a QuantScheme or None (unquantized)."""
     from fusedmoe import knobs
@@ -580,11 +581,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     qx = qa = ""
     swap1 = swap2 = False
     extra = {}
-    if scheme is not None and scheme.weight.dtype == "mxfp4":  # process_weights' fragment layout
+    if scheme is not None and scheme.weight.dtype in W4_FRAG_FORMATS:  # process_weights' fragment layout
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
+        bound = ", e8m0 scales <= 2" if scheme.weight.dtype == "mxfp4" else ""
         extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I multiples "
-                              f"of 64, e8m0 scales <= 2; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
+                              f"of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
                               f"layout){widened}")
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
         from fusedmoe.backends.triton.quant import fp8_accumulation, swap_ab
@@ -871,9 +873,9 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
 
 
 def _fitted(tile: TileConfig, quant_args: dict | None) -> TileConfig:
-    """The tile a launch runs: `tiles.fragment_tile` of it over fragment-layout mxfp4 weights
-    (weight_only._kernel_args sets W4_FMT to the fragment format), else the tile as chosen."""
-    if quant_args and quant_args.get("W4_FMT") == W4_MXFP4_FRAG:
+    """The tile a launch runs: `tiles.fragment_tile` of it over fragment-layout 4-bit weights
+    (weight_only._kernel_args sets W4_FMT to a fragment format), else the tile as chosen."""
+    if quant_args and quant_args.get("W4_FMT", 0) >= W4_MXFP4_FRAG:
         return fragment_tile(tile)
     return tile
 
@@ -1216,9 +1218,9 @@ triton_experts_op, triton_experts_out_op = experts_ops("triton_experts", _triton
 class TritonExperts(Experts):
     """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
     weight-only schemes through quant.py. Payloads are read as stored (the 4-bit kernels take the
-    checkpoints' packing, even k in the low nibble); process_weights re-lays int4's and nvfp4's
-    group scales group-major (`weight_only.kernel_scale_layout`) and mxfp4's codes and scales
-    into wgmma fragment order (`fusedmoe.quant.fragments`)."""
+    checkpoints' packing, even k in the low nibble); process_weights re-lays the 4-bit formats'
+    codes and scales into wgmma fragment order where the shapes allow (`fusedmoe.quant.fragments`),
+    else int4's and nvfp4's group scales group-major (`weight_only.kernel_scale_layout`)."""
 
     def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
         from fusedmoe.backends.triton.weight_only import prepare_weights

@@ -94,6 +94,9 @@ W4_NVFP4 = tl.constexpr(2)  # e2m1, e4m3 scale, fp32 global scale per expert
 # the [BLOCK_N, BLOCK_K] weight tile, multiplied swapped (w @ x^T into a [BLOCK_N, BLOCK_M]
 # accumulator, transposed back after the K loop, as SWAP_AB)
 W4_MXFP4_FRAG = tl.constexpr(3)
+W4_NVFP4_FRAG = tl.constexpr(4)  # the same for nvfp4: the tile holds value * s * 2^-8, 2^8 and
+# the global scale go onto the accumulator (`_w4_global`)
+W4_INT4_FRAG = tl.constexpr(5)  # the same for int4 (its own bit placement, W4_PTX_I4FRAG)
 
 
 @triton.jit
@@ -409,44 +412,104 @@ mul.rn.bf16x2 $3, $3, $6;
 """)
 
 
+# int4 in the fragment layout: register r's two codes (u = 0, 1) at bits 4r and 16 + 4r of $4.
+# (w >> 4r) & 0x000F000F ^ 0x43084308 (one lop3) is the bf16 pair of 136 + q, x * 1 - 136 is q
+# (exact), then the bf16x2 scales $5 / $6 of rows rh = 0 / 1. 15 instructions for 8 weights.
+W4_PTX_I4FRAG = tl.constexpr("""
+{
+.reg .b32 t, k, one;
+mov.b32 one, 0x3F803F80;
+mov.b32 k, 0xC308C308;
+lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 $0, $0, one, k;
+fma.rn.bf16x2 $1, $1, one, k;
+fma.rn.bf16x2 $2, $2, one, k;
+fma.rn.bf16x2 $3, $3, one, k;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+TWO_118 = tl.constexpr(2.0**118)
+TWO_M8 = tl.constexpr(2.0**-8)
+
+
 @triton.jit
-def _frag_value(reg, HIGH: tl.constexpr):
-    """fp32 e2m1 value of one 16-bit half of a decoded register (uint32 bits: sign at 15, E1 E0 M
-    at 8 7 6 of the half), by its code and `_w4_value` (no subnormal intermediate)."""
+def _frag_value(reg, HIGH: tl.constexpr, FMT: tl.constexpr):
+    """fp32 value of one 16-bit half of a decoded register: e2m1 (uint32 bits: sign at 15, E1 E0 M
+    at 8 7 6 of the half) by its code and `_w4_value`; int4 (its code at bits 0-3 of the half)."""
     if HIGH:  # noqa: SIM108 (constexpr branch)
         h = reg >> 16
     else:
         h = reg & 0xFFFF
+    if FMT == W4_INT4_FRAG:
+        return _w4_value((h & 15).to(tl.int32), W4_INT4)
     code = (((h >> 12) & 8) | ((h >> 6) & 7)).to(tl.int32)
     return _w4_value(code, W4_MXFP4)
 
 
 @triton.jit
-def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim,
+def _frag_multiplier(sc, FMT: tl.constexpr):
+    """bf16 multipliers of the PTX decode from stored fragment scales: mxfp4 e8m0 -> 2^126 * 2^(e -
+    127) = 2^(e - 1), bf16 exponent field e + 126 (finite: e <= 128); nvfp4 e4m3 -> s * 2^118
+    (exact: at most 448 * 2^118, subnormal codes included); int4 the float scale in bf16."""
+    if FMT == W4_MXFP4_FRAG:
+        m = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    elif FMT == W4_NVFP4_FRAG:
+        m = (sc.to(tl.float32) * TWO_118).to(tl.bfloat16)
+    else:
+        m = sc.to(tl.bfloat16)
+    return m
+
+
+@triton.jit
+def _w4_global(gs, FMT: tl.constexpr):
+    """nvfp4's accumulator multiplier: the global scale, times the 2^8 fragment tiles leave out."""
+    if FMT == W4_NVFP4_FRAG:
+        gs = gs * 256.0
+    return gs
+
+
+@triton.jit
+def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
-    """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's mxfp4 weight in the
-    fragment layout (w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales, [N/16, K/64, 32];
-    kdim = K), as a [BLOCK_N, BLOCK_K] DTYPE tile. Fragments past row block n16_end or past k_end
-    read as 0. PTX (bf16 on a GPU): W4_PTX_FRAG, and the tile comes out in the register layout of
-    the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops."""
+    """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's 4-bit weight in the
+    fragment layout (FMT W4_*_FRAG; w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales,
+    [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64); kdim = K), as a [BLOCK_N, BLOCK_K]
+    DTYPE tile (nvfp4: value * s * 2^-8). Fragments past row block n16_end or past k_end read as
+    0. PTX (bf16 on a GPU): W4_PTX_FRAG / W4_PTX_I4FRAG, and the tile comes out in the register
+    layout of the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
+    GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
+    JG: tl.constexpr = GF // GROUP  # groups per chunk
+    NSC: tl.constexpr = 16 * JG  # scales per chunk: (g, rh, jg)
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
     n16 = n16_0 + f % NB16
     k64 = k0 // 64 + f // NB16
     ok = (n16 < n16_end) & (k64 * 64 < k_end)
     frag = n16.to(tl.int64) * (kdim // 64) + k64
+    s_off = (n16.to(tl.int64) * (kdim // GF) + k64 // (GF // 64)) * NSC
     b = tl.load(w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0)
     if PTX:
-        g4 = (tl.arange(0, 32) // 4) * 4  # lane 4g + c reads group g's four scales (rh, j2)
-        sc = tl.load(s_ptr + frag[:, None, None] * 32 + g4[None, :, None] + tl.arange(0, 4)[None, None, :],
-                     mask=ok[:, None, None], other=0)
-        # 2^126 * 2^(e - 127) = 2^(e - 1): bf16 exponent field e + 126 (finite: e <= 128)
-        s2 = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
-        s2 = tl.permute(tl.reshape(s2, (F, 32, 2, 2)), (0, 1, 3, 2))  # [F, lane, j2, rh]
-        s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, 2, 1, 2, 1)), (F, 32, 2, 2, 2, 2))  # j2 j1 rh | pair
-        r0, r1 = tl.inline_asm_elementwise(W4_PTX_FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        g2 = (tl.arange(0, 32) // 4) * (2 * JG)  # lane 4g + c reads group g's (rh, jg) scales
+        sc = tl.load(s_ptr + s_off[:, None, None] + g2[None, :, None] + tl.arange(0, 2 * JG)[None, None, :],
+                     mask=ok[:, None, None], other=0.0)
+        s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
+        s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
+        if FMT == W4_INT4_FRAG:
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         # r0 / r1: rows rh = 0 / 1; element 4j + 2kh + u of a lane
         v = tl.reshape(tl.join(r0, r1), (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j kh u rh
         w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 5, 3, 6)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
@@ -456,22 +519,34 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim,
         b0, b2 = tl.split(lo)
         b1, b3 = tl.split(hi)
         word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [F, 128]: lane-major (g, c), then j
-        m = 0x81C081C0
-        r00 = word & m
-        r01 = (word << 3) & m
-        r10 = (word << 6) & m
-        r11 = ((word >> 4) & 0x00C000C0) | ((word >> 5) & 0x01000100) | ((word << 1) & 0x80008000)
-        t00 = tl.join(_frag_value(r00, False), _frag_value(r00, True))  # [F, 128, u]
-        t01 = tl.join(_frag_value(r01, False), _frag_value(r01, True))
-        t10 = tl.join(_frag_value(r10, False), _frag_value(r10, True))
-        t11 = tl.join(_frag_value(r11, False), _frag_value(r11, True))
+        if FMT == W4_INT4_FRAG:  # register r's codes at bits 4r of each half
+            r00 = word
+            r01 = word >> 4
+            r10 = word >> 8
+            r11 = word >> 12
+        else:
+            m = 0x81C081C0
+            r00 = word & m
+            r01 = (word << 3) & m
+            r10 = (word << 6) & m
+            r11 = ((word >> 4) & 0x00C000C0) | ((word >> 5) & 0x01000100) | ((word << 1) & 0x80008000)
+        t00 = tl.join(_frag_value(r00, False, FMT), _frag_value(r00, True, FMT))  # [F, 128, u]
+        t01 = tl.join(_frag_value(r01, False, FMT), _frag_value(r01, True, FMT))
+        t10 = tl.join(_frag_value(r10, False, FMT), _frag_value(r10, True, FMT))
+        t11 = tl.join(_frag_value(r11, False, FMT), _frag_value(r11, True, FMT))
         v = tl.join(tl.join(t00, t01), tl.join(t10, t11))  # [F, 128, u, kh, rh]
         v = tl.reshape(v, (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j u kh rh
         w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 6, 3, 5)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
-        sc = tl.load(s_ptr + frag[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0)
-        s = tl.reshape(_w4_scale(sc, W4_MXFP4), (BLOCK_K // 64, NB16, 8, 2, 2))  # k64 n16 g rh j2
-        s = tl.reshape(tl.permute(s, (1, 3, 2, 0, 4)), (BLOCK_N, BLOCK_K // 32))  # n16 rh g | k64 j2
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+        sc = tl.load(s_ptr + s_off[:, None] + tl.arange(0, NSC)[None, :], mask=ok[:, None], other=0.0)
+        if FMT == W4_MXFP4_FRAG:
+            sv = _w4_scale(sc, W4_MXFP4)
+        elif FMT == W4_NVFP4_FRAG:
+            sv = sc.to(tl.float32) * TWO_M8
+        else:
+            sv = sc.to(tl.float32)
+        s = tl.reshape(sv, (BLOCK_K // 64, NB16, 8, 2, JG))  # k64 n16 g rh jg (G128: a chunk's half)
+        s = tl.reshape(tl.permute(s, (1, 3, 2, 0, 4)), (BLOCK_N, (BLOCK_K // 64) * JG))  # n16 rh g | k64 jg
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, (BLOCK_K // 64) * JG, 64 // JG)), (BLOCK_N, BLOCK_K))
         w = (w * s).to(DTYPE)
     return w
 
@@ -626,7 +701,7 @@ def _gemm1_tile(
     if FUSE_XQ:  # the slot's token row and its scale
         x_tok_ptr = x_ptr + (pid_m // top_k).to(tl.int64) * stride_xt
         xq_w, xs_tok = _xq_scale(x_tok_ptr, topk_w_ptr + pid_m, hidden, stride_xh, ACC_INT, XQ_ROW_W, XQ_WIDTH)
-    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # fragment-layout mxfp4
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT >= W4_MXFP4_FRAG  # fragment-layout 4-bit weights
     SWAPPED: tl.constexpr = SWAP_AB or FRAG
     acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
     acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
@@ -640,11 +715,11 @@ def _gemm1_tile(
             k_ok = offs_k < k_end - k0
             xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
-                               BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                               W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
             acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
             if GATED:  # the up rows start at fragment row I / 16
                 wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, k_end,
-                                   hidden, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                                   hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
                 acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
         elif QUANT == Q_W4:
             # x read contiguously and split into its even / odd columns in registers (two
@@ -744,8 +819,8 @@ def _gemm1_tile(
         if GATED:
             acc_u = acc_u * tl.load(ws_base + (offs_n + inter) * stride_ws1, mask=n_ok,
                                     other=0.0).to(tl.float32)[None, :]
-    elif QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
-        global_scale = tl.load(wgs_ptr + expert).to(tl.float32)
+    elif QUANT == Q_W4 and (W4_FMT == W4_NVFP4 or W4_FMT == W4_NVFP4_FRAG):  # noqa: SIM109 (constexprs)
+        global_scale = _w4_global(tl.load(wgs_ptr + expert).to(tl.float32), W4_FMT)
         acc_g = acc_g * global_scale
         acc_u = acc_u * global_scale
 
@@ -961,7 +1036,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
                   + offs_k[:, None] * stride_wi)
     if QUANT != Q_NONE:
         ws_base = ws_ptr + expert * stride_ws0
-    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # as in moe_gemm1_kernel
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT >= W4_MXFP4_FRAG  # as in moe_gemm1_kernel
     SWAPPED: tl.constexpr = SWAP_AB or FRAG
     acc = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
     if QUANT == Q_W4:  # as in moe_gemm1_kernel
@@ -974,7 +1049,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             k_ok = offs_k < inter - k0
             aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, pid_n * (BLOCK_N // 16), hidden // 16, k0, inter,
-                               inter, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE)
+                               inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
         elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0
@@ -1019,8 +1094,8 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
         acc = acc.to(tl.float32) * sa[:, None] * sw[None, :]
     elif QUANT == Q_W8:
         acc = acc * tl.load(ws_base + offs_n * stride_ws1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    elif QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
-        acc = acc * tl.load(wgs_ptr + expert).to(tl.float32)
+    elif QUANT == Q_W4 and (W4_FMT == W4_NVFP4 or W4_FMT == W4_NVFP4_FRAG):  # noqa: SIM109 (constexprs)
+        acc = acc * _w4_global(tl.load(wgs_ptr + expert).to(tl.float32), W4_FMT)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_be + offs_n * stride_bh, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SCALE_ROWS:  # the routed weight, unless it was applied to the input (or by a combine)
@@ -1264,8 +1339,8 @@ def moe_gemm2_direct_kernel(
         wk = tl.full((TOP_K_P,), 1.0, tl.float32)
     wk = tl.where(ok, wk, 0.0)
     okk = ok.to(tl.int32)
-    if QUANT == Q_W4 and W4_FMT == W4_NVFP4:  # constexpr condition
-        gsk = tl.load(wgs_ptr + local, mask=ok, other=1.0).to(tl.float32)
+    if QUANT == Q_W4 and (W4_FMT == W4_NVFP4 or W4_FMT == W4_NVFP4_FRAG):  # noqa: SIM109 (constexprs)
+        gsk = _w4_global(tl.load(wgs_ptr + local, mask=ok, other=1.0).to(tl.float32), W4_FMT)
 
     if HAS_BIAS:  # sum_k w_k * b2[e_k] of this share, loaded before the K loop (consumed after it)
         bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -1286,7 +1361,7 @@ def moe_gemm2_direct_kernel(
         # of its zero-masked tile); scale 1, and its product is dropped as below
         sk = tl.where(ok, sk, 1.0)
     k_steps = tl.cdiv(inter, BLOCK_K)
-    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT == W4_MXFP4_FRAG  # as in moe_gemm1_kernel
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT >= W4_MXFP4_FRAG  # as in moe_gemm1_kernel
     SWAPPED: tl.constexpr = SWAP_AB or FRAG
     total = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
     if QUANT == Q_W4:
@@ -1316,9 +1391,11 @@ def moe_gemm2_direct_kernel(
         acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
         if FRAG:  # a slot with no local expert: every fragment masked (bounds times live)
             wt = _w4_frag_tile(w2_ptr + e * stride_we, ws_ptr + e * stride_ws0, tl.program_id(1) * (BLOCK_N // 16),
-                               live * (hidden // 16), k0, live * inter, inter, BLOCK_N, BLOCK_K,
+                               live * (hidden // 16), k0, live * inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
                                a_ptr.dtype.element_ty, PTX_DECODE)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
+            if W4_FMT == W4_NVFP4_FRAG:
+                acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)
         elif QUANT == Q_W4:
             a_even, a_odd = tl.split(tl.reshape(aa, (BLOCK_M, BLOCK_K // 2, 2)))
             w_mask = n_e[None, :] if EVEN_K else (offs_j < live * ((inter - k0) // 2))[:, None] & n_e[None, :]

@@ -104,15 +104,16 @@ def tile_mode(scheme) -> tuple[str | None, int | None]:
     )
 
 
-# The weight-only GEMMs' code of mxfp4 weights in the fragment layout (fusedmoe.quant.fragments):
-# kernels.W4_MXFP4_FRAG, keep in sync. A fragment is 16 rows x 64 k: the GEMMs over it take
-# BLOCK_N and BLOCK_K of at least 64 (`fragment_tile`).
-W4_MXFP4_FRAG = 3
+# The weight-only GEMMs' codes of 4-bit weights in the fragment layout (fusedmoe.quant.fragments):
+# kernels.W4_MXFP4_FRAG / W4_NVFP4_FRAG / W4_INT4_FRAG, keep in sync. A fragment is 16 rows x 64 k:
+# the GEMMs over it take BLOCK_N and BLOCK_K of at least 64 (`fragment_tile`).
+W4_MXFP4_FRAG, W4_NVFP4_FRAG, W4_INT4_FRAG = 3, 4, 5
+W4_FRAG_FORMATS = {"mxfp4": W4_MXFP4_FRAG, "nvfp4": W4_NVFP4_FRAG, "int4": W4_INT4_FRAG}
 FRAGMENT_MIN_TILE = 64
 
 
 def fragment_tile(tile: TileConfig) -> TileConfig:
-    """The tile a GEMM over fragment-layout mxfp4 weights runs for `tile`: BLOCK_N and BLOCK_K
+    """The tile a GEMM over fragment-layout 4-bit weights runs for `tile`: BLOCK_N and BLOCK_K
     raised to FRAGMENT_MIN_TILE (whole fragments per tile, four warps' worth of 16-row A operand
     rows), the rest as given. The tables and the heuristic's "w4" tiles are chosen for the
     checkpoint layout; most already are this wide (64 x 128 at decode, 128 x 128 past 16 rows)."""

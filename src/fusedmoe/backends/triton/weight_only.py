@@ -5,8 +5,9 @@
 The payloads are read in their storage layout (`fusedmoe.quant.params`: fp8 / int8 [L, N, K],
 4-bit codes uint8 [L, N, K / 2], low nibble = even k), once per (row block, N tile); int4's
 and nvfp4's group scales are re-laid group-major by `process_weights` (`kernel_scale_layout`;
-any strides run, that one fastest), mxfp4's codes and scales into wgmma fragment order where
-the shapes allow (`fusedmoe.quant.fragments`; `_mxfp4_fragments`). Nothing
+any strides run, that one fastest), and the 4-bit formats' codes and scales into wgmma fragment
+order where the shapes allow (`fusedmoe.quant.fragments`; `_w4_fragments`), which runs faster
+still. Nothing
 dequantized is written to memory, so a decode step reads the quantized bytes only. The kernels
 are the unquantized ones with QUANT = Q_W8 (per-channel scales on the accumulator) or Q_W4
 (group scales per element inside the K loop, nvfp4's global scale on the accumulator): see
@@ -38,7 +39,7 @@ from fusedmoe.backends.triton.experts import (
     run_batched,
 )
 from fusedmoe.backends.triton.tiles import (
-    W4_MXFP4_FRAG,
+    W4_FRAG_FORMATS,
     TileConfig,
     heuristic,
     require_plan,
@@ -94,18 +95,18 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
 
 
 def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
-    """Fragment-layout mxfp4 (`fusedmoe.quant.fragments`): the kernels address an expert's
+    """Fragment-layout 4-bit weights (`fusedmoe.quant.fragments`): the kernels address an expert's
     fragments and scales as contiguous runs (`kernels._w4_frag_tile`), so each expert's payload
     and scales must be contiguous inside (experts may be strided). Metadata only, no sync."""
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if not is_fragments(scale):
             continue
         if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
-            raise ValueError(f"{name} holds mxfp4 fragments (its scale is {tuple(scale.shape)}) but has strides "
+            raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) but has strides "
                              f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
         if scale.stride()[1:] != (scale.shape[2] * scale.shape[3], scale.shape[3], 1):
-            raise ValueError(f"{name}_scale holds mxfp4 fragment scales with strides {tuple(scale.stride())}: "
-                             "each expert's [N/16, K/64, 32] must be contiguous")
+            raise ValueError(f"{name}_scale holds fragment scales with strides {tuple(scale.stride())}: "
+                             f"each expert's {list(scale.shape[1:])} must be contiguous")
 
 
 def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -116,16 +117,18 @@ def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2:
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """`process_weights` of the Triton experts: the `GROUP_MAJOR_SCALES` formats' group scales in
-    `kernel_scale_layout`, fp8 weight-only payloads checked for NaN codes (`check_fp8_codes`);
-    everything else (payloads, mxfp4's e8m0 scales, 8-bit scales, the unquantized weights) is
-    read as stored."""
+    """`process_weights` of the Triton experts: 4-bit codes and scales in the fragment layout
+    where they can be (`_w4_fragments`), else the `GROUP_MAJOR_SCALES` formats' group scales in
+    `kernel_scale_layout`; fp8 weight-only payloads checked for NaN codes (`check_fp8_codes`);
+    everything else (8-bit payloads and scales, the unquantized weights) is read as stored."""
     q = weights.quant
     if q is not None and q.scheme.weight_only and q.scheme.weight.dtype == "fp8":
         check_fp8_codes(weights.w13, "w13")
         check_fp8_codes(weights.w2, "w2")
-    if q is not None and q.scheme.weight.dtype == "mxfp4":
-        return _mxfp4_fragments(weights)
+    if q is not None and q.scheme.weight.dtype in W4_FRAG_FORMATS:
+        laid = _w4_fragments(weights)
+        if laid is not weights or is_fragments(q.w13_scale):
+            return laid
     if q is None or q.scheme.weight.dtype not in GROUP_MAJOR_SCALES:
         return weights
     w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
@@ -134,21 +137,24 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     return weights.replace(quant=dataclasses.replace(q, w13_scale=w13_scale, w2_scale=w2_scale))
 
 
-def _mxfp4_fragments(weights: ExpertWeights) -> ExpertWeights:
-    """mxfp4 payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where both
-    weights allow it and FUSEDMOE_TRITON_W4_FRAGMENTS is not 0; else as given. H200, one grouped
-    GEMM at 16 rows per expert (benchmarks/bench_w4_fragments.py,
-    results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): 2.1-2.7 TB/s of 4-bit weights against
-    1.3-1.6 in the checkpoint layout (gpt-oss down 112 -> 57 us, Mixtral gate-up 157 -> 94)."""
+def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
+    """4-bit payloads and scales (mxfp4, nvfp4, int4) in the fragment layout
+    (`fusedmoe.quant.fragments`) where both weights allow it and FUSEDMOE_TRITON_W4_FRAGMENTS is
+    not 0; else as given. H200, one grouped GEMM at 16 rows per expert
+    (benchmarks/bench_w4_fragments.py, results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4
+    2.1-2.7 TB/s of 4-bit weights against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 ->
+    57 us, Mixtral gate-up 157 -> 94); nvfp4 and int4 g32 2.0-2.3
+    (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     from fusedmoe import knobs
 
     q = weights.quant
     if knobs.get("TRITON_W4_FRAGMENTS") is False or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
         return weights
-    if fragments_reason(weights.w13, q.w13_scale) or fragments_reason(weights.w2, q.w2_scale):
+    fmt = q.scheme.weight.dtype
+    if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights
-    w13, s13 = to_fragments(weights.w13, q.w13_scale)
-    w2, s2 = to_fragments(weights.w2, q.w2_scale)
+    w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt)
+    w2, s2 = to_fragments(weights.w2, q.w2_scale, fmt)
     return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, w13_scale=s13, w2_scale=s2))
 
 
@@ -317,6 +323,6 @@ def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.T
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
         return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
-    fmt = W4_MXFP4_FRAG if is_fragments(scale) else W4_FORMATS[key.dtype]
+    fmt = W4_FRAG_FORMATS[key.dtype] if is_fragments(scale) else W4_FORMATS[key.dtype]
     return dict(args, QUANT=Q_W4, W4_FMT=fmt, W_GROUP=key.group, PTX_DECODE=ptx,
                 wgs_ptr=global_scale if global_scale is not None else scale)

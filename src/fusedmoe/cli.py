@@ -729,9 +729,6 @@ def cmd_env(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 # fuzz --------------------------------------------------------------------------------------------
 def cmd_fuzz(args) -> int:
@@ -769,3 +766,7 @@ def cmd_fuzz(args) -> int:
         with open(args.json, "w") as f:
             json.dump({**report.to_dict(), "torch": torch.__version__, "host": pyplatform.node()}, f, indent=1)
     return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

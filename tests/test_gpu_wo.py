@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
+from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, knobs, select_experts
 from fusedmoe.backends.triton.weight_only import kernel_scale_layout, prepare_weights
 from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.fragments import is_fragments
@@ -50,7 +50,8 @@ def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
     q13, q2, params = quantize_weights(w13, w2, scheme.removesuffix(":fragments"))
     del w13, w2
     if scheme.endswith(":fragments"):
-        laid = prepare_weights(ExpertWeights(q13, q2, quant=params))
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+            laid = prepare_weights(ExpertWeights(q13, q2, quant=params))
         assert is_fragments(laid.quant.w13_scale) and is_fragments(laid.quant.w2_scale), (E, H, I)
         q13, q2, params = laid.w13, laid.w2, laid.quant
     return q13, q2, params, b13, b2

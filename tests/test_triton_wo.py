@@ -216,7 +216,9 @@ def test_fragment_layout_conditions():
                           ("int4_w4a16_g64", (4, 8, 2, 16)), ("int4_w4a16_g128", (4, 16, 1, 16))):
         inter = 128 if scheme.endswith("g128") else 64
         config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
-        laid = TritonExperts(config).process_weights(w)
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+            laid = TritonExperts(config).process_weights(w)
+        assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == scheme.startswith("nvfp4")
         assert laid.quant.w13_scale.shape == shape and is_fragments(laid.quant.w2_scale), scheme
         check_quant_weights(laid.w13, laid.w2, laid.quant, 128, 2 * inter)
         before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(laid.w13, laid.w2, laid.quant)
@@ -227,7 +229,8 @@ def test_fragment_layout_conditions():
             continue
         config, x, w, weights, ids, _ = problem(Case("cond-odd" + scheme, T=3, H=96, I=64), scheme, torch.float32)
         assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale, scheme.split("_")[0])
-        assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale), scheme
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):
+            assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale), scheme
     with pytest.raises(ValueError, match="holds .*'mxfp4', 'nvfp4', 'int4'.* not 'int8'"):
         fragments_reason(w.w13, w.quant.w13_scale, "int8")
 
@@ -243,6 +246,7 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
     tail under the tile (H = 192, BLOCK_K 128), the direct path (one token, slot shares), a
     non-gated activation, an expert_map with ids routed elsewhere, narrow tiles (widened to 64 by
     tiles.fragment_tile), and the batched layout."""
+    from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import BatchedTritonExperts
     from fusedmoe.modular import BatchedLocalPrepareFinalize, make_modular
 
@@ -255,7 +259,8 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
         cases = [dataclasses.replace(c, H=128 * -(-c.H // 128), I=128) for c in cases]
     for case in cases:
         config, x, w, weights, ids, emap = problem(case, scheme, dtype)
-        laid = TritonExperts(config).process_weights(w)
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+            laid = TritonExperts(config).process_weights(w)
         assert laid.w13 is not w.w13, case.id
         out = run(config, x, laid, weights, ids, emap, tiles=case.tiles)
         want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=emap)
@@ -264,7 +269,8 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
     batched_config = config.replace(activation_format="batched")
     batched = make_modular(batched_config, BatchedTritonExperts(batched_config))
     assert isinstance(batched.prepare_finalize, BatchedLocalPrepareFinalize)
-    laid = TritonExperts(config).process_weights(w)
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):
+        laid = TritonExperts(config).process_weights(w)
     want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(batched(x, laid, weights, ids), want) < tol
 
@@ -288,6 +294,21 @@ def test_fragment_layout_edge_cases():
             assert rel_err(out, want) < TOL[torch.float32], case.id
 
 
+def test_fragment_formats_knob(monkeypatch):
+    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, all = int4 too, 0 = none; other
+    values are refused, naming the choices."""
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.weight_only import fragment_formats
+
+    assert fragment_formats() == ("mxfp4", "nvfp4")
+    for raw, want in (("1", ("mxfp4", "nvfp4")), ("all", ("mxfp4", "nvfp4", "int4")), ("0", ())):
+        monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", raw)
+        assert fragment_formats() == want, raw
+    monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", "int4")
+    with pytest.raises(ValueError, match=r"FUSEDMOE_TRITON_W4_FRAGMENTS='int4': expected one of .*'all'"):
+        knobs.get("TRITON_W4_FRAGMENTS")
+
+
 def test_fragment_tile_widens_narrow_tiles():
     from fusedmoe.backends.triton.tiles import fragment_tile
 
@@ -304,7 +325,13 @@ def test_fragment_tile_widens_narrow_tiles():
     assert plan["w4_layout"].startswith("fragments where") and plan["gemm1"]["tile"].block_m == DIRECT_BLOCK_M
     assert ("run as gemm1" in plan["w4_layout"]) == (fragment_tile(plan["gemm2"]["tile"]) != plan["gemm2"]["tile"]
                                                      or fragment_tile(plan["gemm1"]["tile"]) != plan["gemm1"]["tile"])
-    assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith("fragments")
+    from fusedmoe import knobs
+
+    assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
+        "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all")
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):
+        assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
+            "fragments")
     assert "e8m0" not in describe_plan(problem, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"]
     assert "w4_layout" not in describe_plan(problem, get_scheme("int8_w8a16"), torch.device("cpu"))
 

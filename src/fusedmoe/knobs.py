@@ -53,6 +53,15 @@ def _on_off_force(name: str, raw: str) -> bool | str:
         raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + ['force']}") from None
 
 
+def _on_off_all(name: str, raw: str) -> bool | str:
+    if raw.strip().lower() == "all":
+        return "all"
+    try:
+        return _tristate(name, raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + ['all']}") from None
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -97,10 +106,10 @@ KNOBS: dict[str, Knob] = {
              "TMA tensor descriptors for the large-M unquantized Triton GEMMs (weights; gemm2's sorted "
              "rows too): unset/1 = where eligible on sm90+, 0 = off (pointer loads), force = wherever "
              "the tensors and tile allow, on any device (the interpreter tests)."),
-        Knob("TRITON_W4_FRAGMENTS", _tristate, None,
-             "mxfp4 weights re-laid in wgmma fragment order by the triton backend's process_weights "
-             "(fusedmoe.quant.fragments): unset/1 = where the shapes and scales allow, 0 = keep the "
-             "checkpoint layout."),
+        Knob("TRITON_W4_FRAGMENTS", _on_off_all, None,
+             "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
+             "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "
+             "(int4 measured slower at M <= 64 there), all = int4 too, 0 = keep the checkpoint layout."),
         Knob("TRITON_DIRECT", _on_off_force, None,
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "

@@ -584,10 +584,16 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     if scheme is not None and scheme.weight.dtype in W4_FRAG_FORMATS:  # process_weights' fragment layout
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
+        from fusedmoe.backends.triton.weight_only import fragment_formats
+
         bound = ", e8m0 scales <= 2" if scheme.weight.dtype == "mxfp4" else ""
-        extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I multiples "
-                              f"of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
-                              f"layout){widened}")
+        if scheme.weight.dtype in fragment_formats():
+            extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
+                                  f"multiples of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
+                                  f"layout){widened}")
+        else:
+            extra["w4_layout"] = ("checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 as fragments: faster "
+                                  "at M >= 1024, slower at M <= 64 on an H200)")
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
         from fusedmoe.backends.triton.quant import fp8_accumulation, swap_ab
 

@@ -137,20 +137,36 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     return weights.replace(quant=dataclasses.replace(q, w13_scale=w13_scale, w2_scale=w2_scale))
 
 
-def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
-    """4-bit payloads and scales (mxfp4, nvfp4, int4) in the fragment layout
-    (`fusedmoe.quant.fragments`) where both weights allow it and FUSEDMOE_TRITON_W4_FRAGMENTS is
-    not 0; else as given. H200, one grouped GEMM at 16 rows per expert
-    (benchmarks/bench_w4_fragments.py, results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4
-    2.1-2.7 TB/s of 4-bit weights against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 ->
-    57 us, Mixtral gate-up 157 -> 94); nvfp4 and int4 g32 2.0-2.3
-    (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
+# 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset or 1).
+# H200, fusedmoe bench on six presets, each layout with plans tuned for it (results/
+# 2026-11-27_h200_d2fdb76_fragments_nvfp4_int4.txt): mxfp4 level to 1.9x faster at every M; nvfp4 level
+# to 1.5x faster at M >= 16 (M = 1: 0.7-1.1x); int4 g32 1.1-1.5x faster at M = 4096 but 0.66-1.0x
+# at M <= 64, where its checkpoint-layout decode (group-major scales) is already the better one.
+# "all" adds int4.
+DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
+
+
+def fragment_formats() -> tuple[str, ...]:
+    """The 4-bit formats `process_weights` lays as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS)."""
     from fusedmoe import knobs
 
+    mode = knobs.get("TRITON_W4_FRAGMENTS")
+    if mode is False:
+        return ()
+    return tuple(W4_FRAG_FORMATS) if mode == "all" else DEFAULT_FRAGMENT_FORMATS
+
+
+def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
+    """4-bit payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where the
+    format is one of `fragment_formats()` and both weights allow it; else as given. H200, one
+    grouped GEMM at 16 rows per expert (benchmarks/bench_w4_fragments.py,
+    results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4 2.1-2.7 TB/s of 4-bit weights against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 ->
+    57 us, Mixtral gate-up 157 -> 94); nvfp4 and int4 g32 2.0-2.3
+    (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
-    if knobs.get("TRITON_W4_FRAGMENTS") is False or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
-        return weights
     fmt = q.scheme.weight.dtype
+    if fmt not in fragment_formats() or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
+        return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights
     w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt)

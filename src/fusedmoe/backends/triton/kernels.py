@@ -46,11 +46,16 @@ registers after their load and never written back; each byte is read once per (r
           accumulator. bf16 on a GPU (PTX_DECODE): the codes are decoded and scaled by inline PTX
           (`_w4_ptx_decode`: prmt / lop3 / fma.bf16x2, ~2-3 instructions per weight, no
           conversion instructions); elsewhere (fp16, fp32, the interpreter) in fp32.
-          mxfp4 in the fragment layout (W4_FMT = W4_MXFP4_FRAG; fusedmoe.quant.fragments, made
-          by the backend's process_weights): `_w4_frag_tile` loads whole 16 x 64 fragments in
-          the register order of wgmma's A operand and decodes them with W4_PTX_FRAG (15
-          instructions per 8 weights), so the [BLOCK_N, BLOCK_K] tile needs no layout conversion;
-          the GEMMs then multiply swapped, acc [BLOCK_N, BLOCK_M] += w @ x^T, as SWAP_AB.
+          4-bit weights in the fragment layout (W4_FMT = W4_MXFP4_FRAG / W4_NVFP4_FRAG /
+          W4_INT4_FRAG; fusedmoe.quant.fragments, made by the backend's process_weights):
+          `_w4_frag_tile` loads whole 16 x 64 fragments in the register order of wgmma's A
+          operand and decodes them with W4_PTX_FRAG (e2m1) or W4_PTX_I4FRAG (int4), 15
+          instructions per 8 weights, so the [BLOCK_N, BLOCK_K] tile needs no layout conversion;
+          the GEMMs then multiply swapped, acc [BLOCK_N, BLOCK_M] += w @ x^T, as SWAP_AB. The
+          asm takes a lane's 4 bytes of one word together, as the load's layout holds them;
+          consumed by a dot the tile is exact (tests/test_gpu_wo.py, every code and scale). A
+          test kernel that stored the decoded tile directly read wrong values (seen once, for
+          mxfp4, on an H200): Triton may give the asm another layout when no dot follows.
 Host side: weight_only.py.
 """
 

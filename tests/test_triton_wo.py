@@ -231,6 +231,15 @@ def test_fragment_layout_conditions():
         assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale, scheme.split("_")[0])
         with knobs.override(TRITON_W4_FRAGMENTS="all"):
             assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale), scheme
+    # marlin's NVFP4 W4A4 checkpoints: laid the same way, run weight-only
+    config, x, w, weights, ids, _ = problem(Case("cond-w4a4", T=3, H=128, I=64), "nvfp4", torch.float32)
+    laid = MarlinExperts(config).process_weights(w)
+    assert is_fragments(laid.quant.w13_scale) and is_fragments(laid.quant.w2_scale)
+    twin = w.replace(quant=QuantParams("nvfp4_w4a16", w.quant.w13_scale, w.quant.w2_scale,
+                                       w13_global_scale=w.quant.w13_global_scale,
+                                       w2_global_scale=w.quant.w2_global_scale))
+    want = EmulationExperts(config.replace(quant="nvfp4_w4a16")).apply(x, twin, weights, ids, expert_map_E=None)
+    assert rel_err(MarlinExperts(config).apply(x, laid, weights, ids, expert_map_E=None), want) < TOL[torch.float32]
     with pytest.raises(ValueError, match="holds .*'mxfp4', 'nvfp4', 'int4'.* not 'int8'"):
         fragments_reason(w.w13, w.quant.w13_scale, "int8")
 

@@ -67,7 +67,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fusedmoe.backends.triton.kernels import W4_MXFP4, W4_PTX_FRAG, _w4_ptx_decode  # noqa: E402
+from fusedmoe.backends.triton.kernels import W4_MXFP4, W4_PTX_FRAG, W4_PTX_I4FRAG, _w4_ptx_decode  # noqa: E402
 from fusedmoe.bench import time_rotated  # noqa: E402
 from fusedmoe.quant.formats import (  # noqa: E402
     mxfp4_dequantize,
@@ -126,28 +126,7 @@ W4_FRAG2_PTX = tl.constexpr(W4_FRAG2_TEXT)
 W4_FRAG2N_PTX = tl.constexpr(W4_FRAG2N_TEXT)
 
 
-W4_I4FRAG_PTX = tl.constexpr("""
-{
-.reg .b32 t, k, one;
-mov.b32 one, 0x3F803F80;
-mov.b32 k, 0xC308C308;
-lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 4;
-lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 8;
-lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 12;
-lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 $0, $0, one, k;
-fma.rn.bf16x2 $1, $1, one, k;
-fma.rn.bf16x2 $2, $2, one, k;
-fma.rn.bf16x2 $3, $3, one, k;
-mul.rn.bf16x2 $0, $0, $5;
-mul.rn.bf16x2 $1, $1, $5;
-mul.rn.bf16x2 $2, $2, $6;
-mul.rn.bf16x2 $3, $3, $6;
-}
-""")
+W4_I4FRAG_PTX = W4_PTX_I4FRAG  # the library's int4 fragment decode (kernels.W4_PTX_I4FRAG), which this led to
 
 
 @triton.jit

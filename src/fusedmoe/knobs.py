@@ -44,22 +44,20 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
-def _on_off_force(name: str, raw: str) -> bool | str:
-    if raw.strip().lower() == "force":
-        return "force"
-    try:
-        return _tristate(name, raw)
-    except ValueError:
-        raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + ['force']}") from None
+def _on_off_or(word: str) -> Callable[[str, str], bool | str]:
+    """A tristate that also takes `word` (returned as the string itself)."""
+    def parse(name: str, raw: str) -> bool | str:
+        if raw.strip().lower() == word:
+            return word
+        try:
+            return _tristate(name, raw)
+        except ValueError:
+            raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + [word]}") from None
+    return parse
 
 
-def _on_off_all(name: str, raw: str) -> bool | str:
-    if raw.strip().lower() == "all":
-        return "all"
-    try:
-        return _tristate(name, raw)
-    except ValueError:
-        raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of {list(_TRUE + _FALSE) + ['all']}") from None
+_on_off_force = _on_off_or("force")
+_on_off_all = _on_off_or("all")
 
 
 @dataclass(frozen=True)

@@ -341,6 +341,9 @@ def test_fragment_tile_widens_narrow_tiles():
     with knobs.override(TRITON_W4_FRAGMENTS="all"):
         assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
             "fragments")
+    with knobs.override(TRITON_W4_FRAGMENTS=False):
+        assert describe_plan(problem, get_scheme("mxfp4_w4a16"), torch.device("cpu"))["w4_layout"] == (
+            "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")
     assert "e8m0" not in describe_plan(problem, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"]
     assert "w4_layout" not in describe_plan(problem, get_scheme("int8_w8a16"), torch.device("cpu"))
 

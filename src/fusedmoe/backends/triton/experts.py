@@ -591,6 +591,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
                                   f"multiples of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
                                   f"layout){widened}")
+        elif knobs.get("TRITON_W4_FRAGMENTS") is False:
+            extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
         else:
             extra["w4_layout"] = ("checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 as fragments: faster "
                                   "at M >= 1024, slower at M <= 64 on an H200)")

@@ -137,12 +137,12 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     return weights.replace(quant=dataclasses.replace(q, w13_scale=w13_scale, w2_scale=w2_scale))
 
 
-# 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset or 1).
-# H200, fusedmoe bench on six presets, each layout with plans tuned for it (results/
-# 2026-11-27_h200_d2fdb76_fragments_nvfp4_int4.txt): mxfp4 level to 1.9x faster at every M; nvfp4 level
-# to 1.5x faster at M >= 16 (M = 1: 0.7-1.1x); int4 g32 1.1-1.5x faster at M = 4096 but 0.66-1.0x
-# at M <= 64, where its checkpoint-layout decode (group-major scales) is already the better one.
-# "all" adds int4.
+# 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset
+# or 1; "all" adds int4). H200, fusedmoe bench, each layout with plans tuned for it: mxfp4 level
+# to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned entries); nvfp4
+# level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1; int4 g32 1.1-1.5x faster at M = 4096 but
+# 0.75-1.0x at M <= 64, where its checkpoint-layout decode (group-major scales) is the better one
+# (results/2026-11-27_h200_d2fdb76_fragments_nvfp4_int4.txt).
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 
 
@@ -160,9 +160,9 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     """4-bit payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where the
     format is one of `fragment_formats()` and both weights allow it; else as given. H200, one
     grouped GEMM at 16 rows per expert (benchmarks/bench_w4_fragments.py,
-    results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4 2.1-2.7 TB/s of 4-bit weights against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 ->
-    57 us, Mixtral gate-up 157 -> 94); nvfp4 and int4 g32 2.0-2.3
-    (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
+    results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4 2.1-2.7 TB/s of 4-bit weights
+    against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 -> 57 us, Mixtral gate-up 157 ->
+    94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
     if fmt not in fragment_formats() or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):

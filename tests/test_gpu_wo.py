@@ -362,3 +362,33 @@ def test_direct_decode(scheme):
         assert rel_err(out, emulated) < TOL
         assert rel_err(out, run(False)) < TOL
         assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16:fragments", "nvfp4_w4a16:fragments", "int4_w4a16_g32"])
+def test_persistent_gemm2(scheme):
+    """The weight-only 4-bit GEMM2 as a persistent launch (TileConfig.persistent,
+    tiles.W4_PERSISTENT_PROGRAMS programs per SM striding over the real tiles) at DeepSeek-V3's
+    I = 256: bitwise the tile-per-program launch's output, within tolerance of emulation, and
+    the same after CUDA-graph replay."""
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    E, K, H, I, activation, bias = SHAPES["deepseek-v3-tp8-like"]
+    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=21, bias=True)
+    for tokens in (16, 300):
+        x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 60)
+
+        def run(persistent, x=x, w=w, ids=ids):
+            tiles = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 4, 3, persistent=persistent))
+            return triton_quant_experts(
+                x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
+                params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
+                w2_global_scale=params.w2_global_scale, tiles=tiles)
+
+        poison_allocator()
+        out = run(True)
+        assert torch.equal(out, run(False))
+        emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="emulation",
+                                 activation=activation)
+        assert rel_err(out, emulated) < TOL
+        assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023

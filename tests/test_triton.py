@@ -1284,8 +1284,9 @@ def test_persistent_gemm1_matches_the_tile_per_program_launch(monkeypatch, act, 
 
 
 def test_persistent_tile_predicate_and_table_round_trip():
-    """persistent runs on the aligned path's unquantized GEMMs, GEMM1 with its K unsplit (the
-    predicate says so for split-K, W8A8 / weight-only and the direct path); a table writes it as
+    """persistent runs on the aligned path's unquantized GEMMs, GEMM1 with its K unsplit, and its
+    weight-only 4-bit GEMM2 (the predicate says so for split-K, W8A8, the other weight-only GEMMs
+    and the direct path); a table writes it as
     the 9th value, after swap_ab and group_m, and reads it back for either GEMM."""
     from fusedmoe.backends.triton.tiles import check_plan
     from fusedmoe.backends.triton.tuning import nearest, parse_table
@@ -1296,6 +1297,11 @@ def test_persistent_tile_predicate_and_table_round_trip():
     only = "only the aligned path's unquantized GEMMs"
     assert only in check_tile(replace(p, block_n=64, split_k=2), dtype=torch.bfloat16, operands=2, allow_split=True)
     assert only in check_tile(replace(p, block_n=128), dtype=torch.bfloat16, quant="channel")
+    # the weight-only 4-bit GEMM2 runs one too; its GEMM1 and the 8-bit weight-only GEMMs do not
+    w4 = TileConfig(16, 128, 128, 4, 3, persistent=True)
+    assert check_tile(w4, dtype=torch.bfloat16, quant="w4", group=32) is None
+    assert only in check_tile(w4, dtype=torch.bfloat16, operands=2, allow_split=True, quant="w4", group=32)
+    assert only in check_tile(w4, dtype=torch.bfloat16, quant="w8")
     for t1, t2 in ((TileConfig(16, 64, 128), TileConfig(16, 64, 128, persistent=True)),
                    (TileConfig(16, 64, 128, persistent=True), TileConfig(16, 64, 128))):
         assert "the direct path runs one program per slot" in check_plan(t1, t2, direct=True, dtype=torch.bfloat16,

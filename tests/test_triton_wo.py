@@ -284,6 +284,31 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
     assert rel_err(batched(x, laid, weights, ids), want) < tol
 
 
+@pytest.mark.parametrize("scheme,programs", [("mxfp4_w4a16", 1), ("nvfp4_w4a16", 3), ("int4_w4a16_g32", 5)])
+def test_persistent_w4_gemm2_matches_the_tile_per_program_launch(monkeypatch, scheme, programs):
+    """The weight-only 4-bit GEMM2 as a persistent launch (`programs` programs stride over its 8
+    real (row block, N tile) tiles in one loop): the output is bitwise the tile-per-program
+    launch's, on the fragment layout (mxfp4, nvfp4) and the checkpoint one (int4 by default),
+    with biases, an expert with no tokens and a K tail under the tile (I = 192, BLOCK_K 128),
+    and within tolerance of emulation."""
+    from fusedmoe.backends.triton import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: programs)
+    monkeypatch.setattr(experts_mod, "W4_PERSISTENT_PROGRAMS", 1)  # programs per SM (4 on a GPU)
+    config, x, w, weights, _, _ = problem(Case("w4-persistent", T=7, E=5, H=128, I=192, bias=True), scheme,
+                                          torch.float32)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 4], [4, 0], [0, 2], [1, 4], [2, 0]], dtype=torch.int32)  # none to 3
+    laid = TritonExperts(config).process_weights(w)
+    g1 = (16, 64, 128, 4, 1)
+    tiles = {p: (g1, (16, 64, 128, 4, 1, 1, None, 8, p)) for p in (False, True)}
+    assert check_tile(TileConfig(*tiles[True][1]), dtype=torch.float32, quant="w4", group=32) is None
+    outs = {p: run(config, x, laid, weights, ids, None, tiles=t, out=torch.full_like(x, float("nan")))
+            for p, t in tiles.items()}
+    assert torch.equal(outs[False], outs[True])
+    want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(outs[True], want) < TOL[torch.float32]
+
+
 def test_fragment_layout_edge_cases():
     """The fragment path at the edges: no tokens, E not a power of two with top_k = E, top_k = 1,
     every token on one expert (the others empty), against emulation on the checkpoint layout."""

@@ -385,6 +385,27 @@ def test_descent_toggles_a_wide_tile(field, gemm, index, allow, other_allow, ref
         assert not any(getattr(tile, field) for kind, tile in seen if kind != "align"), kw
 
 
+def test_w4_gemm2_descent_starts_from_the_persistent_tile():
+    """The weight-only 4-bit GEMM2's descent also starts from tune.W4_PERSISTENT_START (one move
+    from the heuristic's tiles it is slower, so a descent from them alone would not reach it):
+    where the model makes that tile fastest, the entry's GEMM2 is persistent; GEMM1 and the
+    direct path never time a persistent tile."""
+    from fusedmoe.tune import W4_PERSISTENT_START, tune_shape
+
+    flat = lambda us: lambda tile: us  # noqa: E731
+    start = lambda tile: tile.persistent and (tile.block_n, tile.block_k) == (128, 128)  # noqa: E731
+    costs = {"gemm1": flat(30.0), "align": flat(5.0), "direct gemm1": flat(100.0), "direct gemm2": flat(100.0),
+             "gemm2": lambda tile: 10.0 if start(tile) else 40.0 if tile.persistent else 30.0}
+    seen = []
+    [entry] = tune_shape(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2,
+                         device=torch.device("cpu"), tokens_list=[40], quant="int4_w4a16_g32",
+                         timer=_model_timer(costs, seen))
+    assert entry["gemm2"][1:5] == [128, 128, 4, 3] and entry["gemm2"][8] is True
+    assert entry["gemm2"][0] == entry["gemm1"][0]
+    assert W4_PERSISTENT_START.persistent and any(start(tile) for kind, tile in seen if kind == "gemm2")
+    assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
+
+
 def test_descent_from_a_start_that_does_not_compile():
     """A start Triton cannot compile (the persistent start on a smaller GPU, say) ends its
     descent at infinite time instead of failing the tune; the other starts decide."""

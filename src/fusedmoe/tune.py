@@ -6,7 +6,8 @@ num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
 (their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMMs
 toggle a persistent launch (`TileConfig.persistent`; GEMM1 with K unsplit) and, at 64-128 row
-blocks, GEMM2 also starts from the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS). The
+blocks, GEMM2 also starts from the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS); the
+weight-only 4-bit GEMM2 toggles it too and starts from a persistent 128 x 128 tile. The
 aligned GEMM1's descent toggles one dot over gate and up (`TileConfig.one_dot`, unquantized gated
 only) and, at the same row blocks, also starts from the persistent one-dot 2*128 x 64 tile in 8
 warps and 4 stages.
@@ -64,6 +65,11 @@ GROUP_MS = (1, 8, 32)  # the aligned GEMMs' program order (TileConfig.group_m; 8
 # at DeepSeek-V3, gpt-oss-120b M=4096 and Qwen3-30B M=1024 on the H200,
 # results/2026-11-27_h200_67424e3_persistent_gemm1.txt); every descent may toggle either
 WIDE_START_BLOCK_MS = (64, 128)
+# The weight-only 4-bit GEMM2's descent also starts from this persistent tile (at every block_m):
+# one step from the one-program-per-tile tiles it is slower, so a descent from them alone never
+# reaches it (H200, mxfp4, DeepSeek-V3 M=16: 16 x 64 x 64 69 us, persistent 110; 16 x 128 x 128 78,
+# persistent 57; tiles.W4_PERSISTENT_PROGRAMS)
+W4_PERSISTENT_START = TileConfig(16, 128, 128, 4, 3, persistent=True)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
@@ -282,6 +288,8 @@ def tune_shape(
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
                 starts1.append(TileConfig(block_m, 128, 64, 8, 4, persistent=True, one_dot=True))
+            if mode == "w4":  # and the weight-only 4-bit GEMM2's persistent start (W4_PERSISTENT_START)
+                starts2.append(dataclasses.replace(W4_PERSISTENT_START, block_m=block_m))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
             if not starts1 or not starts2:

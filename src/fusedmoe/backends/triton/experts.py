@@ -31,6 +31,7 @@ from fusedmoe.backends.triton.tiles import (
     PERSISTENT_PROGRAMS,
     W4_FRAG_FORMATS,
     W4_MXFP4_FRAG,
+    W4_PERSISTENT_PROGRAMS,
     TileConfig,
     fragment_tile,
     heuristic,
@@ -962,7 +963,8 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     w_arg = _descriptor(w2, (tile.block_n, tile.block_k)) if w_reason is None else w2
     tiles = blocks * triton_cdiv(hidden, tile.block_n)  # at most: the programs past the real rows exit
     if tile.persistent:  # the programs stride over the real tiles (read on the device)
-        tiles = min(tiles, PERSISTENT_PROGRAMS * _num_sms(y.device))
+        per_sm = W4_PERSISTENT_PROGRAMS if quant_args and "W4_FMT" in quant_args else PERSISTENT_PROGRAMS
+        tiles = min(tiles, per_sm * _num_sms(y.device))
     kernels.moe_gemm2_kernel[(tiles,)](
         a_arg, w_arg, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
         y.shape[0], hidden, inter,

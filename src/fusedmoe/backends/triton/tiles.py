@@ -27,6 +27,12 @@ NARROW_8BIT = ("block", "w8")
 NARROW_SPLIT_PROGRAMS = 3  # GEMM1 programs per SM the K shares of a 4- or 8-bit decode aim for
 GROUP_M = 8  # the default row blocks per group of the aligned GEMMs' program order (TileConfig.group_m)
 PERSISTENT_PROGRAMS = 1  # programs per SM of a persistent GEMM launch (TileConfig.persistent)
+# ... of the weight-only 4-bit GEMM2's persistent launch, whose tiles are small enough for several
+# per SM. H200, mxfp4 fragments, GEMM2 alone, 16 x 128 x 128, 4 warps, 3 stages, at 1 / 2 / 4
+# programs per SM against one program per tile (results/2026-11-27_h200_0092668_w4_persistent_gemm2.txt):
+# DeepSeek-V3 (I = 256: four K steps a tile) M=16 121 / 73 / 57 us against 78 (69 on the best
+# tile), M=64 274 / 161 / 123 against 166 (146); Qwen3-30B and gpt-oss (I = 768, 2880) lost.
+W4_PERSISTENT_PROGRAMS = 4
 MAX_GROUP_M = 64
 
 
@@ -46,7 +52,8 @@ class TileConfig:
     # bf16 on an H100, M=1024, 64 x 128 x 64 tiles: GEMM1 1563 -> 1515 us, GEMM2 801 -> 774 us
     # (benchmarks/results/2026-11-25_h100_3589f2c_group_m_probe.txt)
     group_m: int = GROUP_M
-    # the aligned path's GEMMs, unquantized (GEMM1 with K unsplit): a persistent launch
+    # the aligned path's GEMMs, unquantized (GEMM1 with K unsplit), and its weight-only 4-bit GEMM2
+    # (W4_PERSISTENT_PROGRAMS per SM, above): a persistent launch
     # (PERSISTENT_PROGRAMS per SM, each striding over the real (row block, N tile) tiles in one
     # flattened loop, so the next tile's loads overlap this one's epilogue; kernels.moe_gemm1_kernel
     # / moe_gemm2_kernel). H200, GEMM2 alone at M=4096, 128 x 256 x 64, 8 warps
@@ -137,7 +144,8 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
     feeds the even and odd columns of a K step to two dots of BLOCK_K / 2 >= 16, and a K step
     covers whole groups or lies in one (BLOCK_K a multiple or a divisor of the group), so a split
     K share starts on a group. Shared memory counts weights at their stored width (1 byte, 1/2
-    for "w4") and activations at 1 byte for W8A8.
+    for "w4") and activations at 1 byte for W8A8. Persistent launches: the unquantized GEMMs and
+    the "w4" GEMM2 (GEMM2 tiles are checked with allow_split False).
     """
     if tile.split_k not in SPLIT_KS:
         return f"split_k={tile.split_k} must be one of {', '.join(map(str, SPLIT_KS))}"
@@ -154,9 +162,10 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
             return f"swap_ab={tile.swap_ab}: only the W8A8 GEMMs swap their operands (kernels.py SWAP_AB)"
     if not isinstance(tile.persistent, bool):
         return f"persistent={tile.persistent!r} must be true or false"
-    if tile.persistent and (quant is not None or tile.split_k > 1):
-        return ("persistent=True: only the aligned path's unquantized GEMMs run a persistent launch, K "
-                "unsplit (kernels.moe_gemm1_kernel / moe_gemm2_kernel PERSISTENT)")
+    if tile.persistent and (tile.split_k > 1 or quant is not None and (quant != "w4" or allow_split)):
+        return ("persistent=True: only the aligned path's unquantized GEMMs and its weight-only 4-bit "
+                "GEMM2 run a persistent launch, K unsplit (kernels.moe_gemm1_kernel / moe_gemm2_kernel "
+                "PERSISTENT)")
     if not isinstance(tile.one_dot, bool):
         return f"one_dot={tile.one_dot!r} must be true or false"
     if tile.one_dot and (quant is not None or operands != 2):

@@ -4,6 +4,7 @@ compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kern
     python benchmarks/kernel_report.py --presets mixtral-8x7b --tokens 1,4096 [--quant fp8_w8a8_block]
         [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3] [--json out.json]
     python benchmarks/kernel_report.py --diff old.json new.json     # e.g. two trees' reports
+    python benchmarks/kernel_report.py ... --loop     # + each GEMM's K loop: instructions per step, mix
 
 The plan (path, tiles) is the one the library would pick for the preset's problem on an sm90 GPU
 of 132 SMs with --device-name's packaged tuned table (default NVIDIA H200; 'none': the tile
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
                     help="plan with this GPU's packaged tuned table ('none': the heuristic alone)")
     ap.add_argument("--tiles", default=None, help="gemm1/gemm2 tiles, e.g. 128,64,128,8,3/128,64,128,8,3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--loop", action="store_true",
+                    help="also print each GEMM's longest loop (its K step): instructions and opcode mix")
     ap.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), default=None,
                     help="compare two --json reports of the same cells (e.g. two source trees) and exit")
     args = ap.parse_args(argv)
@@ -174,6 +177,10 @@ def main(argv=None) -> int:
         ops = " ".join(f"{k}={v}" for k, v in r["opcodes"].items() if v)
         print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:20} {r['regs']:>4} "
               f"{r['stack']:>5} {r['shared']:>7} {r['programs_per_sm']:>3} {r['instructions']:>6}  {ops}")
+        if args.loop:
+            loop = r["loop"]
+            mix = " ".join(f"{k}={v}" for k, v in list(loop["opcodes"].items())[:16])
+            print(f"{'':16} {'':>5} {'':7} {'  its longest loop (the K step)':47} {loop['instructions']:>27}  {mix}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "quant": args.quant, "dtype": args.dtype, "rows": rows}, f,

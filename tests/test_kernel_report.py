@@ -36,6 +36,9 @@ def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
         assert r["opcodes"]["HMMA"] + r["opcodes"]["HGMMA"] > 0, r  # tensor-core MMAs
         assert r["opcodes"]["PRMT"] + r["opcodes"]["LOP3"] > 0, r  # the 4-bit decode
         assert 1 <= r["programs_per_sm"] <= 32
+        # the K loop: a part of the kernel, holding its MMAs and the decode
+        assert 20 < r["loop"]["instructions"] < r["instructions"], r
+        assert r["loop"]["opcodes"].get("HGMMA", 0) + r["loop"]["opcodes"].get("HMMA", 0) > 0, r
     assert rows[0]["DIRECT"] is True and rows[0]["BLOCK_M"] == 16
     report = tmp_path / "report.json"  # --diff of a report with itself: every cell, unchanged
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--diff", str(report),
@@ -80,3 +83,23 @@ def test_row_stationary_gemm2_with_a_tail_tile_compiles(tmp_path, scheme):
     gemm2 = [r for r in rows if r["kernel"] == "moe_gemm2_rows_kernel"]
     assert len(gemm2) == 1 and gemm2[0]["BLOCK_I"] == 256, rows
     assert gemm2[0]["stack"] == 0, gemm2
+
+
+def test_loop_mix_finds_the_longest_backward_branch():
+    """kernel_report.loop_mix: the longest span from a backward branch's target to the branch,
+    its opcodes counted; a listing without one gives 0."""
+    from fusedmoe.backends.triton.kernel_report import loop_mix
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/                   LOP3.LUT R3, R2, 0xf, RZ, 0xc0, !PT ;
+        /*0030*/                   HGMMA.64x16x16.F32.BF16 R32, R4, gdesc[UR16], R32, gsb0 ;
+        /*0040*/               @!P0 BRA 0x10 ;
+        /*0050*/                   LOP3.LUT R5, R5, 0xf, RZ, 0xc0, !PT ;
+        /*0060*/                   @P1 BRA 0x50 ;
+        /*0070*/                   EXIT ;
+    """
+    assert loop_mix(sass) == {"instructions": 4, "opcodes": {"IADD3": 1, "LOP3": 1, "HGMMA": 1, "BRA": 1}}
+    assert loop_mix(sass.replace("BRA 0x10", "BRA 0x70").replace("BRA 0x50", "BRA 0x70")) == {
+        "instructions": 0, "opcodes": {}}

@@ -163,7 +163,26 @@ def usage(compiled) -> dict:
         "shared": int(fields.get("SHARED", 0)) + int(compiled.metadata.shared),
         "instructions": len(ops),
         "opcodes": {p: sum(n for op, n in counts.items() if op.startswith(p)) for p in OPCODES},
+        "loop": loop_mix(sass),
     }
+
+
+def loop_mix(sass: str) -> dict:
+    """{instructions, opcodes (all, by count)} of the longest loop in a SASS listing: the span from
+    a backward branch's target to the branch (a GEMM's K loop, whose body is the instructions issued
+    per K step; 0 and {} without one)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    index = {int(addr, 16): i for i, (addr, _, _) in enumerate(lines)}
+    spans = []
+    for i, (addr, op, rest) in enumerate(lines):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < int(addr, 16) and int(target.group(1), 16) in index:
+            spans.append((index[int(target.group(1), 16)], i))
+    if not spans:
+        return {"instructions": 0, "opcodes": {}}
+    start, end = max(spans, key=lambda s: s[1] - s[0])
+    body = Counter(op.split(".")[0] for _, op, _ in lines[start:end + 1])
+    return {"instructions": end - start + 1, "opcodes": dict(body.most_common())}
 
 
 def unavailable() -> str | None:

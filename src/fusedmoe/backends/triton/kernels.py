@@ -484,13 +484,16 @@ def _w4_global(gs, FMT: tl.constexpr):
 
 @triton.jit
 def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr,
+                  EVEN_K: tl.constexpr = False):
     """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's 4-bit weight in the
     fragment layout (FMT W4_*_FRAG; w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales,
     [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64); kdim = K), as a [BLOCK_N, BLOCK_K]
     DTYPE tile (nvfp4: value * s * 2^-8). Fragments past row block n16_end or past k_end read as
     0. PTX (bf16 on a GPU): W4_PTX_FRAG / W4_PTX_I4FRAG, and the tile comes out in the register
-    layout of the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops."""
+    layout of the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops.
+    EVEN_K: the step lies below k_end whole (the caller's K steps tile it), so only the row bound
+    masks the loads, a mask the K loop does not recompute."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
@@ -499,7 +502,9 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
     n16 = n16_0 + f % NB16
     k64 = k0 // 64 + f // NB16
-    ok = (n16 < n16_end) & (k64 * 64 < k_end)
+    ok = n16 < n16_end
+    if not EVEN_K:
+        ok = ok & (k64 * 64 < k_end)
     frag = n16.to(tl.int64) * (kdim // 64) + k64
     s_off = (n16.to(tl.int64) * (kdim // GF) + k64 // (GF // 64)) * NSC
     b = tl.load(w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0)
@@ -717,6 +722,9 @@ def _gemm1_tile(
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
         if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+            # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
+            # K step's SASS 277 -> 270 instructions but ran Qwen3-30B M=16 10% slower (H200,
+            # results/2026-11-27_h200_c421706_frag_even_k_ab.txt)
             k_ok = offs_k < k_end - k0
             xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
@@ -1050,11 +1058,15 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
         wq_cols = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(0, inter, BLOCK_K):
-        if FRAG:  # as in moe_gemm1_kernel
-            k_ok = offs_k < inter - k0
-            aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if FRAG:  # as in moe_gemm1_kernel, but whole K steps (EVEN_K) load unmasked along K: H200,
+            # GEMM2 alone, 0 to -4.5% (DeepSeek-V3 M=16 76.5 -> 73.3 us; c421706_frag_even_k_ab.txt)
+            if EVEN_K:  # noqa: SIM108 (constexpr branch)
+                a_mask = row_ok[:, None]
+            else:
+                a_mask = row_ok[:, None] & (offs_k < inter - k0)[None, :]
+            aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=a_mask, other=0.0)
             wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, pid_n * (BLOCK_N // 16), hidden // 16, k0, inter,
-                               inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE)
+                               inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
         elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0

@@ -392,3 +392,33 @@ def test_persistent_gemm2(scheme):
                                  activation=activation)
         assert rel_err(out, emulated) < TOL
         assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16:fragments", "nvfp4_w4a16:fragments", "int4_w4a16_g32:fragments"])
+def test_one_dot_fragment_gemm1(scheme):
+    """GEMM1 over fragment-layout weights with one_dot (gate and up rows one fragment tile, one
+    dot; TileConfig.one_dot) on the inline-PTX decode: within tolerance of the two-tile GEMM1
+    and of emulation at a Qwen3-235B-like shape (I = 384: 64-row halves over six N tiles, 128-row
+    halves with a tail), at decode and prefill sizes, and the same after CUDA-graph replay."""
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+    from fusedmoe.backends.triton.tiles import TileConfig
+
+    E, K, H, I, activation, bias = SHAPES["qwen3-235b-tp4-like"]
+    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=31, bias=True)
+    for tokens, block_n in ((16, 64), (300, 128)):
+        x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 80)
+
+        def run(one_dot, x=x, w=w, ids=ids, block_n=block_n):
+            tiles = (TileConfig(16, block_n, 128, 4, 3, one_dot=one_dot), TileConfig(16, 64, 64, 4, 4))
+            return triton_quant_experts(
+                x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
+                params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
+                w2_global_scale=params.w2_global_scale, tiles=tiles)
+
+        poison_allocator()
+        out = run(True)
+        assert rel_err(out, run(False)) < 1e-3
+        emulated = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="emulation",
+                                 activation=activation)
+        assert rel_err(out, emulated) < TOL
+        assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023

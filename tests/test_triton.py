@@ -1337,17 +1337,21 @@ def test_one_dot_gemm1_matches_two_dots(act, bias, on_input, split, direct):
 
 
 def test_one_dot_tile_predicate_and_table_round_trip():
-    """one_dot runs on the unquantized gated GEMM1 only, with at most 256 weight rows a step (the
-    predicate says so for GEMM2, ungated GEMM1 and the quantized GEMMs); a table writes it as
+    """one_dot runs on the unquantized and the weight-only 4-bit gated GEMM1 only, with at most 256
+    weight rows a step (the predicate says so for GEMM2, ungated GEMM1 and the other quantized
+    GEMMs); a table writes it as
     the 10th value, after swap_ab, group_m and persistent, and reads it back."""
     from fusedmoe.backends.triton.tiles import check_plan
     from fusedmoe.backends.triton.tuning import nearest, parse_table
 
     o = TileConfig(128, 128, 64, 8, 4, one_dot=True)
     assert check_tile(o, dtype=torch.bfloat16, operands=2, allow_split=True) is None
-    only = "only the unquantized gated GEMM1"
+    only = "only the unquantized and the weight-only 4-bit gated GEMM1"
     assert only in check_tile(o, dtype=torch.bfloat16)
     assert only in check_tile(o, dtype=torch.bfloat16, operands=2, quant="channel")
+    assert only in check_tile(o, dtype=torch.bfloat16, operands=2, quant="w8")
+    assert check_tile(replace(o, block_m=16), dtype=torch.bfloat16, operands=2, allow_split=True, quant="w4",
+                      group=32) is None
     assert only in check_plan(o, TileConfig(128, 128, 64, 8, 4), direct=False, dtype=torch.bfloat16, gated=False)
     assert "makes a 512-row weight tile" in check_tile(replace(o, block_n=256), dtype=torch.bfloat16, operands=2)
     assert "must be true or false" in check_tile(replace(o, one_dot=1), dtype=torch.bfloat16, operands=2)
@@ -1355,7 +1359,7 @@ def test_one_dot_tile_predicate_and_table_round_trip():
     entry = _entry(4096, g1=tuple(o.as_list()), g2=(128, 64, 64, 8, 3))
     t1, _ = nearest(parse_table(_table([entry]), "t.json"), ("bfloat16", 128, 2048, 768, 8, True, None), 4096)
     assert t1 == o
-    with pytest.raises(ValueError, match="gemm2 .*only the unquantized gated GEMM1"):
+    with pytest.raises(ValueError, match="gemm2 .*only the unquantized and the weight-only 4-bit gated GEMM1"):
         parse_table(_table([_entry(4096, g1=(128, 64, 64, 8, 3), g2=(128, 64, 64, 8, 3, 1, None, 8, False, True))]),
                     "t")
     with pytest.raises(ValueError, match="malformed.*one_dot=1 is not true/false"):

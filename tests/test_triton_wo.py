@@ -309,6 +309,28 @@ def test_persistent_w4_gemm2_matches_the_tile_per_program_launch(monkeypatch, sc
     assert rel_err(outs[True], want) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g32:checkpoint"])
+def test_one_dot_fragment_gemm1(scheme):
+    """GEMM1 over fragment-layout weights with one_dot: the gate and up rows as one fragment tile
+    and one dot (kernels._w4_frag_tile TWO_HALVES), against the two-tile GEMM1 and emulation; a
+    tail N tile (I = 192 under 128-row halves: the gate half's last row blocks and the up half's
+    masked) and a K tail (H = 192, BLOCK_K 128). In the checkpoint layout (int4 by default) the
+    tile runs as two (`experts._fitted`): the same output."""
+    from fusedmoe import knobs
+
+    name = scheme.removesuffix(":checkpoint")
+    config, x, w, weights, ids, _ = problem(Case("w4-one-dot", T=9, E=4, H=192, I=192, bias=True), name,
+                                            torch.float32)
+    with knobs.override(TRITON_W4_FRAGMENTS=False if scheme.endswith(":checkpoint") else "all"):
+        laid = TritonExperts(config).process_weights(w)
+    g2 = (16, 64, 64, 4, 1)
+    outs = [run(config, x, laid, weights, ids, None, tiles=((16, 128, 128, 4, 1, 1, None, 8, False, od), g2),
+                out=torch.full_like(x, float("nan"))) for od in (False, True)]
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert rel_err(outs[1], want) < TOL[torch.float32]
+
+
 def test_fragment_layout_edge_cases():
     """The fragment path at the edges: no tokens, E not a power of two with top_k = E, top_k = 1,
     every token on one expert (the others empty), against emulation on the checkpoint layout."""

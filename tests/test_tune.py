@@ -389,7 +389,7 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     """The weight-only 4-bit GEMM2's descent also starts from tune.W4_PERSISTENT_START (one move
     from the heuristic's tiles it is slower, so a descent from them alone would not reach it):
     where the model makes that tile fastest, the entry's GEMM2 is persistent; GEMM1 and the
-    direct path never time a persistent tile."""
+    direct path never time a persistent tile, and no GEMM a one-dot one."""
     from fusedmoe.tune import W4_PERSISTENT_START, tune_shape
 
     flat = lambda us: lambda tile: us  # noqa: E731
@@ -404,6 +404,7 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     assert entry["gemm2"][0] == entry["gemm1"][0]
     assert W4_PERSISTENT_START.persistent and any(start(tile) for kind, tile in seen if kind == "gemm2")
     assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
+    assert not any(tile.one_dot for _, tile in seen)  # the 4-bit one-dot GEMM1 waits for a GPU run
 
 
 def test_descent_from_a_start_that_does_not_compile():

@@ -288,6 +288,10 @@ def tune_shape(
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
                 starts1.append(TileConfig(block_m, 128, 64, 8, 4, persistent=True, one_dot=True))
+            # one_dot: unquantized; the 4-bit fragment GEMM1's one-dot form is compiled and checked
+            # in the interpreter only, so the tuner leaves it out until a GPU has run
+            # tests/test_gpu_wo.py's one_dot test and timed it (docs/perf-notes.md)
+            one_dot = mode is None
             if mode == "w4":  # and the weight-only 4-bit GEMM2's persistent start (W4_PERSISTENT_START)
                 starts2.append(dataclasses.replace(W4_PERSISTENT_START, block_m=block_m))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
@@ -303,7 +307,7 @@ def tune_shape(
                 starts1 += [t for t in [_grid_best(time1, block_m, ok1, scheme, device)] if t is not None]
                 starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
             b1, u1 = min((_descend(time1, t, ok1, allow_split=True, allow_swap=swap, allow_group=True,
-                                   allow_persistent=True, allow_one_dot=True) for t in starts1),
+                                   allow_persistent=True, allow_one_dot=one_dot) for t in starts1),
                          key=lambda r: r[1])
             b2, u2 = min((_descend(time2, t, ok2, allow_swap=swap, allow_group=True, allow_persistent=True)
                           for t in starts2),

@@ -883,9 +883,13 @@ def prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_gl
 
 def _fitted(tile: TileConfig, quant_args: dict | None) -> TileConfig:
     """The tile a launch runs: `tiles.fragment_tile` of it over fragment-layout 4-bit weights
-    (weight_only._kernel_args sets W4_FMT to a fragment format), else the tile as chosen."""
+    (weight_only._kernel_args sets W4_FMT to a fragment format); over 4-bit weights in the
+    checkpoint layout one_dot off (its GEMM1 has no one-dot form; a table entry is keyed by
+    scheme, not layout); else the tile as chosen."""
     if quant_args and quant_args.get("W4_FMT", 0) >= W4_MXFP4_FRAG:
         return fragment_tile(tile)
+    if quant_args and "W4_FMT" in quant_args and tile.one_dot:
+        return dataclasses.replace(tile, one_dot=False)
     return tile
 
 

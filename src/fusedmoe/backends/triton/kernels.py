@@ -485,7 +485,7 @@ def _w4_global(gs, FMT: tl.constexpr):
 @triton.jit
 def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr,
-                  EVEN_K: tl.constexpr = False):
+                  EVEN_K: tl.constexpr = False, up_off=0, TWO_HALVES: tl.constexpr = False):
     """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's 4-bit weight in the
     fragment layout (FMT W4_*_FRAG; w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales,
     [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64); kdim = K), as a [BLOCK_N, BLOCK_K]
@@ -493,16 +493,23 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
     0. PTX (bf16 on a GPU): W4_PTX_FRAG / W4_PTX_I4FRAG, and the tile comes out in the register
     layout of the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops.
     EVEN_K: the step lies below k_end whole (the caller's K steps tile it), so only the row bound
-    masks the loads, a mask the K loop does not recompute."""
+    masks the loads, a mask the K loop does not recompute. TWO_HALVES: the tile's first BLOCK_N / 2
+    rows are row blocks n16_0.. and its last BLOCK_N / 2 the same blocks plus up_off (GEMM1's gate
+    and up rows, one tile), each half bounded by n16_end."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
     JG: tl.constexpr = GF // GROUP  # groups per chunk
     NSC: tl.constexpr = 16 * JG  # scales per chunk: (g, rh, jg)
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
-    n16 = n16_0 + f % NB16
+    if TWO_HALVES:
+        n16 = n16_0 + f % (NB16 // 2)
+        ok = n16 < n16_end
+        n16 = n16 + tl.where(f % NB16 < NB16 // 2, 0, up_off)
+    else:
+        n16 = n16_0 + f % NB16
+        ok = n16 < n16_end
     k64 = k0 // 64 + f // NB16
-    ok = n16 < n16_end
     if not EVEN_K:
         ok = ok & (k64 * 64 < k_end)
     frag = n16.to(tl.int64) * (kdim // 64) + k64
@@ -698,7 +705,11 @@ def _gemm1_tile(
         w_base = w13_ptr + expert * stride_we
         wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None] * stride_wh
         wu_ptrs = wg_ptrs + inter * stride_wn
-    if ONE_DOT:
+    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT >= W4_MXFP4_FRAG  # fragment-layout 4-bit weights
+    if ONE_DOT and FRAG:
+        tl.static_assert(GATED, "ONE_DOT: a gated GEMM1")
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapped: weight rows first
+    elif ONE_DOT:
         tl.static_assert(GATED and QUANT == Q_NONE, "ONE_DOT: the unquantized gated GEMM1")
         j = tl.arange(0, 2 * BLOCK_N) % BLOCK_N
         n_ok2 = pid_n * BLOCK_N + j < inter  # both halves' rows inside I
@@ -711,7 +722,6 @@ def _gemm1_tile(
     if FUSE_XQ:  # the slot's token row and its scale
         x_tok_ptr = x_ptr + (pid_m // top_k).to(tl.int64) * stride_xt
         xq_w, xs_tok = _xq_scale(x_tok_ptr, topk_w_ptr + pid_m, hidden, stride_xh, ACC_INT, XQ_ROW_W, XQ_WIDTH)
-    FRAG: tl.constexpr = QUANT == Q_W4 and W4_FMT >= W4_MXFP4_FRAG  # fragment-layout 4-bit weights
     SWAPPED: tl.constexpr = SWAP_AB or FRAG
     acc_g = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
     acc_u = _acc_zeros(BLOCK_M, BLOCK_N, ACC_INT, SWAPPED)
@@ -721,7 +731,14 @@ def _gemm1_tile(
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
-        if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+        if FRAG and ONE_DOT:  # gate and up rows as one fragment tile, one dot
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
+                               W4_FMT, W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE,
+                               False, inter // 16, True)
+            acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
+        elif FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
             # K step's SASS 277 -> 270 instructions but ran Qwen3-30B M=16 10% slower (H200,
             # results/2026-11-27_h200_c421706_frag_even_k_ab.txt)
@@ -809,7 +826,9 @@ def _gemm1_tile(
                 wg_ptrs += BLOCK_K * stride_wh
                 wu_ptrs += BLOCK_K * stride_wh
     _pdl_release(PDL)  # the K loop is done: the next kernel may launch
-    if ONE_DOT:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 * BLOCK_N) up
+    if ONE_DOT and FRAG:  # rows [0, BLOCK_N) are gate, [BLOCK_N, 2 * BLOCK_N) up (swapped)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    elif ONE_DOT:  # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 * BLOCK_N) up
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     if SWAPPED:
         acc_g = tl.trans(acc_g)

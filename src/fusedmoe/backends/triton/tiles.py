@@ -70,7 +70,11 @@ class TileConfig:
     # GEMM1, unquantized and gated: gate and up in one [2 * block_n]-wide dot per K step
     # (kernels.moe_gemm1_kernel ONE_DOT): one wgmma of twice the width instead of two. H200,
     # GEMM1 alone, 128 x 2*128 x 64, 8 warps: gpt-oss-120b M=4096 1624-1659 -> 1475 us
-    # (results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt)
+    # (results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt). Weight-only 4-bit in the fragment
+    # layout: gate and up rows as one fragment tile (one load, one decode call, one dot); its K
+    # step 6-11% fewer SASS instructions (benchmarks/kernel_report.py --loop), not timed on a GPU
+    # yet, so neither the tuner nor a table or rule picks it; the checkpoint layout runs it as two
+    # (`experts._fitted`).
     one_dot: bool = False
 
     def as_kwargs(self) -> dict:
@@ -168,9 +172,9 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
                 "PERSISTENT)")
     if not isinstance(tile.one_dot, bool):
         return f"one_dot={tile.one_dot!r} must be true or false"
-    if tile.one_dot and (quant is not None or operands != 2):
-        return ("one_dot=True: only the unquantized gated GEMM1 runs gate and up as one dot "
-                "(kernels.moe_gemm1_kernel ONE_DOT)")
+    if tile.one_dot and (quant not in (None, "w4") or operands != 2):
+        return ("one_dot=True: only the unquantized and the weight-only 4-bit gated GEMM1 run gate and up "
+                "as one dot (kernels.moe_gemm1_kernel ONE_DOT)")
     if tile.one_dot and 2 * tile.block_n > 256:
         return f"one_dot=True: block_n={tile.block_n} makes a {2 * tile.block_n}-row weight tile (at most 256)"
     if not _pow2(tile.group_m) or tile.group_m > MAX_GROUP_M:

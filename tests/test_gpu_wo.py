@@ -398,14 +398,14 @@ def test_persistent_gemm2(scheme):
 def test_one_dot_fragment_gemm1(scheme):
     """GEMM1 over fragment-layout weights with one_dot (gate and up rows one fragment tile, one
     dot; TileConfig.one_dot) on the inline-PTX decode: within tolerance of the two-tile GEMM1
-    and of emulation at a Qwen3-235B-like shape (I = 384: 64-row halves over six N tiles, 128-row
-    halves with a tail), at decode and prefill sizes, and the same after CUDA-graph replay."""
+    and of emulation at a Qwen3-235B-like shape (I = 384: 32- and 64-row halves, 128-row halves with
+    a tail), at decode and prefill sizes, and the same after CUDA-graph replay."""
     from fusedmoe.backends.triton.quant import triton_quant_experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     E, K, H, I, activation, bias = SHAPES["qwen3-235b-tp4-like"]
     q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=31, bias=True)
-    for tokens, block_n in ((16, 64), (300, 128)):
+    for tokens, block_n in ((16, 32), (16, 64), (300, 128)):
         x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 80)
 
         def run(one_dot, x=x, w=w, ids=ids, block_n=block_n):

@@ -314,7 +314,7 @@ def test_one_dot_fragment_gemm1(scheme):
     """GEMM1 over fragment-layout weights with one_dot: the gate and up rows as one fragment tile
     and one dot (kernels._w4_frag_tile TWO_HALVES), against the two-tile GEMM1 and emulation; a
     tail N tile (I = 192 under 128-row halves: the gate half's last row blocks and the up half's
-    masked) and a K tail (H = 192, BLOCK_K 128). In the checkpoint layout (int4 by default) the
+    masked), 32-row halves, and a K tail (H = 192, BLOCK_K 128). In the checkpoint layout (int4 by default) the
     tile runs as two (`experts._fitted`): the same output."""
     from fusedmoe import knobs
 
@@ -324,11 +324,12 @@ def test_one_dot_fragment_gemm1(scheme):
     with knobs.override(TRITON_W4_FRAGMENTS=False if scheme.endswith(":checkpoint") else "all"):
         laid = TritonExperts(config).process_weights(w)
     g2 = (16, 64, 64, 4, 1)
-    outs = [run(config, x, laid, weights, ids, None, tiles=((16, 128, 128, 4, 1, 1, None, 8, False, od), g2),
-                out=torch.full_like(x, float("nan"))) for od in (False, True)]
-    assert rel_err(outs[1], outs[0]) < 1e-6
     want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
-    assert rel_err(outs[1], want) < TOL[torch.float32]
+    for block_n in (128, 32):  # 32: halves of two row blocks (fragment_tile keeps them under one_dot)
+        outs = [run(config, x, laid, weights, ids, None, tiles=((16, block_n, 128, 4, 1, 1, None, 8, False, od), g2),
+                    out=torch.full_like(x, float("nan"))) for od in (False, True)]
+        assert rel_err(outs[1], outs[0]) < 1e-6, block_n
+        assert rel_err(outs[1], want) < TOL[torch.float32], block_n
 
 
 def test_fragment_layout_edge_cases():
@@ -369,6 +370,9 @@ def test_fragment_tile_widens_narrow_tiles():
     from fusedmoe.backends.triton.tiles import fragment_tile
 
     assert fragment_tile(TileConfig(16, 32, 32, 4, 3, 2)) == TileConfig(16, 64, 64, 4, 3, 2)
+    # one_dot: gate and up halves of one tile, 32 rows each at least
+    assert fragment_tile(TileConfig(16, 16, 64, 4, 3, one_dot=True)) == TileConfig(16, 32, 64, 4, 3, one_dot=True)
+    assert fragment_tile(TileConfig(16, 32, 64, 4, 3, one_dot=True)).block_n == 32
     wide = TileConfig(64, 128, 128, 4, 3)
     assert fragment_tile(wide) is wide
     # `fusedmoe explain --tokens` says so for mxfp4, and names the tiles that run when they widen

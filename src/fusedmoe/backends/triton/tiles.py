@@ -126,11 +126,13 @@ FRAGMENT_MIN_TILE = 64
 def fragment_tile(tile: TileConfig) -> TileConfig:
     """The tile a GEMM over fragment-layout 4-bit weights runs for `tile`: BLOCK_N and BLOCK_K
     raised to FRAGMENT_MIN_TILE (whole fragments per tile, four warps' worth of 16-row A operand
-    rows), the rest as given. The tables and the heuristic's "w4" tiles are chosen for the
-    checkpoint layout; most already are this wide (64 x 128 at decode, 128 x 128 past 16 rows)."""
-    if tile.block_n >= FRAGMENT_MIN_TILE and tile.block_k >= FRAGMENT_MIN_TILE:
+    rows; with one_dot the gate and up halves are one tile, so each half needs half of it), the
+    rest as given. The tables and the heuristic's "w4" tiles are chosen for the checkpoint layout;
+    most already are this wide (64 x 128 at decode, 128 x 128 past 16 rows)."""
+    min_n = FRAGMENT_MIN_TILE // 2 if tile.one_dot else FRAGMENT_MIN_TILE
+    if tile.block_n >= min_n and tile.block_k >= FRAGMENT_MIN_TILE:
         return tile
-    return replace(tile, block_n=max(tile.block_n, FRAGMENT_MIN_TILE), block_k=max(tile.block_k, FRAGMENT_MIN_TILE))
+    return replace(tile, block_n=max(tile.block_n, min_n), block_k=max(tile.block_k, FRAGMENT_MIN_TILE))
 
 
 def _pow2(n: int) -> bool:

@@ -420,3 +420,25 @@ def test_descent_from_a_start_that_does_not_compile():
     start = TileConfig(128, 256, 64, 8, 3, persistent=True)
     assert _descend(_once(time_tile), start, lambda t: None) == (start, float("inf"))
     assert _descend(_once(time_tile), TileConfig(128, 128, 64, 8, 3), lambda t: None)[1] == 10.0
+
+
+def test_bench_gemm_tiles_smoke():
+    """benchmarks/bench_gemm_tiles.py on the CPU (the interpreter, shapes / 32): it launches each
+    tile, checks a persistent GEMM2 bitwise against the per-tile launch and a one_dot GEMM1
+    against the first tile, and prints a row per tile (its times mean nothing here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_gemm_tiles.py"), "--device", "cpu", "--scale", "32",
+         "--quant", "int4_w4a16_g32", "--cells", "qwen3-30b-a3b:2", "--gemm1", "16x64x64x4x1,16x32x64x4x1:one_dot",
+         "--gemm2", "16x64x64x4x1,16x64x64x4x1:persistent", "--programs", "2", "--rounds", "1"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3-30b-a3b")]
+    assert len(rows) == 4, proc.stdout
+    assert "gemm2 16x64x64x4x1:persistent P=2" in rows[3] and rows[3].endswith("maxdiff 0.0e+00"), rows
+    assert rows[1].endswith("rel err 0.0e+00"), rows  # the checkpoint layout runs one_dot as two tiles

@@ -84,6 +84,18 @@ def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     return out
 
 
+def run_triton(x, w, ids, weights, E, activation, **kw):
+    """The triton experts on weights = make_weights(...)'s tuple, no expert_map; kw: the plan
+    (`direct`, `tiles`)."""
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+
+    q13, q2, params, b13, b2 = weights
+    return triton_quant_experts(
+        x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
+        params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
+        w2_global_scale=params.w2_global_scale, **kw)
+
+
 def test_fp8_ptx_decode_is_exact_on_every_code():
     """kernels._w8_codes with PTX: each of the 254 finite e4m3 codes (normals, subnormals, +-0)
     gives torch's own bf16 conversion bit for bit."""
@@ -342,18 +354,13 @@ def test_fragments_in_fp16_and_fp32(dtype, scheme):
 def test_direct_decode(scheme):
     """The direct decode path (GEMM1 by slot, GEMM2 with the top-k sum; the bf16 inline-PTX
     decode in both) against emulation at decode sizes, and CUDA-graph replay."""
-    from fusedmoe.backends.triton.quant import triton_quant_experts
-
     E, K, H, I, activation, bias = SHAPES["mixtral-like" if scheme.startswith("int4_w4a16_g128") else "gpt-oss-like"]
-    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=3, bias=bias)
+    weights = q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=3, bias=bias)
     for tokens in (1, 4):
         x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 40)
 
         def run(direct, x=x, w=w, ids=ids):
-            return triton_quant_experts(
-                x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
-                params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
-                w2_global_scale=params.w2_global_scale, direct=direct)
+            return run_triton(x, w, ids, weights, E, activation, direct=direct)
 
         poison_allocator()
         out = run(True)
@@ -370,20 +377,16 @@ def test_persistent_gemm2(scheme):
     tiles.W4_PERSISTENT_PROGRAMS programs per SM striding over the real tiles) at DeepSeek-V3's
     I = 256: bitwise the tile-per-program launch's output, within tolerance of emulation, and
     the same after CUDA-graph replay."""
-    from fusedmoe.backends.triton.quant import triton_quant_experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     E, K, H, I, activation, bias = SHAPES["deepseek-v3-tp8-like"]
-    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=21, bias=True)
+    weights = q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=21, bias=True)
     for tokens in (16, 300):
         x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 60)
 
         def run(persistent, x=x, w=w, ids=ids):
             tiles = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 4, 3, persistent=persistent))
-            return triton_quant_experts(
-                x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
-                params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
-                w2_global_scale=params.w2_global_scale, tiles=tiles)
+            return run_triton(x, w, ids, weights, E, activation, tiles=tiles)
 
         poison_allocator()
         out = run(True)
@@ -400,20 +403,16 @@ def test_one_dot_fragment_gemm1(scheme):
     dot; TileConfig.one_dot) on the inline-PTX decode: within tolerance of the two-tile GEMM1
     and of emulation at a Qwen3-235B-like shape (I = 384: 32- and 64-row halves, 128-row halves with
     a tail), at decode and prefill sizes, and the same after CUDA-graph replay."""
-    from fusedmoe.backends.triton.quant import triton_quant_experts
     from fusedmoe.backends.triton.tiles import TileConfig
 
     E, K, H, I, activation, bias = SHAPES["qwen3-235b-tp4-like"]
-    q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=31, bias=True)
+    weights = q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=31, bias=True)
     for tokens, block_n in ((16, 32), (16, 64), (300, 128)):
         x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 80)
 
         def run(one_dot, x=x, w=w, ids=ids, block_n=block_n):
             tiles = (TileConfig(16, block_n, 128, 4, 3, one_dot=one_dot), TileConfig(16, 64, 64, 4, 4))
-            return triton_quant_experts(
-                x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
-                params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
-                w2_global_scale=params.w2_global_scale, tiles=tiles)
+            return run_triton(x, w, ids, weights, E, activation, tiles=tiles)
 
         poison_allocator()
         out = run(True)

@@ -332,6 +332,44 @@ def test_one_dot_fragment_gemm1(scheme):
         assert rel_err(outs[1], want) < TOL[torch.float32], block_n
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_4bit_plans_match_emulation(monkeypatch, seed):
+    """A random valid plan over the 4-bit GEMMs' tile options (split-K, one_dot, 32-row one-dot
+    halves, a persistent GEMM2 striding over few programs, K and N tails, an expert_map) on a
+    random small problem, fragment or checkpoint layout, against emulation."""
+    import random
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton.tiles import check_plan, tile_mode
+    from fusedmoe.quant.scheme import get_scheme
+
+    rng = random.Random(seed)
+    scheme, layout = rng.choice([("mxfp4_w4a16", True), ("nvfp4_w4a16", True), ("int4_w4a16_g32", "all"),
+                                 ("int4_w4a16_g32", None), ("nvfp4_w4a16", False)])
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: rng.randint(1, 3))
+    monkeypatch.setattr(experts_mod, "W4_PERSISTENT_PROGRAMS", 1)
+    E = rng.choice([3, 5, 6])
+    case = Case(f"w4-plan-{seed}", T=rng.randint(1, 12), E=E, K=rng.randint(1, min(3, E)), H=rng.choice([128, 192]),
+                I=rng.choice([64, 128, 192]), bias=rng.random() < 0.5, expert_map=rng.random() < 0.3,
+                activation=rng.choice(["silu", "swigluoai"]))
+    mode, group = tile_mode(get_scheme(scheme))
+    while True:  # a plan the predicate accepts (one block_m for both GEMMs)
+        block_m = rng.choice([16, 32])
+        t1 = TileConfig(block_m, rng.choice([32, 64, 128]), rng.choice([64, 128]), 4, 1, rng.choice([1, 2]),
+                        one_dot=rng.random() < 0.5)
+        t2 = TileConfig(block_m, rng.choice([64, 128]), rng.choice([64, 128]), 4, 1, persistent=rng.random() < 0.5)
+        if check_plan(t1, t2, direct=False, dtype=torch.float32, gated=True, quant=mode, group=group) is None:
+            break
+    config, x, w, weights, ids, emap = problem(case, scheme, torch.float32)
+    with knobs.override(TRITON_W4_FRAGMENTS=layout):
+        laid = TritonExperts(config).process_weights(w)
+    out = run(config, x, laid, weights, ids, emap, tiles=(dataclasses.astuple(t1), dataclasses.astuple(t2)),
+              out=torch.full_like(x, float("nan")))
+    want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=emap)
+    assert rel_err(out, want) < TOL[torch.float32], (case, t1, t2, layout)
+
+
 def test_fragment_layout_edge_cases():
     """The fragment path at the edges: no tokens, E not a power of two with top_k = E, top_k = 1,
     every token on one expert (the others empty), against emulation on the checkpoint layout."""

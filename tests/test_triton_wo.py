@@ -435,6 +435,17 @@ def test_fragment_tile_widens_narrow_tiles():
             "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")
     assert "e8m0" not in describe_plan(problem, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"]
     assert "w4_layout" not in describe_plan(problem, get_scheme("int8_w8a16"), torch.device("cpu"))
+    # the explain lines: the 4-bit layout named as such, a persistent GEMM2 and a one-dot GEMM1 spelled out
+    from fusedmoe.cli import format_plans
+
+    plan = describe_plan(GemmProblem(64, 8, 128, 64, 4, True, torch.bfloat16), get_scheme("nvfp4_w4a16"),
+                         torch.device("cpu"))
+    plan["gemm1"]["tile"] = dataclasses.replace(plan["gemm1"]["tile"], one_dot=True)
+    plan["gemm2"]["tile"] = dataclasses.replace(plan["gemm2"]["tile"], persistent=True)
+    shown = {k: ({**v, "tile": v["tile"].as_list()} if isinstance(v, dict) else v) for k, v in plan.items()}
+    text = format_plans([dict(tokens=16, device="cpu", **shown)])
+    assert "4-bit weights: fragments" in text and "mxfp4 weights" not in text
+    assert "gate and up in one dot" in text.split("; gemm2 ")[0] and "persistent: programs stride" in text
 
 
 def test_fp8_nan_codes_are_refused_at_load():

@@ -282,8 +282,8 @@ def format_plans(plans: list[dict] | dict) -> str:
         return "triton plan: " + plans["none"]
     device = plans[0]["device"]
     where = device if device != "cpu" else "cpu (no GPU here: the tile rules assume 132 SMs, no tuned table, no TMA)"
-    lines = [f"triton plan on {where} (tile = block_m, block_n, block_k, warps, stages, split_k; a direct "
-             "gemm2's split_k is its slot shares per token):"]
+    lines = [f"triton plan on {where} (tile = block_m, block_n, block_k, warps, stages, split_k, then where set "
+             "swap_ab, group_m, persistent, one_dot; a direct gemm2's split_k is its slot shares per token):"]
     for p in plans:
         gemms = []
         for name in ("gemm1", "gemm2"):
@@ -291,13 +291,16 @@ def format_plans(plans: list[dict] | dict) -> str:
             tma = f", TMA {g['tma']}" if g["tma"] else ""
             swap = ", swapped: w^T @ a^T, one stage fewer" if g.get("swap_ab") else ""
             rows = f", {g['rows']}" if g.get("rows") else ""
-            gemms.append(f"{name} {g['tile']} ({g['source']}{tma}{swap}{rows})")
+            tile = g["tile"]
+            persistent = ", persistent: programs stride over the tiles" if len(tile) > 8 and tile[8] else ""
+            one_dot = ", gate and up in one dot" if len(tile) > 9 and tile[9] else ""
+            gemms.append(f"{name} {tile} ({g['source']}{tma}{swap}{rows}{persistent}{one_dot})")
         lines.append(f"  M={p['tokens']:<6d} {p['path']}: {p['launches']}; {'; '.join(gemms)}")
         lines.append(f"           why: {p['why']}")
         if p.get("fp8_accumulate"):
             lines.append(f"           fp8 accumulator: {p['fp8_accumulate']}")
         if p.get("w4_layout"):
-            lines.append(f"           mxfp4 weights: {p['w4_layout']}")
+            lines.append(f"           4-bit weights: {p['w4_layout']}")
     return "\n".join(lines)
 
 

@@ -216,6 +216,10 @@ def main() -> None:
     parser.add_argument("--quant", help="mxfp4_w4a16: both sides on the same mxfp4 weights (see above)")
     parser.add_argument("--tk-warps", type=int, default=8, choices=(4, 8),
                         help="warps of matmul_ogs's Hopper mxfp4 scale layout (and so of its kernels)")
+    parser.add_argument("--profile-runs", type=int, default=0,
+                        help="instead of timing: N eager runs of each side per cell (fusedmoe's call, then "
+                             "matmul_ogs's two GEMMs) in NVTX ranges, for ncu; e.g. ncu --kernel-name "
+                             "regex:'moe_gemm|_matmul_ogs' ... --profile-runs 3 --copies 1")
     args = parser.parse_args()
     from fusedmoe.presets import get_preset
 
@@ -244,6 +248,16 @@ def main() -> None:
             row = dict(preset=name, tokens=tokens, w_layout=args.w_layout, tk_persistent_allowed=not args.no_persistent,
                        quant=args.quant or "bf16")
             row.update(cell.check())
+            if args.profile_runs:  # for a profiler (ncu --kernel-name ...): eager calls, no timing
+                for _ in range(args.profile_runs):
+                    for side, call in (("fusedmoe", cell.fusedmoe_calls()[0]), ("tk_gemms", cell.tk_gemm_calls()[0])):
+                        torch.cuda.nvtx.range_push(side)
+                        call()
+                        torch.cuda.nvtx.range_pop()
+                torch.cuda.synchronize()
+                print(f"{name} M={tokens}: {args.profile_runs} eager runs of each side, "
+                      f"rel err {row['fusedmoe_rel_err']:.1e} / {row['tk_rel_err']:.1e}", flush=True)
+                continue
             row["fusedmoe_us"] = time_rotated(cell.fusedmoe_calls()) * 1e6
             for side, calls in (("tk_gemms", cell.tk_gemm_calls), ("tk_call", cell.tk_full_calls)):
                 try:

@@ -231,6 +231,10 @@ def tune_shape(
 
     scheme = get_scheme(quant)
     mode, group = tile_mode(scheme)
+    # one_dot: unquantized; the 4-bit fragment GEMM1's one-dot form is compiled and checked in the
+    # interpreter only, so the tuner leaves it out until a GPU has run tests/test_gpu_wo.py's
+    # one_dot test and timed it (docs/perf-notes.md)
+    one_dot = mode is None
     device = device or torch.device("cuda")
     timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
@@ -288,10 +292,6 @@ def tune_shape(
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
                 starts1.append(TileConfig(block_m, 128, 64, 8, 4, persistent=True, one_dot=True))
-            # one_dot: unquantized; the 4-bit fragment GEMM1's one-dot form is compiled and checked
-            # in the interpreter only, so the tuner leaves it out until a GPU has run
-            # tests/test_gpu_wo.py's one_dot test and timed it (docs/perf-notes.md)
-            one_dot = mode is None
             if mode == "w4":  # and the weight-only 4-bit GEMM2's persistent start (W4_PERSISTENT_START)
                 starts2.append(dataclasses.replace(W4_PERSISTENT_START, block_m=block_m))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))

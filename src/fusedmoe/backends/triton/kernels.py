@@ -731,26 +731,26 @@ def _gemm1_tile(
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
     for k0 in range(k_start, k_end, BLOCK_K):
-        if FRAG and ONE_DOT:  # gate and up rows as one fragment tile, one dot
-            k_ok = offs_k < k_end - k0
-            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
-                               W4_FMT, W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE,
-                               False, inter // 16, True)
-            acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
-        elif FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+        if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
             # K step's SASS 277 -> 270 instructions but ran Qwen3-30B M=16 10% slower (H200,
             # results/2026-11-27_h200_c421706_frag_even_k_ab.txt)
             k_ok = offs_k < k_end - k0
             xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
-                               W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-            acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
-            if GATED:  # the up rows start at fragment row I / 16
-                wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, k_end,
-                                   hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
+            if ONE_DOT:  # gate and up rows as one fragment tile, one dot
+                wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
+                                   W4_FMT, W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE,
+                                   False, inter // 16, True)
+                acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
+            else:
+                wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
+                                   W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
+                if GATED:  # the up rows start at fragment row I / 16
+                    wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0,
+                                       k_end, hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+                                       PTX_DECODE)
+                    acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
         elif QUANT == Q_W4:
             # x read contiguously and split into its even / odd columns in registers (two
             # stride-2 loads cost more than the whole decode: H200, benchmarks/bench_w4_decode.py)

@@ -2,11 +2,12 @@
 
     python benchmarks/bench_gemm_tiles.py --quant mxfp4_w4a16 --cells qwen3-30b-a3b:16,deepseek-v3:64 \
         --gemm1 16x64x64x4x4,16x64x64x4x4:one_dot --gemm2 16x64x64x4x4,16x128x128x4x3:persistent \
-        [--programs 1,2,4] [--rounds 2] [--json out.json]
+        [--programs 1,2,4] [--rounds 2] [--direct] [--json out.json]
 
 Each GEMM is timed as `fusedmoe tune` times it (`tune._gemms`: the launch of one GEMM on weight copy
 i of 4 rotated copies, quantized and laid out as the layer's process_weights leaves them; a
-CUDA-graph replay, the median of 30), on uniform routing. A tile is
+CUDA-graph replay, the median of 30), on uniform routing; --direct times the decode path's GEMMs
+(`tune._direct_gemms`: GEMM1 by slot, GEMM2 by token with the top-k sum) instead. A tile is
 BLOCK_M x BLOCK_N x BLOCK_K x warps x stages[x split_k], then any of ':persistent', ':one_dot'
 (`TileConfig` fields). Persistent tiles run at each --programs value (programs per SM: the
 launch's `PERSISTENT_PROGRAMS` / `W4_PERSISTENT_PROGRAMS`). The tiles of a GEMM alternate within
@@ -33,7 +34,7 @@ from fusedmoe.backends.triton.tiles import TileConfig
 from fusedmoe.bench import preset_shapes, quant_bytes
 from fusedmoe.quant.scheme import get_scheme
 from fusedmoe.routing import select_experts
-from fusedmoe.tune import _gemms, _median_us, _weight_copy
+from fusedmoe.tune import _direct_gemms, _gemms, _median_us, _weight_copy
 
 FLAGS = ("persistent", "one_dot")
 
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--gemm2", default="", help="GEMM2 tiles, comma separated")
     ap.add_argument("--programs", default="1,2,4", help="programs per SM of the persistent tiles")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--direct", action="store_true", help="the direct (decode) path's GEMMs, block_m 16")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a smoke run under TRITON_INTERPRET=1 (one eager call a copy, with --scale)")
@@ -93,13 +95,17 @@ def main() -> None:
         x = torch.randn(tokens, H, device=device, generator=gen).to(dtype)
         topk_w, ids = select_experts(x, torch.randn(tokens, E, device=device, generator=gen), K)
         first = next(iter(lists["gemm1"] or lists["gemm2"]))[0]
-        gemm1, gemm2, launch = _gemms(scheme, weights, x, topk_w, ids, E, I, act, first)
+        if args.direct:
+            gemm1, gemm2, launch, out = _direct_gemms(scheme, weights, x, topk_w, ids, E, I, act, first)
+        else:
+            (gemm1, gemm2, launch), out = _gemms(scheme, weights, x, topk_w, ids, E, I, act, first), None
         touched = int(torch.unique(ids).numel())
         per_weight = quant_bytes(args.quant)[0]
         nbytes = {"gemm1": touched * 2 * I * H * per_weight, "gemm2": touched * I * H * per_weight}
         gemm = {"gemm1": gemm1, "gemm2": gemm2}
         timed1 = gemm1.__defaults__[0]  # the launch the timed GEMM1 writes (tune._gemms keeps GEMM2's input apart)
-        output = {"gemm1": timed1.a if hasattr(timed1, "a") else timed1.L.a, "gemm2": launch.y}
+        output = {"gemm1": timed1.a if hasattr(timed1, "a") else timed1.L.a,
+                  "gemm2": launch.y if out is None else out}
         times: dict[tuple, list[float]] = {}
         checks: dict[tuple, str] = {}
         for kind, tiles in lists.items():

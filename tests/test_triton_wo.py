@@ -574,3 +574,34 @@ def test_marlin_runs_activation_quantized_schemes_weight_only(scheme, twin):
     with pytest.raises(ValueError, match=f"weights.quant has scheme int4_w4a16_g32, which the marlin backend "
                                          f"does not run as {twin}"):
         MarlinExperts(config).apply(x, other, weights, ids, expert_map_E=None)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"])
+def test_bench_copies_are_laid_out_as_the_layer_runs_them(scheme):
+    """bench._quantized_copy(prepare=True) (a GPU's default; the tuner's always) gives the codes
+    and the scales process_weights leaves (4-bit fragments, group-major int4 scales), both of
+    them: the triton experts on the copy match emulation on the checkpoint-layout weights. (The
+    codes once stayed in the checkpoint order beside fragment-layout scales.)"""
+    from fusedmoe.backends.triton.weight_only import prepare_weights
+    from fusedmoe.bench import _quantized_copy
+    from fusedmoe.modular import ExpertWeights
+    from fusedmoe.routing import select_experts
+
+    gen = torch.Generator().manual_seed(5)
+    E, H, I, T = 3, 128, 64, 4  # noqa: E741
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 8, torch.randn(E, H, I, generator=gen) / 8
+    plain = _quantized_copy(w13, w2, None, None, scheme, prepare=False)
+    laid = _quantized_copy(w13, w2, None, None, scheme, prepare=True)
+    want = prepare_weights(ExpertWeights(plain[0], plain[1], None, None, plain[4]))
+    assert torch.equal(laid[0], want.w13) and torch.equal(laid[1], want.w2)
+    assert torch.equal(laid[4].w13_scale.float(), want.quant.w13_scale.float())
+    x = torch.randn(T, H, generator=gen)
+    topk_w, ids = select_experts(x, torch.randn(T, E, generator=gen), 2)
+    from fusedmoe import fused_experts
+
+    ref = fused_experts(x, plain[0], plain[1], topk_w, ids, quant=plain[4], backend="emulation")
+    p = laid[4]
+    out = triton_quant_experts(x, laid[0], laid[1], topk_w, ids, None, None, None, E, "silu", False, 1.702, None,
+                               scheme, p.w13_scale, p.w2_scale, w13_global_scale=p.w13_global_scale,
+                               w2_global_scale=p.w2_global_scale)
+    assert rel_err(out, ref) < 1e-5

@@ -404,7 +404,39 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     assert entry["gemm2"][0] == entry["gemm1"][0]
     assert W4_PERSISTENT_START.persistent and any(start(tile) for kind, tile in seen if kind == "gemm2")
     assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
-    assert not any(tile.one_dot for _, tile in seen)  # the 4-bit one-dot GEMM1 waits for a GPU run
+    assert not any(tile.one_dot for _, tile in seen)  # int4 runs the checkpoint layout: no one-dot form
+
+
+@pytest.mark.parametrize("fragments", [True, False], ids=["fragments", "checkpoint-layout"])
+def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch):
+    """Over fragment-layout 4-bit weights (mxfp4 by default) GEMM1's descents, aligned and
+    direct, toggle one_dot, and where the model makes it fastest the entry's GEMM1 has it (the
+    tile's 10th value); GEMM2 never times it. In the checkpoint layout (the fragments knob off)
+    nothing times a one-dot tile: that layout runs it as two tiles."""
+    from fusedmoe.tune import tune_shape
+
+    if not fragments:
+        monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", "0")
+    flat = lambda us: lambda tile: us  # noqa: E731
+    one = lambda fast, slow: lambda tile: fast if tile.one_dot else slow  # noqa: E731
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu,
+                 quant="mxfp4_w4a16")
+    for tokens, costs, gemm1 in (
+            (40, {"gemm1": one(10.0, 30.0), "gemm2": flat(30.0), "align": flat(5.0),
+                  "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}, "gemm1"),
+            (1, {"gemm1": flat(100.0), "gemm2": flat(100.0), "align": flat(5.0),
+                 "direct gemm1": one(10.0, 30.0), "direct gemm2": flat(30.0)}, "direct gemm1")):
+        seen = []
+        entries = tune_shape(**shape, tokens_list=[tokens], timer=_model_timer(costs, seen))
+        assert not any(tile.one_dot for kind, tile in seen if kind not in ("gemm1", "direct gemm1"))
+        if fragments:
+            assert any(tile.one_dot for kind, tile in seen if kind == gemm1)
+            [entry] = entries
+            assert entry["path"] == ("direct" if tokens == 1 else "aligned")
+            assert entry["gemm1"][9] is True and len(entry["gemm2"]) <= 9, entry
+        else:
+            assert entries == [] and not any(tile.one_dot for _, tile in seen)
 
 
 def test_descent_from_a_start_that_does_not_compile():

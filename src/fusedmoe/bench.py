@@ -560,9 +560,12 @@ def _failed(preset: Preset, backend: str, tokens: int, touched: int, bound: str,
     return Row(preset.name, backend, tokens, touched, nan, nan, nan, nan, bound, error=reason[:200])
 
 
-def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
-    """(q13, q2, b13, b2, QuantParams); static activation scales calibrated for N(0, 1) inputs;
-    on a GPU the scales in the layout the triton backend's process_weights gives a layer."""
+def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) -> tuple:
+    """(q13, q2, b13, b2, QuantParams); static activation scales calibrated for N(0, 1) inputs.
+    prepare (default: on a GPU): the codes and scales as the triton backend's process_weights
+    leaves them for a layer (4-bit fragments, group-major int4 scales). Until 2026-11-27 only
+    the scales were taken, so the 4-bit fragment GEMMs read checkpoint-ordered codes: the same
+    bytes, so the times stand, but wrong values (tests/test_cli.py checks the layout now)."""
     from fusedmoe.quant.weights import quantize_weights
 
     static = scheme.endswith("_static")
@@ -579,11 +582,12 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str) -> tuple:
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
                                      w2_scale=params.w2_scale.to(torch.bfloat16))
-    if q13.is_cuda:  # as the layer's process_weights leaves them for the triton backend
+    if q13.is_cuda if prepare is None else prepare:  # as the layer's process_weights leaves them
         from fusedmoe.backends.triton.weight_only import prepare_weights
         from fusedmoe.modular import ExpertWeights
 
-        params = prepare_weights(ExpertWeights(q13, q2, b13, b2, params)).quant
+        prepared = prepare_weights(ExpertWeights(q13, q2, b13, b2, params))
+        q13, q2, params = prepared.w13, prepared.w2, prepared.quant
     return q13, q2, b13, b2, params
 
 

@@ -226,20 +226,22 @@ def tune_shape(
     )
     from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
+    from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
 
     scheme = get_scheme(quant)
     mode, group = tile_mode(scheme)
-    # one_dot: unquantized; the 4-bit fragment GEMM1's one-dot form is compiled and checked in the
-    # interpreter only, so the tuner leaves it out until a GPU has run tests/test_gpu_wo.py's
-    # one_dot test and timed it (docs/perf-notes.md)
-    one_dot = mode is None
     device = device or torch.device("cuda")
     timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias) for _ in range(copies)]
+    # one_dot (gate and up as one dot): the unquantized GEMM1 and the 4-bit one over fragment-layout
+    # weights, on either path (the checkpoint layout runs it as two tiles: not timed twice). H100,
+    # GEMM1 alone, best one-dot tile against the best two-tile one: -7% to +12% by cell
+    # (benchmarks/results/2026-11-27_h100_fb2ab66_one_dot_w4.txt), so it is the descent's to decide
+    one_dot = mode is None or mode == "w4" and is_fragments(weights[0][2].w13_scale)
     sms = _num_sms(device)
     operands = 2 if gated else 1
     ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)
@@ -322,7 +324,7 @@ def tune_shape(
                                                           problem.num_slots, experts):
                 direct_xq_us = timer("quantize x", h1, xq)
             heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
-                                                activation, timer, direct_xq_us)
+                                                activation, timer, direct_xq_us, one_dot=one_dot and mode == "w4")
             if direct_auto(problem, sms):
                 default = ("direct", heuristic_us)
             found.append(best)
@@ -380,7 +382,8 @@ def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:
     """(w13, w2, QuantParams or None, b13, b2): random weights, quantized as the bench quantizes
-    them; the biases None unless `bias`."""
+    them and laid out as the layer's process_weights leaves them (on the CPU too); the biases
+    None unless `bias`."""
     from fusedmoe.bench import _quantized_copy
 
     device = gen.device
@@ -391,7 +394,7 @@ def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool =
                 torch.randn(experts, hidden, device=device, generator=gen).to(dtype)) if bias else (None, None))
     if scheme is None:
         return w13, w2, None, b13, b2
-    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name)
+    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name, prepare=True)
     return q13, q2, params, b13, b2
 
 
@@ -490,11 +493,11 @@ def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) 
 
 
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
-                   timer: Timer, xq_us: float = 0.0) -> tuple[float, tuple]:
+                   timer: Timer, xq_us: float = 0.0, one_dot: bool = False) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
     each GEMM descends from the heuristic's tile over the pairs `tiles.check_plan` accepts as
     direct (GEMM2's split_k: slot shares, at most top_k). xq_us: x's quantization launch, added
-    to both totals."""
+    to both totals. one_dot: GEMM1's descent toggles it too (the 4-bit fragment GEMM1)."""
     from fusedmoe.backends.triton.experts import direct_heuristic
     from fusedmoe.backends.triton.tiles import tile_mode
 
@@ -521,7 +524,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
     time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme, direct=True)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
-                      allow_swap=swap)
+                      allow_swap=swap, allow_one_dot=one_dot)
     b2, u2 = _descend(time2, d2, ok2, allow_split=True, allow_swap=swap)
     return us1 + us2 + xq_us, (u1 + u2 + xq_us, "direct", b1, b2)
 

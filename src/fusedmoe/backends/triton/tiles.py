@@ -72,9 +72,10 @@ class TileConfig:
     # GEMM1 alone, 128 x 2*128 x 64, 8 warps: gpt-oss-120b M=4096 1624-1659 -> 1475 us
     # (results/2026-11-27_h200_bdb1fac_one_dot_gemm1.txt). Weight-only 4-bit in the fragment
     # layout: gate and up rows as one fragment tile (one load, one decode call, one dot); its K
-    # step 6-11% fewer SASS instructions (benchmarks/kernel_report.py --loop), not timed on a GPU
-    # yet, so neither the tuner nor a table or rule picks it; the checkpoint layout runs it as two
-    # (`experts._fitted`).
+    # step 6-11% fewer SASS instructions (benchmarks/kernel_report.py --loop). H100, GEMM1 alone:
+    # -7% to +12% against the best two-tile tile by cell (results/2026-11-27_h100_fb2ab66_one_dot_w4.txt),
+    # so `fusedmoe tune` toggles it (aligned and direct) and no rule picks it; the checkpoint
+    # layout runs it as two (`experts._fitted`).
     one_dot: bool = False
 
     def as_kwargs(self) -> dict:

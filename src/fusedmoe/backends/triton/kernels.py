@@ -496,6 +496,23 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
     masks the loads, a mask the K loop does not recompute. TWO_HALVES: the tile's first BLOCK_N / 2
     rows are row blocks n16_0.. and its last BLOCK_N / 2 the same blocks plus up_off (GEMM1's gate
     and up rows, one tile), each half bounded by n16_end."""
+    b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K, PTX,
+                                       up_off, TWO_HALVES)
+    if not EVEN_K:  # (k0 // 64 + f // NB16) * 64 < k_end, as measured; `_w4_frag_kmask` is the K loop's
+        NB16: tl.constexpr = BLOCK_N // 16
+        f = tl.arange(0, (BLOCK_K // 64) * NB16)
+        ok = ok & ((k0 // 64 + f // NB16) * 64 < k_end)
+    return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX)
+
+
+@triton.jit
+def _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PTX: tl.constexpr, up_off=0, TWO_HALVES: tl.constexpr = False):
+    """(code pointers [F, 512], scale pointers, row mask [F]) of the fragment tile `_w4_frag_tile`
+    loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments. The scale
+    pointers are [F, 32, 2 * JG] with PTX (lane 4g + c reads group g's (rh, jg) scales), else
+    [F, NSC]. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
+    scale chunks (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
@@ -510,15 +527,37 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
         n16 = n16_0 + f % NB16
         ok = n16 < n16_end
     k64 = k0 // 64 + f // NB16
-    if not EVEN_K:
-        ok = ok & (k64 * 64 < k_end)
     frag = n16.to(tl.int64) * (kdim // 64) + k64
     s_off = (n16.to(tl.int64) * (kdim // GF) + k64 // (GF // 64)) * NSC
-    b = tl.load(w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0)
+    b_ptrs = w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :]
     if PTX:
-        g2 = (tl.arange(0, 32) // 4) * (2 * JG)  # lane 4g + c reads group g's (rh, jg) scales
-        sc = tl.load(s_ptr + s_off[:, None, None] + g2[None, :, None] + tl.arange(0, 2 * JG)[None, None, :],
-                     mask=ok[:, None, None], other=0.0)
+        g2 = (tl.arange(0, 32) // 4) * (2 * JG)
+        s_ptrs = s_ptr + s_off[:, None, None] + g2[None, :, None] + tl.arange(0, 2 * JG)[None, None, :]
+    else:
+        s_ptrs = s_ptr + s_off[:, None] + tl.arange(0, NSC)[None, :]
+    return b_ptrs, s_ptrs, ok
+
+
+@triton.jit
+def _w4_frag_kmask(ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_w4_frag_ptrs`'s row mask and the K bound: fragments from k_end on read as 0."""
+    NB16: tl.constexpr = BLOCK_N // 16
+    f = tl.arange(0, (BLOCK_K // 64) * NB16)
+    return ok & ((f // NB16) * 64 < k_end - k0)
+
+
+@triton.jit
+def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] DTYPE tile of `_w4_frag_ptrs`'s pointers (`_w4_frag_tile`'s
+    docstring), fragments where ok is false read as 0."""
+    NB16: tl.constexpr = BLOCK_N // 16
+    F: tl.constexpr = (BLOCK_K // 64) * NB16
+    GF: tl.constexpr = 64 if GROUP < 64 else GROUP
+    JG: tl.constexpr = GF // GROUP
+    b = tl.load(b_ptrs, mask=ok[:, None], other=0)
+    if PTX:
+        sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)
         s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
         s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
         if FMT == W4_INT4_FRAG:
@@ -554,7 +593,7 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
         v = tl.join(tl.join(t00, t01), tl.join(t10, t11))  # [F, 128, u, kh, rh]
         v = tl.reshape(v, (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j u kh rh
         w = tl.reshape(tl.permute(v, (1, 7, 2, 0, 4, 6, 3, 5)), (BLOCK_N, BLOCK_K))  # n16 rh g | k64 j kh c u
-        sc = tl.load(s_ptr + s_off[:, None] + tl.arange(0, NSC)[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.load(s_ptrs, mask=ok[:, None], other=0.0)
         if FMT == W4_MXFP4_FRAG:
             sv = _w4_scale(sc, W4_MXFP4)
         elif FMT == W4_NVFP4_FRAG:
@@ -730,14 +769,57 @@ def _gemm1_tile(
         x_rows = x_ptr + x_row[:, None] * stride_xt
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
+    # FRAG_INC: the fragments' code and scale pointers made once, at k_start, and advanced by
+    # constants per K step (no k // 64 or 64-bit offset arithmetic in the loop: Qwen3-30B mxfp4
+    # 16 x 64 x 64, 277 -> 268 SASS instructions a step). Taken for K steps of 128 and more, whole
+    # scale chunks each. GEMM1 alone, HEAD fb2ab66 -> this: H100, 128- and 256-wide steps -6% to
+    # +3% on Qwen3-30B / DeepSeek-V3 / gpt-oss / Qwen3-235B (+6% once, a one-dot 16 x 32 x 128);
+    # H200 DeepSeek-V3 M=64 16 x 64 x 256 -2% to -5%. 64-wide steps swung -33% to +11% by shape
+    # (a 4-stage 16 x 64 x 64 tile: Qwen3-30B M=16 +10%, the H200 table's tile there), so they keep
+    # the addresses computed per step (results/2026-11-27_h100_fb2ab66_frag_incremental_ab.txt).
+    # GEMM2 keeps them too: incremental, its persistent 16 x 256 x 64 launch ran 118 -> 172 us.
+    FRAG_GF: tl.constexpr = 64 if W_GROUP < 64 else W_GROUP  # k per scale chunk (_w4_frag_ptrs)
+    FRAG_INC: tl.constexpr = FRAG and BLOCK_K >= 128 and BLOCK_K % FRAG_GF == 0
+    FRAG_B_STEP: tl.constexpr = (BLOCK_K // 64) * 512  # bytes: a fragment is 16 x 64 codes
+    FRAG_S_STEP: tl.constexpr = (BLOCK_K // FRAG_GF) * 16 * (FRAG_GF // W_GROUP)  # scales
+    if FRAG_INC:
+        if ONE_DOT:
+            gb, gs, gok = _w4_frag_ptrs(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k_start, hidden,
+                                        W_GROUP, 2 * BLOCK_N, BLOCK_K, PTX_DECODE, inter // 16, True)
+        else:
+            gb, gs, gok = _w4_frag_ptrs(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k_start, hidden,
+                                        W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE)
+            if GATED:
+                ub, us, uok = _w4_frag_ptrs(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16,
+                                            k_start, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+        if FRAG_INC:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
             # K step's SASS 277 -> 270 instructions but ran Qwen3-30B M=16 10% slower (H200,
             # results/2026-11-27_h200_c421706_frag_even_k_ab.txt)
             k_ok = offs_k < k_end - k0
-            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ptrs += BLOCK_K * stride_xh
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
+                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K), W4_FMT, W_GROUP,
+                                     2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
+            else:
+                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, BLOCK_N, BLOCK_K), W4_FMT, W_GROUP,
+                                     BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
+                if GATED:  # the up rows start at fragment row I / 16
+                    wt = _w4_frag_decode(ub, us, _w4_frag_kmask(uok, k0, k_end, BLOCK_N, BLOCK_K), W4_FMT,
+                                         W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                    acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
+                    ub += FRAG_B_STEP
+                    us += FRAG_S_STEP
+            gb += FRAG_B_STEP
+            gs += FRAG_S_STEP
+        elif FRAG:  # the same, each step's fragment addresses computed afresh (`_w4_frag_tile`)
+            k_ok = offs_k < k_end - k0
+            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if ONE_DOT:
                 wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
                                    W4_FMT, W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE,
                                    False, inter // 16, True)
@@ -746,7 +828,7 @@ def _gemm1_tile(
                 wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
                                    W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
                 acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
-                if GATED:  # the up rows start at fragment row I / 16
+                if GATED:
                     wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0,
                                        k_end, hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
                                        PTX_DECODE)

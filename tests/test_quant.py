@@ -288,6 +288,32 @@ def test_weight_round_trip_and_layout(scheme_name):
     assert rel_error(d13, w13) < bound and rel_error(d2, w2) < bound
 
 
+@pytest.mark.parametrize("scheme_name", ["int4_w4a16_g32", "int4_w4a16_g128"])
+def test_int4_scales_of_bf16_weights_are_bf16(scheme_name):
+    """int4 group scales of bf16 weights are stored in bf16 (as GPTQ / AWQ checkpoints and the
+    benchmarks keep them: half the scale bytes of fp32) and the codes are rounded against the
+    stored scale: bitwise int_quantize(w / bf16(amax / 7)); the round trip stays within half a
+    step (plus the clamp of a group whose bf16 scale rounded down). fp16 and fp32 weights keep
+    fp32 scales."""
+    from fusedmoe.quant.formats import absmax_scale, int4_unpack, int_quantize
+
+    w13, w2 = make_weights(NUM_EXPERTS, 2 * INTER, HIDDEN, INTER, seed=12)
+    group = SCHEMES[scheme_name].weight.group
+    q13, q2, params = quantize_weights(w13.bfloat16(), w2.bfloat16(), scheme_name)
+    assert params.w13_scale.dtype == torch.bfloat16 and params.w2_scale.dtype == torch.bfloat16
+    w = w13.bfloat16().float()
+    grouped = w.view(NUM_EXPERTS, 2 * INTER, HIDDEN // group, group)
+    want_scale = absmax_scale(grouped.abs().amax(-1), 7).to(torch.bfloat16)
+    assert torch.equal(params.w13_scale, want_scale)
+    codes = int_quantize(grouped, want_scale.float()[..., None], 4).view(w.shape)
+    assert torch.equal(int4_unpack(q13), codes)
+    step = want_scale.float().repeat_interleave(group, -1)
+    d13, _ = dequantize_weights(q13, q2, params)
+    assert ((d13 - w).abs() <= 0.5 * step + 7 * step * 2.0**-8).all()
+    for dtype in (torch.float16, torch.float32):
+        assert quantize_weights(w13.to(dtype), w2.to(dtype), scheme_name)[2].w13_scale.dtype == torch.float32
+
+
 def test_nvfp4_scale_layout_and_math():
     w13, w2 = make_weights(2, 64, 96, 32, seed=11)
     q13, q2, params = quantize_weights(w13, w2, "nvfp4")

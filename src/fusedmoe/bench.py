@@ -580,6 +580,7 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
                                                  for name in per_expert if getattr(parts[0][2], name) is not None})
     del parts
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
+        # (quantize_weights stores them so for bf16 weights already; fp32 weights' are cast)
         params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
                                      w2_scale=params.w2_scale.to(torch.bfloat16))
     if q13.is_cuda if prepare is None else prepare:  # as the layer's process_weights leaves them

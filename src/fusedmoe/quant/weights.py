@@ -84,8 +84,9 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(payload, scale, global scale or None) of one weight [E, N, K] under scheme's weight key.
 
-    fp8 / int: s = amax(granule) / qmax, q = quantize(w / s);  nvfp4: global = amax(expert) / 2688,
-    e4m3 scale per 16;  mxfp4: e8m0 scale per 32. All-zero granules quantize to 0 without NaN.
+    fp8 / int: s = amax(granule) / qmax, q = quantize(w / s) (int4 of bf16 weights: s stored in
+    bf16 and q rounded against it);  nvfp4: global = amax(expert) / 2688, e4m3 scale per 16;
+    mxfp4: e8m0 scale per 32. All-zero granules quantize to 0 without NaN.
     """
     scheme = _resolve(scheme)
     key = scheme.weight
@@ -104,7 +105,14 @@ def quantize_weight(
     bits = 8 if key.dtype == "int8" else 4
     # Symmetric: s = amax / qmax (127 or 7), so -amax..amax maps onto [-qmax, qmax] unclipped.
     scale = absmax_scale(_amax(w, key), INT_RANGE[bits][1])
-    q = int_quantize(w, _expand(scale, key, w.shape), bits)
+    if bits == 4 and w_ENK.dtype == torch.bfloat16:
+        # int4 group scales of bf16 weights stored in bf16, as GPTQ / AWQ / Kimi-K2 checkpoints
+        # ship them and as `fusedmoe bench` times int4: fp32 scales are 1 bit a weight at group
+        # 32, bf16 0.5 (5 -> 4.5 bits, 10% of what a decode streams; the bf16 kernel rounds them
+        # to bf16 anyway). The codes are rounded against the stored scale. bf16 has fp32's
+        # exponent range, so no scale underflows; fp16 / fp32 weights keep fp32 scales.
+        scale = scale.to(torch.bfloat16)
+    q = int_quantize(w, _expand(scale.float(), key, w.shape), bits)
     return (q if bits == 8 else int4_pack(q)), scale, None
 
 

@@ -487,3 +487,30 @@ def test_bench_gemm_tiles_smoke():
     assert len(rows) == 3 and "gemm1 16x32x64x4x1x2:one_dot" in rows[1], proc.stdout
     err = float(rows[1].rsplit(" ", 1)[1])
     assert err < 1e-5, rows  # one dot against two tiles on fragment-layout weights: the same sums
+
+
+def test_ab_trees_alternates_old_and_new(tmp_path):
+    """benchmarks/ab_trees.py: `prepare` unpacks a revision's src/ (HEAD here), `run` runs the
+    command against it and this tree alternately, round by round, each with its own PYTHONPATH
+    and AB_SIDE / AB_ROUND, and returns the worst return code."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    script = [sys.executable, str(root / "benchmarks" / "ab_trees.py")]
+    src = subprocess.run([*script, "prepare", "--rev", "HEAD", "--dir", str(tmp_path / "old")],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(src, "fusedmoe", "__init__.py").is_file()
+    probe = "import os, fusedmoe; print(os.environ['AB_SIDE'], os.environ['AB_ROUND'], fusedmoe.__file__)"
+    proc = subprocess.run([*script, "run", "--old", src, "--rounds", "2", "--", sys.executable, "-c", probe],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("==")]
+    assert [line.split()[:2] for line in lines] == [["old", "1"], ["new", "1"], ["old", "2"], ["new", "2"]]
+    assert lines[0].split()[2].startswith(src) and lines[1].split()[2].startswith(str(root / "src"))
+    failing = subprocess.run([*script, "run", "--old", src, "--rounds", "1", "--", sys.executable, "-c",
+                              "import os, sys; sys.exit(3 if os.environ['AB_SIDE'] == 'new' else 0)"])
+    assert failing.returncode == 3

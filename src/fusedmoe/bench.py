@@ -565,7 +565,8 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
     prepare (default: on a GPU): the codes and scales as the triton backend's process_weights
     leaves them for a layer (4-bit fragments, group-major int4 scales). Until 2026-11-27 only
     the scales were taken, so the 4-bit fragment GEMMs read checkpoint-ordered codes: the same
-    bytes, so the times stand, but wrong values (tests/test_cli.py checks the layout now)."""
+    bytes, so the times stood, but the values were wrong (tests/test_triton_wo.py::
+    test_bench_copies_are_laid_out_as_the_layer_runs_them checks the layout now)."""
     from fusedmoe.quant.weights import quantize_weights
 
     static = scheme.endswith("_static")

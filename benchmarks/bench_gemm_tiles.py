@@ -75,6 +75,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a smoke run under TRITON_INTERPRET=1 (one eager call a copy, with --scale)")
     ap.add_argument("--scale", type=int, default=1, help="divide H and I by this (multiples of 64 kept)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="H of every cell instead of the preset's (e.g. 4032 / 4096 / 4160: whether a power-of-two "
+                         "row-block stride of the fragment layout costs bandwidth)")
+    ap.add_argument("--inter", type=int, default=None, help="I of every cell instead of the preset's")
     args = ap.parse_args()
     device = torch.device(args.device)
     scheme = get_scheme(args.quant) if args.quant else None
@@ -88,6 +92,7 @@ def main() -> None:
         name, tokens = cell.split(":")
         tokens = int(tokens)
         E, K, H, I, act = preset_shapes(name)[name]
+        H, I = args.hidden or H, args.inter or I
         H, I = (max(64, v // args.scale // 64 * 64) for v in (H, I))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         gen = torch.Generator(device=device).manual_seed(0)
@@ -132,10 +137,10 @@ def main() -> None:
                         timer(lambda i, g=gemm[kind], t=tile: g(i, t), device))
         for (kind, tile, p), us in times.items():
             best = min(us)
-            row = dict(preset=name, tokens=tokens, gemm=kind, tile=label(tile, p), us=us,
+            row = dict(preset=name, tokens=tokens, hidden=H, inter=I, gemm=kind, tile=label(tile, p), us=us,
                        tbps=nbytes[kind] / best / 1e6, check=checks[(kind, tile, p)])
             rows.append(row)
-            print(f"{name:16} M={tokens:<5} {kind} {row['tile']:34} {' / '.join(f'{u:7.1f}' for u in us)} us  "
+            print(f"{name:16} M={tokens:<5} H={H:<5} I={I:<5} {kind} {row['tile']:34} {' / '.join(f'{u:7.1f}' for u in us)} us  "
                   f"{row['tbps']:5.2f} TB/s  {row['check']}", flush=True)
         set_programs(None)
     if args.json:

@@ -476,15 +476,16 @@ def test_bench_gemm_tiles_smoke():
     assert "gemm2 16x64x64x4x1:persistent P=2" in rows[3] and rows[3].endswith("maxdiff 0.0e+00"), rows
     assert rows[1].endswith("rel err 0.0e+00"), rows  # the checkpoint layout runs one_dot as two tiles
     # --direct: the decode path's GEMMs (GEMM1 by slot with 32-row one-dot halves over mxfp4
-    # fragments, GEMM2 by token with its slot shares)
+    # fragments, GEMM2 by token with its slot shares), at an H other than the preset's
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "bench_gemm_tiles.py"), "--device", "cpu", "--scale", "32",
-         "--quant", "mxfp4_w4a16", "--cells", "qwen3-30b-a3b:1", "--direct", "--gemm1",
+         "--quant", "mxfp4_w4a16", "--cells", "qwen3-30b-a3b:1", "--direct", "--hidden", "4096", "--gemm1",
          "16x64x64x4x1x2,16x32x64x4x1x2:one_dot", "--gemm2", "16x64x64x4x1x2", "--rounds", "1"],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3-30b-a3b")]
     assert len(rows) == 3 and "gemm1 16x32x64x4x1x2:one_dot" in rows[1], proc.stdout
+    assert all("H=128 " in row for row in rows), rows  # --hidden 4096, scaled by 32
     err = float(rows[1].rsplit(" ", 1)[1])
     assert err < 1e-5, rows  # one dot against two tiles on fragment-layout weights: the same sums
 

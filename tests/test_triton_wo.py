@@ -370,6 +370,29 @@ def test_random_4bit_plans_match_emulation(monkeypatch, seed):
     assert rel_err(out, want) < TOL[torch.float32], (case, t1, t2, layout)
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4_w4a16", "int4_w4a16_g128"])
+def test_fragment_gemm1_pointer_increments_over_wide_k_steps(scheme):
+    """The fragment GEMM1 with 128- and 256-wide K steps advances its code and scale pointers per
+    step (kernels.moe_gemm1_kernel FRAG_INC; int4 group 128: one scale chunk per 128 k, two per
+    256): against emulation with a K tail inside the last step (H = 384 = 256 + 128), split-K 2
+    (H = 640: shares of 512 + 128 at 256-wide steps, 384 + 256 at 128-wide ones), one_dot and two
+    tiles."""
+    from fusedmoe import knobs
+
+    for H, split in ((384, 1), (640, 2)):
+        config, x, w, weights, ids, _ = problem(Case(f"frag-inc-{H}-{split}", T=5, E=3, K=2, H=H, I=128, bias=True),
+                                                scheme, torch.float32)
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):
+            laid = TritonExperts(config).process_weights(w)
+        want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+        for block_k in (128, 256):
+            for one_dot in (False, True):
+                t1 = (16, 64 if not one_dot else 32, block_k, 4, 1, split, None, 8, False, one_dot)
+                out = run(config, x, laid, weights, ids, None, tiles=(t1, (16, 64, 64, 4, 1)),
+                          out=torch.full_like(x, float("nan")))
+                assert rel_err(out, want) < TOL[torch.float32], (H, split, block_k, one_dot)
+
+
 def test_fragment_layout_edge_cases():
     """The fragment path at the edges: no tokens, E not a power of two with top_k = E, top_k = 1,
     every token on one expert (the others empty), against emulation on the checkpoint layout."""

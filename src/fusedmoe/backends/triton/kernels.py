@@ -498,10 +498,8 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
     and up rows, one tile), each half bounded by n16_end."""
     b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K, PTX,
                                        up_off, TWO_HALVES)
-    if not EVEN_K:  # (k0 // 64 + f // NB16) * 64 < k_end, as measured; `_w4_frag_kmask` is the K loop's
-        NB16: tl.constexpr = BLOCK_N // 16
-        f = tl.arange(0, (BLOCK_K // 64) * NB16)
-        ok = ok & ((k0 // 64 + f // NB16) * 64 < k_end)
+    if not EVEN_K:
+        ok = _w4_frag_kmask(ok, k0, k_end, BLOCK_N, BLOCK_K, False)
     return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX)
 
 
@@ -539,11 +537,37 @@ def _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, B
 
 
 @triton.jit
-def _w4_frag_kmask(ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_w4_frag_ptrs`'s row mask and the K bound: fragments from k_end on read as 0."""
+def _w4_frag_kmask(ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RELATIVE: tl.constexpr):
+    """`_w4_frag_ptrs`'s row mask and the K bound: fragments from k_end on read as 0. RELATIVE:
+    as k_end - k0 (the pointer-increment loop's form); else from k0 // 64, the form the
+    per-step addresses were measured with (the two compile differently)."""
     NB16: tl.constexpr = BLOCK_N // 16
     f = tl.arange(0, (BLOCK_K // 64) * NB16)
-    return ok & ((f // NB16) * 64 < k_end - k0)
+    if RELATIVE:
+        ok = ok & ((f // NB16) * 64 < k_end - k0)
+    else:
+        ok = ok & ((k0 // 64 + f // NB16) * 64 < k_end)
+    return ok
+
+
+@triton.jit
+def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, pid_n, inter, k0, hidden, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PTX: tl.constexpr, ONE_DOT: tl.constexpr, GATED: tl.constexpr):
+    """`_w4_frag_ptrs` of a GEMM1 N tile at k0: (gate codes, scales, mask, up codes, scales, mask);
+    ONE_DOT: the gate and up rows as one tile (the up triple repeats the gate's, unused), as
+    does an ungated GEMM1."""
+    if ONE_DOT:
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
+                                    2 * BLOCK_N, BLOCK_K, PTX, inter // 16, True)
+        ub, us, uok = gb, gs, gok
+    else:
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
+                                    BLOCK_N, BLOCK_K, PTX)
+        ub, us, uok = gb, gs, gok
+        if GATED:  # the up rows start at fragment row I / 16
+            ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, hidden,
+                                        GROUP, BLOCK_N, BLOCK_K, PTX)
+    return gb, gs, gok, ub, us, uok
 
 
 @triton.jit
@@ -783,56 +807,40 @@ def _gemm1_tile(
     FRAG_B_STEP: tl.constexpr = (BLOCK_K // 64) * 512  # bytes: a fragment is 16 x 64 codes
     FRAG_S_STEP: tl.constexpr = (BLOCK_K // FRAG_GF) * 16 * (FRAG_GF // W_GROUP)  # scales
     if FRAG_INC:
-        if ONE_DOT:
-            gb, gs, gok = _w4_frag_ptrs(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k_start, hidden,
-                                        W_GROUP, 2 * BLOCK_N, BLOCK_K, PTX_DECODE, inter // 16, True)
-        else:
-            gb, gs, gok = _w4_frag_ptrs(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k_start, hidden,
-                                        W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE)
-            if GATED:
-                ub, us, uok = _w4_frag_ptrs(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16,
-                                            k_start, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE)
+        gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, pid_n, inter, k_start, hidden, W_GROUP,
+                                                       BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if FRAG_INC:  # w tile @ x rows^T: the decoded tile is the dot's register operand
+        if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
             # K step's SASS 277 -> 270 instructions but ran Qwen3-30B M=16 10% slower (H200,
             # results/2026-11-27_h200_c421706_frag_even_k_ab.txt)
             k_ok = offs_k < k_end - k0
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x_ptrs += BLOCK_K * stride_xh
+            if FRAG_INC:  # the pointers the last step advanced
+                xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                x_ptrs += BLOCK_K * stride_xh
+            else:  # this step's addresses afresh (`_w4_frag_tile`'s)
+                xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, pid_n, inter, k0, hidden, W_GROUP,
+                                                               BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
-                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K), W4_FMT, W_GROUP,
-                                     2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
+                                     W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
                 acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
             else:
-                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, BLOCK_N, BLOCK_K), W4_FMT, W_GROUP,
-                                     BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
-                if GATED:  # the up rows start at fragment row I / 16
-                    wt = _w4_frag_decode(ub, us, _w4_frag_kmask(uok, k0, k_end, BLOCK_N, BLOCK_K), W4_FMT,
-                                         W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                    acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
-                    ub += FRAG_B_STEP
-                    us += FRAG_S_STEP
-            gb += FRAG_B_STEP
-            gs += FRAG_S_STEP
-        elif FRAG:  # the same, each step's fragment addresses computed afresh (`_w4_frag_tile`)
-            k_ok = offs_k < k_end - k0
-            xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if ONE_DOT:
-                wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
-                                   W4_FMT, W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE,
-                                   False, inter // 16, True)
-                acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
-            else:
-                wt = _w4_frag_tile(w_base, ws_base, pid_n * (BLOCK_N // 16), inter // 16, k0, k_end, hidden,
-                                   W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
+                                     W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
                 acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
                 if GATED:
-                    wt = _w4_frag_tile(w_base, ws_base, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0,
-                                       k_end, hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
-                                       PTX_DECODE)
+                    wt = _w4_frag_decode(ub, us, _w4_frag_kmask(uok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
+                                         W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
                     acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
+                    if FRAG_INC:
+                        ub += FRAG_B_STEP
+                        us += FRAG_S_STEP
+            if FRAG_INC:
+                gb += FRAG_B_STEP
+                gs += FRAG_S_STEP
         elif QUANT == Q_W4:
             # x read contiguously and split into its even / odd columns in registers (two
             # stride-2 loads cost more than the whole decode: H200, benchmarks/bench_w4_decode.py)

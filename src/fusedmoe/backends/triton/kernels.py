@@ -561,14 +561,13 @@ def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, pid_n, inter, k0, hidden, GROUP: tl.conste
     if ONE_DOT:
         gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
                                     2 * BLOCK_N, BLOCK_K, PTX, inter // 16, True)
-        ub, us, uok = gb, gs, gok
     else:
         gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
                                     BLOCK_N, BLOCK_K, PTX)
-        ub, us, uok = gb, gs, gok
-        if GATED:  # the up rows start at fragment row I / 16
-            ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, hidden,
-                                        GROUP, BLOCK_N, BLOCK_K, PTX)
+    ub, us, uok = gb, gs, gok
+    if GATED and not ONE_DOT:  # the up rows start at fragment row I / 16
+        ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, hidden,
+                                    GROUP, BLOCK_N, BLOCK_K, PTX)
     return gb, gs, gok, ub, us, uok
 
 

@@ -80,6 +80,9 @@ def main() -> None:
                          "row-block stride of the fragment layout costs bandwidth)")
     ap.add_argument("--inter", type=int, default=None, help="I of every cell instead of the preset's")
     args = ap.parse_args()
+    for flag, value in (("--hidden", args.hidden), ("--inter", args.inter)):
+        if value is not None and (value < 64 or value % 64):
+            raise SystemExit(f"{flag} {value}: a multiple of 64 (the 4-bit fragments' K and N unit)")
     device = torch.device(args.device)
     scheme = get_scheme(args.quant) if args.quant else None
     programs = [int(p) for p in args.programs.split(",")]

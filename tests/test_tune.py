@@ -486,6 +486,10 @@ def test_bench_gemm_tiles_smoke():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3-30b-a3b")]
     assert len(rows) == 3 and "gemm1 16x32x64x4x1x2:one_dot" in rows[1], proc.stdout
     assert all("H=128 " in row for row in rows), rows  # --hidden 4096, scaled by 32
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gemm_tiles.py"), "--device", "cpu",
+                          "--cells", "qwen3-30b-a3b:1", "--hidden", "4000", "--gemm1", "16x64x64x4x1"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--hidden 4000: a multiple of 64" in bad.stderr, bad.stderr[-2000:]
     err = float(rows[1].rsplit(" ", 1)[1])
     assert err < 1e-5, rows  # one dot against two tiles on fragment-layout weights: the same sums
 

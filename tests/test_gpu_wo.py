@@ -134,11 +134,11 @@ def test_fragment_tile_decode_is_exact(fmt, group):
     from fusedmoe.quant.fragments import to_fragments
 
     @triton.jit
-    def decode(w, s, eye, out, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+    def decode(w, s, s_rows, eye, out, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, PTX: tl.constexpr):
         n16 = tl.program_id(0) * (BN // 16)
         k0 = tl.program_id(1) * BK
-        t = kernels._w4_frag_tile(w, s, n16, N // 16, k0, K, K, FMT, GROUP, BN, BK, eye.dtype.element_ty, PTX)
+        t = kernels._w4_frag_tile(w, s, s_rows, n16, N // 16, k0, K, K, FMT, GROUP, BN, BK, eye.dtype.element_ty, PTX)
         t = tl.dot(t, tl.load(eye + tl.arange(0, BK)[:, None] * BK + tl.arange(0, BK)[None, :]), input_precision="ieee")
         rows = n16 * 16 + tl.arange(0, BN)
         tl.store(out + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :], t)
@@ -163,8 +163,8 @@ def test_fragment_tile_decode_is_exact(fmt, group):
     for dtype, ptx in ((torch.bfloat16, True), (torch.float32, False)):
         out = torch.full((N, K), float("nan"), dtype=torch.float32, device="cuda")
         eye = torch.eye(128, dtype=dtype, device="cuda")
-        decode[(N // 64, K // 128)](frag, fs, eye, out, N=N, K=K, FMT=W4_FRAG_FORMATS[fmt], GROUP=group, BN=64, BK=128,
-                                    PTX=ptx, num_warps=4)
+        decode[(N // 64, K // 128)](frag, fs, fs.stride(1), eye, out, N=N, K=K, FMT=W4_FRAG_FORMATS[fmt],
+                                    GROUP=group, BN=64, BK=128, PTX=ptx, num_warps=4)
         expect = want[0].to(dtype) if not (ptx and fmt == "int4") else (value * s_val.bfloat16().double()
                                                                        .repeat_interleave(group, dim=2))[0].bfloat16()
         assert torch.equal(out.cpu(), expect.float()), (fmt, dtype, (out.cpu().double() - expect.double()).abs().max())

@@ -164,6 +164,29 @@ def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype)
         assert torch.equal(values, ((q ^ 8) - 8).float())
 
 
+def test_fragment_scale_runs_are_padded_off_large_powers_of_two():
+    """fragments.scale_run: a row block's scale run of >= 1 KB on an even number of 128-byte lines
+    gets one line of padding (the runs then lie an odd number of lines apart); to_fragments stores
+    it so, as a view the round trip reads through."""
+    from fusedmoe.quant.fragments import from_fragments, scale_run, to_fragments
+
+    assert scale_run(64, 64) == 66  # nvfp4, H = 4096: 4 KB, 32 lines -> 33
+    assert scale_run(32, 32) == 36  # mxfp4, H = 2048: 1 KB
+    assert scale_run(112, 64) == 114  # nvfp4, H = 7168: 7 KB, 56 lines
+    assert scale_run(12, 64) == 12  # nvfp4 w2, I = 768: 768 B, short
+    assert scale_run(4, 64) == 4  # DeepSeek-V3's w2 (I = 256): short
+    assert scale_run(45, 32) == 45  # gpt-oss, H = 2880: not whole lines
+    assert scale_run(18, 64) == 18  # 1152 B: 9 lines, odd already
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (2, 32, 1024), dtype=torch.uint8, generator=gen)  # K = 2048
+    scales = torch.randint(0, 129, (2, 32, 64), dtype=torch.uint8, generator=gen)
+    frag, fs = to_fragments(codes, scales, "mxfp4")
+    assert fs.shape == (2, 2, 32, 32) and fs.stride() == (2 * 36 * 32, 36 * 32, 32, 1)
+    back = from_fragments(frag, fs, "mxfp4")
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    assert torch.equal(from_fragments(frag, fs.contiguous(), "mxfp4")[1], scales)
+
+
 def test_fragment_layout_conditions():
     """process_weights re-lays mxfp4 where both weights are whole 16 x 64 fragments and every
     e8m0 scale code is <= 128, unless FUSEDMOE_TRITON_W4_FRAGMENTS=0; otherwise the checkpoint
@@ -206,8 +229,15 @@ def test_fragment_layout_conditions():
         run(config, x, laid.replace(w13=wide), weights, ids, None)
     scale_t = torch.zeros(*laid.quant.w2_scale.shape[:3], 64, dtype=torch.uint8)[..., :32]
     scale_t.copy_(laid.quant.w2_scale)
-    with pytest.raises(ValueError, match=r"w2_scale holds fragment scales with strides .* \[8, 1, 32\] must be contiguous"):
+    with pytest.raises(ValueError, match=r"w2_scale holds fragment scales with strides .* row block's \[1, 32\] must be contiguous"):
         run(config, x, laid.replace(quant=dataclasses.replace(laid.quant, w2_scale=scale_t)), weights, ids, None)
+    # the kernels take the scales' row-block stride (fragments.scale_run pads long runs): scales in a
+    # padded store, the padding NaN codes, give the output of the dense ones
+    s13 = laid.quant.w13_scale
+    store = torch.full((*s13.shape[:2], s13.shape[2] + 3, s13.shape[3]), 255, dtype=s13.dtype)
+    store[:, :, :s13.shape[2]] = s13
+    padded = laid.replace(quant=dataclasses.replace(laid.quant, w13_scale=store[:, :, :s13.shape[2]]))
+    assert torch.equal(run(config, x, padded, weights, ids, None), run(config, x, laid, weights, ids, None))
     config, x, w, weights, ids, _ = problem(Case("cond-odd", T=3, H=96, I=64), "mxfp4_w4a16", torch.float32)
     assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
     assert TritonExperts(config).process_weights(w) is w

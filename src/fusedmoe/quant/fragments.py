@@ -29,7 +29,11 @@ r = (rh, kh) = 00, 01, 10, 11 (row g + 8rh, k 16j + 8kh + 2c + u), each register
 Scales go the same way, [E, N/16, K/GF, 16 * GF / group] with GF = max(group, 64) (one chunk per
 fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) scales together
 (mxfp4 [.., 32], nvfp4 [.., 64], int4 g32 [.., 32], g64 and g128 [.., 16]). Their values and
-dtype are the checkpoint's, only reordered. Their 4-D shape is what marks the layout:
+dtype are the checkpoint's, only reordered. Each row block's run of K/GF chunks lies
+`scale_run` chunks after the last (a run of >= 1 KB on an even number of 128-byte lines gets a
+line of padding), so the tensor may be a view with stride(1) > K/GF * 16 * GF / group; the
+kernels take that stride, so a contiguous copy (which `.to(device)` of the view makes) is as
+correct, only slower on those shapes. Their 4-D shape is what marks the layout:
 `is_fragments(scale)`. The payload keeps its shape [E, N, K/2] (the same bytes, reordered), so
 shape checks, views and expert slicing by the first dim still hold; anything that reads the codes
 by position (dequantization, other backends) goes through `from_fragments` first.
@@ -57,6 +61,29 @@ _SCALE_DTYPES = {"mxfp4": (torch.uint8,), "nvfp4": (torch.float8_e4m3fn,),
 def scale_chunk(group: int) -> int:
     """K width of one fragment-scale chunk: max(group, 64)."""
     return max(group, FRAG_K)
+
+
+SCALE_LINE = 128  # bytes: the cache line a padded scale run stays aligned to
+SCALE_PAD_FROM = 1024  # bytes: runs from this long, on a multiple of 2 lines, get one line of padding
+
+
+def scale_run(chunks: int, chunk_bytes: int) -> int:
+    """Scale chunks (of `chunk_bytes` each) a row block's run of `chunks` spans in storage. A run
+    of R >= 1 KB bytes on an even number of 128-byte lines gets one line of padding, so the runs
+    lie an odd number of lines apart: runs a multiple of 2^a >= 1 KB apart put every row block's
+    k-th chunk at one address modulo 2^a; all programs of a GEMM stream their tiles' scales at
+    about the same k, and those loads queue on the same memory channels. Measured on an H100,
+    GEMM1 alone with 64-wide K steps, scales skewed against not
+    (results/2026-11-28_h100_869188f_scale_stride.txt): nvfp4 16 x 64 x 64, Qwen3-235B (4 KB
+    runs) M=64 191 -> 127 us, Qwen3-30B (2 KB) M=16 110 -> 75. The padding is a whole line
+    because a chunk's worth (64 bytes, nvfp4) put the 128-byte reads of the wider K steps across
+    two lines: whole calls on those ran 1-2.5% slower. Shorter runs keep their rows' scales
+    within a few KB (no common power of two worth the bytes: DeepSeek-V3's w2, 4 chunks, would
+    grow 50%)."""
+    run = chunks * chunk_bytes
+    if run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0 and SCALE_LINE % chunk_bytes == 0:
+        return chunks + SCALE_LINE // chunk_bytes
+    return chunks
 
 
 def fragment_scale_shape(num_experts: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
@@ -136,7 +163,10 @@ def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") 
     gf = scale_chunk(group)
     raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales  # CPU copies of e4m3
     s = raw.reshape(E, N // 16, 2, 8, K // gf, gf // group)  # e n16 rh g kc jg
-    s = s.permute(0, 1, 4, 3, 2, 5).reshape(fragment_scale_shape(E, N, K, group)).contiguous()  # e n16 kc | g rh jg
+    shape = fragment_scale_shape(E, N, K, group)
+    store = s.new_zeros(shape[:2] + (scale_run(shape[2], shape[3] * s.element_size()), shape[3]))  # padding unread
+    store[:, :, :shape[2]] = s.permute(0, 1, 4, 3, 2, 5).reshape(shape)  # e n16 kc | g rh jg
+    s = store[:, :, :shape[2]]
     return frag, (s.view(scales.dtype) if raw is not scales else s)
 
 

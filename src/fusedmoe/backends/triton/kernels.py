@@ -485,12 +485,13 @@ def _w4_global(gs, FMT: tl.constexpr):
 
 
 @triton.jit
-def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
+def _w4_frag_tile(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr,
                   EVEN_K: tl.constexpr = False, up_off=0, TWO_HALVES: tl.constexpr = False):
     """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's 4-bit weight in the
     fragment layout (FMT W4_*_FRAG; w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales,
-    [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64); kdim = K), as a [BLOCK_N, BLOCK_K]
+    [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64), s_rows elements apart in its first dim
+    (`fragments.to_fragments` pads each row block's run); kdim = K), as a [BLOCK_N, BLOCK_K]
     DTYPE tile (nvfp4: value * s * 2^-8). Fragments past row block n16_end or past k_end read as
     0. PTX (bf16 on a GPU): W4_PTX_FRAG / W4_PTX_I4FRAG, and the tile comes out in the register
     layout of the dot's operand A; otherwise the same bits decoded in fp32 by Triton integer ops.
@@ -498,18 +499,19 @@ def _w4_frag_tile(w_ptr, s_ptr, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constex
     masks the loads, a mask the K loop does not recompute. TWO_HALVES: the tile's first BLOCK_N / 2
     rows are row blocks n16_0.. and its last BLOCK_N / 2 the same blocks plus up_off (GEMM1's gate
     and up rows, one tile), each half bounded by n16_end."""
-    b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K, PTX,
-                                       up_off, TWO_HALVES)
+    b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K,
+                                       PTX, up_off, TWO_HALVES)
     if not EVEN_K:
         ok = _w4_frag_kmask(ok, k0, k_end, BLOCK_N, BLOCK_K, False)
     return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX)
 
 
 @triton.jit
-def _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PTX: tl.constexpr, up_off=0, TWO_HALVES: tl.constexpr = False):
     """(code pointers [F, 512], scale pointers, row mask [F]) of the fragment tile `_w4_frag_tile`
-    loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments. The scale
+    loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments; a row block's
+    scales start s_rows elements after the last's (the scales' stride(1): runs may be padded). The scale
     pointers are [F, 32, 2 * JG] with PTX (lane 4g + c reads group g's (rh, jg) scales), else
     [F, NSC]. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
     scale chunks (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
@@ -528,7 +530,7 @@ def _w4_frag_ptrs(w_ptr, s_ptr, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, B
         ok = n16 < n16_end
     k64 = k0 // 64 + f // NB16
     frag = n16.to(tl.int64) * (kdim // 64) + k64
-    s_off = (n16.to(tl.int64) * (kdim // GF) + k64 // (GF // 64)) * NSC
+    s_off = n16.to(tl.int64) * s_rows + (k64 // (GF // 64)) * NSC
     b_ptrs = w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :]
     if PTX:
         g2 = (tl.arange(0, 32) // 4) * (2 * JG)
@@ -553,21 +555,21 @@ def _w4_frag_kmask(ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, pid_n, inter, k0, hidden, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PTX: tl.constexpr, ONE_DOT: tl.constexpr, GATED: tl.constexpr):
     """`_w4_frag_ptrs` of a GEMM1 N tile at k0: (gate codes, scales, mask, up codes, scales, mask);
     ONE_DOT: the gate and up rows as one tile (the up triple repeats the gate's, unused), as
     does an ungated GEMM1."""
     if ONE_DOT:
-        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
                                     2 * BLOCK_N, BLOCK_K, PTX, inter // 16, True)
     else:
-        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
                                     BLOCK_N, BLOCK_K, PTX)
     ub, us, uok = gb, gs, gok
     if GATED and not ONE_DOT:  # the up rows start at fragment row I / 16
-        ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0, hidden,
-                                    GROUP, BLOCK_N, BLOCK_K, PTX)
+        ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0,
+                                    hidden, GROUP, BLOCK_N, BLOCK_K, PTX)
     return gb, gs, gok, ub, us, uok
 
 
@@ -808,8 +810,8 @@ def _gemm1_tile(
     FRAG_B_STEP: tl.constexpr = (BLOCK_K // 64) * 512  # bytes: a fragment is 16 x 64 codes
     FRAG_S_STEP: tl.constexpr = (BLOCK_K // FRAG_GF) * 16 * (FRAG_GF // W_GROUP)  # scales
     if FRAG_INC:
-        gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, pid_n, inter, k_start, hidden, W_GROUP,
-                                                       BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
+        gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k_start, hidden,
+                                                       W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
     for k0 in range(k_start, k_end, BLOCK_K):
         if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
@@ -822,8 +824,9 @@ def _gemm1_tile(
             else:  # this step's addresses afresh (`_w4_frag_tile`'s)
                 xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0)
-                gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, pid_n, inter, k0, hidden, W_GROUP,
-                                                               BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
+                gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k0,
+                                                               hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT,
+                                                               GATED)
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
                                      W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
@@ -1175,8 +1178,9 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             else:
                 a_mask = row_ok[:, None] & (offs_k < inter - k0)[None, :]
             aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=a_mask, other=0.0)
-            wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, pid_n * (BLOCK_N // 16), hidden // 16, k0, inter,
-                               inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K)
+            wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, stride_ws1, pid_n * (BLOCK_N // 16),
+                               hidden // 16, k0, inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
+                               a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
         elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0
@@ -1517,7 +1521,8 @@ def moe_gemm2_direct_kernel(
                          mask=lane0 & k_ok[None, :], other=0.0)
         acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
         if FRAG:  # a slot with no local expert: every fragment masked (bounds times live)
-            wt = _w4_frag_tile(w2_ptr + e * stride_we, ws_ptr + e * stride_ws0, tl.program_id(1) * (BLOCK_N // 16),
+            wt = _w4_frag_tile(w2_ptr + e * stride_we, ws_ptr + e * stride_ws0, stride_ws1,
+                               tl.program_id(1) * (BLOCK_N // 16),
                                live * (hidden // 16), k0, live * inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
                                a_ptr.dtype.element_ty, PTX_DECODE)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)

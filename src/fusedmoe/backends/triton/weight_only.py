@@ -96,17 +96,20 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
 
 def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
     """Fragment-layout 4-bit weights (`fusedmoe.quant.fragments`): the kernels address an expert's
-    fragments and scales as contiguous runs (`kernels._w4_frag_tile`), so each expert's payload
-    and scales must be contiguous inside (experts may be strided). Metadata only, no sync."""
+    fragments as one contiguous run and its scales as row-block runs stride(1) apart
+    (`kernels._w4_frag_tile`), so each expert's payload and each row block's scales must be
+    contiguous inside (experts may be strided). Metadata only, no sync."""
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if not is_fragments(scale):
             continue
         if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
             raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) but has strides "
                              f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
-        if scale.stride()[1:] != (scale.shape[2] * scale.shape[3], scale.shape[3], 1):
+        if scale.stride()[2:] != (scale.shape[3], 1) or scale.stride(1) < scale.shape[2] * scale.shape[3]:
             raise ValueError(f"{name}_scale holds fragment scales with strides {tuple(scale.stride())}: "
-                             f"each expert's {list(scale.shape[1:])} must be contiguous")
+                             f"each row block's {list(scale.shape[2:])} must be contiguous, the row blocks "
+                             f"apart by at least {scale.shape[2] * scale.shape[3]} (a padded run, "
+                             f"fragments.scale_run, is fine)")
 
 
 def _validate_codes(scheme: QuantScheme, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

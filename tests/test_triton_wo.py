@@ -185,6 +185,10 @@ def test_fragment_scale_runs_are_padded_off_large_powers_of_two():
     back = from_fragments(frag, fs, "mxfp4")
     assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
     assert torch.equal(from_fragments(frag, fs.contiguous(), "mxfp4")[1], scales)
+    assert to_fragments(codes, scales, "mxfp4", scale_pad=0)[1].is_contiguous()
+    assert to_fragments(codes, scales, "mxfp4", scale_pad=256)[1].stride(1) == 40 * 32
+    with pytest.raises(ValueError, match="scale run padding 100 bytes: expected a non-negative multiple of 128"):
+        scale_run(64, 64, 100)
 
 
 def test_fragment_layout_conditions():
@@ -455,6 +459,30 @@ def test_fragment_formats_knob(monkeypatch):
     monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", "int4")
     with pytest.raises(ValueError, match=r"FUSEDMOE_TRITON_W4_FRAGMENTS='int4': expected one of .*'all'"):
         knobs.get("TRITON_W4_FRAGMENTS")
+
+
+def test_fragment_scale_pad_knob(monkeypatch):
+    """FUSEDMOE_TRITON_W4_SCALE_PAD: the bytes process_weights pads a long fragment scale run by
+    (unset = 128, 0 = contiguous scales); a value not a non-negative multiple of 128 is refused,
+    named, before anything is laid."""
+    from fusedmoe import knobs
+
+    config, x, w, weights, ids, _ = problem(Case("pad", T=2, E=2, H=2048, I=64), "mxfp4_w4a16", torch.float32)
+    experts = TritonExperts(config)
+    run_chunks = 2048 // 64  # mxfp4: 32 B a chunk, a 1 KB run
+    assert experts.process_weights(w).quant.w13_scale.stride(1) == (run_chunks + 4) * 32  # one line
+    for raw, chunks in (("0", run_chunks), ("512", run_chunks + 16)):
+        monkeypatch.setenv("FUSEDMOE_TRITON_W4_SCALE_PAD", raw)
+        laid = experts.process_weights(w)
+        assert laid.quant.w13_scale.stride(1) == chunks * 32, raw
+        assert laid.quant.w2_scale.is_contiguous()  # w2: K = I = 64, one chunk, never padded
+    for raw in ("64", "-128", "line"):
+        monkeypatch.setenv("FUSEDMOE_TRITON_W4_SCALE_PAD", raw)
+        with pytest.raises(ValueError, match=rf"FUSEDMOE_TRITON_W4_SCALE_PAD='{raw}': expected a non-negative multiple of 128"):
+            experts.process_weights(w)
+    monkeypatch.delenv("FUSEDMOE_TRITON_W4_SCALE_PAD")
+    with knobs.override(TRITON_W4_SCALE_PAD=0):
+        assert experts.process_weights(w).quant.w13_scale.is_contiguous()
 
 
 def test_fragment_tile_widens_narrow_tiles():

@@ -56,6 +56,19 @@ def _on_off_or(word: str) -> Callable[[str, str], bool | str]:
     return parse
 
 
+def _multiple_of(step: int) -> Callable[[str, str], int]:
+    """A non-negative integer, a multiple of `step`."""
+    def parse(name: str, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = -1
+        if value < 0 or value % step:
+            raise ValueError(f"{PREFIX}{name}={raw!r}: expected a non-negative multiple of {step}")
+        return value
+    return parse
+
+
 _on_off_force = _on_off_or("force")
 _on_off_all = _on_off_or("all")
 
@@ -108,6 +121,11 @@ KNOBS: dict[str, Knob] = {
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "
              "(int4 measured slower at M <= 64 there), all = int4 too, 0 = keep the checkpoint layout."),
+        Knob("TRITON_W4_SCALE_PAD", _multiple_of(128), None,
+             "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
+             "the run is >= 1 KB on an even number of 128-byte lines (fusedmoe.quant.fragments."
+             "scale_run: runs a power of two apart queue every program's scale loads on the same "
+             "memory channels): unset = 128, 0 = none (scales contiguous), else a multiple of 128."),
         Knob("TRITON_DIRECT", _on_off_force, None,
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "

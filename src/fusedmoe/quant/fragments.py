@@ -67,10 +67,10 @@ SCALE_LINE = 128  # bytes: the cache line a padded scale run stays aligned to
 SCALE_PAD_FROM = 1024  # bytes: runs from this long, on a multiple of 2 lines, get one line of padding
 
 
-def scale_run(chunks: int, chunk_bytes: int) -> int:
+def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
     """Scale chunks (of `chunk_bytes` each) a row block's run of `chunks` spans in storage. A run
-    of R >= 1 KB bytes on an even number of 128-byte lines gets one line of padding, so the runs
-    lie an odd number of lines apart: runs a multiple of 2^a >= 1 KB apart put every row block's
+    of R >= 1 KB bytes on an even number of 128-byte lines gets `pad` bytes of padding (a multiple
+    of 128; 0: none), by default one line, so the runs lie an odd number of lines apart: runs a multiple of 2^a >= 1 KB apart put every row block's
     k-th chunk at one address modulo 2^a; all programs of a GEMM stream their tiles' scales at
     about the same k, and those loads queue on the same memory channels. Measured on an H100,
     GEMM1 alone with 64-wide K steps, scales skewed against not
@@ -80,9 +80,11 @@ def scale_run(chunks: int, chunk_bytes: int) -> int:
     two lines: whole calls on those ran 1-2.5% slower. Shorter runs keep their rows' scales
     within a few KB (no common power of two worth the bytes: DeepSeek-V3's w2, 4 chunks, would
     grow 50%)."""
+    if pad < 0 or pad % SCALE_LINE:
+        raise ValueError(f"scale run padding {pad} bytes: expected a non-negative multiple of {SCALE_LINE}")
     run = chunks * chunk_bytes
-    if run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0 and SCALE_LINE % chunk_bytes == 0:
-        return chunks + SCALE_LINE // chunk_bytes
+    if pad and run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0 and SCALE_LINE % chunk_bytes == 0:
+        return chunks + pad // chunk_bytes
     return chunks
 
 
@@ -146,9 +148,11 @@ def fragment_group(codes: torch.Tensor, scale: torch.Tensor) -> int:
     return FRAG_N * gf // scale.shape[3]
 
 
-def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [E, N, K/2] in fragment order, scales `fragment_scale_shape`) from the checkpoint
-    layout (scales in any strides); `fragments_reason` must be None."""
+def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4",
+                 scale_pad: int = SCALE_LINE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [E, N, K/2] in fragment order, scales `fragment_scale_shape`, their row-block runs
+    padded by `scale_run(..., scale_pad)`) from the checkpoint layout (scales in any strides);
+    `fragments_reason` must be None."""
     _check_format(fmt)
     E, N, half = codes.shape
     K = 2 * half
@@ -164,7 +168,8 @@ def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") 
     raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales  # CPU copies of e4m3
     s = raw.reshape(E, N // 16, 2, 8, K // gf, gf // group)  # e n16 rh g kc jg
     shape = fragment_scale_shape(E, N, K, group)
-    store = s.new_zeros(shape[:2] + (scale_run(shape[2], shape[3] * s.element_size()), shape[3]))  # padding unread
+    run = scale_run(shape[2], shape[3] * s.element_size(), scale_pad)
+    store = s.new_zeros(shape[:2] + (run, shape[3]))  # the padding is never read
     store[:, :, :shape[2]] = s.permute(0, 1, 4, 3, 2, 5).reshape(shape)  # e n16 kc | g rh jg
     s = store[:, :, :shape[2]]
     return frag, (s.view(scales.dtype) if raw is not scales else s)

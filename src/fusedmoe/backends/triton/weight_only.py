@@ -46,7 +46,7 @@ from fusedmoe.backends.triton.tiles import (
     tile_mode,
 )
 from fusedmoe.modular import ExpertWeights
-from fusedmoe.quant.fragments import fragments_reason, is_fragments, to_fragments
+from fusedmoe.quant.fragments import SCALE_LINE, fragments_reason, is_fragments, to_fragments
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
 
@@ -172,8 +172,12 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights
-    w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt)
-    w2, s2 = to_fragments(weights.w2, q.w2_scale, fmt)
+    from fusedmoe import knobs
+
+    pad = knobs.get("TRITON_W4_SCALE_PAD")
+    pad = SCALE_LINE if pad is None else pad
+    w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt, pad)
+    w2, s2 = to_fragments(weights.w2, q.w2_scale, fmt, pad)
     return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, w13_scale=s13, w2_scale=s2))
 
 

@@ -68,18 +68,17 @@ SCALE_PAD_FROM = 1024  # bytes: runs from this long, on a multiple of 2 lines, g
 
 
 def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
-    """Scale chunks (of `chunk_bytes` each) a row block's run of `chunks` spans in storage. A run
-    of R >= 1 KB bytes on an even number of 128-byte lines gets `pad` bytes of padding (a multiple
-    of 128; 0: none), by default one line, so the runs lie an odd number of lines apart: runs a multiple of 2^a >= 1 KB apart put every row block's
-    k-th chunk at one address modulo 2^a; all programs of a GEMM stream their tiles' scales at
-    about the same k, and those loads queue on the same memory channels. Measured on an H100,
-    GEMM1 alone with 64-wide K steps, scales skewed against not
-    (results/2026-11-28_h100_869188f_scale_stride.txt): nvfp4 16 x 64 x 64, Qwen3-235B (4 KB
-    runs) M=64 191 -> 127 us, Qwen3-30B (2 KB) M=16 110 -> 75. The padding is a whole line
-    because a chunk's worth (64 bytes, nvfp4) put the 128-byte reads of the wider K steps across
-    two lines: whole calls on those ran 1-2.5% slower. Shorter runs keep their rows' scales
-    within a few KB (no common power of two worth the bytes: DeepSeek-V3's w2, 4 chunks, would
-    grow 50%)."""
+    """Scale chunks (of `chunk_bytes` each) a row block's run of `chunks` spans in storage.
+
+    Runs a multiple of 2^a >= 1 KB apart put every row block's k-th chunk at one address modulo
+    2^a; all programs of a GEMM stream their tiles' scales at about the same k, and those loads
+    queue on the same memory channels. So a run of >= 1 KB on an even number of 128-byte lines gets
+    `pad` bytes of padding (a multiple of 128, 0: none; by default one line: the runs then lie an
+    odd number of lines apart). H100, GEMM1 alone, nvfp4 16 x 64 x 64 (results/
+    2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64 194 -> 139 us,
+    Qwen3-30B (2 KB) M=16 110 -> 89; whole calls there 1-5% faster. A chunk's worth of padding (64
+    bytes, nvfp4) was slower: the 128-byte scale reads of 128-wide K steps then straddle two lines.
+    Shorter runs are left alone (DeepSeek-V3's w2, 4 chunks, would grow 50%)."""
     if pad < 0 or pad % SCALE_LINE:
         raise ValueError(f"scale run padding {pad} bytes: expected a non-negative multiple of {SCALE_LINE}")
     run = chunks * chunk_bytes

@@ -511,9 +511,9 @@ def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP: tl.cons
                   BLOCK_K: tl.constexpr, PTX: tl.constexpr, up_off=0, TWO_HALVES: tl.constexpr = False):
     """(code pointers [F, 512], scale pointers, row mask [F]) of the fragment tile `_w4_frag_tile`
     loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments; a row block's
-    scales start s_rows elements after the last's (the scales' stride(1): runs may be padded). The scale
-    pointers are [F, 32, 2 * JG] with PTX (lane 4g + c reads group g's (rh, jg) scales), else
-    [F, NSC]. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
+    scales start s_rows elements after the last's (the scales' stride(1): runs may be padded).
+    The scale pointers are [F, 32, 2 * JG] with PTX (lane 4g + c reads group g's (rh, jg)
+    scales), else [F, NSC]. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
     scale chunks (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16

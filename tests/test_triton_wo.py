@@ -515,6 +515,15 @@ def test_fragment_tile_widens_narrow_tiles():
         assert describe_plan(problem, get_scheme("mxfp4_w4a16"), torch.device("cpu"))["w4_layout"] == (
             "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")
     assert "e8m0" not in describe_plan(problem, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"]
+    # and the scale runs' padding (fragments.scale_run): nvfp4 at H = 2048 is 2 KB + a line, I = 64 not padded
+    wide_h = GemmProblem(4, 8, 2048, 64, 4, True, torch.bfloat16)
+    assert describe_plan(wide_h, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"].endswith(
+        "; scale runs per 16 rows, w13 / w2: 2048 B + 128 B padding / 64 B (FUSEDMOE_TRITON_W4_SCALE_PAD)")
+    assert "1024 B + 128 B padding / 32 B" in describe_plan(wide_h, get_scheme("mxfp4_w4a16"),
+                                                               torch.device("cpu"))["w4_layout"]
+    with knobs.override(TRITON_W4_SCALE_PAD=0):
+        assert "w13 / w2: 2048 B / 64 B" in describe_plan(wide_h, get_scheme("nvfp4_w4a16"),
+                                                          torch.device("cpu"))["w4_layout"]
     assert "w4_layout" not in describe_plan(problem, get_scheme("int8_w8a16"), torch.device("cpu"))
     # the explain lines: the 4-bit layout named as such, a persistent GEMM2 and a one-dot GEMM1 spelled out
     from fusedmoe.cli import format_plans

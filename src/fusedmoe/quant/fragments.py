@@ -87,6 +87,13 @@ def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
     return chunks
 
 
+def scale_run_bytes(k: int, group: int, itemsize: int, pad: int = SCALE_LINE) -> tuple[int, int]:
+    """(bytes of a row block's scale run over K = k, bytes between two runs in storage): what
+    `to_fragments` stores for scales of `itemsize` bytes in groups of `group`."""
+    chunks, chunk_bytes = k // scale_chunk(group), FRAG_N * scale_chunk(group) // group * itemsize
+    return chunks * chunk_bytes, scale_run(chunks, chunk_bytes, pad) * chunk_bytes
+
+
 def fragment_scale_shape(num_experts: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
     """[E, N/16, K/GF, 16 * GF / group] (GF = `scale_chunk(group)`): the fragment layout's scales."""
     gf = scale_chunk(group)

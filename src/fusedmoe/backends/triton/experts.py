@@ -542,6 +542,22 @@ def _plan_tiles(problem: GemmProblem, scheme, device: torch.device,
     return (is_direct, *tiles)
 
 
+def _scale_runs(problem: GemmProblem, scheme) -> str:
+    """`describe_plan`'s words on the fragment scales' row-block runs (`fragments.scale_run`):
+    their bytes in w13 / w2 and the padding after them; '' for int4 (its scales' dtype is the
+    checkpoint's, unknown here)."""
+    from fusedmoe import knobs
+    from fusedmoe.quant.fragments import SCALE_LINE, scale_run_bytes
+
+    if scheme.weight.dtype == "int4":
+        return ""
+    pad = knobs.get("TRITON_W4_SCALE_PAD")
+    pad = SCALE_LINE if pad is None else pad
+    runs = [scale_run_bytes(k, scheme.weight.group, 1, pad) for k in (problem.hidden, problem.inter)]
+    words = " / ".join(f"{run} B" + (f" + {stride - run} B padding" if stride > run else "") for run, stride in runs)
+    return f"; scale runs per 16 rows, w13 / w2: {words} (FUSEDMOE_TRITON_W4_SCALE_PAD)"
+
+
 def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
@@ -591,7 +607,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
         if scheme.weight.dtype in fragment_formats():
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
                                   f"multiples of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
-                                  f"layout){widened}")
+                                  f"layout){widened}{_scale_runs(problem, scheme)}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
         else:

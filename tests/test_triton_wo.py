@@ -187,8 +187,9 @@ def test_fragment_scale_runs_are_padded_off_large_powers_of_two():
     assert torch.equal(from_fragments(frag, fs.contiguous(), "mxfp4")[1], scales)
     assert to_fragments(codes, scales, "mxfp4", scale_pad=0)[1].is_contiguous()
     assert to_fragments(codes, scales, "mxfp4", scale_pad=256)[1].stride(1) == 40 * 32
-    with pytest.raises(ValueError, match="scale run padding 100 bytes: expected a non-negative multiple of 128"):
+    with pytest.raises(ValueError, match="scale run padding 100 bytes: expected a non-negative multiple of 32"):
         scale_run(64, 64, 100)
+    assert scale_run(64, 64, 32) == 65 and scale_run(32, 128, 64) == 33  # rounded up to whole chunks
 
 
 def test_fragment_layout_conditions():
@@ -463,7 +464,7 @@ def test_fragment_formats_knob(monkeypatch):
 
 def test_fragment_scale_pad_knob(monkeypatch):
     """FUSEDMOE_TRITON_W4_SCALE_PAD: the bytes process_weights pads a long fragment scale run by
-    (unset = 128, 0 = contiguous scales); a value not a non-negative multiple of 128 is refused,
+    (unset = 128, 0 = contiguous scales); a value not a non-negative multiple of 32 is refused,
     named, before anything is laid."""
     from fusedmoe import knobs
 
@@ -476,9 +477,11 @@ def test_fragment_scale_pad_knob(monkeypatch):
         laid = experts.process_weights(w)
         assert laid.quant.w13_scale.stride(1) == chunks * 32, raw
         assert laid.quant.w2_scale.is_contiguous()  # w2: K = I = 64, one chunk, never padded
-    for raw in ("64", "-128", "line"):
+    monkeypatch.setenv("FUSEDMOE_TRITON_W4_SCALE_PAD", "64")  # two 32-byte mxfp4 chunks
+    assert experts.process_weights(w).quant.w13_scale.stride(1) == (run_chunks + 2) * 32
+    for raw in ("48", "-128", "line"):
         monkeypatch.setenv("FUSEDMOE_TRITON_W4_SCALE_PAD", raw)
-        with pytest.raises(ValueError, match=rf"FUSEDMOE_TRITON_W4_SCALE_PAD='{raw}': expected a non-negative multiple of 128"):
+        with pytest.raises(ValueError, match=rf"FUSEDMOE_TRITON_W4_SCALE_PAD='{raw}': expected a non-negative multiple of 32"):
             experts.process_weights(w)
     monkeypatch.delenv("FUSEDMOE_TRITON_W4_SCALE_PAD")
     with knobs.override(TRITON_W4_SCALE_PAD=0):

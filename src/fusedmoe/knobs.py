@@ -121,11 +121,12 @@ KNOBS: dict[str, Knob] = {
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "
              "(int4 measured slower at M <= 64 there), all = int4 too, 0 = keep the checkpoint layout."),
-        Knob("TRITON_W4_SCALE_PAD", _multiple_of(128), None,
+        Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
              "the run is >= 1 KB on an even number of 128-byte lines (fusedmoe.quant.fragments."
              "scale_run: runs a power of two apart queue every program's scale loads on the same "
-             "memory channels): unset = 128, 0 = none (scales contiguous), else a multiple of 128."),
+             "memory channels): unset = 128, 0 = none (scales contiguous), else a multiple of 32 (rounded up "
+             "to whole scale chunks: 32-128 bytes by format)."),
         Knob("TRITON_DIRECT", _on_off_force, None,
              "The Triton decode path without alignment (GEMM1 reads each slot's expert from the ids, "
              "GEMM2 sums a token's slots): unset/1 = for few slots with rarely repeated experts, "

@@ -63,7 +63,8 @@ def scale_chunk(group: int) -> int:
     return max(group, FRAG_K)
 
 
-SCALE_LINE = 128  # bytes: the cache line a padded scale run stays aligned to
+SCALE_LINE = 128  # bytes: the cache line a padded scale run stays aligned to (the default padding)
+SCALE_PAD_UNIT = 32  # bytes: padding is a multiple of this, rounded up to whole chunks
 SCALE_PAD_FROM = 1024  # bytes: runs from this long, on a multiple of 2 lines, get one line of padding
 
 
@@ -73,17 +74,17 @@ def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
     Runs a multiple of 2^a >= 1 KB apart put every row block's k-th chunk at one address modulo
     2^a; all programs of a GEMM stream their tiles' scales at about the same k, and those loads
     queue on the same memory channels. So a run of >= 1 KB on an even number of 128-byte lines gets
-    `pad` bytes of padding (a multiple of 128, 0: none; by default one line: the runs then lie an
-    odd number of lines apart). H100, GEMM1 alone, nvfp4 16 x 64 x 64 (results/
+    `pad` bytes of padding (a multiple of 32, rounded up to whole chunks; 0: none; by default one
+    line: the runs then lie an odd number of lines apart). H100, GEMM1 alone, nvfp4 16 x 64 x 64 (results/
     2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64 194 -> 139 us,
     Qwen3-30B (2 KB) M=16 110 -> 89; whole calls there 1-5% faster. A chunk's worth of padding (64
     bytes, nvfp4) was slower: the 128-byte scale reads of 128-wide K steps then straddle two lines.
     Shorter runs are left alone (DeepSeek-V3's w2, 4 chunks, would grow 50%)."""
-    if pad < 0 or pad % SCALE_LINE:
-        raise ValueError(f"scale run padding {pad} bytes: expected a non-negative multiple of {SCALE_LINE}")
+    if pad < 0 or pad % SCALE_PAD_UNIT:
+        raise ValueError(f"scale run padding {pad} bytes: expected a non-negative multiple of {SCALE_PAD_UNIT}")
     run = chunks * chunk_bytes
-    if pad and run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0 and SCALE_LINE % chunk_bytes == 0:
-        return chunks + pad // chunk_bytes
+    if pad and run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0:
+        return chunks + -(-pad // chunk_bytes)
     return chunks
 
 

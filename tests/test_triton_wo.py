@@ -319,6 +319,47 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
     assert rel_err(batched(x, laid, weights, ids), want) < tol
 
 
+def _padded(scale: torch.Tensor, extra: int) -> torch.Tensor:
+    """Fragment scales as a view of a store with `extra` chunks after each row block's run, the
+    padding filled with 0xFF (an e8m0 NaN; a large e4m3 / float) so any read of it shows."""
+    store = torch.full((*scale.shape[:2], scale.shape[2] + extra, scale.shape[3]), 255, dtype=torch.uint8)
+    store[:, :, :scale.shape[2]] = scale.view(torch.uint8)
+    return store[:, :, :scale.shape[2]].view(scale.dtype)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16"])
+def test_padded_fragment_scale_runs_in_every_gemm(scheme):
+    """Every fragment GEMM addresses a row block's scales by the scales' stride(1)
+    (`kernels._w4_frag_ptrs` s_rows): scales of w13 and w2 in padded stores give bitwise the
+    dense layout's output on the aligned path (64- and 128-wide K steps, the latter FRAG_INC's
+    pointer increments), the direct path and the batched layout; and a shape whose runs
+    `to_fragments` pads itself (nvfp4 H = 1024: 1 KB runs) matches emulation."""
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts
+    from fusedmoe.modular import make_modular
+
+    config, x, w, weights, ids, _ = problem(Case("pad-all", T=5, E=4, H=256, I=128), scheme, torch.float32)
+    laid = TritonExperts(config).process_weights(w)
+    q = laid.quant
+    padded = laid.replace(quant=dataclasses.replace(q, w13_scale=_padded(q.w13_scale, 3),
+                                                    w2_scale=_padded(q.w2_scale, 1)))
+    assert padded.quant.w13_scale.stride(1) > q.w13_scale.stride(1)
+    for tiles in (((16, 64, 64, 4, 1), (16, 64, 64, 4, 1)), ((16, 64, 128, 4, 1), (16, 64, 128, 4, 1))):
+        assert torch.equal(run(config, x, padded, weights, ids, None, tiles=tiles),
+                           run(config, x, laid, weights, ids, None, tiles=tiles)), tiles
+    one = slice(0, 1)
+    assert torch.equal(run(config, x[one], padded, weights[one], ids[one], None, direct=True),
+                       run(config, x[one], laid, weights[one], ids[one], None, direct=True))
+    batched_config = config.replace(activation_format="batched")
+    batched = make_modular(batched_config, BatchedTritonExperts(batched_config))
+    assert torch.equal(batched(x, padded, weights, ids), batched(x, laid, weights, ids))
+    if scheme == "nvfp4_w4a16":
+        config, x, w, weights, ids, _ = problem(Case("pad-real", T=3, E=2, K=1, H=1024, I=64), scheme, torch.float32)
+        laid = TritonExperts(config).process_weights(w)
+        assert laid.quant.w13_scale.stride(1) == (16 + 2) * 64  # 16 chunks of 64 B + a line
+        want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+        assert rel_err(run(config, x, laid, weights, ids, None), want) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("scheme,programs", [("mxfp4_w4a16", 1), ("nvfp4_w4a16", 3), ("int4_w4a16_g32", 5)])
 def test_persistent_w4_gemm2_matches_the_tile_per_program_launch(monkeypatch, scheme, programs):
     """The weight-only 4-bit GEMM2 as a persistent launch (`programs` programs stride over its 8

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -39,13 +40,30 @@ KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "
 TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
 
+def table_triton(device_name: str) -> str | None:
+    """The Triton version `device_name`'s tuned table (FUSEDMOE_TUNED_DIR's, else the packaged
+    one) was tuned with, or None without one."""
+    from fusedmoe.backends.triton import tuning
+
+    folders = ([Path(knobs.get("TUNED_DIR"))] if knobs.get("TUNED_DIR") else []) + [tuning.PACKAGED]
+    for folder in folders:
+        path = folder / tuning.device_file_name(device_name)
+        if path.is_file():
+            return str(json.loads(path.read_text()).get("triton", "")) or None
+    return None
+
+
 def as_on_gpu(device_name: str | None) -> torch.device:
     """Make the tile and launch rules decide as on an sm90 GPU of 132 SMs (named `device_name`:
-    its packaged tuned table serves; None: the heuristic alone) for CPU tensors: TMA descriptors
-    where their rules allow, the PTX weight decode for bf16. Returns the device to plan for."""
+    its tuned table serves, as on the GPU running the Triton it was tuned with, whatever this
+    machine's Triton is; None: the heuristic alone) for CPU tensors: TMA descriptors where their
+    rules allow, the PTX weight decode for bf16. Returns the device to plan for."""
     from fusedmoe.backends.triton import experts, quant, tuning, weight_only
 
     tuning._device_name = lambda d: device_name or "no tuned table"
+    tuned_with = table_triton(device_name) if device_name else None
+    if tuned_with:  # tables load only under the Triton (major.minor) they were tuned with
+        tuning._triton_version = lambda: tuned_with
     for module in (experts, quant, weight_only):
         module._num_sms = lambda d: 132
     experts._sm90 = lambda index: True
@@ -167,7 +185,10 @@ def main(argv=None) -> int:
                     rows.append({"preset": name, "tokens": tokens, "path": "direct" if direct else "aligned",
                                  "kernel": call.name, **{k: call.kwargs[k] for k in KEYS if k in call.kwargs},
                                  **u, "programs_per_sm": per_sm})
-    print(f"sm90 compile with Triton {triton.__version__} ({args.quant or args.dtype})")
+    name = None if args.device_name.lower() == "none" else args.device_name
+    tuned_with = table_triton(name) if name else None
+    source = f"{name}'s tuned table (Triton {tuned_with})" if tuned_with else "the heuristic"
+    print(f"sm90 compile with Triton {triton.__version__} ({args.quant or args.dtype}); plans: {source}")
     print(f"{'preset':16} {'M':>5} {'path':7} {'kernel':26} {'tile (m,n,k,w,s)':20} {'regs':>4} {'stack':>5} "
           f"{'smem':>7} {'/SM':>3} {'instr':>6}  key opcodes")
     for r in rows:

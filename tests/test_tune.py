@@ -519,3 +519,40 @@ def test_ab_trees_alternates_old_and_new(tmp_path):
     failing = subprocess.run([*script, "run", "--old", src, "--rounds", "1", "--", sys.executable, "-c",
                               "import os, sys; sys.exit(3 if os.environ['AB_SIDE'] == 'new' else 0)"])
     assert failing.returncode == 3
+
+
+def test_ab_trees_summarize_pairs_each_cell_across_rounds():
+    """benchmarks/ab_trees.py summarize: per (scheme, cell), the best time of each side over its
+    rounds, the change and the spreads, from `fusedmoe bench` rows and `bench_gemm_tiles.py` rows
+    (their better timing), the scheme taken from each run's header line; a header glued after a
+    line of other output still splits the runs, and cells of one side only are left out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "ab_trees.py"
+    spec = importlib.util.spec_from_file_location("ab_trees", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    bench = ("GPU: 3.0 TB/s; torch 2.11, triton 3.6, commit x; triton runs {q}\n"
+             "preset             backend         M E_act        us  TFLOP/s    GB/s  %roof bound\n"
+             "qwen3-30b-a3b      triton         16    85     {t:.1f}     11.3    2000   66.0 memory\n")
+    tiles = ("NVIDIA H100 80GB HBM3; torch 2.11.0+cu130; nvfp4_w4a16\n"
+             "deepseek-v3      M=16    H=7168  I=256   gemm2 16x128x128x4x3:persistent P=4  {a:.1f} /  {b:.1f} us"
+             "   1.9 TB/s  reference\n")
+    log = ("== old round 1 (.ab/x/src)\n" + bench.format(q="mxfp4_w4a16", t=110.0) + bench.format(q="nvfp4_w4a16", t=130.0)
+           + tiles.format(a=60.0, b=58.0)
+           + "...s..== new round 1 (src)\n" + bench.format(q="mxfp4_w4a16", t=100.0) + bench.format(q="nvfp4_w4a16", t=117.0)
+           + tiles.format(a=57.0, b=59.0)
+           + "== old round 2 (.ab/x/src)\n" + bench.format(q="mxfp4_w4a16", t=104.0)
+           + "== new round 2 (src)\n" + bench.format(q="mxfp4_w4a16", t=103.0)
+           + "qwen3-235b-a22b    triton         64   125     150.0     31.7    2057   67.9 memory\n")
+    cells = ab.parse_log(log)
+    assert cells[("mxfp4_w4a16", "qwen3-30b-a3b", "triton", 16)] == {"old": [110.0, 104.0], "new": [100.0, 103.0]}
+    assert cells[("nvfp4_w4a16", "qwen3-30b-a3b", "triton", 16)] == {"old": [130.0], "new": [117.0]}
+    assert cells[("nvfp4_w4a16", "deepseek-v3", 16, "gemm2", "16x128x128x4x3:persistent P=4")] == {
+        "old": [58.0], "new": [57.0]}
+    lines = ab.summarize(log).splitlines()
+    assert len(lines) == 3  # qwen3-235b: new side only
+    assert lines[0].startswith("mxfp4_w4a16 qwen3-30b-a3b triton 16") and "old    104.0 new    100.0   -3.8%" in lines[0]
+    assert lines[0].endswith("spread   6.0 /   3.0")
+    assert "-10.0%" in lines[1] and "-1.7%" in lines[2]

@@ -30,8 +30,8 @@ Scales go the same way, [E, N/16, K/GF, 16 * GF / group] with GF = max(group, 64
 fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) scales together
 (mxfp4 [.., 32], nvfp4 [.., 64], int4 g32 [.., 32], g64 and g128 [.., 16]). Their values and
 dtype are the checkpoint's, only reordered. Each row block's run of K/GF chunks lies
-`scale_run` chunks after the last (a run of >= 1 KB on an even number of 128-byte lines gets a
-line of padding), so the tensor may be a view with stride(1) > K/GF * 16 * GF / group; the
+`scale_run` chunks after the last (by default a run of >= 1 KB on an even number of 128-byte
+lines gets a line of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with stride(1) > K/GF * 16 * GF / group; the
 kernels take that stride, so a contiguous copy (which `.to(device)` of the view makes) is as
 correct, only slower on those shapes. Their 4-D shape is what marks the layout:
 `is_fragments(scale)`. The payload keeps its shape [E, N, K/2] (the same bytes, reordered), so
@@ -73,10 +73,11 @@ def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
 
     Runs a multiple of 2^a >= 1 KB apart put every row block's k-th chunk at one address modulo
     2^a; all programs of a GEMM stream their tiles' scales at about the same k, and those loads
-    queue on the same memory channels. So a run of >= 1 KB on an even number of 128-byte lines gets
-    `pad` bytes of padding (a multiple of 32, rounded up to whole chunks; 0: none; by default one
-    line: the runs then lie an odd number of lines apart). H100, GEMM1 alone, nvfp4 16 x 64 x 64 (results/
-    2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64 194 -> 139 us,
+    queue on the same memory channels. So a run of >= 1 KB on an even number of 128-byte lines
+    gets `pad` bytes of padding (a multiple of 32, rounded up to whole chunks; 0: none; by default
+    one line: the runs then lie an odd number of lines apart). H100, GEMM1 alone, nvfp4
+    16 x 64 x 64 (results/2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64
+    194 -> 139 us,
     Qwen3-30B (2 KB) M=16 110 -> 89; whole calls there 1-5% faster. A chunk's worth of padding (64
     bytes, nvfp4) was slower: the 128-byte scale reads of 128-wide K steps then straddle two lines.
     Shorter runs are left alone (DeepSeek-V3's w2, 4 chunks, would grow 50%)."""

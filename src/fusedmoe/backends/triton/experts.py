@@ -546,13 +546,12 @@ def _scale_runs(problem: GemmProblem, scheme) -> str:
     """`describe_plan`'s words on the fragment scales' row-block runs (`fragments.scale_run`):
     their bytes in w13 / w2 and the padding after them; '' for int4 (its scales' dtype is the
     checkpoint's, unknown here)."""
-    from fusedmoe import knobs
-    from fusedmoe.quant.fragments import SCALE_LINE, scale_run_bytes
+    from fusedmoe.backends.triton.weight_only import scale_pad
+    from fusedmoe.quant.fragments import scale_run_bytes
 
     if scheme.weight.dtype == "int4":
         return ""
-    pad = knobs.get("TRITON_W4_SCALE_PAD")
-    pad = SCALE_LINE if pad is None else pad
+    pad = scale_pad()
     runs = [scale_run_bytes(k, scheme.weight.group, 1, pad) for k in (problem.hidden, problem.inter)]
     words = " / ".join(f"{run} B" + (f" + {stride - run} B padding" if stride > run else "") for run, stride in runs)
     return f"; scale runs per 16 rows, w13 / w2: {words} (FUSEDMOE_TRITON_W4_SCALE_PAD)"

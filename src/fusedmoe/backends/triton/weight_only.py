@@ -149,6 +149,14 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 
 
+def scale_pad() -> int:
+    """Bytes `to_fragments` pads a long scale run by now (FUSEDMOE_TRITON_W4_SCALE_PAD, default a line)."""
+    from fusedmoe import knobs
+
+    pad = knobs.get("TRITON_W4_SCALE_PAD")
+    return SCALE_LINE if pad is None else pad
+
+
 def fragment_formats() -> tuple[str, ...]:
     """The 4-bit formats `process_weights` lays as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS)."""
     from fusedmoe import knobs
@@ -172,10 +180,7 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights
-    from fusedmoe import knobs
-
-    pad = knobs.get("TRITON_W4_SCALE_PAD")
-    pad = SCALE_LINE if pad is None else pad
+    pad = scale_pad()
     w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt, pad)
     w2, s2 = to_fragments(weights.w2, q.w2_scale, fmt, pad)
     return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, w13_scale=s13, w2_scale=s2))

@@ -31,9 +31,10 @@ fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) sc
 (mxfp4 [.., 32], nvfp4 [.., 64], int4 g32 [.., 32], g64 and g128 [.., 16]). Their values and
 dtype are the checkpoint's, only reordered. Each row block's run of K/GF chunks lies
 `scale_run` chunks after the last (by default a run of >= 1 KB on an even number of 128-byte
-lines gets a line of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with stride(1) > K/GF * 16 * GF / group; the
-kernels take that stride, so a contiguous copy (which `.to(device)` of the view makes) is as
-correct, only slower on those shapes. Their 4-D shape is what marks the layout:
+lines gets a line of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with
+stride(1) > K/GF * 16 * GF / group; the kernels take that stride, so a contiguous copy (which
+`.to(device)` of the view makes) is as correct, only slower on those shapes. Their 4-D shape is
+what marks the layout:
 `is_fragments(scale)`. The payload keeps its shape [E, N, K/2] (the same bytes, reordered), so
 shape checks, views and expert slicing by the first dim still hold; anything that reads the codes
 by position (dequantization, other backends) goes through `from_fragments` first.

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -41,16 +40,12 @@ TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
 
 def table_triton(device_name: str) -> str | None:
-    """The Triton version `device_name`'s tuned table (FUSEDMOE_TUNED_DIR's, else the packaged
-    one) was tuned with, or None without one."""
+    """The Triton version `device_name`'s first tuned table (`tuning.table_paths`) was tuned with,
+    or None without one."""
     from fusedmoe.backends.triton import tuning
 
-    folders = ([Path(knobs.get("TUNED_DIR"))] if knobs.get("TUNED_DIR") else []) + [tuning.PACKAGED]
-    for folder in folders:
-        path = folder / tuning.device_file_name(device_name)
-        if path.is_file():
-            return str(json.loads(path.read_text()).get("triton", "")) or None
-    return None
+    paths = tuning.table_paths(device_name)
+    return (str(json.loads(paths[0].read_text()).get("triton", "")) or None) if paths else None
 
 
 def as_on_gpu(device_name: str | None) -> torch.device:

@@ -189,17 +189,15 @@ def _load(path: str, mtime: float) -> dict:
         return {}
 
 
+def table_paths(device_name: str) -> list[Path]:
+    """The tuned tables of `device_name` that exist, first served first: FUSEDMOE_TUNED_DIR's,
+    then the packaged one."""
+    folders = ([Path(knobs.get("TUNED_DIR"))] if knobs.get("TUNED_DIR") else []) + [PACKAGED]
+    return [path for path in (folder / device_file_name(device_name) for folder in folders) if path.is_file()]
+
+
 def _tables(device_name: str) -> list[dict]:
-    folders = []
-    if knobs.get("TUNED_DIR"):
-        folders.append(Path(knobs.get("TUNED_DIR")))
-    folders.append(PACKAGED)
-    out = []
-    for folder in folders:
-        path = folder / device_file_name(device_name)
-        if path.is_file():
-            out.append(_load(str(path), path.stat().st_mtime))
-    return out
+    return [_load(str(path), path.stat().st_mtime) for path in table_paths(device_name)]
 
 
 @functools.cache

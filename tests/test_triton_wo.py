@@ -123,6 +123,38 @@ def test_fragment_layout_round_trips_and_decodes():
     assert torch.equal(values, want) and torch.equal(values.signbit(), want.signbit())
 
 
+def test_nvfp4_scale_codes_give_exact_multipliers():
+    """fragments.nv_scale_codes: every e4m3 scale s in [0, 448] (the 127 non-negative, non-NaN
+    bytes, subnormals included) has a byte code c whose (c << 4) + 0xF600, wrapped to 16 bits as
+    the kernels compute it (kernels._frag_multiplier), is the bf16 of -s * 2^118 exactly and +0
+    for s = 0; the codes are distinct and decode back. Negative and NaN scales keep the checkpoint
+    layout (fragments_reason), and the kernels refuse nvfp4 fragment scales not in codes."""
+    from fusedmoe.quant.fragments import (
+        NV_CODE_BASE,
+        fragments_reason,
+        from_fragments,
+        nv_scale_codes,
+        to_fragments,
+    )
+
+    code, back = nv_scale_codes()
+    byte = torch.arange(127, dtype=torch.uint8)
+    s = byte.view(torch.float8_e4m3fn).double()
+    bits = ((code[:127].int() << 4) + NV_CODE_BASE) & 0xFFFF
+    got = bits.to(torch.int16).view(torch.bfloat16).double()
+    assert torch.equal(got, torch.where(s == 0, 0.0, -s * 2.0**118)) and not bool(got[0].signbit())
+    assert len(set(code[:127].tolist())) == 127 and torch.equal(back[code[:127].long()], byte)
+    assert code[:8].tolist() == [160, 0, 8, 12, 16, 18, 20, 22] and code[126] == 142
+    codes = torch.zeros(1, 16, 32, dtype=torch.uint8)
+    for bad in (0x7F, 0x80 | 0x38):  # NaN, -1.0
+        scales = torch.full((1, 16, 4), 0x38, dtype=torch.uint8)
+        scales[0, 3, 1] = bad
+        assert "negative or NaN e4m3 scale" in fragments_reason(codes, scales.view(torch.float8_e4m3fn), "nvfp4")
+    frag, fs = to_fragments(codes, torch.full((1, 16, 4), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn), "nvfp4")
+    with pytest.raises(ValueError, match="multiplier codes"):
+        from_fragments(frag, fs.view(torch.float8_e4m3fn), "nvfp4")
+
+
 @pytest.mark.parametrize("fmt,group,dtype", [("nvfp4", 16, torch.float8_e4m3fn), ("int4", 32, torch.float32),
                                              ("int4", 64, torch.float16), ("int4", 128, torch.bfloat16)])
 def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype):
@@ -131,7 +163,12 @@ def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype)
     the kernels read it for (n, k), and (int4) each code at its register's bits 4r + 16u, so
     kernels.W4_PTX_I4FRAG's lop3 under the 0x4308 magic gives 136 + q."""
     from fusedmoe.quant.formats import unpack_nibbles
-    from fusedmoe.quant.fragments import fragment_group, from_fragments, to_fragments
+    from fusedmoe.quant.fragments import (
+        fragment_group,
+        from_fragments,
+        nv_scale_codes,
+        to_fragments,
+    )
 
     gen = torch.Generator().manual_seed(group)
     E, N, K = 2, 32, 256
@@ -143,7 +180,8 @@ def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype)
     strided = scales.transpose(1, 2).contiguous().transpose(1, 2)  # kernel_scale_layout's group-major
     frag, fs = to_fragments(codes, strided, fmt)
     gf = max(group, 64)
-    assert fs.shape == (E, N // 16, K // gf, 16 * gf // group) and fs.dtype == dtype
+    assert fs.shape == (E, N // 16, K // gf, 16 * gf // group)
+    assert fs.dtype == (torch.uint8 if fmt == "nvfp4" else dtype)  # nvfp4: multiplier codes
     assert fragment_group(frag, fs) == group
     back, back_s = from_fragments(frag, fs, fmt)
     u8 = (lambda t: t.view(torch.uint8)) if dtype == torch.float8_e4m3fn else (lambda t: t)
@@ -152,7 +190,8 @@ def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype)
     n, k = torch.meshgrid(torch.arange(N), torch.arange(K), indexing="ij")
     g, rh, jg = n % 8, (n % 16) // 8, (k % gf) // group
     picked = u8(fs)[:, n // 16, k // gf, g * 2 * (gf // group) + rh * (gf // group) + jg]
-    assert torch.equal(picked, u8(scales).repeat_interleave(group, dim=2))
+    stored = nv_scale_codes()[0][u8(scales).long()] if fmt == "nvfp4" else u8(scales)
+    assert torch.equal(picked, stored.repeat_interleave(group, dim=2))
     if fmt == "int4":  # word j of lane 4g + c: register r = 2rh + kh's code u at bits 4r + 16u
         w = frag.view(E, N // 16, K // 64, 32, 4, 4).view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
         regs = torch.stack([(w >> (4 * r)) & 0x000F000F ^ 0x43084308 for r in range(4)], -1)  # ... j r

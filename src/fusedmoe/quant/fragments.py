@@ -46,6 +46,8 @@ once).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusedmoe.quant.formats import unpack_nibbles
@@ -123,6 +125,33 @@ def _unplace(bits: torch.Tensor, reg: int, fmt: str) -> torch.Tensor:
     return ((bits >> 12) & 8) | ((bits >> 6) & 7)
 
 
+# nvfp4's scales in the fragment layout: one byte code c per e4m3 scale s (>= 0, not NaN) whose
+# 16-bit pattern (c << 4) + NV_CODE_BASE (mod 2^16) is the bf16 of -s * 2^118, +0 for s = 0. The
+# kernels' multiplier is then a shift and an add (`kernels._frag_multiplier`) where an e4m3 ->
+# fp32 -> bf16 conversion took about a sixth of the K step's instructions (sm90 SASS: 584 -> 492
+# at a 128-wide step). Negative: -2^109 (the smallest subnormal's) has the pattern 0xF600, and
+# 0xF600 + 160 * 16 wraps to +0, so a zero scale is exact without a select; the tiles hold
+# -value * s * 2^-8 and the kernels put -2^8 on the accumulator. Normal scales: c = byte + 16;
+# subnormal ones (m * 2^-9): 0, 8, 12, 16, 18, 20, 22; zero: 160.
+NV_CODE_BASE = 0xF600
+
+
+@functools.cache
+def nv_scale_codes() -> tuple[torch.Tensor, torch.Tensor]:
+    """(code of each e4m3 byte 0..127 (127: NaN, refused, coded 255), e4m3 byte of each code)."""
+    byte = torch.arange(128, dtype=torch.uint8)
+    s = byte.view(torch.float8_e4m3fn).double()
+    target = torch.where(s == 0, 0.0, -s * 2.0**118).bfloat16().view(torch.int16).int() & 0xFFFF
+    code = (target - NV_CODE_BASE) & 0xFFFF
+    assert bool((code[:127] % 16 == 0).all()) and int(code[:127].max()) < 4096
+    code = (code // 16).to(torch.uint8)
+    code[127] = 255
+    back = torch.zeros(256, dtype=torch.uint8)
+    back[code[:127].long()] = byte[:127]
+    assert len(set(code[:127].tolist())) == 127
+    return code, back
+
+
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"the fragment layout holds {FORMATS} weights, not {fmt!r}")
@@ -143,6 +172,8 @@ def fragments_reason(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp
         return f"scales {tuple(scales.shape)} are not one per group of 16-128 k of [{n}, {k}]"
     if fmt == "mxfp4" and scales.numel() and int(scales.max()) > MAX_SCALE_CODE:
         return f"an e8m0 scale code above {MAX_SCALE_CODE} (a scale above 2)"
+    if fmt == "nvfp4" and scales.numel() and int(scales.view(torch.uint8).max()) >= 0x7F:
+        return "a negative or NaN e4m3 scale (the fragment scale codes take 0 to 448)"
     return None
 
 
@@ -175,13 +206,15 @@ def to_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4",
     group = K // scales.shape[2]
     gf = scale_chunk(group)
     raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales  # CPU copies of e4m3
+    if fmt == "nvfp4":  # e4m3 bytes -> multiplier codes (NV_CODE_BASE), uint8 from here on
+        raw = nv_scale_codes()[0].to(raw.device)[raw.long()]
     s = raw.reshape(E, N // 16, 2, 8, K // gf, gf // group)  # e n16 rh g kc jg
     shape = fragment_scale_shape(E, N, K, group)
     run = scale_run(shape[2], shape[3] * s.element_size(), scale_pad)
     store = s.new_zeros(shape[:2] + (run, shape[3]))  # the padding is never read
     store[:, :, :shape[2]] = s.permute(0, 1, 4, 3, 2, 5).reshape(shape)  # e n16 kc | g rh jg
     s = store[:, :, :shape[2]]
-    return frag, (s.view(scales.dtype) if raw is not scales else s)
+    return frag, (s.view(scales.dtype) if raw is not scales and fmt != "nvfp4" else s)
 
 
 def from_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +231,12 @@ def from_fragments(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4"
     group = fragment_group(codes, scales)
     gf = scale_chunk(group)
     raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    if fmt == "nvfp4":  # multiplier codes -> e4m3 bytes
+        if scales.dtype != torch.uint8:
+            raise ValueError(f"nvfp4 fragment scales are multiplier codes (uint8, to_fragments), not {scales.dtype}")
+        raw = nv_scale_codes()[1].to(raw.device)[raw.long()].view(torch.float8_e4m3fn)
     s = raw.reshape(E, N // 16, K // gf, 8, 2, gf // group).permute(0, 1, 4, 3, 2, 5)  # e n16 rh g kc jg
     s = s.reshape(E, N, K // group).contiguous()
+    if fmt == "nvfp4":
+        return packed.contiguous(), s
     return packed.contiguous(), (s.view(scales.dtype) if raw is not scales else s)

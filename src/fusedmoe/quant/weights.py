@@ -212,9 +212,12 @@ def check_quant_weights(
         ("w2_scale", params.w2_scale, hidden, intermediate),
     ):
         shapes = (scale_shape(key, num_experts, n, k),)
+        dtypes = scale_dtypes
         if key.dtype in _PACKED and n % FRAG_N == 0 and k % FRAG_K == 0 and k % scale_chunk(key.group) == 0:
             shapes += (fragment_scale_shape(num_experts, n, k, key.group),)  # or in fragment order
-        _check_tensor(name, scale, shapes, scale_dtypes, scheme, device)
+            if is_fragments(scale) and key.dtype == "nvfp4":  # fragments.nv_scale_codes
+                shapes, dtypes = shapes[1:], (torch.uint8,)
+        _check_tensor(name, scale, shapes, dtypes, scheme, device)
     for name, global_scale in (
         ("w13_global_scale", params.w13_global_scale),
         ("w2_global_scale", params.w2_global_scale),

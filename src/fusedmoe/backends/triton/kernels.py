@@ -101,8 +101,9 @@ W4_NVFP4 = tl.constexpr(2)  # e2m1, e4m3 scale, fp32 global scale per expert
 # the [BLOCK_N, BLOCK_K] weight tile, multiplied swapped (w @ x^T into a [BLOCK_N, BLOCK_M]
 # accumulator, transposed back after the K loop, as SWAP_AB)
 W4_MXFP4_FRAG = tl.constexpr(3)
-W4_NVFP4_FRAG = tl.constexpr(4)  # the same for nvfp4: the tile holds value * s * 2^-8, 2^8 and
-# the global scale go onto the accumulator (`_w4_global`)
+W4_NVFP4_FRAG = tl.constexpr(4)  # the same for nvfp4, its scales as multiplier codes
+# (fragments.nv_scale_codes): the tile holds -value * s * 2^-8, -2^8 and the global scale go onto
+# the accumulator (`_w4_global`)
 W4_INT4_FRAG = tl.constexpr(5)  # the same for int4 (its own bit placement, W4_PTX_I4FRAG)
 
 
@@ -444,8 +445,8 @@ mul.rn.bf16x2 $2, $2, $6;
 mul.rn.bf16x2 $3, $3, $6;
 }
 """)
-TWO_118 = tl.constexpr(2.0**118)
-TWO_M8 = tl.constexpr(2.0**-8)
+TWO_M126 = tl.constexpr(2.0**-126)
+NV_CODE_BASE = tl.constexpr(0xF600)  # fragments.NV_CODE_BASE: nvfp4 scale code c -> bf16 bits (c << 4) + this
 
 
 @triton.jit
@@ -465,12 +466,13 @@ def _frag_value(reg, HIGH: tl.constexpr, FMT: tl.constexpr):
 @triton.jit
 def _frag_multiplier(sc, FMT: tl.constexpr):
     """bf16 multipliers of the PTX decode from stored fragment scales: mxfp4 e8m0 -> 2^126 * 2^(e -
-    127) = 2^(e - 1), bf16 exponent field e + 126 (finite: e <= 128); nvfp4 e4m3 -> s * 2^118
-    (exact: at most 448 * 2^118, subnormal codes included); int4 the float scale in bf16."""
+    127) = 2^(e - 1), bf16 exponent field e + 126 (finite: e <= 128); nvfp4's scale codes
+    (`fragments.nv_scale_codes`) -> -s * 2^118, +0 for s = 0 (exact: at most 448 * 2^118,
+    subnormal scales included), a shift and an add; int4 the float scale in bf16."""
     if FMT == W4_MXFP4_FRAG:
         m = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
-    elif FMT == W4_NVFP4_FRAG:
-        m = (sc.to(tl.float32) * TWO_118).to(tl.bfloat16)
+    elif FMT == W4_NVFP4_FRAG:  # (c << 4) + 0xF600 wraps to 0 for the zero scale's code 160
+        m = ((sc.to(tl.uint16) << 4) + NV_CODE_BASE).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         m = sc.to(tl.bfloat16)
     return m
@@ -478,9 +480,10 @@ def _frag_multiplier(sc, FMT: tl.constexpr):
 
 @triton.jit
 def _w4_global(gs, FMT: tl.constexpr):
-    """nvfp4's accumulator multiplier: the global scale, times the 2^8 fragment tiles leave out."""
+    """nvfp4's accumulator multiplier: the global scale, times the -2^8 fragment tiles leave out
+    (their scale multipliers are -s * 2^118: `_frag_multiplier`)."""
     if FMT == W4_NVFP4_FRAG:
-        gs = gs * 256.0
+        gs = gs * -256.0
     return gs
 
 
@@ -623,8 +626,8 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
         sc = tl.load(s_ptrs, mask=ok[:, None], other=0.0)
         if FMT == W4_MXFP4_FRAG:
             sv = _w4_scale(sc, W4_MXFP4)
-        elif FMT == W4_NVFP4_FRAG:
-            sv = sc.to(tl.float32) * TWO_M8
+        elif FMT == W4_NVFP4_FRAG:  # -s * 2^-8, as the PTX decode's tile
+            sv = _frag_multiplier(sc, FMT).to(tl.float32) * TWO_M126
         else:
             sv = sc.to(tl.float32)
         s = tl.reshape(sv, (BLOCK_K // 64, NB16, 8, 2, JG))  # k64 n16 g rh jg (G128: a chunk's half)

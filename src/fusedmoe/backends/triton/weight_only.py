@@ -94,17 +94,22 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
                          f"kernels decode finite codes only")
 
 
-def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> None:
+def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                     fmt: str) -> None:
     """Fragment-layout 4-bit weights (`fusedmoe.quant.fragments`): the kernels address an expert's
     fragments as one contiguous run and its scales as row-block runs stride(1) apart
     (`kernels._w4_frag_tile`), so each expert's payload and each row block's scales must be
-    contiguous inside (experts may be strided). Metadata only, no sync."""
+    contiguous inside (experts may be strided); nvfp4's scales are its multiplier codes
+    (uint8, `fragments.nv_scale_codes`). Metadata only, no sync."""
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if not is_fragments(scale):
             continue
         if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
             raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) but has strides "
                              f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
+        if fmt == "nvfp4" and scale.dtype != torch.uint8:
+            raise ValueError(f"{name}_scale holds nvfp4 fragment scales of dtype {scale.dtype}: the fragment layout "
+                             f"stores multiplier codes (uint8, fusedmoe.quant.fragments.to_fragments)")
         if scale.stride()[2:] != (scale.shape[3], 1) or scale.stride(1) < scale.shape[2] * scale.shape[3]:
             raise ValueError(f"{name}_scale holds fragment scales with strides {tuple(scale.stride())}: "
                              f"each row block's {list(scale.shape[2:])} must be contiguous, the row blocks "
@@ -241,7 +246,7 @@ def triton_weight_only_experts(
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
@@ -291,7 +296,7 @@ def triton_batched_weight_only_experts(
     weight), through the same kernels as `triton_weight_only_experts`."""
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
 
     def gemms(launch, t1, t2):
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,

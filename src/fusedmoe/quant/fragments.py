@@ -29,7 +29,9 @@ r = (rh, kh) = 00, 01, 10, 11 (row g + 8rh, k 16j + 8kh + 2c + u), each register
 Scales go the same way, [E, N/16, K/GF, 16 * GF / group] with GF = max(group, 64) (one chunk per
 fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) scales together
 (mxfp4 [.., 32], nvfp4 [.., 64], int4 g32 [.., 32], g64 and g128 [.., 16]). Their values and
-dtype are the checkpoint's, only reordered. Each row block's run of K/GF chunks lies
+dtype are the checkpoint's, only reordered, except nvfp4's: each e4m3 scale becomes a byte code
+whose bf16 multiplier the kernels make with a shift and an add (`nv_scale_codes`; uint8, 0 to 448
+only: negative or NaN scales keep the checkpoint layout). Each row block's run of K/GF chunks lies
 `scale_run` chunks after the last (by default a run of >= 1 KB on an even number of 128-byte
 lines gets a line of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with
 stride(1) > K/GF * 16 * GF / group; the kernels take that stride, so a contiguous copy (which

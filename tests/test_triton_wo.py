@@ -204,14 +204,17 @@ def test_fragment_layout_nvfp4_and_int4_round_trip_and_decode(fmt, group, dtype)
 
 
 def test_fragment_scale_runs_are_padded_off_large_powers_of_two():
-    """fragments.scale_run: a row block's scale run of >= 1 KB on an even number of 128-byte lines
-    gets one line of padding (the runs then lie an odd number of lines apart); to_fragments stores
-    it so, as a view the round trip reads through."""
+    """fragments.scale_run: a row block's scale run of a power of two bytes >= 1 KB gets one line
+    of padding (the runs then lie an odd number of lines apart); to_fragments stores it so, as a
+    view the round trip reads through."""
     from fusedmoe.quant.fragments import from_fragments, scale_run, to_fragments
 
     assert scale_run(64, 64) == 66  # nvfp4, H = 4096: 4 KB, 32 lines -> 33
     assert scale_run(32, 32) == 36  # mxfp4, H = 2048: 1 KB
-    assert scale_run(112, 64) == 114  # nvfp4, H = 7168: 7 KB, 56 lines
+    assert scale_run(112, 64) == 112  # nvfp4, H = 7168: 7 KB, not a power of two (padded: slower)
+    assert scale_run(112, 32) == 112  # mxfp4, H = 7168: 3.5 KB
+    assert scale_run(224, 64) == 224  # nvfp4, I = 14336 (Mixtral's w2): 14 KB
+    assert scale_run(128, 64) == 130  # nvfp4, H = 8192: 8 KB
     assert scale_run(12, 64) == 12  # nvfp4 w2, I = 768: 768 B, short
     assert scale_run(4, 64) == 4  # DeepSeek-V3's w2 (I = 256): short
     assert scale_run(45, 32) == 45  # gpt-oss, H = 2880: not whole lines

@@ -123,7 +123,7 @@ KNOBS: dict[str, Knob] = {
              "(int4 measured slower at M <= 64 there), all = int4 too, 0 = keep the checkpoint layout."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
-             "the run is >= 1 KB on an even number of 128-byte lines (fusedmoe.quant.fragments."
+             "the run is a power of two bytes >= 1 KB (fusedmoe.quant.fragments."
              "scale_run: runs a power of two apart queue every program's scale loads on the same "
              "memory channels): unset = 128, 0 = none (scales contiguous), else a multiple of 32 (rounded up "
              "to whole scale chunks: 32-128 bytes by format)."),

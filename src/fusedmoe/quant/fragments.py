@@ -32,8 +32,8 @@ fragment, per two for int4 g128): lane group g reads its (rh, group-in-chunk) sc
 dtype are the checkpoint's, only reordered, except nvfp4's: each e4m3 scale becomes a byte code
 whose bf16 multiplier the kernels make with a shift and an add (`nv_scale_codes`; uint8, 0 to 448
 only: negative or NaN scales keep the checkpoint layout). Each row block's run of K/GF chunks lies
-`scale_run` chunks after the last (by default a run of >= 1 KB on an even number of 128-byte
-lines gets a line of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with
+`scale_run` chunks after the last (by default a run of a power of two bytes >= 1 KB gets a line
+of padding: FUSEDMOE_TRITON_W4_SCALE_PAD), so the tensor may be a view with
 stride(1) > K/GF * 16 * GF / group; the kernels take that stride, so a contiguous copy (which
 `.to(device)` of the view makes) is as correct, only slower on those shapes. Their 4-D shape is
 what marks the layout:
@@ -70,26 +70,28 @@ def scale_chunk(group: int) -> int:
 
 SCALE_LINE = 128  # bytes: the cache line a padded scale run stays aligned to (the default padding)
 SCALE_PAD_UNIT = 32  # bytes: padding is a multiple of this, rounded up to whole chunks
-SCALE_PAD_FROM = 1024  # bytes: runs from this long, on a multiple of 2 lines, get one line of padding
+SCALE_PAD_FROM = 1024  # bytes: runs of a power of two from this long get one line of padding
 
 
 def scale_run(chunks: int, chunk_bytes: int, pad: int = SCALE_LINE) -> int:
     """Scale chunks (of `chunk_bytes` each) a row block's run of `chunks` spans in storage.
 
-    Runs a multiple of 2^a >= 1 KB apart put every row block's k-th chunk at one address modulo
-    2^a; all programs of a GEMM stream their tiles' scales at about the same k, and those loads
-    queue on the same memory channels. So a run of >= 1 KB on an even number of 128-byte lines
-    gets `pad` bytes of padding (a multiple of 32, rounded up to whole chunks; 0: none; by default
-    one line: the runs then lie an odd number of lines apart). H100, GEMM1 alone, nvfp4
-    16 x 64 x 64 (results/2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64
-    194 -> 139 us,
-    Qwen3-30B (2 KB) M=16 110 -> 89; whole calls there 1-5% faster. A chunk's worth of padding (64
+    Runs a power of two >= 1 KB apart put every row block's k-th chunk at one address modulo the
+    run; all programs of a GEMM stream their tiles' scales at about the same k, and those loads
+    queue on the same memory channels. So a run of a power of two bytes >= 1 KB gets `pad` bytes of
+    padding (a multiple of 32, rounded up to whole chunks; 0: none; by default one 128-byte line:
+    the runs then lie an odd number of lines apart). H100, GEMM1 alone, nvfp4 16 x 64 x 64
+    (results/2026-11-28_h100_869188f_scale_stride.txt): Qwen3-235B (4 KB runs) M=64 194 -> 139 us,
+    Qwen3-30B (2 KB) M=16 110 -> 89; whole calls 1-5% faster there, and on an H200 up to 9%
+    (mxfp4 Qwen3-30B, 1 KB, M=16; results/2026-11-28_h200_1036438_scale_pad.txt). Runs of other
+    lengths are left alone: DeepSeek-V3's 7 KB (nvfp4) and 3.5 KB (mxfp4) runs, padded, were 1.5-2.4%
+    slower whole-call on the H200, GEMM1 alone 3-6% on the H100. A chunk's worth of padding (64
     bytes, nvfp4) was slower: the 128-byte scale reads of 128-wide K steps then straddle two lines.
-    Shorter runs are left alone (DeepSeek-V3's w2, 4 chunks, would grow 50%)."""
+    Shorter runs too (DeepSeek-V3's w2, 4 chunks, would grow 50%)."""
     if pad < 0 or pad % SCALE_PAD_UNIT:
         raise ValueError(f"scale run padding {pad} bytes: expected a non-negative multiple of {SCALE_PAD_UNIT}")
     run = chunks * chunk_bytes
-    if pad and run >= SCALE_PAD_FROM and run % (2 * SCALE_LINE) == 0:
+    if pad and run >= SCALE_PAD_FROM and run & (run - 1) == 0:
         return chunks + -(-pad // chunk_bytes)
     return chunks
 

@@ -42,6 +42,7 @@ def ref_of(x, w13, w2, b13, b2, w, ids, **kw):
 SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "llama-4-maverick"]
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("name", SHAPES)
 @pytest.mark.parametrize("dtype,tokens", [(torch.bfloat16, 1), (torch.bfloat16, 16), (torch.bfloat16, 300),
                                           (torch.float16, 1), (torch.float16, 300),
@@ -105,6 +106,7 @@ def test_expert_map_and_out_of_range_ids():
         fused_experts(x, w13, w2, w, bad, backend="triton", validate=True)
 
 
+@pytest.mark.bigmem
 def test_int32_offset_overflow():
     """T*K*H = 100000 * 6 * 4096 > 2^31: row offsets must be 64-bit."""
     T, E, K, H, I = 100_000, 8, 6, 4096, 128
@@ -167,6 +169,7 @@ def test_opcheck_on_gpu():
     torch.library.opcheck(triton_experts_op, (x, w13, w2, w, ids, None, None, None, 8, "silu", False, 1.702, None))
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
 def test_batched_layout(name):
     p = PRESETS[name]
@@ -367,6 +370,7 @@ def test_one_dot_gemm1_direct(T, bias, act):
     assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("name", SHAPES)
 def test_direct_decode_on_presets(name):
     """The direct decode path (no alignment, GEMM2 with the top-k sum) against the reference and

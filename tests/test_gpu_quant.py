@@ -74,6 +74,7 @@ def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     return out
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("tokens", [1, 33, 512])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", W8A8)
@@ -281,6 +282,7 @@ def test_gemm2_rows_bitwise_on_gpu(T, scheme, E, H, I, monkeypatch):
     print(f"{scheme} T={T} I={I}: bitwise {torch.equal(rows, tiled)}")
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("case", FULL_SHAPES, ids=[f"{c[0]}-T{c[1]}-E{c[2]}-H{c[4]}-I{c[5]}" for c in FULL_SHAPES])
 def test_preset_shapes_against_emulation(case):
     """The packaged plans on the presets' full shapes against emulation, deterministic. (Against
@@ -316,6 +318,7 @@ def test_fp8_accumulation_modes_at_full_k(scheme, monkeypatch):
         assert rel_err(out, exact) < TOL_EXACT["fp8"]
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "fp8_w8a8_tensor_static"])
 def test_int32_offset_overflow(scheme):
     """T*K*H = 100000 * 6 * 4096 > 2^31 with 1-byte codes: offsets must be 64-bit (per-tensor:

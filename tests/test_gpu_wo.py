@@ -170,6 +170,7 @@ def test_fragment_tile_decode_is_exact(fmt, group):
         assert torch.equal(out.cpu(), expect.float()), (fmt, dtype, (out.cpu().double() - expect.double()).abs().max())
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_presets(scheme, shape):

@@ -122,7 +122,7 @@ def test_fragment_tile_decode_is_exact(fmt, group):
     """kernels._w4_frag_tile on a GPU, PTX (bf16) and integer (fp32) branches, over every code
     and a spread of scales (nvfp4: all 127 finite non-negative e4m3 codes, subnormals and 448
     included; mxfp4: e8m0 codes 0-128): the tile is each weight's decoded value times its scale
-    (nvfp4 times -2^-8), bit for bit in fp32 and rounded once to bf16. The tile goes through a dot
+    (nvfp4 times 2^-8), bit for bit in fp32 and rounded once to bf16. The tile goes through a dot
     with the identity, as in the GEMMs: the PTX decode takes each lane's 4 bytes of a word
     together, which holds in the layout the dot operand gives it (a plain store may re-lay it)."""
     import triton
@@ -151,7 +151,7 @@ def test_fragment_tile_decode_is_exact(fmt, group):
         s_val = torch.exp2(scales.double() - 127)
     elif fmt == "nvfp4":
         scales = (torch.arange(N * K // group) % 127).to(torch.uint8).view(1, N, K // group).view(torch.float8_e4m3fn)
-        s_val = -scales.double() * 2.0**-8  # the tile holds -value * s * 2^-8 (fragments.nv_scale_codes)
+        s_val = scales.double() * 2.0**-8  # the tile holds value * s * 2^-8 (fragments.nv_scale_codes)
     else:
         scales = (torch.rand(1, N, K // group, generator=gen) * 0.1).to(torch.float16)
         s_val = scales.double()

@@ -125,9 +125,10 @@ def test_fragment_layout_round_trips_and_decodes():
 
 def test_nvfp4_scale_codes_give_exact_multipliers():
     """fragments.nv_scale_codes: every e4m3 scale s in [0, 448] (the 127 non-negative, non-NaN
-    bytes, subnormals included) has a byte code c whose (c << 4) + 0xF600, wrapped to 16 bits as
-    the kernels compute it (kernels._frag_multiplier), is the bf16 of -s * 2^118 exactly and +0
-    for s = 0; the codes are distinct and decode back. Negative and NaN scales keep the checkpoint
+    bytes, subnormals included) has a byte code c whose (c << 4) + 0x7600, as the kernels compute
+    it (kernels._frag_multiplier), is the bf16 of s * 2^118 exactly and -0 for s = 0, at most
+    0x8000 (two codes' multipliers share one 32-bit add: no carry between the halves); the codes
+    are distinct and decode back. Negative and NaN scales keep the checkpoint
     layout (fragments_reason), and the kernels refuse nvfp4 fragment scales not in codes."""
     from fusedmoe.quant.fragments import (
         NV_CODE_BASE,
@@ -140,9 +141,10 @@ def test_nvfp4_scale_codes_give_exact_multipliers():
     code, back = nv_scale_codes()
     byte = torch.arange(127, dtype=torch.uint8)
     s = byte.view(torch.float8_e4m3fn).double()
-    bits = ((code[:127].int() << 4) + NV_CODE_BASE) & 0xFFFF
+    bits = (code[:127].int() << 4) + NV_CODE_BASE
+    assert int(bits.max()) == 0x8000 and int(bits.min()) == 0x7600
     got = bits.to(torch.int16).view(torch.bfloat16).double()
-    assert torch.equal(got, torch.where(s == 0, 0.0, -s * 2.0**118)) and not bool(got[0].signbit())
+    assert torch.equal(got, torch.where(s == 0, 0.0, s * 2.0**118)) and bool(got[0].signbit())
     assert len(set(code[:127].tolist())) == 127 and torch.equal(back[code[:127].long()], byte)
     assert code[:8].tolist() == [160, 0, 8, 12, 16, 18, 20, 22] and code[126] == 142
     codes = torch.zeros(1, 16, 32, dtype=torch.uint8)

@@ -130,14 +130,15 @@ def _unplace(bits: torch.Tensor, reg: int, fmt: str) -> torch.Tensor:
 
 
 # nvfp4's scales in the fragment layout: one byte code c per e4m3 scale s (>= 0, not NaN) whose
-# 16-bit pattern (c << 4) + NV_CODE_BASE (mod 2^16) is the bf16 of -s * 2^118, +0 for s = 0. The
-# kernels' multiplier is then a shift and an add (`kernels._frag_multiplier`) where an e4m3 ->
-# fp32 -> bf16 conversion took about a sixth of the K step's instructions (sm90 SASS: 584 -> 492
-# at a 128-wide step). Negative: -2^109 (the smallest subnormal's) has the pattern 0xF600, and
-# 0xF600 + 160 * 16 wraps to +0, so a zero scale is exact without a select; the tiles hold
-# -value * s * 2^-8 and the kernels put -2^8 on the accumulator. Normal scales: c = byte + 16;
+# 16-bit pattern (c << 4) + NV_CODE_BASE is the bf16 of s * 2^118, -0 for s = 0. The kernels'
+# multiplier is then a shift and an add (`kernels._frag_multiplier`) where an e4m3 -> fp32 ->
+# bf16 conversion took about a sixth of the K step's instructions (sm90 SASS: 584 -> 492 at a
+# 128-wide step). 2^109 (the smallest subnormal's) has the pattern 0x7600, and 0x7600 + 160 * 16
+# is 0x8000, -0, so a zero scale is exact without a select, and no code carries past 16 bits:
+# the kernels make two multipliers with one 32-bit shift-add (`kernels.W4_PTX_MULT_NV`). The tiles
+# hold value * s * 2^-8 and the kernels put 2^8 on the accumulator. Normal scales: c = byte + 16;
 # subnormal ones (m * 2^-9): 0, 8, 12, 16, 18, 20, 22; zero: 160.
-NV_CODE_BASE = 0xF600
+NV_CODE_BASE = 0x7600
 
 
 @functools.cache
@@ -145,9 +146,9 @@ def nv_scale_codes() -> tuple[torch.Tensor, torch.Tensor]:
     """(code of each e4m3 byte 0..127 (127: NaN, refused, coded 255), e4m3 byte of each code)."""
     byte = torch.arange(128, dtype=torch.uint8)
     s = byte.view(torch.float8_e4m3fn).double()
-    target = torch.where(s == 0, 0.0, -s * 2.0**118).bfloat16().view(torch.int16).int() & 0xFFFF
-    code = (target - NV_CODE_BASE) & 0xFFFF
-    assert bool((code[:127] % 16 == 0).all()) and int(code[:127].max()) < 4096
+    target = torch.where(s == 0, -0.0, s * 2.0**118).bfloat16().view(torch.int16).int() & 0xFFFF
+    code = target - NV_CODE_BASE
+    assert bool((code[:127] % 16 == 0).all()) and int(code[:127].min()) >= 0 and int(code[:127].max()) <= 160 * 16
     code = (code // 16).to(torch.uint8)
     code[127] = 255
     back = torch.zeros(256, dtype=torch.uint8)

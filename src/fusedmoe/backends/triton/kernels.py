@@ -102,7 +102,7 @@ W4_NVFP4 = tl.constexpr(2)  # e2m1, e4m3 scale, fp32 global scale per expert
 # accumulator, transposed back after the K loop, as SWAP_AB)
 W4_MXFP4_FRAG = tl.constexpr(3)
 W4_NVFP4_FRAG = tl.constexpr(4)  # the same for nvfp4, its scales as multiplier codes
-# (fragments.nv_scale_codes): the tile holds -value * s * 2^-8, -2^8 and the global scale go onto
+# (fragments.nv_scale_codes): the tile holds value * s * 2^-8, 2^8 and the global scale go onto
 # the accumulator (`_w4_global`)
 W4_INT4_FRAG = tl.constexpr(5)  # the same for int4 (its own bit placement, W4_PTX_I4FRAG)
 
@@ -446,7 +446,25 @@ mul.rn.bf16x2 $3, $3, $6;
 }
 """)
 TWO_M126 = tl.constexpr(2.0**-126)
-NV_CODE_BASE = tl.constexpr(0xF600)  # fragments.NV_CODE_BASE: nvfp4 scale code c -> bf16 bits (c << 4) + this
+NV_CODE_BASE = tl.constexpr(0x7600)  # fragments.NV_CODE_BASE: nvfp4 scale code c -> bf16 bits (c << 4) + this
+# The PTX decode's multipliers (W4_PTX_MULT_MX / _NV), two scales to a 32-bit register: 4 stored scale bytes b0..b3 ($2) ->
+# the bf16 pairs (m(b0), m(b1)) in $0 and (m(b2), m(b3)) in $1, with m(b) = (b << shift) + base per
+# 16-bit half: one prmt (b0 and b1 into the halves' low bytes) and one shift-add a pair, where a
+# multiplier alone took a byte extract and a shift-add. No half carries into the other: nvfp4's
+# codes give at most 0x7600 + 160 * 16 = 0x8000, mxfp4's e8m0 codes (<= 128) (128 + 126) << 7.
+_PTX_MULT = """
+{{
+.reg .b32 t;
+prmt.b32 t, $2, 0, 0x4140;
+shl.b32 t, t, {shift};
+add.u32 $0, t, {base};
+prmt.b32 t, $2, 0, 0x4342;
+shl.b32 t, t, {shift};
+add.u32 $1, t, {base};
+}}
+"""
+W4_PTX_MULT_MX = tl.constexpr(_PTX_MULT.format(shift=7, base="0x3F003F00"))
+W4_PTX_MULT_NV = tl.constexpr(_PTX_MULT.format(shift=4, base="0x76007600"))
 
 
 @triton.jit
@@ -464,15 +482,22 @@ def _frag_value(reg, HIGH: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _frag_multiplier(sc, FMT: tl.constexpr):
+def _frag_multiplier(sc, FMT: tl.constexpr, PTX: tl.constexpr = False):
     """bf16 multipliers of the PTX decode from stored fragment scales: mxfp4 e8m0 -> 2^126 * 2^(e -
     127) = 2^(e - 1), bf16 exponent field e + 126 (finite: e <= 128); nvfp4's scale codes
-    (`fragments.nv_scale_codes`) -> -s * 2^118, +0 for s = 0 (exact: at most 448 * 2^118,
-    subnormal scales included), a shift and an add; int4 the float scale in bf16."""
+    (`fragments.nv_scale_codes`) -> s * 2^118, -0 for s = 0 (exact: at most 448 * 2^118,
+    subnormal scales included); each a shift and an add; int4 the float scale in bf16.
+    PTX: the same bits two to a register (W4_PTX_MULT_*; sc's last dim holds a multiple of 4)."""
     if FMT == W4_MXFP4_FRAG:
-        m = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
-    elif FMT == W4_NVFP4_FRAG:  # (c << 4) + 0xF600 wraps to 0 for the zero scale's code 160
-        m = ((sc.to(tl.uint16) << 4) + NV_CODE_BASE).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if PTX:
+            m = tl.inline_asm_elementwise(W4_PTX_MULT_MX, "=r,=r,r", [sc], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            m = ((sc.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    elif FMT == W4_NVFP4_FRAG:  # the zero scale's code 160: 0x7600 + 0xA00 = 0x8000, -0
+        if PTX:
+            m = tl.inline_asm_elementwise(W4_PTX_MULT_NV, "=r,=r,r", [sc], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            m = ((sc.to(tl.uint16) << 4) + NV_CODE_BASE).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         m = sc.to(tl.bfloat16)
     return m
@@ -480,10 +505,10 @@ def _frag_multiplier(sc, FMT: tl.constexpr):
 
 @triton.jit
 def _w4_global(gs, FMT: tl.constexpr):
-    """nvfp4's accumulator multiplier: the global scale, times the -2^8 fragment tiles leave out
-    (their scale multipliers are -s * 2^118: `_frag_multiplier`)."""
+    """nvfp4's accumulator multiplier: the global scale, times the 2^8 fragment tiles leave out
+    (their scale multipliers are s * 2^118: `_frag_multiplier`)."""
     if FMT == W4_NVFP4_FRAG:
-        gs = gs * -256.0
+        gs = gs * 256.0
     return gs
 
 
@@ -588,7 +613,7 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
     b = tl.load(b_ptrs, mask=ok[:, None], other=0)
     if PTX:
         sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)
-        s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
+        s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT, True), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
         s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
         if FMT == W4_INT4_FRAG:
             r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
@@ -626,7 +651,7 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
         sc = tl.load(s_ptrs, mask=ok[:, None], other=0.0)
         if FMT == W4_MXFP4_FRAG:
             sv = _w4_scale(sc, W4_MXFP4)
-        elif FMT == W4_NVFP4_FRAG:  # -s * 2^-8, as the PTX decode's tile
+        elif FMT == W4_NVFP4_FRAG:  # s * 2^-8, as the PTX decode's tile
             sv = _frag_multiplier(sc, FMT).to(tl.float32) * TWO_M126
         else:
             sv = sc.to(tl.float32)

@@ -460,3 +460,57 @@ def test_layer_online_quantization(scheme):
 def test_layer_static_activation_scheme_refused():
     with pytest.raises(NotImplementedError, match="static activation scales need calibration"):
         FusedMoE(4, 2, 64, 32, params_dtype=torch.float32, quant="fp8_w8a8_tensor_static")
+
+
+def _processed_cpu_layer() -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
+    layer = FusedMoE(4, 2, 32, 16, params_dtype=torch.float32)
+    with torch.no_grad():
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.normal_()
+    x, logits = torch.randn(3, 32), torch.randn(3, 4)
+    layer(x, logits)  # processes on the CPU: the cpu backend
+    assert layer.selection.name == "cpu"
+    return layer, x, logits
+
+
+def test_moved_after_processing_to_a_device_another_backend_runs_raises(monkeypatch) -> None:
+    """Weights laid out for one device's backend, then moved where the oracle picks another: a
+    clear error before any kernel, naming both devices and both verdicts."""
+    from fusedmoe import layer as layer_mod
+    from fusedmoe.platform import Platform
+
+    layer, x, logits = _processed_cpu_layer()
+    layer.to("meta")
+    monkeypatch.setattr(layer_mod.Platform, "for_device",
+                        staticmethod(lambda device: Platform("cuda", (9, 0), device_name="NVIDIA H100")))
+    with pytest.raises(RuntimeError, match=r"processed its weights on cpu for backend 'cpu', but they are now "
+                                           r"on meta, where the oracle selects 'triton'"):
+        layer(x.to("meta"), logits.to("meta"))
+
+
+def test_moved_after_processing_where_no_backend_runs_raises() -> None:
+    layer, x, logits = _processed_cpu_layer()
+    layer.to("meta")  # an out-of-tree device: nothing registered runs there
+    with pytest.raises(RuntimeError, match=r"now on meta, where the oracle selects no backend \(No Unquantized"):
+        layer(x.to("meta"), logits.to("meta"))
+
+
+def test_moved_after_processing_where_the_same_backend_runs_is_kept(monkeypatch) -> None:
+    """A move to a device whose platform selects the same backend (another GPU of a kind, there and
+    back) keeps the processed weights and kernel; the layer then runs as before."""
+    from fusedmoe import layer as layer_mod
+
+    layer, x, logits = _processed_cpu_layer()
+    want = layer(x, logits)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    kernel = layer._kernel
+    cpu_platform = layer_mod.Platform.for_device("cpu")
+    layer.to("meta")
+    monkeypatch.setattr(layer_mod.Platform, "for_device", staticmethod(lambda device: cpu_platform))
+    layer._check_moved()
+    assert layer._processed_device == torch.device("meta") and layer._kernel is kernel
+    monkeypatch.undo()
+    layer.to_empty(device="cpu")  # back (meta holds no values: they are loaded again)
+    layer.load_state_dict(state)
+    torch.testing.assert_close(layer(x, logits), want, rtol=0, atol=0)
+    assert layer._kernel is kernel and layer._processed_device == torch.device("cpu")

@@ -36,6 +36,7 @@ from fusedmoe.activations import SWIGLUOAI_ALPHA
 from fusedmoe.config import MoEConfig, ParallelConfig
 from fusedmoe.distributed import ExpertPlacement, MoEGroups, make_distributed
 from fusedmoe.eplb import PhysicalPlacement, move_rows, rebalance, record_load, to_physical
+from fusedmoe.errors import BackendRequestError, NoBackendError
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, select_backend
 from fusedmoe.platform import Platform
@@ -224,6 +225,7 @@ class FusedMoE(nn.Module):
         self._role_names: dict[str, str] = {}  # role -> the checkpoint's name for it
         self.selection: Selection | None = None
         self._kernel: ModularMoE | None = None
+        self._processed_device: torch.device | None = None  # where the weights were laid out for the backend
 
     # Expert-parallel load balancing ------------------------------------------------------------
     def _set_local_experts(self) -> None:
@@ -562,6 +564,7 @@ class FusedMoE(nn.Module):
         self._check_all_loaded()
         platform = self.platform or Platform.for_device(self.w13_weight.device)
         self.selection = select_backend(c, platform)
+        self._processed_device = self.w13_weight.device
         experts = self.selection.experts(c)
         if self.prequantized:
             self._fuse_prequantized()
@@ -669,6 +672,8 @@ class FusedMoE(nn.Module):
         this rank's partial sum."""
         if self._kernel is None:
             self.process_weights_after_loading()
+        elif self.w13_weight.device != self._processed_device:
+            self._check_moved()
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = router_logits.reshape(-1, router_logits.shape[-1])
@@ -710,6 +715,27 @@ class FusedMoE(nn.Module):
             out, shared = run_overlapped(self.shared_experts, x, routed)
             out = (out.float() + shared.float()).to(out.dtype)
         return out.reshape(*lead, out.shape[-1])
+
+    def _check_moved(self) -> None:
+        """The layer was moved (`.to()`, `.cuda()`) after its weights were processed: fine where
+        the new device's platform selects the same backend (the weights are laid out for it),
+        else an error: the layout and kernel chosen for the old device would run on the new one."""
+        device = self.w13_weight.device
+        platform = self.platform or Platform.for_device(device)
+        try:
+            name = select_backend(self.config, platform).name
+            verdict = repr(name)
+        except (BackendRequestError, NoBackendError) as exc:  # nothing (or not the requested backend) runs there
+            name, verdict = None, f"no backend ({str(exc).splitlines()[0]})"
+        if name != self.selection.name:
+            raise RuntimeError(
+                f"FusedMoE processed its weights on {self._processed_device} for backend "
+                f"{self.selection.name!r}, but they are now on {device}, where the oracle selects "
+                f"{verdict}: the weights are laid out for {self.selection.name!r}. Move the layer to the "
+                "device it runs on before process_weights_after_loading() (or the first forward), "
+                "or build it there."
+            )
+        self._processed_device = device
 
     @property
     def _adds_shared(self) -> bool:

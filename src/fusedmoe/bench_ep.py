@@ -11,7 +11,9 @@ all-to-all dispatches exchange split sizes through the host, so their calls run 
 `graph` (`--graph`, all-gather dispatch only) each M runs at a fixed capacity of M tokens a rank
 (`max_num_tokens`) and the row adds the same call captured in a CUDA graph and replayed
 (`us_graph`), so the launch and host time a graph removes is measured. One weight copy per rank:
-decode shapes whose local experts fit in L2 read less HBM than a real model step would.
+decode shapes whose local experts fit in L2 read less HBM than a real model step would. Sizes are
+the presets' own, without `fusedmoe bench`'s TP split (`Preset.bench_tp`): DeepSeek-V3 runs
+I = 2048 here, I = 256 there. The one-device baseline is an eager call (host time included).
 
 GPU: `torchrun --nproc-per-node N -m fusedmoe bench --ep N ...` (nccl, one GPU per rank), or
 `fusedmoe bench --ep N` alone, which starts the N ranks itself. CPU smoke test (gloo, shrunken

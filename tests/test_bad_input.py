@@ -76,6 +76,11 @@ def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _inference_copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
 @dataclass(frozen=True)
 class Bad:
     id: str
@@ -105,6 +110,8 @@ BAD_EXPERTS = [
     Bad("w2_experts", lambda c: c.with_(w2=c.w2[:3].contiguous()), r"w13 has 4 experts but w2 has 3"),
     Bad("ids_weights_shape", lambda c: c.with_(topk_weights=torch.rand(T, K + 1)),
         r"topk_ids \(5, 2\) and topk_weights \(5, 3\) must both be \[5, top_k\]"),
+    Bad("top_k_zero", lambda c: c.with_(topk_ids=c.topk_ids[:, :0], topk_weights=c.topk_weights[:, :0]),
+        r"topk_ids \(5, 0\) has no slots: top_k must be >= 1"),
     Bad("ids_rows", lambda c: c.with_(topk_ids=c.topk_ids[:4], topk_weights=c.topk_weights[:4]),
         r"topk_ids \(4, 2\) and topk_weights \(4, 2\) must both be \[5, top_k\]"),
     Bad("top_k_gt_e", lambda c: c.with_(topk_ids=torch.zeros(T, E + 1, dtype=torch.int32),
@@ -155,6 +162,14 @@ BAD_EXPERTS = [
     Bad("swiglu_limit_non_gated",
         lambda c: c.with_(activation="silu_no_mul", w13=torch.randn(E, I, H), swiglu_limit=1.5),
         r"swiglu_limit=1.5 needs a gated activation, not 'silu_no_mul'"),
+    # in place into a tensor that cannot take it: refused before any compute
+    Bad("inplace_expanded", lambda c: c.with_(x=c.x[:1].expand(T, H), inplace=True),
+        r"inplace=True cannot write into hidden_states: its elements share memory \(shape \(5, 32\), "
+        r"strides \(0, 1\)"),
+    Bad("inplace_requires_grad", lambda c: c.with_(x=c.x.clone().requires_grad_(), inplace=True),
+        r"inplace=True cannot write into hidden_states: autograd tracks it"),
+    Bad("inplace_inference_tensor", lambda c: c.with_(x=_inference_copy(c.x), inplace=True),
+        r"inplace=True cannot write into hidden_states: it is an inference tensor"),
     # strides
     Bad("w13_non_contiguous", lambda c: c.with_(w13=_non_contiguous(c.w13)), r"w13 must be contiguous"),
     Bad("w2_non_contiguous", lambda c: c.with_(w2=_non_contiguous(c.w2)), r"w2 must be contiguous"),
@@ -242,6 +257,20 @@ def _float_ids_router(hidden_states, gating_output, topk, renormalize):
     return w, ids.float()
 
 
+def _ids_router(value: int, dtype=torch.int64):
+    def route(hidden_states, gating_output, topk, renormalize):
+        w, ids = torch.topk(gating_output, topk)
+        ids = ids.to(dtype)
+        ids[3, 1] = value
+        return w, ids
+
+    return route
+
+
+def _none_router(hidden_states, gating_output, topk, renormalize):
+    return None
+
+
 GROUPED = dict(use_grouped_topk=True, scoring_func="sigmoid")
 
 BAD_ROUTING = [
@@ -282,6 +311,20 @@ BAD_ROUTING = [
                r"custom_routing_function returned weights \(5, 3\) and ids \(5, 3\), expected \(5, 2\) each"),
     BadRouting("custom_float_ids", {"custom_routing_function": _float_ids_router},
                r"custom_routing_function returned ids of dtype torch.float32, expected integers"),
+    # int64 ids past int32 would wrap into range on the cast: checked before it
+    BadRouting("custom_id_past_int32", {"custom_routing_function": _ids_router(2**32 + 1)},
+               r"custom_routing_function returned id 4294967297 at token 3, slot 1: outside \[0, 4\)"),
+    BadRouting("custom_id_eq_e", {"custom_routing_function": _ids_router(E, torch.int32)},
+               r"custom_routing_function returned id 4 at token 3, slot 1: outside \[0, 4\)"),
+    BadRouting("custom_id_negative", {"custom_routing_function": _ids_router(-1)},
+               r"custom_routing_function returned id -1 at token 3, slot 1: outside \[0, 4\)"),
+    BadRouting("custom_returns_none", {"custom_routing_function": _none_router},
+               r"custom_routing_function must return \(weights, ids\), got NoneType", error=TypeError),
+    BadRouting("bias_nan", {"e_score_correction_bias": torch.tensor([0.0, float("nan"), 0.0, 0.0]),
+                            "scoring_func": "sigmoid"},
+               r"e_score_correction_bias contains NaN/Inf \(first at expert 1: nan\)"),
+    BadRouting("bias_not_a_tensor", {"e_score_correction_bias": [0.0] * E, "scoring_func": "sigmoid"},
+               r"e_score_correction_bias must be a tensor, got list", error=TypeError),
 ]
 
 
@@ -300,10 +343,36 @@ def test_routing_rejects(bad: BadRouting, entry: str) -> None:
             fused_moe(x, w13, w2, logits, bad.top_k, **bad.kwargs)
 
 
+@pytest.mark.parametrize("where", ("w13", "expert_map", "global_num_experts"))
+def test_fused_moe_rejects_router_of_another_width(where: str) -> None:
+    """Logits scoring 6 experts for an 8-expert layer would route over experts 0-5 only."""
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, 6, generator=g)
+    w13, w2 = torch.randn(8, 2 * I, H, generator=g), torch.randn(8, H, I, generator=g)
+    kwargs = {}
+    if where != "w13":  # 4 of 8 global experts held here
+        w13, w2 = w13[:4].contiguous(), w2[:4].contiguous()
+        kwargs = {"expert_map": torch.tensor([0, 1, 2, 3, -1, -1, -1, -1], dtype=torch.int32)}
+        if where == "global_num_experts":
+            kwargs["global_num_experts"] = 8
+    with pytest.raises(ValueError, match=r"router_logits \(5, 6\) score 6 experts but the layer has 8"):
+        fused_moe(x, w13, w2, logits, K, **kwargs)
+
+
 def test_fused_moe_rejects_unknown_keyword() -> None:
     c = good_call()
     with pytest.raises(TypeError, match=r"fused_moe got unexpected keyword arguments \['renormalise'\]"):
         fused_moe(c.x, c.w13, c.w2, torch.randn(T, E), K, renormalise=True)
+
+
+def test_custom_ids_out_of_range_unvalidated_never_wrap_into_range() -> None:
+    """validate=False (the GPU default) skips the range scan: an int64 id past int32 becomes -1 (a
+    slot that contributes zero), not the in-range id the int32 cast would wrap it to."""
+    x, logits = torch.randn(T, H), torch.randn(T, E)
+    weights, ids = select_experts(x, logits, K, custom_routing_function=_ids_router(2**32 + 1), validate=False)
+    assert ids.dtype == torch.int32 and int(ids[3, 1]) == -1
+    _, want = torch.topk(logits, K)
+    assert torch.equal(ids[torch.arange(T) != 3], want[torch.arange(T) != 3].int())
 
 
 def test_nan_logits_pass_with_validate_false() -> None:

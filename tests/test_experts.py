@@ -304,6 +304,19 @@ def test_out_of_range_ids_contribute_zero_without_validation(backend: str, case:
     assert not out[4].any()
 
 
+@pytest.mark.parametrize("backend", (*KERNEL_BACKENDS, "ref"))
+def test_expert_map_past_the_local_experts_contributes_zero_without_validation(backend: str) -> None:
+    """validate=False: an expert_map entry past the local experts (which validation reports) drops
+    the slots routed to it on every backend instead of indexing past w13."""
+    inp, _ = expected(BASE.replace(expert_map="missing"))
+    bad_map = inp.expert_map.clone()
+    held = int((bad_map >= 0).nonzero()[0])
+    bad_map[held] = inp.w13.shape[0] + 6
+    spec = spec_experts(dataclasses.replace(inp, expert_map=torch.where(bad_map > inp.w13.shape[0], -1, bad_map)))
+    out = run(backend, dataclasses.replace(inp, expert_map=bad_map), **({} if backend == "ref" else {"validate": False}))
+    assert_close_rel(out, spec, torch.float32)
+
+
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -514,3 +514,59 @@ def test_moved_after_processing_where_the_same_backend_runs_is_kept(monkeypatch)
     layer.load_state_dict(state)
     torch.testing.assert_close(layer(x, logits), want, rtol=0, atol=0)
     assert layer._kernel is kernel and layer._processed_device == torch.device("cpu")
+
+
+def test_forward_checks_leading_dimensions() -> None:
+    layer, x, logits = _processed_cpu_layer()
+    with pytest.raises(ValueError, match=r"hidden_states \(2, 3, 32\) and router_logits \(3, 2, 4\) must be "
+                                         r"\[..., hidden\] and \[..., experts\] with the same leading dimensions"):
+        layer(torch.randn(2, 3, 32), torch.randn(3, 2, 4))
+    with pytest.raises(ValueError, match=r"hidden_states \(\) and router_logits \(4,\)"):
+        layer(torch.tensor(1.0), torch.randn(4))
+    out = layer(x.reshape(1, 3, 32), logits.reshape(1, 3, 4))  # the same leading dims: fine
+    torch.testing.assert_close(out.reshape(3, 32), layer(x, logits), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("expert_id, match", [
+    (torch.tensor(1.0), r"expert_id must be an integer, got a torch.float32 tensor of shape \(\)"),
+    (torch.tensor([1, 2]), r"expert_id must be an integer, got a torch.int64 tensor of shape \(2,\)"),
+    (1.5, r"expert_id must be an integer, got 1.5 \(float\)"),
+    (True, r"expert_id must be an integer, got True \(bool\)"),
+    ("1", r"expert_id must be an integer, got '1' \(str\)"),
+])
+def test_load_expert_weight_rejects_non_integer_ids(expert_id, match) -> None:
+    """A float or tensor id matched no expert and loaded nothing, silently (returned False, as for
+    an expert on another rank)."""
+    layer = FusedMoE(4, 2, 32, 16, params_dtype=torch.float32)
+    with pytest.raises(TypeError, match=match):
+        layer.load_expert_weight(expert_id, "gate", torch.randn(16, 32))
+
+
+def test_load_expert_weight_takes_integral_ids_of_any_kind() -> None:
+    import numpy as np
+
+    layer = FusedMoE(4, 2, 32, 16, params_dtype=torch.float32)
+    for expert_id in (1, np.int64(2), torch.tensor(3, dtype=torch.int32)):
+        w = torch.randn(16, 32)
+        assert layer.load_expert_weight(expert_id, "gate", w)
+        torch.testing.assert_close(layer.w13_weight[int(expert_id), :16], w, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"shard must be a str such as 'gate_proj', got NoneType"):
+        layer.load_expert_weight(0, None, torch.randn(16, 32))
+    with pytest.raises(TypeError, match=r"the 'gate' tensor of expert 0 must be a torch.Tensor, got list"):
+        layer.load_expert_weight(0, "gate", [[0.0] * 32] * 16)
+
+
+def test_inplace_layer_keeps_a_new_output_for_an_expanded_input() -> None:
+    """FusedMoE(inplace=True) writes into hidden_states where it can; an expanded view (its rows
+    share memory) gets a new output instead of a copy_ error after the compute."""
+    torch.manual_seed(5)
+    layer = FusedMoE(4, 2, 32, 16, params_dtype=torch.float32, inplace=True)
+    with torch.no_grad():
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.normal_()
+    row, logits = torch.randn(1, 32), torch.randn(3, 4)
+    expanded = row.expand(3, 32)
+    out = layer(expanded, logits)
+    assert out.data_ptr() != expanded.data_ptr()
+    torch.testing.assert_close(out, layer(expanded.contiguous(), logits), rtol=0, atol=0)
+    torch.testing.assert_close(expanded, row.expand(3, 32), rtol=0, atol=0)

@@ -257,6 +257,24 @@ def test_split_k_gemm1_matches_reference(split, act, bias, on_input):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
+def test_expert_map_entry_past_the_local_experts_contributes_zero(direct):
+    """Without validation (the GPU default) an expert_map entry past the local experts drops the
+    slots routed to it, in the alignment and in the direct path, instead of indexing past w13."""
+    gen = torch.Generator().manual_seed(61)
+    T, E, L, H, I = 6, 8, 4, 64, 32
+    x = torch.randn(T, H, generator=gen)
+    w13, w2 = torch.randn(L, 2 * I, H, generator=gen) / H**0.5, torch.randn(L, H, I, generator=gen) / I**0.5
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, L + 5, -1], dtype=torch.int32)
+    weights, ids = select_experts(x, torch.randn(T, E, generator=gen), 2)
+    ids[:, 0] = 6  # every token sends one slot to the bad entry
+    out = triton_experts(x, w13, w2, weights, ids, None, None, expert_map, E, "silu", False, 1.702, None,
+                         direct=direct)
+    ref = fused_experts_ref(x.double(), w13.double(), w2.double(), weights, ids,
+                            expert_map_E=torch.where(expert_map >= L, -1, expert_map), global_num_experts=E)
+    assert rel_err(out, ref) < 1e-5
+
+
 # Kernels vs the reference --------------------------------------------------------------------------
 CASES = [
     # id, T, E, K, H, I, activation, bias, weight_on_input, expert_map

@@ -22,7 +22,7 @@ from fusedmoe.oracle import knob_state, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.routing import select_experts
-from fusedmoe.validation import check_experts_inputs
+from fusedmoe.validation import check_experts_inputs, unwritable
 
 
 def fused_experts(
@@ -69,6 +69,8 @@ def fused_experts(
         from fusedmoe.quant.weights import check_quant_weights
 
         check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1])
+    if inplace and (why := unwritable(hidden_states)) is not None:
+        raise ValueError(f"inplace=True cannot write into hidden_states: {why}")
     dtype = hidden_states.dtype
     config = MoEConfig(
         shape.num_global_experts,
@@ -128,5 +130,16 @@ def fused_moe(
     unknown = set(kwargs) - set(inspect.signature(fused_experts).parameters)
     if unknown:
         raise TypeError(f"fused_moe got unexpected keyword arguments {sorted(unknown)}")
+    num_experts = kwargs.get("global_num_experts")
+    if num_experts is None:
+        expert_map = kwargs.get("expert_map")
+        num_experts = expert_map.numel() if isinstance(expert_map, torch.Tensor) else (
+            w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else None)
+    if isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2 and num_experts is not None \
+            and router_logits.shape[1] != num_experts:
+        raise ValueError(
+            f"router_logits {tuple(router_logits.shape)} score {router_logits.shape[1]} experts but the "
+            f"layer has {num_experts} (w13's experts, or expert_map's / global_num_experts' count)"
+        )
     topk_weights, topk_ids = select_experts(hidden_states, router_logits, top_k, **routing)
     return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, **kwargs)

@@ -25,6 +25,7 @@ scale, input scales) stay per half, [L, 2] (gate, up), until processing fuses th
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -58,7 +59,7 @@ from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.weights import scale_shape
 from fusedmoe.routing import CustomRouting, select_experts
 from fusedmoe.shared import SharedExperts, run_overlapped
-from fusedmoe.validation import check_experts_inputs
+from fusedmoe.validation import check_experts_inputs, unwritable
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -78,6 +79,20 @@ _PER_EXPERT = ("w13_weight", "w2_weight", "w13_bias", "w2_bias", "w13_scale", "w
                "w13_global_scale", "w2_global_scale", "a13_scale", "a2_scale")
 _PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8, "mxfp4": torch.uint8}
 _SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32
+
+
+def _expert_index(expert_id) -> int:
+    """A Python int from an integral expert id (int, numpy integer, 0-d integer tensor); a float,
+    bool or other value is a TypeError, not an id that silently matches no expert."""
+    if isinstance(expert_id, torch.Tensor):
+        if expert_id.numel() != 1 or expert_id.is_floating_point() or expert_id.is_complex() \
+                or expert_id.dtype == torch.bool:
+            raise TypeError(f"expert_id must be an integer, got a {expert_id.dtype} tensor of shape "
+                            f"{tuple(expert_id.shape)}")
+        return int(expert_id)
+    if isinstance(expert_id, bool) or not isinstance(expert_id, numbers.Integral):
+        raise TypeError(f"expert_id must be an integer, got {expert_id!r} ({type(expert_id).__name__})")
+    return int(expert_id)
 
 
 class FusedMoE(nn.Module):
@@ -365,6 +380,12 @@ class FusedMoE(nn.Module):
                 "weights were already processed for backend "
                 f"{self.selection.name!r}; load every weight before process_weights_after_loading()"
             )
+        if not isinstance(shard, str):
+            raise TypeError(f"shard must be a str such as 'gate_proj', got {type(shard).__name__}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"the {shard!r} tensor of expert {expert_id!r} must be a torch.Tensor, "
+                            f"got {type(tensor).__name__}")
+        expert_id = _expert_index(expert_id)
         proj, _, name = shard.partition(".")
         is_bias = not name and proj.endswith("_bias")
         if is_bias:
@@ -674,6 +695,11 @@ class FusedMoE(nn.Module):
             self.process_weights_after_loading()
         elif self.w13_weight.device != self._processed_device:
             self._check_moved()
+        if hidden_states.dim() < 1 or router_logits.dim() < 1 or hidden_states.shape[:-1] != router_logits.shape[:-1]:
+            raise ValueError(
+                f"hidden_states {tuple(hidden_states.shape)} and router_logits {tuple(router_logits.shape)} "
+                "must be [..., hidden] and [..., experts] with the same leading dimensions"
+            )
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = router_logits.reshape(-1, router_logits.shape[-1])
@@ -704,7 +730,7 @@ class FusedMoE(nn.Module):
                                 expert_map_E=self.expert_map, inplace=inplace)
 
         if self.inplace and self.groups is None and (self.shared_experts is None or not self._adds_shared) \
-                and not (hidden_states.requires_grad and torch.is_grad_enabled()):
+                and unwritable(hidden_states) is None:  # else a new output (expanded, autograd, inference)
             out = routed(inplace=True)  # written into x, which views hidden_states when contiguous
             if not hidden_states.is_contiguous():  # reshape copied: write back (no data_ptr: compile-safe)
                 hidden_states.copy_(out.view(hidden_states.shape))

@@ -302,12 +302,14 @@ def make_modular(config: MoEConfig, experts: Experts) -> ModularMoE:
 
 
 def local_slots(
-    topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None, num_global_experts: int
+    topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None, num_global_experts: int,
+    num_local_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(local expert index [T, K] int64, valid mask [T, K]) for every (token, slot).
 
-    Ids outside [0, E) and ids that expert_map sends to -1 are invalid (they contribute zero);
-    their local index is 0 so that indexing with it stays in bounds.
+    Ids outside [0, E), ids that expert_map sends to -1 and (given num_local_experts) ids it sends
+    past the local experts are invalid (they contribute zero; validation reports the last two as
+    errors where it runs); their local index is 0 so that indexing with it stays in bounds.
     """
     ids = topk_ids_TK.long()
     valid = (ids >= 0) & (ids < num_global_experts)
@@ -315,6 +317,8 @@ def local_slots(
     if expert_map_E is not None:
         local = expert_map_E.long()[local]
         valid &= local >= 0
+        if num_local_experts is not None:
+            valid &= local < num_local_experts
         local = torch.where(valid, local, torch.zeros_like(local))
     return local, valid
 
@@ -339,7 +343,7 @@ def sort_slots(
     num_local_experts: int,
 ) -> SortedSlots:
     """Group slots by local expert with device ops only (no host sync)."""
-    local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, num_global_experts)
+    local_TK, valid_TK = local_slots(topk_ids_TK, expert_map_E, num_global_experts, num_local_experts)
     local_N = torch.where(valid_TK, local_TK, num_local_experts).flatten()
     order_N = torch.sort(local_N, stable=True).indices
     counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=local_N.device)

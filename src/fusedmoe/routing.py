@@ -43,15 +43,33 @@ def select_experts(
     that need a device-to-host sync: NaN/Inf logits.
     """
     num_experts = _check_routing_inputs(hidden_states, router_logits, top_k, scoring_func)
-    if should_validate(validate, router_logits) and not bool(torch.isfinite(router_logits).all()):
+    if e_score_correction_bias is not None:
+        if not isinstance(e_score_correction_bias, torch.Tensor):
+            raise TypeError(f"e_score_correction_bias must be a tensor, got {type(e_score_correction_bias).__name__}")
+        if e_score_correction_bias.shape != (num_experts,):
+            raise ValueError(
+                f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
+                f"expected ({num_experts},)"
+            )
+    checking = should_validate(validate, router_logits)
+    if checking and not bool(torch.isfinite(router_logits).all()):
         bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
         raise ValueError(
             f"router_logits contain NaN/Inf (first at token {bad[0]}, expert {bad[1]}); "
             "routing on them is undefined"
         )
+    if checking and e_score_correction_bias is not None and not bool(torch.isfinite(e_score_correction_bias).all()):
+        bad = int((~torch.isfinite(e_score_correction_bias)).nonzero()[0])
+        raise ValueError(
+            f"e_score_correction_bias contains NaN/Inf (first at expert {bad}: "
+            f"{float(e_score_correction_bias[bad])}); selection on it is undefined"
+        )
     if custom_routing_function is not None:
-        weights, ids = custom_routing_function(hidden_states, router_logits, top_k, renormalize)
-        weights, ids = _check_custom_output(weights, ids, router_logits.shape[0], top_k)
+        out = custom_routing_function(hidden_states, router_logits, top_k, renormalize)
+        if not isinstance(out, tuple | list) or len(out) != 2:
+            raise TypeError(f"custom_routing_function must return (weights, ids), got {type(out).__name__}"
+                            + (f" of length {len(out)}" if isinstance(out, tuple | list) else ""))
+        weights, ids = _check_custom_output(*out, router_logits.shape[0], top_k, num_experts, checking)
         if routed_scaling_factor != 1.0:
             weights = weights * routed_scaling_factor
         return weights, ids
@@ -60,11 +78,6 @@ def select_experts(
     scores = torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
     select_on = scores
     if e_score_correction_bias is not None:
-        if e_score_correction_bias.shape != (num_experts,):
-            raise ValueError(
-                f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
-                f"expected ({num_experts},)"
-            )
         select_on = scores + e_score_correction_bias.to(device=scores.device, dtype=torch.float32)
 
     if use_grouped_topk:
@@ -139,7 +152,7 @@ def _check_routing_inputs(
     return num_experts
 
 
-def _check_custom_output(weights, ids, tokens: int, top_k: int):
+def _check_custom_output(weights, ids, tokens: int, top_k: int, num_experts: int, checking: bool):
     if not isinstance(weights, torch.Tensor) or not isinstance(ids, torch.Tensor):
         raise TypeError("custom_routing_function must return (weights, ids) tensors")
     if tuple(weights.shape) != (tokens, top_k) or tuple(ids.shape) != (tokens, top_k):
@@ -147,6 +160,16 @@ def _check_custom_output(weights, ids, tokens: int, top_k: int):
             f"custom_routing_function returned weights {tuple(weights.shape)} and ids "
             f"{tuple(ids.shape)}, expected ({tokens}, {top_k}) each"
         )
-    if ids.is_floating_point():
+    if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
         raise ValueError(f"custom_routing_function returned ids of dtype {ids.dtype}, expected integers")
-    return weights.float(), ids.to(torch.int32)
+    if checking and ids.numel():
+        bad = (ids < 0) | (ids >= num_experts)
+        if bool(bad.any()):
+            t, k = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"custom_routing_function returned id {int(ids[t, k])} at token {t}, slot {k}: "
+                f"outside [0, {num_experts})"
+            )
+    if ids.dtype != torch.int32:  # out of range -> -1 (a slot that contributes zero), never wrapped into range
+        ids = torch.where((ids >= 0) & (ids < num_experts), ids, -1).to(torch.int32)
+    return weights.float(), ids

@@ -45,6 +45,19 @@ def should_validate(validate: bool | None, *tensors: torch.Tensor | None) -> boo
     return bool(knobs.get("VALIDATE"))
 
 
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why an in-place write into t would fail or corrupt (None: it can be written): elements
+    sharing memory (a stride-0 dimension, e.g. from expand), a tensor autograd tracks, an inference
+    tensor outside inference mode."""
+    if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(), strict=True)):
+        return f"its elements share memory (shape {_shape(t)}, strides {t.stride()}: an expanded view)"
+    if t.requires_grad and torch.is_grad_enabled():
+        return "autograd tracks it (requires_grad=True with grad mode on)"
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return "it is an inference tensor and inference mode is off"
+    return None
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -98,6 +111,8 @@ def check_experts_inputs(
             f"be [{num_tokens}, top_k]"
         )
     top_k = topk_ids_TK.shape[1]
+    if top_k < 1:
+        raise ValueError(f"topk_ids {_shape(topk_ids_TK)} has no slots: top_k must be >= 1")
     num_local = w13.shape[0]
     if w2.shape[0] != num_local:
         raise ValueError(f"w13 has {num_local} experts but w2 has {w2.shape[0]}")

@@ -730,7 +730,7 @@ def _direct_slot(ids_ptr, emap_ptr, pid, num_slots, num_global, num_local, HAS_M
     ok = (e >= 0) & (e < num_global)
     if HAS_MAP:
         e = tl.load(emap_ptr + tl.where(ok, e, 0)).to(tl.int64)
-        ok = ok & (e >= 0)
+        ok = ok & (e >= 0) & (e < num_local)  # a map entry past the local experts: unvalidated input
     lanes = tl.arange(0, BLOCK_M)
     row_ok = lanes == 0
     return tl.where(ok, e, num_local), tl.where(row_ok, pid, num_slots), row_ok
@@ -1490,7 +1490,7 @@ def moe_gemm2_direct_kernel(
     local = tl.where(ok, ids, 0)
     if HAS_MAP:
         local = tl.load(emap_ptr + local, mask=ok, other=-1).to(tl.int64)
-        ok = ok & (local >= 0)
+        ok = ok & (local >= 0) & (local < num_local)
     local = tl.where(ok, local, 0)
     if SCALE_ROWS:  # the routed weight, unless it was applied to the input
         wk = tl.load(topk_w_ptr + t * TOP_K + kk, mask=ok, other=0.0).to(tl.float32)
@@ -1652,7 +1652,7 @@ def _local_expert(ids_ptr, expert_map_ptr, offs, in_range, num_global, num_local
     local = tl.where(valid, ids, 0)
     if HAS_MAP:
         local = tl.load(expert_map_ptr + local, mask=valid, other=-1)
-        valid = valid & (local >= 0)
+        valid = valid & (local >= 0) & (local < num_local)
     return tl.where(valid, local, num_local).to(tl.int32), valid
 
 

@@ -359,6 +359,25 @@ def test_fused_moe_rejects_router_of_another_width(where: str) -> None:
         fused_moe(x, w13, w2, logits, K, **kwargs)
 
 
+@pytest.mark.parametrize("scheme", ("int8_w8a16", "mxfp4_w4a16"))
+@pytest.mark.parametrize("mismatch", ("gated_w2_of_width_g", "no_mul_w2_of_width_g_over_2"))
+def test_quantized_w2_width_follows_the_activation(scheme: str, mismatch: str) -> None:
+    """Quantized w2 must be I = G / 2 wide for a gated activation and G for a non-gated one (it
+    passed either, and the mismatch surfaced as a matmul error after dequantization)."""
+    from fusedmoe.quant import quantize_weights
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, 64, generator=g)
+    i = 64 if mismatch == "gated_w2_of_width_g" else 32
+    w13, w2 = torch.randn(E, 64, 64, generator=g), torch.randn(E, 64, i, generator=g)
+    q13, q2, params = quantize_weights(w13, w2, scheme)
+    activation = "silu" if mismatch == "gated_w2_of_width_g" else "relu2_no_mul"
+    rule = "a gated activation" if activation == "silu" else "a non-gated activation"
+    c = good_call()
+    with pytest.raises(ValueError, match=rf"w2 has shape .* \(I = .*: {rule}\) for {scheme}"):
+        fused_experts(x, q13, q2, c.topk_weights, c.topk_ids, quant=params, activation=activation)
+
+
 def test_fused_moe_rejects_unknown_keyword() -> None:
     c = good_call()
     with pytest.raises(TypeError, match=r"fused_moe got unexpected keyword arguments \['renormalise'\]"):

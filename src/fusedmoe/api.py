@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from fusedmoe.activations import SWIGLUOAI_ALPHA
+from fusedmoe.activations import SWIGLUOAI_ALPHA, is_gated
 from fusedmoe.backends import generation
 from fusedmoe.config import MoEConfig
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
@@ -68,7 +68,7 @@ def fused_experts(
     if quant is not None:
         from fusedmoe.quant.weights import check_quant_weights
 
-        check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1])
+        check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1], gated=is_gated(activation))
     if inplace and (why := unwritable(hidden_states)) is not None:
         raise ValueError(f"inplace=True cannot write into hidden_states: {why}")
     dtype = hidden_states.dtype

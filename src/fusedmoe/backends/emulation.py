@@ -49,7 +49,7 @@ class EmulationExperts(Experts):
             raise ValueError(
                 f"weights.quant has scheme {quant.scheme.name} but the config says {c.quant.name}"
             )
-        check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1])
+        check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=c.gated)
         w13_LGH, w2_LHI = self._dequantized(weights.w13, weights.w2, quant)
         key = quant.scheme.activation
         y = reference_for(

@@ -167,9 +167,11 @@ def check_quant_weights(
     params: QuantParams,
     hidden_size: int,
     intermediate_rows: int,
+    gated: bool | None = None,
 ) -> None:
     """Raise ValueError unless payloads and scales match params.scheme for w13 [E, G, H] and w2
-    [E, H, I] (G = intermediate_rows; I = G / 2 gated or G non-gated, read off w2).
+    [E, H, I] (G = intermediate_rows; I = G / 2 for a gated activation, G for a non-gated one;
+    gated=None takes either, read off w2).
 
     Metadata only (shapes, dtypes, devices, presence): no device sync.
     """
@@ -196,12 +198,17 @@ def check_quant_weights(
             f"G = {rows}, H = {hidden}{packing}"
         )
     intermediate = w2.shape[2] * pack
-    widths = (rows // 2, rows) if rows % 2 == 0 else (rows,)
+    if gated is None:
+        widths = (rows // 2, rows) if rows % 2 == 0 else (rows,)
+        rule = "I = G / 2 gated, I = G non-gated"
+    else:
+        widths = (rows // 2,) if gated else (rows,)
+        rule = "I = G / 2: a gated activation" if gated else "I = G: a non-gated activation"
     if tuple(w2.shape[:2]) != (num_experts, hidden) or intermediate not in widths:
         expected = " or ".join(f"{(num_experts, hidden, i // pack)}" for i in widths)
         raise ValueError(
-            f"w2 has shape {tuple(w2.shape)}, expected {expected} (I = G / 2 gated, I = G "
-            f"non-gated) for {scheme.name} with G = {rows}, H = {hidden}{packing}"
+            f"w2 has shape {tuple(w2.shape)}, expected {expected} ({rule}) for {scheme.name} with "
+            f"G = {rows}, H = {hidden}{packing}"
         )
     _check_group_divides(scheme, "w2", intermediate)
 

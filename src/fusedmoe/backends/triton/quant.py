@@ -813,7 +813,7 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
     scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
-    check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1])
+    check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=config.gated)
     args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
@@ -871,7 +871,7 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0
     scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
-    check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1])
+    check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1], gated=config.gated)
     return call_op(
         triton_batched_quant_experts_op, _triton_batched_quant_experts_op_impl,
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,

@@ -103,10 +103,11 @@ BAD_EXPERTS = [
     Bad("w2_hidden", lambda c: c.with_(w2=torch.randn(E, H + 1, I)),
         r"hidden size mismatch: .* w2 \(4, 33, 24\) \(expected \[E, 32, I\]\)"),
     Bad("w13_rows_gated", lambda c: c.with_(w13=torch.randn(E, 2 * I + 2, H)),
-        r"w13 has 50 rows per expert but gated activation 'silu' with intermediate size 24 needs 48"),
+        r"w13 has 50 rows per expert but gated activation 'silu' with intermediate size 24 "
+        r"\(w2 \(4, 32, 24\)'s last dimension\) needs 48"),
     Bad("w13_rows_no_mul", lambda c: c.with_(activation="relu2_no_mul"),
         r"w13 has 48 rows per expert but non-gated activation 'relu2_no_mul' with intermediate "
-        r"size 24 needs 24"),
+        r"size 24 \(w2 \(4, 32, 24\)'s last dimension\) needs 24"),
     Bad("w2_experts", lambda c: c.with_(w2=c.w2[:3].contiguous()), r"w13 has 4 experts but w2 has 3"),
     Bad("ids_weights_shape", lambda c: c.with_(topk_weights=torch.rand(T, K + 1)),
         r"topk_ids \(5, 2\) and topk_weights \(5, 3\) must both be \[5, top_k\]"),
@@ -170,6 +171,21 @@ BAD_EXPERTS = [
         r"inplace=True cannot write into hidden_states: autograd tracks it"),
     Bad("inplace_inference_tensor", lambda c: c.with_(x=_inference_copy(c.x), inplace=True),
         r"inplace=True cannot write into hidden_states: it is an inference tensor"),
+    # argument types (a truthy string was taken as True; a list failed inside)
+    Bad("inplace_not_bool", lambda c: c.with_(inplace="no"), r"inplace='no' must be a bool", TypeError),
+    Bad("weight_on_input_not_bool", lambda c: c.with_(apply_router_weight_on_input="no"),
+        r"apply_router_weight_on_input='no' must be a bool", TypeError),
+    Bad("validate_not_bool", lambda c: c.with_(validate="no"), r"validate='no' must be True, False or None",
+        TypeError),
+    Bad("w13_bias_not_a_tensor", lambda c: c.with_(w13_bias=[[0.0] * 2 * I] * E),
+        r"w13_bias must be a torch.Tensor or None, got list", TypeError),
+    Bad("global_experts_float", lambda c: c.with_(global_num_experts=4.0),
+        r"global_num_experts=4.0 must be an int or None", TypeError),
+    Bad("swiglu_alpha_str", lambda c: c.with_(activation="swigluoai", swiglu_alpha="1.7"),
+        r"swiglu_alpha='1.7' must be a finite number"),
+    Bad("swiglu_alpha_nan", lambda c: c.with_(activation="swigluoai", swiglu_alpha=float("nan")),
+        r"swiglu_alpha=nan must be a finite number"),
+    Bad("swiglu_limit_str", lambda c: c.with_(swiglu_limit="7"), r"swiglu_limit='7' must be a finite number"),
     # strides
     Bad("w13_non_contiguous", lambda c: c.with_(w13=_non_contiguous(c.w13)), r"w13 must be contiguous"),
     Bad("w2_non_contiguous", lambda c: c.with_(w2=_non_contiguous(c.w2)), r"w2 must be contiguous"),
@@ -325,6 +341,13 @@ BAD_ROUTING = [
                r"e_score_correction_bias contains NaN/Inf \(first at expert 1: nan\)"),
     BadRouting("bias_not_a_tensor", {"e_score_correction_bias": [0.0] * E, "scoring_func": "sigmoid"},
                r"e_score_correction_bias must be a tensor, got list", error=TypeError),
+    BadRouting("scaling_nan", {"routed_scaling_factor": float("nan")},
+               r"routed_scaling_factor=nan must be a finite number"),
+    BadRouting("scaling_str", {"routed_scaling_factor": "2.5"}, r"routed_scaling_factor='2.5' must be a finite number"),
+    BadRouting("groups_float", {**GROUPED, "num_expert_group": 2.0, "topk_group": 1},
+               r"num_expert_group=2.0 must be an int", error=TypeError),
+    BadRouting("logits_list", {}, r"router_logits must be a torch.Tensor, got list", lambda t: t.tolist(),
+               error=TypeError),
 ]
 
 

@@ -58,6 +58,9 @@ def fused_experts(
     """
     if quant is not None and not isinstance(quant, QuantParams):
         raise TypeError(f"quant must be a fusedmoe.QuantParams or None, got {type(quant).__name__}")
+    for name, flag in (("inplace", inplace), ("apply_router_weight_on_input", apply_router_weight_on_input)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be a bool")
     shape = check_experts_inputs(
         hidden_states, w13, w2, topk_weights, topk_ids,
         activation=activation, expert_map=expert_map, global_num_experts=global_num_experts,

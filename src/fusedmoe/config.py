@@ -7,6 +7,8 @@ construction and errors name the offending value.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +25,15 @@ DISPATCHES = ("alltoall", "alltoall_batched", "allgather")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Routing methods a monolithic backend (one that fuses the router) may have to reproduce.
 ROUTING_METHODS = ("softmax_topk", "sigmoid_topk", "grouped_topk", "llama4", "custom")
+
+
+def _real(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,18 @@ class MoEConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant", get_scheme(self.quant))
         object.__setattr__(self, "backend", str(self.backend).strip().lower())
+        if not isinstance(self.parallel, ParallelConfig):
+            raise TypeError(f"parallel must be a fusedmoe.ParallelConfig, got {type(self.parallel).__name__}")
+        for name in ("has_bias", "apply_router_weight_on_input", "has_expert_map", "allow_cutlass",
+                     "batch_invariant", "enable_eplb"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if value is None and name == "swiglu_limit":
+                continue
+            if not _real(value) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -221,7 +244,7 @@ class MoEConfig:
                 f"dispatch={self.parallel.dispatch!r} with ep_size={ep} delivers per-expert "
                 f"buffers: activation_format must be 'batched', not {self.activation_format!r}"
             )
-        if self.max_num_tokens is not None and self.max_num_tokens < 1:
+        if self.max_num_tokens is not None and (not _integer(self.max_num_tokens) or self.max_num_tokens < 1):
             raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= 1")
 
     # Derived views -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ no groups), Llama-4 (sigmoid top-1 without renormalize) and any custom function.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,12 @@ def select_experts(
                 f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
                 f"expected ({num_experts},)"
             )
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, int | float) \
+            or not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}={value!r} must be an int")
     checking = should_validate(validate, router_logits)
     if checking and not bool(torch.isfinite(router_logits).all()):
         bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
@@ -129,6 +136,9 @@ def _mask_groups(
 def _check_routing_inputs(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, top_k: int, scoring_func: str
 ) -> int:
+    for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be 2-D [tokens, experts], got shape {tuple(router_logits.shape)}")
     if not router_logits.is_floating_point():

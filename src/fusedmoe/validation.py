@@ -37,7 +37,9 @@ def should_validate(validate: bool | None, *tensors: torch.Tensor | None) -> boo
     Never inside torch.compile tracing unless asked for: value checks would break the graph.
     """
     if validate is not None:
-        return bool(validate)
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate={validate!r} must be True, False or None")
+        return validate
     if torch.compiler.is_compiling():
         return False
     if all(t is None or t.device.type == "cpu" for t in tensors):
@@ -96,6 +98,12 @@ def check_experts_inputs(
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
     device = x_TH.device
     extra = {"expert_map": expert_map, "w13_bias": w13_bias, "w2_bias": w2_bias}
+    for name, t in extra.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if global_num_experts is not None and (not isinstance(global_num_experts, int)
+                                           or isinstance(global_num_experts, bool)):
+        raise TypeError(f"global_num_experts={global_num_experts!r} must be an int or None")
     for name, t in list(named.items()) + list(extra.items()):
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but hidden_states is on {device}")
@@ -133,9 +141,10 @@ def check_experts_inputs(
     rows = 2 * intermediate if is_gated(activation) else intermediate
     if w13.shape[1] != rows:
         kind = "gated" if is_gated(activation) else "non-gated"
+        source = "" if quantized else f" (w2 {_shape(w2)}'s last dimension)"
         raise ValueError(
             f"w13 has {w13.shape[1]} rows per expert but {kind} activation {activation!r} with "
-            f"intermediate size {intermediate} needs {rows}"
+            f"intermediate size {intermediate}{source} needs {rows}"
         )
     for name, bias, want in (("w13_bias", w13_bias, (num_local, rows)), ("w2_bias", w2_bias, (num_local, hidden))):
         if bias is not None and _shape(bias) != want:

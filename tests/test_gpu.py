@@ -411,3 +411,31 @@ def test_direct_decode_expert_map_out_of_range_and_split_k():
                                 global_num_experts=E, w13_bias_LG=b13[local].float(), w2_bias_LH=b2[local].float())
         assert rel_err(out[:2], ref[:2]) < TOL[torch.bfloat16]
         assert (out[2] == 0).all()  # no slot of token 2 is local and in range
+
+
+@pytest.mark.parametrize("path", ["aligned", "direct", "batched"])
+def test_expert_map_entry_past_the_local_experts_is_never_read(path):
+    """validate=False (the GPU default): an expert_map entry past the local experts drops its
+    slots in the alignment, the direct GEMMs and the batched dispatch, instead of reading w13 /
+    w2 past their last expert (an illegal address before)."""
+    from fusedmoe.backends.triton.experts import triton_experts
+
+    E, L, K, H, I = 16, 8, 4, 512, 256
+    x, w13, w2, _, _, w, ids = make(24 if path != "direct" else 2, E, K, H, I, torch.bfloat16, seed=23)
+    expert_map = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    expert_map[::2] = torch.arange(L, dtype=torch.int32, device="cuda")
+    bad_map = expert_map.clone()
+    bad_map[4] = L + 1000  # past the local experts by far
+    ids[:, 0] = 4
+    w13l, w2l = w13[::2].contiguous(), w2[::2].contiguous()
+    want = fused_experts_ref(x.float(), w13l.float(), w2l.float(), w, ids,
+                             expert_map_E=torch.where(bad_map >= L, -1, bad_map), global_num_experts=E)
+    poison_allocator()
+    if path == "batched":
+        out = fused_experts(x, w13l, w2l, w, ids, expert_map=bad_map, global_num_experts=E,
+                            backend="batched_triton", activation_format="batched", validate=False)
+    else:
+        out = triton_experts(x, w13l, w2l, w, ids, None, None, bad_map, E, "silu", False, 1.702, None,
+                             direct=path == "direct")
+    torch.cuda.synchronize()
+    assert rel_err(out, want) < TOL[torch.bfloat16]

@@ -401,6 +401,39 @@ def test_quantized_w2_width_follows_the_activation(scheme: str, mismatch: str) -
         fused_experts(x, q13, q2, c.topk_weights, c.topk_ids, quant=params, activation=activation)
 
 
+@pytest.mark.parametrize("value", (0.0, float("nan"), -1.0))
+def test_static_activation_scales_must_be_positive_and_finite(value: float) -> None:
+    """A zero a13_scale quantized every activation to 0 (fp8 static: all-zero output), NaN / a
+    negative one poisoned it; checked with the other values where validation runs."""
+    import dataclasses as dc
+
+    from fusedmoe.quant import quantize_weights
+
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    q13, q2, params = quantize_weights(w13, w2, "fp8_w8a8_tensor_static", activation_amax=(4.0, 4.0))
+    params = dc.replace(params, a13_scale=torch.full_like(params.a13_scale, value))
+    c = good_call()
+    with pytest.raises(ValueError, match=r"quant.a13_scale holds .*: static activation scales must be finite and > 0"):
+        fused_experts(c.x, q13, q2, c.topk_weights, c.topk_ids, quant=params)
+
+
+@pytest.mark.parametrize("amax", (float("nan"), -4.0, 0.0))
+def test_quantize_weights_rejects_bad_activation_amax(amax: float) -> None:
+    from fusedmoe.quant import quantize_weights
+
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    with pytest.raises(ValueError, match=r"activation_amax for GEMM1 must be finite and > 0"):
+        quantize_weights(w13, w2, "fp8_w8a8_tensor_static", activation_amax=(amax, 4.0))
+
+
+def test_quantize_weights_rejects_mismatched_hidden() -> None:
+    from fusedmoe.quant import quantize_weights
+
+    with pytest.raises(ValueError, match=r"w13 \(4, 48, 32\) and w2 \(4, 33, 24\) disagree on H \(32 against 33\)"):
+        quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H + 1, I), "int8_w8a16")
+
+
 def test_fused_moe_rejects_unknown_keyword() -> None:
     c = good_call()
     with pytest.raises(TypeError, match=r"fused_moe got unexpected keyword arguments \['renormalise'\]"):

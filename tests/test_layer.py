@@ -570,3 +570,9 @@ def test_inplace_layer_keeps_a_new_output_for_an_expanded_input() -> None:
     assert out.data_ptr() != expanded.data_ptr()
     torch.testing.assert_close(out, layer(expanded.contiguous(), logits), rtol=0, atol=0)
     torch.testing.assert_close(expanded, row.expand(3, 32), rtol=0, atol=0)
+
+
+def test_meta_device_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"FusedMoE cannot be built on the meta device: its expert-placement "
+                                         r"buffers are computed at construction"):
+        FusedMoE(4, 2, 32, 16, device="meta")

@@ -22,7 +22,7 @@ from fusedmoe.oracle import knob_state, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.routing import select_experts
-from fusedmoe.validation import check_experts_inputs, unwritable
+from fusedmoe.validation import check_experts_inputs, should_validate, unwritable
 
 
 def fused_experts(
@@ -72,6 +72,13 @@ def fused_experts(
         from fusedmoe.quant.weights import check_quant_weights
 
         check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1], gated=is_gated(activation))
+    if quant is not None and should_validate(validate, hidden_states):
+        for name in ("a13_scale", "a2_scale"):
+            scale = getattr(quant, name)
+            if scale is not None and scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                bad = scale[~(torch.isfinite(scale) & (scale > 0))][0]
+                raise ValueError(f"quant.{name} holds {float(bad)}: static activation scales must be finite "
+                                 "and > 0 (a zero one quantizes every activation to 0 or NaN)")
     if inplace and (why := unwritable(hidden_states)) is not None:
         raise ValueError(f"inplace=True cannot write into hidden_states: {why}")
     dtype = hidden_states.dtype

@@ -134,6 +134,12 @@ class FusedMoE(nn.Module):
         inplace: bool = False,
     ):
         super().__init__()
+        if device is not None and torch.device(device).type == "meta":
+            raise ValueError(
+                "FusedMoE cannot be built on the meta device: its expert-placement buffers are "
+                "computed at construction and `to_empty()` would leave them uninitialized. Build it "
+                "on the device it runs on (or on the CPU and move it before loading)."
+            )
         # inplace (the seeds' use_inplace): forward overwrites hidden_states with the output and
         # returns it; the backend writes there directly when it allows it (`supports_inplace`),
         # else the output is copied in. Calls that cannot (shared experts reading the input on a

@@ -73,6 +73,11 @@ def quantize_weights(
     _check_float_weight(scheme, "w2", w2_EHI)
     if w13_EGH.shape[0] != w2_EHI.shape[0]:
         raise ValueError(f"w13 has {w13_EGH.shape[0]} experts but w2 has {w2_EHI.shape[0]}")
+    if w2_EHI.shape[1] != w13_EGH.shape[2]:
+        raise ValueError(f"w13 {tuple(w13_EGH.shape)} and w2 {tuple(w2_EHI.shape)} disagree on H "
+                         f"({w13_EGH.shape[2]} against {w2_EHI.shape[1]})")
+    if w2_EHI.device != w13_EGH.device:
+        raise ValueError(f"w2 is on {w2_EHI.device} but w13 is on {w13_EGH.device}")
     q13, scale13, global13 = quantize_weight(w13_EGH, scheme)
     q2, scale2, global2 = quantize_weight(w2_EHI, scheme)
     a13, a2 = _activation_scales(scheme, activation_amax, w13_EGH.shape[0], w13_EGH.device)
@@ -352,6 +357,12 @@ def _activation_scales(
         if amax.numel() not in (1, num_experts):
             raise ValueError(
                 f"activation_amax for {name} has {amax.numel()} values, expected 1 or {num_experts}"
+            )
+        bad = ~(torch.isfinite(amax) & (amax > 0))
+        if bool(bad.any()):  # an offline helper: the sync is fine here
+            raise ValueError(
+                f"activation_amax for {name} must be finite and > 0, got {float(amax[bad][0])} "
+                "(a zero or NaN amax makes a zero, NaN or negative activation scale)"
             )
         if act.dtype == "nvfp4":
             scales.append(nvfp4_global_scale(amax))

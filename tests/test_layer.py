@@ -576,3 +576,17 @@ def test_meta_device_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"FusedMoE cannot be built on the meta device: its expert-placement "
                                          r"buffers are computed at construction"):
         FusedMoE(4, 2, 32, 16, device="meta")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scoring_func": "relu"}, r"scoring_func='relu'; expected 'softmax' or 'sigmoid'"),
+    ({"use_grouped_topk": True}, r"use_grouped_topk=True needs num_expert_group and topk_group"),
+    ({"use_grouped_topk": True, "num_expert_group": 3, "topk_group": 1},
+     r"num_experts=8 is not divisible by num_expert_group=3"),
+    ({"num_expert_group": 2, "topk_group": 1}, r"num_expert_group/topk_group are only used with use_grouped_topk=True"),
+])
+def test_routing_arguments_are_checked_at_construction(kwargs, match) -> None:
+    """Routing arguments fail when the layer is built, naming the argument (a bad scoring_func
+    was reported as routing_method='relu_topk'; grouping errors waited for the first forward)."""
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(8, 2, 32, 16, params_dtype=torch.float32, **kwargs)

@@ -57,7 +57,7 @@ from fusedmoe.quant.checkpoint import (
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.weights import scale_shape
-from fusedmoe.routing import CustomRouting, select_experts
+from fusedmoe.routing import CustomRouting, check_grouping, select_experts
 from fusedmoe.shared import SharedExperts, run_overlapped
 from fusedmoe.validation import check_experts_inputs, unwritable
 
@@ -149,6 +149,10 @@ class FusedMoE(nn.Module):
         parallel = parallel or ParallelConfig()
         if activation_format is None:
             activation_format = "batched" if parallel.use_batched_activation_format else "standard"
+        if scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func={scoring_func!r}; expected 'softmax' or 'sigmoid'")
+        if custom_routing_function is None:
+            check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
         if use_grouped_topk:
             routing_method = "grouped_topk"
         elif custom_routing_function is not None:

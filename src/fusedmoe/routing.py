@@ -55,9 +55,8 @@ def select_experts(
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, int | float) \
             or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
-    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name}={value!r} must be an int")
+    if custom_routing_function is None:
+        check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
     checking = should_validate(validate, router_logits)
     if checking and not bool(torch.isfinite(router_logits).all()):
         bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
@@ -91,8 +90,6 @@ def select_experts(
         select_on = _mask_groups(
             select_on, num_expert_group, topk_group, top_k, biased=e_score_correction_bias is not None
         )
-    elif num_expert_group is not None or topk_group is not None:
-        raise ValueError("num_expert_group/topk_group are only used with use_grouped_topk=True")
 
     ids = torch.topk(select_on, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, ids)
@@ -103,11 +100,16 @@ def select_experts(
     return weights, ids.to(torch.int32)
 
 
-def _mask_groups(
-    select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, biased: bool
-) -> torch.Tensor:
-    """Keep the topk_group best expert groups per token; others -> -inf (scores may be < 0)."""
-    tokens, num_experts = select_on.shape
+def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
+                   topk_group: int | None) -> None:
+    """The grouped top-k arguments' errors (select_experts, and FusedMoE at construction)."""
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}={value!r} must be an int")
+    if not use_grouped_topk:
+        if num_expert_group is not None or topk_group is not None:
+            raise ValueError("num_expert_group/topk_group are only used with use_grouped_topk=True")
+        return
     if num_expert_group is None or topk_group is None:
         raise ValueError("use_grouped_topk=True needs num_expert_group and topk_group")
     if num_expert_group < 1 or num_experts % num_expert_group:
@@ -122,6 +124,15 @@ def _mask_groups(
             f"top_k={top_k} exceeds the experts left after group selection "
             f"(topk_group={topk_group} x {per_group} experts per group = {topk_group * per_group})"
         )
+
+
+def _mask_groups(
+    select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, biased: bool
+) -> torch.Tensor:
+    """Keep the topk_group best expert groups per token; others -> -inf (scores may be < 0)."""
+    tokens, num_experts = select_on.shape
+    check_grouping(num_experts, top_k, True, num_expert_group, topk_group)
+    per_group = num_experts // num_expert_group
     grouped = select_on.view(tokens, num_expert_group, per_group)
     if biased:  # DeepSeek-V3 noaux_tc: a group scores the sum of its two best biased scores
         group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)

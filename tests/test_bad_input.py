@@ -434,6 +434,27 @@ def test_quantize_weights_rejects_mismatched_hidden() -> None:
         quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H + 1, I), "int8_w8a16")
 
 
+@pytest.mark.parametrize("change, match", [
+    (lambda c: c.with_(topk_ids=c.topk_ids[:4], topk_weights=c.topk_weights[:4]),
+     r"fused_experts_ref: topk_ids \(4, 2\) and topk_weights \(4, 2\) must both be \[5, top_k\]"),
+    (lambda c: c.with_(topk_ids=c.topk_ids.float()), r"fused_experts_ref: topk_ids must be integers, got torch.float32"),
+    (lambda c: c.with_(w13=torch.randn(E, 2 * I, H + 1)),
+     r"fused_experts_ref: w13 \(4, 48, 33\) and w2 \(4, 32, 24\) do not fit hidden_states \(5, 32\)"),
+    (lambda c: c.with_(w13=torch.randn(E, 2 * I + 1, H)), r"expected w13 \[E, 48, 32\], w2 \[E, 32, 24\]"),
+    (lambda c: c.with_(apply_router_weight_on_input=True),
+     r"fused_experts_ref: apply_router_weight_on_input=True needs top_k == 1, got top_k=2"),
+    (lambda c: c.with_(x=c.x[0]), r"fused_experts_ref: hidden_states must be a 2-D tensor, got shape \(32,\)"),
+])
+def test_reference_rejects_inputs_that_do_not_fit(change, match) -> None:
+    """The public reference checks shapes and kinds (it gave zero rows for missing ids rows, took
+    float ids, and failed inside a matmul); dtypes may differ and ids may be out of range there."""
+    from fusedmoe import fused_experts_ref
+
+    c = change(good_call())
+    with pytest.raises(ValueError, match=match):
+        fused_experts_ref(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, **c.kwargs)
+
+
 def test_fused_moe_rejects_unknown_keyword() -> None:
     c = good_call()
     with pytest.raises(TypeError, match=r"fused_moe got unexpected keyword arguments \['renormalise'\]"):

@@ -13,11 +13,38 @@ from collections.abc import Callable
 
 import torch
 
-from fusedmoe.activations import SWIGLUOAI_ALPHA, apply_activation
+from fusedmoe.activations import SWIGLUOAI_ALPHA, apply_activation, is_gated
 from fusedmoe.modular import local_slots
 
 # (tensor, local expert index) -> tensor: fake-quantization hooks used by the emulation backend.
 Transform = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _check_shapes(x_TH, w13_LGH, w2_LHI, topk_weights_TK, topk_ids_TK, activation: str,
+                  apply_router_weight_on_input: bool) -> None:
+    """The reference's own input errors: shapes and kinds only. Dtypes may differ (it computes
+    in float32 / float64) and ids may be out of range (their slots contribute zero)."""
+    for name, t, rank in (("hidden_states", x_TH, 2), ("w13", w13_LGH, 3), ("w2", w2_LHI, 3),
+                          ("topk_weights", topk_weights_TK, 2), ("topk_ids", topk_ids_TK, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"fused_experts_ref: {name} must be a {rank}-D tensor, got {got}")
+    if topk_ids_TK.is_floating_point() or topk_ids_TK.dtype == torch.bool:
+        raise ValueError(f"fused_experts_ref: topk_ids must be integers, got {topk_ids_TK.dtype}")
+    num_tokens, hidden = x_TH.shape
+    if tuple(topk_ids_TK.shape) != tuple(topk_weights_TK.shape) or topk_ids_TK.shape[0] != num_tokens:
+        raise ValueError(f"fused_experts_ref: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights "
+                         f"{tuple(topk_weights_TK.shape)} must both be [{num_tokens}, top_k]")
+    inter = w2_LHI.shape[2]
+    rows = 2 * inter if is_gated(activation) else inter
+    if w13_LGH.shape[2] != hidden or w2_LHI.shape[1] != hidden or w13_LGH.shape[1] != rows \
+            or w13_LGH.shape[0] != w2_LHI.shape[0]:
+        raise ValueError(f"fused_experts_ref: w13 {tuple(w13_LGH.shape)} and w2 {tuple(w2_LHI.shape)} do not fit "
+                         f"hidden_states {tuple(x_TH.shape)} and activation {activation!r} "
+                         f"(expected w13 [E, {rows}, {hidden}], w2 [E, {hidden}, {inter}])")
+    if apply_router_weight_on_input and topk_ids_TK.shape[1] != 1:
+        raise ValueError(f"fused_experts_ref: apply_router_weight_on_input=True needs top_k == 1, "
+                         f"got top_k={topk_ids_TK.shape[1]}")
 
 
 def fused_experts_ref(
@@ -43,6 +70,7 @@ def fused_experts_ref(
 
     Computes in float64 when x is float64, else float32; returns `out_dtype` (default x's).
     """
+    _check_shapes(x_TH, w13_LGH, w2_LHI, topk_weights_TK, topk_ids_TK, activation, apply_router_weight_on_input)
     compute = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
     num_tokens, hidden = x_TH.shape
     num_global = global_num_experts

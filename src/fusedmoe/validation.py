@@ -55,7 +55,7 @@ def unwritable(t: torch.Tensor) -> str | None:
         return f"its elements share memory (shape {_shape(t)}, strides {t.stride()}: an expanded view)"
     if t.requires_grad and torch.is_grad_enabled():
         return "autograd tracks it (requires_grad=True with grad mode on)"
-    if t.is_inference() and not torch.is_inference_mode_enabled():
+    if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
         return "it is an inference tensor and inference mode is off"
     return None
 

@@ -14,6 +14,7 @@ no groups), Llama-4 (sigmoid top-1 without renormalize) and any custom function.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,7 @@ def select_experts(
                 f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
                 f"expected ({num_experts},)"
             )
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, int | float) \
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real) \
             or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
     if custom_routing_function is None:

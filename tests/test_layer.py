@@ -523,8 +523,12 @@ def test_forward_checks_leading_dimensions() -> None:
         layer(torch.randn(2, 3, 32), torch.randn(3, 2, 4))
     with pytest.raises(ValueError, match=r"hidden_states \(\) and router_logits \(4,\)"):
         layer(torch.tensor(1.0), torch.randn(4))
+    want = layer(x, logits)
     out = layer(x.reshape(1, 3, 32), logits.reshape(1, 3, 4))  # the same leading dims: fine
-    torch.testing.assert_close(out.reshape(3, 32), layer(x, logits), rtol=0, atol=0)
+    torch.testing.assert_close(out.reshape(3, 32), want, rtol=0, atol=0)
+    out = layer(x.reshape(1, 3, 32), logits)  # logits of the flattened input: fine, shaped as the input
+    assert out.shape == (1, 3, 32)
+    torch.testing.assert_close(out.reshape(3, 32), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("expert_id, match", [

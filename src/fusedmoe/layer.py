@@ -95,6 +95,18 @@ def _expert_index(expert_id) -> int:
     return int(expert_id)
 
 
+def _same_tokens(hidden_states: torch.Tensor, router_logits: torch.Tensor) -> bool:
+    """Both [..., features] over the same tokens: equal leading dimensions, or one of them
+    flattened to [tokens, features] (router logits computed on the flattened input)."""
+    if hidden_states.dim() < 1 or router_logits.dim() < 1:
+        return False
+    lead_x, lead_l = hidden_states.shape[:-1], router_logits.shape[:-1]
+    if lead_x == lead_l:
+        return True
+    flat = (len(lead_l) == 1 and lead_l[0] == lead_x.numel()) or (len(lead_x) == 1 and lead_x[0] == lead_l.numel())
+    return flat
+
+
 class FusedMoE(nn.Module):
     """A Mixture-of-Experts layer: routing + experts, with the backend chosen by the oracle."""
 
@@ -705,10 +717,11 @@ class FusedMoE(nn.Module):
             self.process_weights_after_loading()
         elif self.w13_weight.device != self._processed_device:
             self._check_moved()
-        if hidden_states.dim() < 1 or router_logits.dim() < 1 or hidden_states.shape[:-1] != router_logits.shape[:-1]:
+        if not _same_tokens(hidden_states, router_logits):
             raise ValueError(
                 f"hidden_states {tuple(hidden_states.shape)} and router_logits {tuple(router_logits.shape)} "
-                "must be [..., hidden] and [..., experts] with the same leading dimensions"
+                "must be [..., hidden] and [..., experts] with the same leading dimensions (or one of "
+                "them flattened to [tokens, ...])"
             )
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])

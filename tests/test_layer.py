@@ -594,3 +594,16 @@ def test_routing_arguments_are_checked_at_construction(kwargs, match) -> None:
     was reported as routing_method='relu_topk'; grouping errors waited for the first forward)."""
     with pytest.raises(ValueError, match=match):
         FusedMoE(8, 2, 32, 16, params_dtype=torch.float32, **kwargs)
+
+
+def test_backend_name_and_quant_groups_are_checked_at_construction() -> None:
+    """An unknown backend name and an int4 group that does not tile H waited for the first forward."""
+    from fusedmoe import BackendRequestError
+
+    with pytest.raises(BackendRequestError, match=r"backend='nope' is not supported for Unquantized MoE"):
+        FusedMoE(4, 2, 96, 64, params_dtype=torch.bfloat16, backend="nope")
+    with pytest.raises(ValueError, match=r"int4_w4a16_g64 has one scale per 64 inputs, but w13's K = 96"):
+        FusedMoE(4, 2, 96, 64, params_dtype=torch.bfloat16, quant="int4_w4a16_g64")
+    with pytest.raises(ValueError, match=r"int4_w4a16_g64 has one scale per 64 inputs, but w2's K = 32"):
+        FusedMoE(4, 2, 128, 64, params_dtype=torch.bfloat16, quant="int4_w4a16_g64",
+                 parallel=ParallelConfig(tp_size=2))

@@ -39,7 +39,7 @@ from fusedmoe.distributed import ExpertPlacement, MoEGroups, make_distributed
 from fusedmoe.eplb import PhysicalPlacement, move_rows, rebalance, record_load, to_physical
 from fusedmoe.errors import BackendRequestError, NoBackendError
 from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
-from fusedmoe.oracle import Selection, select_backend
+from fusedmoe.oracle import Selection, check_backend_request, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.checkpoint import (
     GPT_OSS_TENSORS,
@@ -56,7 +56,7 @@ from fusedmoe.quant.checkpoint import (
 )
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
-from fusedmoe.quant.weights import scale_shape
+from fusedmoe.quant.weights import check_group_divides, scale_shape
 from fusedmoe.routing import CustomRouting, check_grouping, select_experts
 from fusedmoe.shared import SharedExperts, run_overlapped
 from fusedmoe.validation import check_experts_inputs, unwritable
@@ -201,7 +201,11 @@ class FusedMoE(nn.Module):
         # one it returns this rank's partial sum (the caller reduces).
         self.groups = None if group is None else MoEGroups(parallel, group)
         self.shared_experts = shared_experts
+        check_backend_request(self.config)
         scheme = self.config.quant
+        if scheme is not None and not prequantized:  # online quantization: its groups must tile H and I / tp
+            check_group_divides(scheme, "w13", hidden_size)
+            check_group_divides(scheme, "w2", self.config.intermediate_size_per_partition)
         if prequantized and scheme is None:
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
         if prequantized:

@@ -330,6 +330,14 @@ def _scheme_family(scheme: str) -> str:
     return "unquantized" if scheme == "unquantized" else SCHEMES[scheme].family
 
 
+def check_backend_request(config: MoEConfig) -> None:
+    """Raise BackendRequestError now if `config.backend` names no backend of its family (the
+    platform-dependent verdicts wait for selection). FusedMoE calls it at construction."""
+    if config.backend != "auto":
+        load_plugins()
+        _resolve_request(config.backend, config)
+
+
 def _resolve_request(request: str, config: MoEConfig) -> str:
     accepted = _family_names(config)
     name = resolve_name(request)

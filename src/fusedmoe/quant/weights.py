@@ -195,7 +195,7 @@ def check_quant_weights(
     if w2.device != w13.device:
         raise ValueError(f"w2 is on {w2.device} but w13 is on {w13.device}")
     num_experts, rows, hidden = w13.shape[0], intermediate_rows, hidden_size
-    _check_group_divides(scheme, "w13", hidden)
+    check_group_divides(scheme, "w13", hidden)
     want13 = (num_experts, rows, hidden // pack)
     if tuple(w13.shape) != want13:
         raise ValueError(
@@ -215,7 +215,7 @@ def check_quant_weights(
             f"w2 has shape {tuple(w2.shape)}, expected {expected} ({rule}) for {scheme.name} with "
             f"G = {rows}, H = {hidden}{packing}"
         )
-    _check_group_divides(scheme, "w2", intermediate)
+    check_group_divides(scheme, "w2", intermediate)
 
     device = w13.device
     scale_dtypes = _SCALE_DTYPES.get(key.dtype, _FLOAT_SCALE_DTYPES)
@@ -283,10 +283,10 @@ def _check_float_weight(scheme: QuantScheme, name: str, w: torch.Tensor) -> None
         raise ValueError(
             f"{name} must be a floating-point [E, N, K] tensor, got {w.dtype} {tuple(w.shape)}"
         )
-    _check_group_divides(scheme, name, w.shape[2])
+    check_group_divides(scheme, name, w.shape[2])
 
 
-def _check_group_divides(scheme: QuantScheme, name: str, k: int) -> None:
+def check_group_divides(scheme: QuantScheme, name: str, k: int) -> None:
     key = scheme.weight
     if key.granularity == "group" and k % key.group:
         raise ValueError(

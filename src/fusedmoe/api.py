@@ -75,8 +75,9 @@ def fused_experts(
     if quant is not None and should_validate(validate, hidden_states):
         for name in ("a13_scale", "a2_scale"):
             scale = getattr(quant, name)
-            if scale is not None and scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
-                bad = scale[~(torch.isfinite(scale) & (scale > 0))][0]
+            ok = None if scale is None else torch.isfinite(scale) & (scale > 0)
+            if ok is not None and not bool(ok.all()):
+                bad = scale[~ok][0]
                 raise ValueError(f"quant.{name} holds {float(bad)}: static activation scales must be finite "
                                  "and > 0 (a zero one quantizes every activation to 0 or NaN)")
     if inplace and (why := unwritable(hidden_states)) is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,6 +15,7 @@ import torch
 
 from fusedmoe.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, is_gated
 from fusedmoe.quant.scheme import Family, QuantScheme, family_of, get_scheme
+from fusedmoe.validation import is_integer, is_real
 
 ActivationFormat = Literal["standard", "batched"]
 Placement = Literal["linear", "round_robin"]
@@ -25,15 +25,6 @@ DISPATCHES = ("alltoall", "alltoall_batched", "allgather")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Routing methods a monolithic backend (one that fuses the router) may have to reproduce.
 ROUTING_METHODS = ("softmax_topk", "sigmoid_topk", "grouped_topk", "llama4", "custom")
-
-
-def _real(value) -> bool:
-    """A real number (int, float, numpy scalar), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -196,7 +187,7 @@ class MoEConfig:
             value = getattr(self, name)
             if value is None and name == "swiglu_limit":
                 continue
-            if not _real(value) or not math.isfinite(value):
+            if not is_real(value) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)
@@ -244,7 +235,7 @@ class MoEConfig:
                 f"dispatch={self.parallel.dispatch!r} with ep_size={ep} delivers per-expert "
                 f"buffers: activation_format must be 'batched', not {self.activation_format!r}"
             )
-        if self.max_num_tokens is not None and (not _integer(self.max_num_tokens) or self.max_num_tokens < 1):
+        if self.max_num_tokens is not None and (not is_integer(self.max_num_tokens) or self.max_num_tokens < 1):
             raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= 1")
 
     # Derived views -------------------------------------------------------------------------

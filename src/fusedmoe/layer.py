@@ -25,7 +25,6 @@ scale, input scales) stay per half, [L, 2] (gate, up), until processing fuses th
 
 from __future__ import annotations
 
-import numbers
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -59,7 +58,7 @@ from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.weights import check_group_divides, scale_shape
 from fusedmoe.routing import CustomRouting, check_grouping, select_experts
 from fusedmoe.shared import SharedExperts, run_overlapped
-from fusedmoe.validation import check_experts_inputs, unwritable
+from fusedmoe.validation import check_experts_inputs, is_integer, unwritable
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -90,7 +89,7 @@ def _expert_index(expert_id) -> int:
             raise TypeError(f"expert_id must be an integer, got a {expert_id.dtype} tensor of shape "
                             f"{tuple(expert_id.shape)}")
         return int(expert_id)
-    if isinstance(expert_id, bool) or not isinstance(expert_id, numbers.Integral):
+    if not is_integer(expert_id):
         raise TypeError(f"expert_id must be an integer, got {expert_id!r} ({type(expert_id).__name__})")
     return int(expert_id)
 

@@ -14,12 +14,11 @@ no groups), Llama-4 (sigmoid top-1 without renormalize) and any custom function.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
 
-from fusedmoe.validation import should_validate
+from fusedmoe.validation import is_integer, is_real, should_validate
 
 CustomRouting = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,8 +52,7 @@ def select_experts(
                 f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
                 f"expected ({num_experts},)"
             )
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real) \
-            or not math.isfinite(routed_scaling_factor):
+    if not is_real(routed_scaling_factor) or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
     if custom_routing_function is None:
         check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
@@ -105,7 +103,7 @@ def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_exp
                    topk_group: int | None) -> None:
     """The grouped top-k arguments' errors (select_experts, and FusedMoE at construction)."""
     for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and not is_integer(value):
             raise TypeError(f"{name}={value!r} must be an int")
     if not use_grouped_topk:
         if num_expert_group is not None or topk_group is not None:
@@ -131,8 +129,7 @@ def _mask_groups(
     select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, biased: bool
 ) -> torch.Tensor:
     """Keep the topk_group best expert groups per token; others -> -inf (scores may be < 0)."""
-    tokens, num_experts = select_on.shape
-    check_grouping(num_experts, top_k, True, num_expert_group, topk_group)
+    tokens, num_experts = select_on.shape  # arguments checked by select_experts (check_grouping)
     per_group = num_experts // num_expert_group
     grouped = select_on.view(tokens, num_expert_group, per_group)
     if biased:  # DeepSeek-V3 noaux_tc: a group scores the sum of its two best biased scores

@@ -8,6 +8,7 @@ Without validation, kernels still never read out of bounds: out-of-range slots c
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,16 @@ def should_validate(validate: bool | None, *tensors: torch.Tensor | None) -> boo
     if all(t is None or t.device.type == "cpu" for t in tensors):
         return True
     return bool(knobs.get("VALIDATE"))
+
+
+def is_real(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value) -> bool:
+    """An integer (int, numpy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def unwritable(t: torch.Tensor) -> str | None:
@@ -101,8 +112,7 @@ def check_experts_inputs(
     for name, t in extra.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if global_num_experts is not None and (not isinstance(global_num_experts, int)
-                                           or isinstance(global_num_experts, bool)):
+    if global_num_experts is not None and not is_integer(global_num_experts):
         raise TypeError(f"global_num_experts={global_num_experts!r} must be an int or None")
     for name, t in list(named.items()) + list(extra.items()):
         if t is not None and t.device != device:

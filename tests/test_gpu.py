@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusedmoe
-from fusedmoe import FusedMoE, fused_experts, fused_experts_ref, select_experts
+from fusedmoe import FusedMoE, MoEConfig, fused_experts, fused_experts_ref, select_experts
 from fusedmoe.presets import PRESETS
 from gpu_checks import capture, poison_allocator, rel_err, replayed
 
@@ -432,8 +432,13 @@ def test_expert_map_entry_past_the_local_experts_is_never_read(path):
                              expert_map_E=torch.where(bad_map >= L, -1, bad_map), global_num_experts=E)
     poison_allocator()
     if path == "batched":
-        out = fused_experts(x, w13l, w2l, w, ids, expert_map=bad_map, global_num_experts=E,
-                            backend="batched_triton", activation_format="batched", validate=False)
+        # the batched backend takes no expert_map (the oracle refuses it): its dispatch applies it
+        from fusedmoe.backends.triton.experts import BatchedTritonExperts
+        from fusedmoe.modular import ExpertWeights, make_modular
+
+        config = MoEConfig(E, K, H, I, dtype=torch.bfloat16, activation_format="batched")
+        out = make_modular(config, BatchedTritonExperts(config))(x, ExpertWeights(w13l, w2l), w, ids,
+                                                                 expert_map_E=bad_map)
     else:
         out = triton_experts(x, w13l, w2l, w, ids, None, None, bad_map, E, "silu", False, 1.702, None,
                              direct=path == "direct")

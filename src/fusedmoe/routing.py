@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from fusedmoe import knobs
 from fusedmoe.validation import is_integer, is_real, should_validate
 
 CustomRouting = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -79,6 +80,15 @@ def select_experts(
             weights = weights * routed_scaling_factor
         return weights, ids
 
+    if _triton_routing(router_logits, num_experts, top_k, use_grouped_topk, num_expert_group, topk_group):
+        from fusedmoe.backends.triton.routing import triton_select_experts
+
+        return triton_select_experts(
+            router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
+            use_grouped_topk=use_grouped_topk, num_expert_group=num_expert_group, topk_group=topk_group,
+            e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+        )
+
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
     select_on = scores
@@ -97,6 +107,20 @@ def select_experts(
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+def _triton_routing(router_logits: torch.Tensor, num_experts: int, top_k: int, use_grouped_topk: bool,
+                    num_expert_group: int | None, topk_group: int | None) -> bool:
+    """One Triton launch instead of the torch ops: CUDA tensors, FUSEDMOE_TRITON_ROUTING not 0,
+    not while torch.compile traces, and a configuration the kernel takes (the arguments were
+    checked before: `check_grouping`)."""
+    if router_logits.device.type != "cuda" or knobs.get("TRITON_ROUTING") is False:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    from fusedmoe.backends.triton.routing import routing_unsupported
+
+    return routing_unsupported(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group) is None
 
 
 def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,

@@ -1,0 +1,148 @@
+"""Routing in one Triton launch: router logits [T, E] -> (weights float32 [T, K], ids int32 [T, K]).
+
+The same math as `fusedmoe.routing.select_experts` (softmax or sigmoid scores in float32, the
+correction bias on selection only, DeepSeek's grouped top-k, renormalisation, the routed scaling
+factor), which on a GPU is ~8 small torch launches (float cast, softmax, top-k, gather, sum,
+add, divide, int cast; DeepSeek-V3's groups add ~8 more) where vLLM runs one fused kernel.
+
+`moe_routing_kernel`: one program per token holds the token's E scores in registers (E padded to
+a power of two, the padding at -inf), picks the kept groups by repeated argmax over the group
+scores, then the top_k experts by repeated argmax (ties to the lower id; ids come out best
+first, as torch.topk(sorted=True) gives them), and writes the weights after renormalising.
+
+`routing_unsupported(...)` says why a configuration stays on the torch path (None: the kernel
+runs it): E over `MAX_EXPERTS`, top_k over `MAX_TOP_K`, groups that do not split E into powers of
+two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 1024  # one token's scores live in one program's registers
+MAX_TOP_K = 32  # the top-k picks are a loop of argmax reductions over E
+
+
+@triton.jit
+def moe_routing_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, stride_lt, stride_le, routed_scaling_factor,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+):
+    """One token: weights[t, :TOP_K], ids[t, :TOP_K]. GROUPS > 0: grouped top-k over GROUPS
+    contiguous groups of BLOCK_E // GROUPS experts (BLOCK_E == num_experts then), keeping the
+    TOPK_GROUP best (group score: the sum of its two best biased scores with a bias, its best
+    score without)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + t * stride_lt + offs * stride_le, mask=valid, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        shifted = tl.exp(logits - tl.max(logits, 0))
+        shifted = tl.where(valid, shifted, 0.0)
+        scores = shifted / tl.sum(shifted, 0)
+    select_on = scores
+    if HAS_BIAS:
+        select_on = scores + tl.load(bias_ptr + offs, mask=valid, other=0.0)
+    select_on = tl.where(valid, select_on, float("-inf"))
+
+    if GROUPS > 0:
+        PER_GROUP: tl.constexpr = BLOCK_E // GROUPS
+        grouped = tl.reshape(select_on, (GROUPS, PER_GROUP))
+        members = tl.reshape(offs, (GROUPS, PER_GROUP)) % PER_GROUP
+        best = tl.max(grouped, 1)
+        if HAS_BIAS and PER_GROUP > 1:  # DeepSeek-V3 noaux_tc: the sum of the group's two best
+            first = tl.argmax(grouped, 1, tie_break_left=True)
+            rest = tl.where(members == first[:, None], float("-inf"), grouped)
+            group_scores = best + tl.max(rest, 1)
+        else:  # DeepSeek-V2 group_limited_greedy: the group's best
+            group_scores = best
+        group_ids = tl.arange(0, GROUPS)
+        kept = group_ids < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            g = tl.argmax(tl.where(kept, float("-inf"), group_scores), 0, tie_break_left=True)
+            open_min = tl.min(tl.where(kept, GROUPS, group_ids), 0)  # every open score -inf: the first open group
+            g = tl.where(tl.max(tl.where(kept, float("-inf"), group_scores), 0) == float("-inf"), open_min, g)
+            kept = kept | (group_ids == g)
+        select_on = tl.reshape(tl.where(kept[:, None], grouped, float("-inf")), (BLOCK_E,))
+
+    k_offs = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    taken = offs < 0
+    for i in range(TOP_K):
+        candidates = tl.where(taken, float("-inf"), select_on)
+        e = tl.argmax(candidates, 0, tie_break_left=True)
+        # every candidate left at -inf (masked groups, -inf scores): the lowest id not yet taken,
+        # so the ids stay distinct
+        first_open = tl.min(tl.where(taken | ~valid, BLOCK_E, offs), 0)
+        e = tl.where(tl.max(candidates, 0) == float("-inf"), first_open, e)
+        taken = taken | (offs == e)
+        w = tl.sum(tl.where(offs == e, scores, 0.0), 0)
+        top_w = tl.where(k_offs == i, w, top_w)
+        top_i = tl.where(k_offs == i, e.to(tl.int32), top_i)
+    if RENORMALIZE:
+        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    top_w = top_w * routed_scaling_factor
+    out = t * TOP_K + k_offs
+    tl.store(weights_ptr + out, top_w, mask=k_offs < TOP_K)
+    tl.store(ids_ptr + out, top_i, mask=k_offs < TOP_K)
+
+
+def routing_unsupported(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
+                        topk_group: int | None) -> str | None:
+    """Why `moe_routing_kernel` cannot run this configuration (None: it can)."""
+    if num_experts > MAX_EXPERTS:
+        return f"E={num_experts} > {MAX_EXPERTS} (one token's scores in one program)"
+    if top_k > MAX_TOP_K:
+        return f"top_k={top_k} > {MAX_TOP_K}"
+    if use_grouped_topk and num_expert_group > 1:  # one group keeps every expert: plain top-k
+        if num_experts & (num_experts - 1) or num_expert_group & (num_expert_group - 1):
+            return (f"grouped top-k over E={num_experts} in {num_expert_group} groups: the kernel needs "
+                    "powers of two for both")
+        if topk_group > 16:
+            return f"topk_group={topk_group} > 16"
+    return None
+
+
+def triton_select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str,
+    use_grouped_topk: bool,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    e_score_correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts`' result from one `moe_routing_kernel` launch; inputs already validated
+    (`fusedmoe.routing`), the configuration one `routing_unsupported` accepts."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    bias = None
+    if e_score_correction_bias is not None:
+        bias = e_score_correction_bias.to(device=device, dtype=torch.float32).contiguous()
+    groups = num_expert_group if use_grouped_topk and num_expert_group > 1 else 0
+    block_e = triton.next_power_of_2(num_experts)
+    moe_routing_kernel[(num_tokens,)](
+        router_logits, weights if bias is None else bias, weights, ids,
+        num_experts, router_logits.stride(0), router_logits.stride(1), float(routed_scaling_factor),
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+        SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize),
+        GROUPS=groups, TOPK_GROUP=topk_group if groups else 0,
+        num_warps=1 if block_e <= 256 else (2 if block_e <= 512 else 4),
+    )
+    return weights, ids

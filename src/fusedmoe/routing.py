@@ -114,9 +114,10 @@ def _triton_routing(router_logits: torch.Tensor, num_experts: int, top_k: int, u
     """One Triton launch instead of the torch ops: CUDA tensors, FUSEDMOE_TRITON_ROUTING not 0,
     not while torch.compile traces, and a configuration the kernel takes (the arguments were
     checked before: `check_grouping`)."""
-    if router_logits.device.type != "cuda" or knobs.get("TRITON_ROUTING") is False:
+    # is_compiling first: dynamo cannot trace the knob's ContextVar lookup (fullgraph would fail)
+    if router_logits.device.type != "cuda" or torch.compiler.is_compiling():
         return False
-    if torch.compiler.is_compiling():
+    if knobs.get("TRITON_ROUTING") is False:
         return False
     from fusedmoe.backends.triton.routing import routing_unsupported
 

@@ -562,3 +562,18 @@ def test_chosen_backend_supports_config(config, platform, env, kernels):
         assert "clamp" in record.features
     if sel.via == "auto" or sel.via == "lora":
         assert record.auto
+
+
+def test_knobs_read_inside_a_fullgraph_compile(monkeypatch):
+    """Forward paths read knobs (shared-expert overlap, routing, validation): under
+    torch.compile(fullgraph=True) the read is a trace-time constant, not a graph break."""
+    from fusedmoe import knobs
+
+    monkeypatch.setenv("FUSEDMOE_SHARED_OVERLAP", "0")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        return x + 1 if knobs.get("SHARED_OVERLAP") is False else x * 2
+
+    with knobs.override(TRITON_ROUTING=False):
+        assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 PREFIX = "FUSEDMOE_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -170,8 +172,12 @@ _overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 )
 
 
+@torch.compiler.assume_constant_result
 def get(name: str) -> Any:
-    """The knob's value: a scoped override, else the parsed environment variable, else default."""
+    """The knob's value: a scoped override, else the parsed environment variable, else default.
+
+    Under torch.compile the value read while tracing is a constant of the graph (dynamo cannot
+    trace the override's ContextVar; a knob changed later does not recompile)."""
     knob = KNOBS[name]
     scoped = _overrides.get()
     if scoped is not None and name in scoped:

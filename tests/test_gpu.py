@@ -152,6 +152,25 @@ def test_layer_selects_triton_and_compiles():
     assert rel_err(eager, ref_of(x, layer.w13_weight, layer.w2_weight, None, None, w, ids)) < TOL[torch.bfloat16]
 
 
+def test_layer_with_shared_experts_compiles():
+    """torch.compile(fullgraph=True) of a layer with shared experts on CUDA: the knob reads are
+    trace-time constants and the side stream is left out of the trace (in sequence there)."""
+    from fusedmoe.shared import SharedExperts
+
+    E, K, H, I = 16, 4, 512, 256
+    shared = SharedExperts(H, 384, gate=True, params_dtype=torch.bfloat16, device="cuda")
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", shared_experts=shared)
+    with torch.no_grad():
+        for p in (*layer.parameters(),):
+            p.normal_(0, H**-0.5)
+    layer.process_weights_after_loading()
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(37, E, device="cuda")
+    eager = layer(x, logits)
+    out = torch.compile(layer, fullgraph=True)(x, logits)
+    assert rel_err(out, eager) < 1e-2
+
+
 def test_grouped_mm_backend():
     reason = fusedmoe.backends.REGISTRY["grouped_mm"].check(fusedmoe.MoEConfig(8, 2, 256, 128),
                                                             fusedmoe.Platform.current())

@@ -89,8 +89,9 @@ class SharedExperts(nn.Module):
 def run_overlapped(shared: SharedExperts, x_TH: torch.Tensor, routed) -> tuple[torch.Tensor, torch.Tensor]:
     """(routed(), shared(x)): on CUDA the shared MLP runs on a side stream while `routed` (dispatch,
     experts, combine: mostly communication waits under EP) runs on the current one; elsewhere, or
-    with FUSEDMOE_SHARED_OVERLAP=0, in sequence."""
-    if not x_TH.is_cuda or knobs.get("SHARED_OVERLAP") is False:
+    with FUSEDMOE_SHARED_OVERLAP=0, or while torch.compile traces (the side stream is not traced),
+    in sequence."""
+    if not x_TH.is_cuda or torch.compiler.is_compiling() or knobs.get("SHARED_OVERLAP") is False:
         return routed(), shared(x_TH)
     main = torch.cuda.current_stream(x_TH.device)
     side = _side_stream(x_TH.device)

@@ -251,6 +251,55 @@ def test_inplace_overwrites_hidden_states(backend: str) -> None:
     assert out is not tracked and torch.equal(tracked.detach(), x)
 
 
+@pytest.mark.parametrize("case", [c for c in LAYER_CASES if c.name in
+                                  ("mixtral_softmax_renorm", "deepseek_v3_grouped", "gpt_oss_swigluoai_bias",
+                                   "llama4_weight_on_input")], ids=lambda c: c.id)
+def test_cpu_layer_compiles_fullgraph(case: LayerCase) -> None:
+    """torch.compile(fullgraph=True) of a CPU layer: the cpu backend is the custom op
+    fusedmoe::cpu_experts (its segment loop has data-dependent sizes); the same output as eager,
+    in place too."""
+    ckpt = make_checkpoint(case)
+    layer = build(case, ckpt)
+    assert layer.selection.name == "cpu"
+    x, logits = make_batch(case, num_tokens=11)
+    want = layer(x, logits)
+    torch._dynamo.reset()  # each layer instance is a recompile of forward: stay under the limit
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert_close_rel(compiled(x, logits), want, case.dtype)
+    inplace = build(case, ckpt, inplace=True)
+    h = x.clone()
+    torch.compile(inplace, fullgraph=True, backend="aot_eager")(h, logits)
+    assert_close_rel(h, want, case.dtype)
+
+
+def test_cpu_experts_opcheck() -> None:
+    """torch.library.opcheck on fusedmoe::cpu_experts and its _out form (schema, fake kernel,
+    dispatch), with biases and an expert_map."""
+    from fusedmoe.backends.cpu import cpu_experts_op, cpu_experts_out_op
+    from fusedmoe.routing import select_experts
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 32, generator=gen)
+    w13, w2 = torch.randn(3, 48, 32, generator=gen) / 6, torch.randn(3, 32, 24, generator=gen) / 5
+    b13, b2 = torch.randn(3, 48, generator=gen), torch.randn(3, 32, generator=gen)
+    w, ids = select_experts(x, torch.randn(6, 5, generator=gen), 2)
+    expert_map = torch.tensor([0, -1, 1, -1, 2], dtype=torch.int32)
+    args = (x, w13, w2, w, ids, b13, b2, expert_map, 5, "silu", False, 1.702, None)
+    torch.library.opcheck(cpu_experts_op, args)
+    torch.library.opcheck(cpu_experts_out_op, (*args[:13], torch.empty_like(x)))
+
+
+def test_cpu_backend_eager_is_differentiable() -> None:
+    """Eager CPU calls run the experts' torch ops themselves (not the custom op, which has no
+    autograd): gradients reach the input."""
+    case = LAYER_CASES[0]
+    layer = build(case, make_checkpoint(case))
+    x, logits = make_batch(case, num_tokens=5)
+    tracked = x.clone().requires_grad_()
+    layer(tracked, logits).square().sum().backward()
+    assert tracked.grad is not None and tracked.grad.abs().sum() > 0
+
+
 def test_zero_tokens() -> None:
     case = LAYER_CASES[0]
     layer = build(case, make_checkpoint(case))

@@ -310,3 +310,18 @@ def test_property_grouped_topk(problem, scale) -> None:
     per_group = num_experts // num_groups
     for row in ids.tolist():
         assert len({e // per_group for e in row}) <= topk_group, f"ids {row} span > {topk_group} groups"
+
+
+def test_select_experts_compiles_when_dynamo_makes_the_scaling_factor_symbolic() -> None:
+    """A scaling factor that changes between compiles becomes a symbolic float under dynamo's
+    automatic dynamic shapes; the argument check must not break the fullgraph trace."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(6, 16, generator=gen), torch.randn(6, 8, generator=gen)
+    compiled = torch.compile(lambda s: select_experts(x, logits, 2, routed_scaling_factor=s),
+                             fullgraph=True, backend="eager")
+    for scale in (1.0, 2.5, 0.75):
+        want_w, want_ids = select_experts(x, logits, 2, routed_scaling_factor=scale)
+        got_w, got_ids = compiled(scale)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)

@@ -7,7 +7,6 @@ construction and errors name the offending value.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,7 +14,7 @@ import torch
 
 from fusedmoe.activations import ACTIVATIONS, SWIGLUOAI_ALPHA, is_gated
 from fusedmoe.quant.scheme import Family, QuantScheme, family_of, get_scheme
-from fusedmoe.validation import is_integer, is_real
+from fusedmoe.validation import is_finite_real, is_integer
 
 ActivationFormat = Literal["standard", "batched"]
 Placement = Literal["linear", "round_robin"]
@@ -187,7 +186,7 @@ class MoEConfig:
             value = getattr(self, name)
             if value is None and name == "swiglu_limit":
                 continue
-            if not is_real(value) or not math.isfinite(value):
+            if not is_finite_real(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)

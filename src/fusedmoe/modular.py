@@ -11,6 +11,7 @@ subclasses it. Weight layout changes a backend wants happen once, in `Experts.pr
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -241,19 +242,55 @@ class BatchedLocalPrepareFinalize:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def tracing() -> bool:
+    """A torch.compile / export trace or a dispatch mode (fake, functional, proxy) is active:
+    custom ops must be called as ops (their fake kernels give the shapes)."""
+    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+
+
 def call_op(op, impl: Callable, *args, **kwargs):
     """op(*args, **kwargs), or impl (the op's own body) directly in plain eager calls: no
     torch.compile / export trace, no dispatch mode (fake, functional, proxy), only plain tensors,
     and no input that autograd would need (the op then raises on backward; impl would not).
     The op's dispatch (autograd wrapper, dynamo guard) costs ~50 us of host time per call that an
     eager decode step pays for nothing (CPU host, launches stubbed: docs/perf-notes.md)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if tracing():
         return op(*args, **kwargs)
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
             return op(*args, **kwargs)
     return impl(*args, **kwargs)
+
+
+def experts_ops(name: str, impl: Callable[..., torch.Tensor]):
+    """`impl` (annotated, returning a new [T, H] tensor, taking an `out=` keyword) as two custom
+    ops with one signature: `fusedmoe::<name>` (functional) and `fusedmoe::<name>_out`, the same
+    arguments with `out` (which it writes; may be x: the seeds' in-place mode) after the required
+    ones. Schemas are inferred from `impl`'s annotations; both ops have fake kernels.
+    """
+    params = [p for n, p in inspect.signature(impl).parameters.items() if n != "out"]
+    required = [p for p in params if p.default is inspect.Parameter.empty]
+    defaulted = [p for p in params if p.default is not inspect.Parameter.empty]
+    out_param = inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
+
+    def functional(*args, **kwargs):
+        return impl(*args, **kwargs)
+
+    def with_out(*args, **kwargs) -> None:
+        bound = with_out.__signature__.bind(*args, **kwargs)
+        out = bound.arguments.pop("out")
+        impl(**bound.arguments, out=out)
+
+    for fn, ps, ret in ((functional, params, torch.Tensor), (with_out, required + [out_param] + defaulted, None)):
+        fn.__signature__ = inspect.Signature(ps, return_annotation=ret)
+        fn.__annotations__ = {p.name: p.annotation for p in ps} | {"return": ret}
+        fn.__name__ = fn.__qualname__ = name if fn is functional else f"{name}_out"
+    op = torch.library.custom_op(f"fusedmoe::{name}", functional, mutates_args=())
+    op.register_fake(lambda x, *args, **kwargs: torch.empty_like(x))
+    out_op = torch.library.custom_op(f"fusedmoe::{name}_out", with_out, mutates_args=("out",))
+    out_op.register_fake(lambda *args, **kwargs: None)
+    return op, out_op
 
 
 class ModularMoE:

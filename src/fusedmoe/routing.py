@@ -13,13 +13,12 @@ no groups), Llama-4 (sigmoid top-1 without renormalize) and any custom function.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from fusedmoe import knobs
-from fusedmoe.validation import is_integer, is_real, should_validate
+from fusedmoe.validation import is_finite_real, is_integer, should_validate
 
 CustomRouting = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,7 +52,7 @@ def select_experts(
                 f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, "
                 f"expected ({num_experts},)"
             )
-    if not is_real(routed_scaling_factor) or not math.isfinite(routed_scaling_factor):
+    if not is_finite_real(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
     if custom_routing_function is None:
         check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)

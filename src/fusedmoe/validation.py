@@ -8,6 +8,7 @@ Without validation, kernels still never read out of bounds: out-of-range slots c
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -51,6 +52,13 @@ def should_validate(validate: bool | None, *tensors: torch.Tensor | None) -> boo
 def is_real(value) -> bool:
     """A real number (int, float, numpy scalar), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite_real(value) -> bool:
+    """A finite real number. While torch.compile traces, a float that dynamo made symbolic (a
+    value that changed between compiles) cannot be tested without a graph break: it passes as
+    real, its finiteness unchecked there (eager calls and construction check it)."""
+    return is_real(value) and (torch.compiler.is_compiling() or math.isfinite(value))
 
 
 def is_integer(value) -> bool:

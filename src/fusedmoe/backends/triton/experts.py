@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from fusedmoe.backends.triton.tiles import (
     require_plan,
     tile_mode,
 )
-from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op
+from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, call_op, experts_ops
 from fusedmoe.validation import should_validate
 
 ACT_CODES = {name: i for i, name in enumerate(
@@ -1186,36 +1185,6 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def experts_ops(name: str, impl: Callable[..., torch.Tensor]):
-    """`impl` (annotated, returning a new [T, H] tensor, taking an `out=` keyword) as two custom
-    ops with one signature: `fusedmoe::<name>` (functional) and `fusedmoe::<name>_out`, the same
-    arguments with `out` (which it writes; may be x: the seeds' in-place mode) after the required
-    ones. Schemas are inferred from `impl`'s annotations; both ops have fake kernels.
-    """
-    params = [p for n, p in inspect.signature(impl).parameters.items() if n != "out"]
-    required = [p for p in params if p.default is inspect.Parameter.empty]
-    defaulted = [p for p in params if p.default is not inspect.Parameter.empty]
-    out_param = inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
-
-    def functional(*args, **kwargs):
-        return impl(*args, **kwargs)
-
-    def with_out(*args, **kwargs) -> None:
-        bound = with_out.__signature__.bind(*args, **kwargs)
-        out = bound.arguments.pop("out")
-        impl(**bound.arguments, out=out)
-
-    for fn, ps, ret in ((functional, params, torch.Tensor), (with_out, required + [out_param] + defaulted, None)):
-        fn.__signature__ = inspect.Signature(ps, return_annotation=ret)
-        fn.__annotations__ = {p.name: p.annotation for p in ps} | {"return": ret}
-        fn.__name__ = fn.__qualname__ = name if fn is functional else f"{name}_out"
-    op = torch.library.custom_op(f"fusedmoe::{name}", functional, mutates_args=())
-    op.register_fake(lambda x, *args, **kwargs: torch.empty_like(x))
-    out_op = torch.library.custom_op(f"fusedmoe::{name}_out", with_out, mutates_args=("out",))
-    out_op.register_fake(lambda *args, **kwargs: None)
-    return op, out_op
 
 
 def _triton_experts_op_impl(

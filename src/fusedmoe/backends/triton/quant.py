@@ -41,9 +41,7 @@ from fusedmoe.backends.triton.experts import (
     Launch,
     _num_sms,
     align,
-    call_op,
     device_capability,
-    experts_ops,
     launch_gemm1,
     launch_gemm2,
     launch_gemm2_direct,
@@ -56,6 +54,7 @@ from fusedmoe.backends.triton.experts import (
     triton_next_pow2,
 )
 from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan
+from fusedmoe.modular import call_op, experts_ops
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme

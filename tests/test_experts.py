@@ -389,3 +389,63 @@ def test_backend_knob_change_takes_effect_between_calls(monkeypatch):
     monkeypatch.setenv("FUSEDMOE_BACKEND", "torch")
     fused_experts(x, w13, w2, weights, ids)
     assert calls == [1]
+
+
+# torch.compile of the functional API ----------------------------------------------------------
+def _compile_problem(seed: int):
+    from fusedmoe import select_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 64, generator=gen)
+    w13, w2 = torch.randn(5, 96, 64, generator=gen) / 8, torch.randn(5, 64, 48, generator=gen) / 7
+    b13, b2 = torch.randn(5, 96, generator=gen), torch.randn(5, 64, generator=gen)
+    w, ids = select_experts(x, torch.randn(7, 6, generator=gen), 2)
+    expert_map = torch.tensor([0, 1, -1, 2, 3, 4], dtype=torch.int32)
+    return x, w13, w2, b13, b2, w, ids, expert_map
+
+
+def test_fused_experts_compiles_fullgraph() -> None:
+    """torch.compile(fullgraph=True) of fused_experts records the custom op fusedmoe::fused_experts
+    (config and oracle stay outside the trace): the eager result, with biases, an expert_map,
+    changing scalars and in place."""
+    torch._dynamo.reset()
+    x, w13, w2, b13, b2, w, ids, expert_map = _compile_problem(71)
+    kwargs = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2, expert_map=expert_map, global_num_experts=6)
+    compiled = torch.compile(lambda alpha, limit: fused_experts(x, w13, w2, w, ids, swiglu_alpha=alpha,
+                                                                swiglu_limit=limit, **kwargs),
+                             fullgraph=True, backend="aot_eager")
+    for alpha, limit in ((1.702, 7.0), (1.5, 5.0), (1.2, None)):
+        want = fused_experts(x, w13, w2, w, ids, swiglu_alpha=alpha, swiglu_limit=limit, **kwargs)
+        assert torch.equal(compiled(alpha, limit), want)
+    want = fused_experts(x, w13, w2, w, ids, **kwargs)
+    h = x.clone()
+    out = torch.compile(lambda h_: fused_experts(h_, w13, w2, w, ids, inplace=True, **kwargs),
+                        fullgraph=True, backend="aot_eager")(h)
+    assert torch.equal(h, want) and torch.equal(out, want)
+
+
+def test_fused_experts_compiles_fullgraph_quantized() -> None:
+    """A quantized call (emulation on CPU) through the op: QuantParams travel as the scheme's
+    name and its tensors."""
+    from fusedmoe.quant.weights import quantize_weights
+
+    torch._dynamo.reset()
+    *_, w, ids, _ = _compile_problem(72)  # ids over 6 experts
+    gen = torch.Generator().manual_seed(74)
+    q13, q2, params = quantize_weights(torch.randn(6, 96, 128, generator=gen) / 8,
+                                       torch.randn(6, 128, 48, generator=gen) / 7, "int8_w8a8")
+    x = torch.randn(7, 128, generator=gen).bfloat16()
+    want = fused_experts(x, q13, q2, w, ids, quant=params)
+    got = torch.compile(lambda x_: fused_experts(x_, q13, q2, w, ids, quant=params), fullgraph=True,
+                        backend="aot_eager")(x)
+    assert torch.equal(got, want)
+
+
+def test_fused_experts_opcheck() -> None:
+    from fusedmoe.api import fused_experts_op, fused_experts_out_op
+
+    x, w13, w2, b13, b2, w, ids, expert_map = _compile_problem(73)
+    args = (x, w13, w2, w, ids, b13, b2, expert_map, 6, "silu", False, None, None, None, None, None, None, None,
+            "auto", 1.702, None, None, "standard")
+    torch.library.opcheck(fused_experts_op, args)
+    torch.library.opcheck(fused_experts_out_op, (*args, torch.empty_like(x)))

@@ -17,7 +17,7 @@ import torch
 from fusedmoe.activations import SWIGLUOAI_ALPHA, is_gated
 from fusedmoe.backends import generation
 from fusedmoe.config import MoEConfig
-from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
+from fusedmoe.modular import ExpertWeights, ModularMoE, experts_ops, make_modular, tracing
 from fusedmoe.oracle import knob_state, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.params import QuantParams
@@ -58,6 +58,14 @@ def fused_experts(
     """
     if quant is not None and not isinstance(quant, QuantParams):
         raise TypeError(f"quant must be a fusedmoe.QuantParams or None, got {type(quant).__name__}")
+    if tracing():  # torch.compile / export / fake tensors: one custom op, this function its body
+        args = (hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                global_num_experts, activation, apply_router_weight_on_input,
+                *_flat_quant(quant), backend, swiglu_alpha, swiglu_limit, validate, activation_format)
+        if inplace:
+            fused_experts_out_op(*args, out=hidden_states)
+            return hidden_states
+        return fused_experts_op(*args)
     for name, flag in (("inplace", inplace), ("apply_router_weight_on_input", apply_router_weight_on_input)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}={flag!r} must be a bool")
@@ -107,6 +115,62 @@ def fused_experts(
         return hidden_states if inplace else hidden_states.new_empty(0, shape.hidden_size)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, quant)
     return kernel(hidden_states, weights, topk_weights, topk_ids, expert_map_E=expert_map, inplace=inplace)
+
+
+_QUANT_TENSORS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale", "w2_global_scale")
+
+
+def _flat_quant(quant: QuantParams | None) -> tuple:
+    """QuantParams as the custom op's arguments: the scheme's name, then its tensors."""
+    if quant is None:
+        return (None,) + (None,) * len(_QUANT_TENSORS)
+    return (quant.scheme.name, *(getattr(quant, name) for name in _QUANT_TENSORS))
+
+
+def _fused_experts_op_impl(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    global_num_experts: int | None,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    quant_scheme: str | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+    w13_global_scale: torch.Tensor | None,
+    w2_global_scale: torch.Tensor | None,
+    backend: str,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+    validate: bool | None,
+    activation_format: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    quant = None
+    if quant_scheme is not None:
+        quant = QuantParams(quant_scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
+                            w2_global_scale)
+    result = fused_experts(
+        hidden_states if out is None else out.copy_(hidden_states) if out is not hidden_states else out,
+        w13, w2, topk_weights, topk_ids, activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
+        global_num_experts=global_num_experts, w13_bias=w13_bias, w2_bias=w2_bias, quant=quant,
+        backend=backend, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, inplace=out is not None,
+        validate=validate, activation_format=activation_format,
+    )
+    return result
+
+
+# Custom ops fusedmoe::fused_experts(_out): what a torch.compile(fullgraph=True) / export trace
+# records for a `fused_experts` call (the oracle and the config are Python a trace cannot hold).
+fused_experts_op, fused_experts_out_op = experts_ops("fused_experts", _fused_experts_op_impl)
 
 
 @functools.lru_cache(maxsize=256)

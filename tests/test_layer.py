@@ -656,3 +656,24 @@ def test_backend_name_and_quant_groups_are_checked_at_construction() -> None:
     with pytest.raises(ValueError, match=r"int4_w4a16_g64 has one scale per 64 inputs, but w2's K = 32"):
         FusedMoE(4, 2, 128, 64, params_dtype=torch.bfloat16, quant="int4_w4a16_g64",
                  parallel=ParallelConfig(tp_size=2))
+
+
+def test_cpu_layer_imports_neither_triton_nor_dynamo() -> None:
+    """README: the CPU path never imports triton. torch._dynamo (~1 s of import, and it imports
+    triton) stays out too: nothing at import or in an eager CPU forward may pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from fusedmoe import FusedMoE, fused_moe\n"
+        "layer = FusedMoE(8, 2, 64, 32, params_dtype=torch.float32)\n"
+        "with torch.no_grad():\n"
+        "    [p.normal_() for p in layer.parameters()]\n"
+        "layer.process_weights_after_loading()\n"
+        "layer(torch.randn(3, 64), torch.randn(3, 8))\n"
+        "fused_moe(torch.randn(3, 64), layer.w13_weight, layer.w2_weight, torch.randn(3, 8), 2)\n"
+        "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

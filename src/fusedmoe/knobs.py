@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 PREFIX = "FUSEDMOE_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -172,7 +170,6 @@ _overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 )
 
 
-@torch.compiler.assume_constant_result
 def get(name: str) -> Any:
     """The knob's value: a scoped override, else the parsed environment variable, else default.
 
@@ -186,6 +183,12 @@ def get(name: str) -> Any:
     if raw is None or raw.strip() == "":
         return knob.default
     return knob.parse(name, raw)
+
+
+# torch.compiler.assume_constant_result(get), without its import of torch._dynamo (~1 s, and it
+# imports triton) when fusedmoe is imported: the marker that decorator sets. Dynamo then calls
+# get while tracing and keeps the value (tests/test_oracle.py checks it under fullgraph).
+get._dynamo_marked_constant = True
 
 
 def is_set(name: str) -> bool:

@@ -441,6 +441,23 @@ def test_fused_experts_compiles_fullgraph_quantized() -> None:
     assert torch.equal(got, want)
 
 
+def test_fused_experts_bad_shapes_fail_the_trace() -> None:
+    """The shape checks run while tracing (the op's fake kernel would take any shape): a bad w2
+    fails torch.compile with the error naming it, before any graph runs."""
+    torch._dynamo.reset()
+    x, w13, w2, _, _, w, ids, _ = _compile_problem(75)
+    bad_w2 = w2[:, :-1].contiguous()
+    graphs = []
+
+    def backend(gm, example_inputs):  # reached only by a trace that finished
+        graphs.append(gm)
+        return gm.forward
+
+    with pytest.raises(Exception, match=r"hidden size mismatch: hidden_states \[7, 64\]"):
+        torch.compile(lambda: fused_experts(x, w13, bad_w2, w, ids), fullgraph=True, backend=backend)()
+    assert graphs == []
+
+
 def test_fused_experts_opcheck() -> None:
     from fusedmoe.api import fused_experts_op, fused_experts_out_op
 

@@ -58,14 +58,7 @@ def fused_experts(
     """
     if quant is not None and not isinstance(quant, QuantParams):
         raise TypeError(f"quant must be a fusedmoe.QuantParams or None, got {type(quant).__name__}")
-    if tracing():  # torch.compile / export / fake tensors: one custom op, this function its body
-        args = (hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
-                global_num_experts, activation, apply_router_weight_on_input,
-                *_flat_quant(quant), backend, swiglu_alpha, swiglu_limit, validate, activation_format)
-        if inplace:
-            fused_experts_out_op(*args, out=hidden_states)
-            return hidden_states
-        return fused_experts_op(*args)
+    traced = tracing()  # torch.compile / export / fake tensors: the checks below, then one custom op
     for name, flag in (("inplace", inplace), ("apply_router_weight_on_input", apply_router_weight_on_input)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}={flag!r} must be a bool")
@@ -74,12 +67,22 @@ def fused_experts(
         activation=activation, expert_map=expert_map, global_num_experts=global_num_experts,
         w13_bias=w13_bias, w2_bias=w2_bias,
         apply_router_weight_on_input=apply_router_weight_on_input,
-        quantized=quant is not None, validate=validate,
+        quantized=quant is not None, validate=False if traced else validate,
     )
     if quant is not None:
         from fusedmoe.quant.weights import check_quant_weights
 
         check_quant_weights(w13, w2, quant, shape.hidden_size, w13.shape[1], gated=is_gated(activation))
+    if inplace and (why := unwritable(hidden_states)) is not None:
+        raise ValueError(f"inplace=True cannot write into hidden_states: {why}")
+    if traced:  # the body runs the value checks when the graph runs
+        args = (hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                global_num_experts, activation, apply_router_weight_on_input,
+                *_flat_quant(quant), backend, swiglu_alpha, swiglu_limit, validate, activation_format)
+        if inplace:
+            fused_experts_out_op(*args, out=hidden_states)
+            return hidden_states
+        return fused_experts_op(*args)
     if quant is not None and should_validate(validate, hidden_states):
         for name in ("a13_scale", "a2_scale"):
             scale = getattr(quant, name)
@@ -88,8 +91,6 @@ def fused_experts(
                 bad = scale[~ok][0]
                 raise ValueError(f"quant.{name} holds {float(bad)}: static activation scales must be finite "
                                  "and > 0 (a zero one quantizes every activation to 0 or NaN)")
-    if inplace and (why := unwritable(hidden_states)) is not None:
-        raise ValueError(f"inplace=True cannot write into hidden_states: {why}")
     dtype = hidden_states.dtype
     config = MoEConfig(
         shape.num_global_experts,

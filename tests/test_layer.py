@@ -272,6 +272,34 @@ def test_cpu_layer_compiles_fullgraph(case: LayerCase) -> None:
     assert_close_rel(h, want, case.dtype)
 
 
+@pytest.mark.parametrize(("backend", "quant"), [("torch", None), ("emulation", "fp8_w8a8_block"),
+                                              ("emulation", "mxfp4_w4a16")])
+def test_torch_and_emulation_layers_compile_fullgraph(backend: str, quant: str | None) -> None:
+    """Backends without a custom op of their own (the reference loop, emulation's dequantized
+    cache) go into the trace as fusedmoe::fused_experts naming them: the eager output, in place
+    too."""
+    E, K, H, I = 6, 2, 128, 64
+    gen = torch.Generator().manual_seed(37)
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I**0.5
+    x, logits = torch.randn(9, H, generator=gen), torch.randn(9, E, generator=gen)
+    outs = []
+    for inplace in (False, True):
+        layer = FusedMoE(E, K, H, I, params_dtype=torch.float32, backend=backend, quant=quant, inplace=inplace)
+        for e in range(E):
+            layer.load_expert_weight(e, "gate_proj", w13[e, :I])
+            layer.load_expert_weight(e, "up_proj", w13[e, I:])
+            layer.load_expert_weight(e, "down_proj", w2[e])
+        assert layer.process_weights_after_loading().name == backend
+        want = layer(x.clone(), logits)
+        torch._dynamo.reset()
+        h = x.clone()
+        got = torch.compile(layer, fullgraph=True, backend="aot_eager")(h, logits)
+        assert torch.equal(got, want)
+        outs.append(h)
+    assert torch.equal(outs[0], x) and torch.equal(outs[1], want)
+
+
 def test_cpu_experts_opcheck() -> None:
     """torch.library.opcheck on fusedmoe::cpu_experts and its _out form (schema, fake kernel,
     dispatch), with biases and an expert_map."""

@@ -248,6 +248,27 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
 
 
+def traced_experts(backend: str, config: MoEConfig, x_TH: torch.Tensor, weights: ExpertWeights,
+                   topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None,
+                   out_TH: torch.Tensor | None) -> torch.Tensor:
+    """An `Experts.apply` without a custom op of its own, while tracing: the call as
+    `fusedmoe::fused_experts` naming `backend` (whose body selects that backend and runs it
+    eagerly), so a layer on the torch or emulation backend compiles with fullgraph=True."""
+    from fusedmoe.api import fused_experts
+
+    y = fused_experts(
+        x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, activation=config.activation,
+        apply_router_weight_on_input=config.apply_router_weight_on_input, expert_map=expert_map_E,
+        global_num_experts=config.num_experts, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
+        quant=weights.quant, backend=backend, swiglu_alpha=config.swiglu_alpha,
+        swiglu_limit=config.swiglu_limit, inplace=out_TH is x_TH and out_TH is not None,
+    )
+    if out_TH is not None and y is not out_TH:
+        out_TH.copy_(y)
+        return out_TH
+    return y
+
+
 def call_op(op, impl: Callable, *args, **kwargs):
     """op(*args, **kwargs), or impl (the op's own body) directly in plain eager calls: no
     torch.compile / export trace, no dispatch mode (fake, functional, proxy), only plain tensors,

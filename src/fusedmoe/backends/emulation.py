@@ -18,7 +18,7 @@ import torch
 
 from fusedmoe.backends.torch_ref import reference_for
 from fusedmoe.config import MoEConfig
-from fusedmoe.modular import Experts, ExpertWeights
+from fusedmoe.modular import Experts, ExpertWeights, traced_experts, tracing
 from fusedmoe.quant.activations import fake_quantize_activation
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey
@@ -50,6 +50,8 @@ class EmulationExperts(Experts):
                 f"weights.quant has scheme {quant.scheme.name} but the config says {c.quant.name}"
             )
         check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=c.gated)
+        if tracing():  # the dequantized-weight cache and the reference's loop stay out of the trace
+            return traced_experts("emulation", c, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH)
         w13_LGH, w2_LHI = self._dequantized(weights.w13, weights.w2, quant)
         key = quant.scheme.activation
         y = reference_for(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fusedmoe.config import MoEConfig
-from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights
+from fusedmoe.modular import BatchedExperts, Experts, ExpertWeights, traced_experts, tracing
 from fusedmoe.reference import Transform, fused_experts_ref
 
 
@@ -34,6 +34,9 @@ def reference_for(
 class TorchExperts(Experts):
     def apply(self, x_TH, weights: ExpertWeights, topk_weights_TK, topk_ids_TK, *, expert_map_E,
               out_TH=None) -> torch.Tensor:
+        if tracing():  # its per-expert loop has data-dependent sizes
+            return traced_experts("torch", self.config, x_TH, weights, topk_weights_TK, topk_ids_TK,
+                                  expert_map_E, out_TH)
         y = reference_for(self.config, x_TH, weights.w13, weights.w2, weights, topk_weights_TK,
                           topk_ids_TK, expert_map_E)
         if out_TH is not None:

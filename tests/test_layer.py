@@ -300,6 +300,29 @@ def test_torch_and_emulation_layers_compile_fullgraph(backend: str, quant: str |
     assert torch.equal(outs[0], x) and torch.equal(outs[1], want)
 
 
+def test_batched_cpu_layer_compiles_fullgraph() -> None:
+    """The batched layout on CPU (dispatch torch ops, batched_torch's per-expert loop as the op
+    fusedmoe::batched_reference): the eager output; opcheck on the op."""
+    from fusedmoe.backends.torch_ref import batched_reference_op
+
+    E, K, H, I = 8, 2, 64, 32
+    gen = torch.Generator().manual_seed(41)
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.float32, activation="swigluoai", has_bias=True,
+                     activation_format="batched")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / H**0.5)
+    assert layer.process_weights_after_loading().name == "batched_torch"
+    x, logits = torch.randn(7, H, generator=gen), torch.randn(7, E, generator=gen)
+    want = layer(x, logits)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x, logits), want)
+    x_b = torch.randn(E, 4, H, generator=gen)
+    counts = torch.tensor([0, 4, 1, 3, 2, 0, 4, 1], dtype=torch.int32)
+    torch.library.opcheck(batched_reference_op, (x_b, counts, layer.w13_weight, layer.w2_weight, layer.w13_bias,
+                                                 layer.w2_bias, "swigluoai", False, 1.702, 7.0))
+
+
 def test_cpu_experts_opcheck() -> None:
     """torch.library.opcheck on fusedmoe::cpu_experts and its _out form (schema, fake kernel,
     dispatch), with biases and an expert_map."""

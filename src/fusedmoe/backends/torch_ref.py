@@ -44,25 +44,49 @@ class TorchExperts(Experts):
         return y
 
 
+def batched_reference(
+    x: torch.Tensor,
+    num_tokens: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """y[e, j] = expert_e(x[e, j]) for j < num_tokens[e], zero past it: the reference per expert."""
+    num_local, max_tokens, _ = x.shape
+    out = torch.zeros_like(x)
+    for e, count in enumerate(num_tokens.tolist()[:num_local]):
+        rows = min(int(count), max_tokens)
+        if rows == 0:
+            continue
+        ones = torch.ones(rows, 1, dtype=torch.float32, device=x.device)
+        ids = torch.zeros(rows, 1, dtype=torch.int32, device=x.device)
+        out[e, :rows] = fused_experts_ref(
+            x[e, :rows], w13[e : e + 1], w2[e : e + 1], ones, ids, activation=activation,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            w13_bias_LG=None if w13_bias is None else w13_bias[e : e + 1],
+            w2_bias_LH=None if w2_bias is None else w2_bias[e : e + 1],
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        )
+    return out
+
+
+# fusedmoe::batched_reference: what a torch.compile trace records (the loop's sizes are data).
+batched_reference_op = torch.library.custom_op("fusedmoe::batched_reference", batched_reference, mutates_args=())
+batched_reference_op.register_fake(lambda x, *args, **kwargs: torch.empty_like(x))
+
+
 class BatchedTorchExperts(BatchedExperts):
     """y[e, j] = expert_e(x[e, j]) for j < num_tokens[e], zero past it (no routed weight)."""
 
     def apply_batched(self, x_LMH, num_tokens_L, weights: ExpertWeights, *, num_slots: int = 0,
                       top_k: int = 1) -> torch.Tensor:
         del num_slots, top_k  # tile hints: nothing to pick here
-        num_local, max_tokens, _ = x_LMH.shape
-        out = torch.zeros_like(x_LMH)
-        for e, count in enumerate(num_tokens_L.tolist()[:num_local]):
-            rows = min(int(count), max_tokens)
-            if rows == 0:
-                continue
-            one = ExpertWeights(
-                weights.w13[e : e + 1], weights.w2[e : e + 1],
-                None if weights.w13_bias is None else weights.w13_bias[e : e + 1],
-                None if weights.w2_bias is None else weights.w2_bias[e : e + 1],
-            )
-            ones = torch.ones(rows, 1, dtype=torch.float32, device=x_LMH.device)
-            ids = torch.zeros(rows, 1, dtype=torch.int32, device=x_LMH.device)
-            out[e, :rows] = reference_for(self.config, x_LMH[e, :rows], one.w13, one.w2, one, ones,
-                                          ids, None)
-        return out
+        c = self.config
+        args = (x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias, c.activation,
+                c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
+        return batched_reference_op(*args) if tracing() else batched_reference(*args)

@@ -409,9 +409,10 @@ def test_source_digest_names_the_package_code(tmp_path, monkeypatch):
         (["--graph"], r"--graph times the expert-parallel call .* give --ep N > 1 --dispatch allgather"),
         (["--ep", "2", "--graph"], r"needs dispatch='allgather' on cuda: the all-to-all dispatches read"),
         (["--ep", "2", "--graph", "--dispatch", "allgather"], r"needs dispatch='allgather' on cuda"),
+        (["--ep", "2", "--routing"], r"--routing is for the one-device benchmark"),
     ],
     ids=("two_backends", "quant", "preset", "ep0", "shared_without_ep", "graph_without_ep",
-         "graph_alltoall", "graph_on_cpu"),
+         "graph_alltoall", "graph_on_cpu", "routing_with_ep"),
 )
 def test_bench_ep_bad_arguments(argv, match, capsys):
     assert main(["bench", "--device", "cpu", *argv]) == 2
@@ -458,5 +459,31 @@ def test_bench_progress_counts_every_cell(monkeypatch, capsys):
     monkeypatch.setattr(bench, "bench_preset", fake_preset)
     assert main(["bench", "--presets", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "1,4", "--backends",
                  "triton,torch", "--commit", "x"]) == 0
-    err = capsys.readouterr().err
-    assert re.findall(r"\[\s*(\d+)/8\]", err) == [str(i) for i in range(1, 9)]
+    captured = capsys.readouterr()
+    assert re.findall(r"\[\s*(\d+)/8\]", captured.err) == [str(i) for i in range(1, 9)]
+    assert "routing excluded" in captured.out
+
+
+def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
+    """--routing: bench_preset times routing + experts; the header and the JSON metadata say so."""
+    import json
+
+    import torch
+
+    from fusedmoe import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda eight_bit=False: bench.Ceilings("fake", 4e12, 8e14))
+    seen = []
+
+    def fake_preset(preset, backends, tokens_list, ceilings, *, routing=False, **kw):
+        seen.append((preset.name, routing))
+        return [bench.Row(preset.name, "triton", 1, 1, 1.0, 1.0, 1.0, 50.0, "memory")]
+
+    monkeypatch.setattr(bench, "bench_preset", fake_preset)
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--presets", "deepseek-v3,qwen3-30b-a3b", "--tokens", "1", "--backends", "triton",
+                 "--routing", "--commit", "x", "--json", str(out)]) == 0
+    assert seen == [("deepseek-v3", True), ("qwen3-30b-a3b", True)]
+    assert "routing included" in capsys.readouterr().out
+    assert json.loads(out.read_text())["meta"]["routing"] == "included"

@@ -484,11 +484,15 @@ def bench_preset(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     quant: str | None = None,
+    routing: bool = False,
 ) -> list[Row]:
     """Time each backend on one preset (its benchmark TP split) at each token count.
 
     quant: a W8A8 or weight-only scheme for `triton`, or NVFP4 / MXFP4-W4A8 for `marlin` (the
-    other backends keep bf16 weights: the baseline).
+    other backends keep bf16 weights: the baseline). routing: every timed call runs
+    `select_experts` first (the preset's routing, with its correction bias where it has one, on
+    the cell's fixed logits), as a layer's forward does; bytes, FLOPs and the roofline stay the
+    experts'.
     """
     from fusedmoe.api import fused_experts
     from fusedmoe.backends import REGISTRY
@@ -507,6 +511,9 @@ def bench_preset(
         if quant is not None:
             quantized.append(_quantized_copy(w13, w2, b13, b2, quant))
         weights.append((w13, w2, b13, b2) if keep_float else None)
+    route_kw = dict(preset.routing)
+    if preset.has_correction_bias:
+        route_kw["e_score_correction_bias"] = 0.3 * torch.randn(preset.num_experts, device=device, generator=gen)
     out: list[Row] = []
     for tokens in tokens_list:
         x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)
@@ -514,6 +521,8 @@ def bench_preset(
         renorm = not preset.apply_router_weight_on_input
         topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
                                           scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
+        if routing:  # the experts the timed calls route to (grouped top-k keeps fewer in reach)
+            topk_w, topk_ids = select_experts(x, logits, preset.top_k, **route_kw)
         touched = int(torch.unique(topk_ids).numel())
         nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes,
                                                 quant_operand(quant))
@@ -538,6 +547,13 @@ def bench_preset(
                  fused_experts(x, c[0], c[1], topk_w, topk_ids, w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
                 for c in copies_here
             ]
+            if routing:
+                calls = [
+                    (lambda c=c, kw=kw, x=x, logits=logits:
+                     fused_experts(x, c[0], c[1], *select_experts(x, logits, preset.top_k, **route_kw),
+                                   w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
+                    for c in copies_here
+                ]
             try:
                 t = time_rotated(calls, graph=backend not in EAGER_BACKENDS)
             except Exception as exc:

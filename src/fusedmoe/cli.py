@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shared", action="store_true",
                        help="with --ep: add a shared expert (a routed expert's size) and also time it "
                             "in sequence instead of overlapped with the dispatch / combine")
+    bench.add_argument("--routing", action="store_true",
+                       help="time each call with its routing (select_experts with the preset's routing "
+                            "on fixed logits, then the experts), as a layer's forward runs it; the "
+                            "roofline stays the experts'")
     bench.add_argument("--graph", action="store_true",
                        help="with --ep and --dispatch allgather: run each M at a fixed capacity of M "
                             "tokens a rank and also time the call captured in a CUDA graph")
@@ -431,6 +435,8 @@ def cmd_bench(args) -> int:
     from fusedmoe import bench
     from fusedmoe.presets import get_preset
 
+    if args.routing and args.ep > 1:
+        raise ValueError("--routing is for the one-device benchmark (--ep times the layer, routing included)")
     if args.ep > 1:
         return cmd_bench_ep(args)
     if args.ep < 1:
@@ -455,6 +461,7 @@ def cmd_bench(args) -> int:
     ceilings = bench.measure_ceilings(eight_bit=operand is not None)
     meta = _bench_meta(ceilings, args.commit)
     meta["quant"] = args.quant
+    meta["routing"] = "included" if args.routing else "excluded"
     eight = ""
     if operand is not None:
         rate = ceilings.peak(operand)
@@ -462,7 +469,8 @@ def cmd_bench(args) -> int:
         eight = f", {rate / 1e12:.0f} {operand} TFLOP/s (the compute ceiling of this run)"
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
           f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, source {meta['source']}"
-          + (f"; {quant_backend} runs {args.quant}" if args.quant else ""), flush=True)
+          + (f"; {quant_backend} runs {args.quant}" if args.quant else "")
+          + f"; routing {meta['routing']}", flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
     started = itertools.count(1)
@@ -472,7 +480,7 @@ def cmd_bench(args) -> int:
 
     for preset in presets:
         rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress,
-                                   quant=args.quant)
+                                   quant=args.quant, routing=args.routing)
     print(file=sys.stderr)
     print(bench.format_table(rows, [b for b in ("torch", "grouped_mm") if b in backends]))
     if args.csv:

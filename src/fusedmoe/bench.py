@@ -512,8 +512,9 @@ def bench_preset(
             quantized.append(_quantized_copy(w13, w2, b13, b2, quant))
         weights.append((w13, w2, b13, b2) if keep_float else None)
     route_kw = dict(preset.routing)
-    if preset.has_correction_bias:
-        route_kw["e_score_correction_bias"] = 0.3 * torch.randn(preset.num_experts, device=device, generator=gen)
+    if routing and preset.has_correction_bias:  # its own generator: the cells' draws stay those of runs without
+        bias_gen = torch.Generator(device=device).manual_seed(seed + 1)
+        route_kw["e_score_correction_bias"] = 0.3 * torch.randn(preset.num_experts, device=device, generator=bias_gen)
     out: list[Row] = []
     for tokens in tokens_list:
         x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)

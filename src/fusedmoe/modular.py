@@ -261,7 +261,7 @@ def traced_experts(backend: str, config: MoEConfig, x_TH: torch.Tensor, weights:
         apply_router_weight_on_input=config.apply_router_weight_on_input, expert_map=expert_map_E,
         global_num_experts=config.num_experts, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
         quant=weights.quant, backend=backend, swiglu_alpha=config.swiglu_alpha,
-        swiglu_limit=config.swiglu_limit, inplace=out_TH is x_TH and out_TH is not None,
+        swiglu_limit=config.swiglu_limit, inplace=out_TH is x_TH,
     )
     if out_TH is not None and y is not out_TH:
         out_TH.copy_(y)

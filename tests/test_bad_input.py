@@ -434,6 +434,33 @@ def test_quantize_weights_rejects_mismatched_hidden() -> None:
         quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H + 1, I), "int8_w8a16")
 
 
+def _dequantize_case(scheme: str):
+    from fusedmoe.quant import quantize_weights
+
+    q13, _, params = quantize_weights(torch.randn(E, 64, 64), torch.randn(E, 64, 32), scheme)
+    return q13, params
+
+
+@pytest.mark.parametrize("scheme, change, match", [
+    ("int8_w8a16", lambda q, s, g: (q.float(), s, g), r"q has dtype torch.float32, expected torch.int8 for int8_w8a16"),
+    ("int8_w8a16", lambda q, s, g: (q[0], s, g), r"q must be 3-D \[E, N, K\], got shape \(64, 64\)"),
+    ("int8_w8a16", lambda q, s, g: (q, s[:, :-1], g), r"scale has shape \(4, 63\), expected \(4, 64\)"),
+    ("int4_w4a16_g32", lambda q, s, g: (q[..., :-4], s, g), r"one scale per 32 inputs, but q's K = 56 is not a multiple of 32"),
+    ("nvfp4_w4a16", lambda q, s, g: (q, s, g[:-1]), r"global_scale has shape \(3,\), expected \(4,\)"),
+    ("mxfp4_w4a16", lambda q, s, g: (q, s.float(), g), r"scale has dtype torch.float32, expected torch.uint8"),
+    ("fp8_w8a16", lambda q, s, g: (list(q), s, g), r"q must be a tensor, got list"),
+], ids=("payload_dtype", "payload_rank", "scale_shape", "group", "global_scale", "scale_dtype", "not_a_tensor"))
+def test_dequantize_weight_rejects(scheme: str, change, match: str) -> None:
+    """dequantize_weight (the public helper) checks the payload and its scales as fused_experts
+    does, naming the offending tensor, before any decode."""
+    from fusedmoe.quant import dequantize_weight
+
+    q13, params = _dequantize_case(scheme)
+    q, scale, global_scale = change(q13, params.w13_scale, params.w13_global_scale)
+    with pytest.raises((ValueError, TypeError), match=match):
+        dequantize_weight(q, scale, scheme, global_scale)
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda c: c.with_(topk_ids=c.topk_ids[:4], topk_weights=c.topk_weights[:4]),
      r"fused_experts_ref: topk_ids \(4, 2\) and topk_weights \(4, 2\) must both be \[5, top_k\]"),

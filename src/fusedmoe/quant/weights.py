@@ -136,11 +136,16 @@ def dequantize_weight(
     scheme = _resolve(scheme)
     key = scheme.weight
     pack = 2 if key.dtype in _PACKED else 1
+    _check_payload("q", q, scheme)
     if shape_NK is not None and (q.shape[1], q.shape[2] * pack) != tuple(shape_NK):
         raise ValueError(
             f"payload of shape {tuple(q.shape)} holds [E, {q.shape[1]}, {q.shape[2] * pack}] "
             f"{scheme.name} weights, expected [E, {shape_NK[0]}, {shape_NK[1]}]"
         )
+    check_group_divides(scheme, "q", q.shape[2] * pack)
+    _check_weight_scale("scale", scale, scheme, q.shape[0], q.shape[1], q.shape[2] * pack, q.device)
+    if key.dtype == "nvfp4" and global_scale is not None:
+        _check_tensor("global_scale", global_scale, ((q.shape[0],),), (torch.float32,), scheme, q.device)
     if is_fragments(scale) and key.dtype in _PACKED:  # the triton backend's fragment layout: back to the checkpoint's
         q, scale = from_fragments(q, scale, key.dtype)
     if key.dtype == "nvfp4":
@@ -185,13 +190,7 @@ def check_quant_weights(
     pack = 2 if key.dtype in _PACKED else 1
     packing = f" ({key.dtype} packs two codes per byte along K)" if pack == 2 else ""
     for name, q in (("w13", w13), ("w2", w2)):
-        if q.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(q.shape)}")
-        if q.dtype != _PAYLOAD_DTYPE[key.dtype]:
-            raise ValueError(
-                f"{name} has dtype {q.dtype}, expected {_PAYLOAD_DTYPE[key.dtype]} for "
-                f"{scheme.name}"
-            )
+        _check_payload(name, q, scheme)
     if w2.device != w13.device:
         raise ValueError(f"w2 is on {w2.device} but w13 is on {w13.device}")
     num_experts, rows, hidden = w13.shape[0], intermediate_rows, hidden_size
@@ -218,18 +217,11 @@ def check_quant_weights(
     check_group_divides(scheme, "w2", intermediate)
 
     device = w13.device
-    scale_dtypes = _SCALE_DTYPES.get(key.dtype, _FLOAT_SCALE_DTYPES)
     for name, scale, n, k in (
         ("w13_scale", params.w13_scale, rows, hidden),
         ("w2_scale", params.w2_scale, hidden, intermediate),
     ):
-        shapes = (scale_shape(key, num_experts, n, k),)
-        dtypes = scale_dtypes
-        if key.dtype in _PACKED and n % FRAG_N == 0 and k % FRAG_K == 0 and k % scale_chunk(key.group) == 0:
-            shapes += (fragment_scale_shape(num_experts, n, k, key.group),)  # or in fragment order
-            if is_fragments(scale) and key.dtype == "nvfp4":  # fragments.nv_scale_codes
-                shapes, dtypes = shapes[1:], (torch.uint8,)
-        _check_tensor(name, scale, shapes, dtypes, scheme, device)
+        _check_weight_scale(name, scale, scheme, num_experts, n, k, device)
     for name, global_scale in (
         ("w13_global_scale", params.w13_global_scale),
         ("w2_global_scale", params.w2_global_scale),
@@ -271,6 +263,30 @@ def check_activation_scales(scheme: QuantScheme, a13_scale: torch.Tensor | None,
 
 
 # Helpers --------------------------------------------------------------------------------------
+def _check_payload(name: str, q: torch.Tensor, scheme: QuantScheme) -> None:
+    dtype = _PAYLOAD_DTYPE[scheme.weight.dtype]
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(q).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"{name} must be 3-D [E, N, K], got shape {tuple(q.shape)}")
+    if q.dtype != dtype:
+        raise ValueError(f"{name} has dtype {q.dtype}, expected {dtype} for {scheme.name}")
+
+
+def _check_weight_scale(name: str, scale: torch.Tensor, scheme: QuantScheme, num_experts: int, n: int, k: int,
+                        device: torch.device) -> None:
+    """The weight scale of an [E, n, k] weight: the scheme's shape and dtypes (or, for the 4-bit
+    formats, the fragment order's), on `device`."""
+    key = scheme.weight
+    shapes = (scale_shape(key, num_experts, n, k),)
+    dtypes = _SCALE_DTYPES.get(key.dtype, _FLOAT_SCALE_DTYPES)
+    if key.dtype in _PACKED and n % FRAG_N == 0 and k % FRAG_K == 0 and k % scale_chunk(key.group) == 0:
+        shapes += (fragment_scale_shape(num_experts, n, k, key.group),)  # or in fragment order
+        if is_fragments(scale) and key.dtype == "nvfp4":  # fragments.nv_scale_codes
+            shapes, dtypes = shapes[1:], (torch.uint8,)
+    _check_tensor(name, scale, shapes, dtypes, scheme, device)
+
+
 def _resolve(scheme: QuantScheme | str) -> QuantScheme:
     resolved = get_scheme(scheme)
     if resolved is None:

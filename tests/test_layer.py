@@ -323,6 +323,17 @@ def test_batched_cpu_layer_compiles_fullgraph() -> None:
                                                  layer.w2_bias, "swigluoai", False, 1.702, 7.0))
 
 
+def test_cpu_layer_exports() -> None:
+    """torch.export of a CPU layer: the program holds fusedmoe::cpu_experts and runs as the layer."""
+    case = LAYER_CASES[0]
+    layer = build(case, make_checkpoint(case))
+    x, logits = make_batch(case, num_tokens=6)
+    program = torch.export.export(layer, (x, logits))
+    targets = [str(node.target) for node in program.graph.nodes]
+    assert "fusedmoe.cpu_experts.default" in targets
+    assert torch.equal(program.module()(x, logits), layer(x, logits))
+
+
 def test_cpu_experts_opcheck() -> None:
     """torch.library.opcheck on fusedmoe::cpu_experts and its _out form (schema, fake kernel,
     dispatch), with biases and an expert_map."""

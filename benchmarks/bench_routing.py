@@ -24,30 +24,13 @@ import time
 import torch
 
 from fusedmoe import knobs, select_experts
+from fusedmoe.bench import time_rotated
 from fusedmoe.presets import get_preset
 
 
 def _graph_us(fn, calls: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    """GPU us a call: `calls` calls captured in one CUDA graph, the median of 5 replays."""
+    return time_rotated([fn] * calls, iters=5) * 1e6
 
 
 def _host_us(fn, calls: int) -> float:

@@ -158,15 +158,15 @@ def _fused_experts_op_impl(
     if quant_scheme is not None:
         quant = QuantParams(quant_scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
                             w2_global_scale)
-    result = fused_experts(
-        hidden_states if out is None else out.copy_(hidden_states) if out is not hidden_states else out,
-        w13, w2, topk_weights, topk_ids, activation=activation,
+    # the _out op writes `out`: it holds hidden_states (functionalized: a copy of them), or is them
+    x = hidden_states if out is None or out is hidden_states else out.copy_(hidden_states)
+    return fused_experts(
+        x, w13, w2, topk_weights, topk_ids, activation=activation,
         apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
         global_num_experts=global_num_experts, w13_bias=w13_bias, w2_bias=w2_bias, quant=quant,
         backend=backend, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, inplace=out is not None,
         validate=validate, activation_format=activation_format,
     )
-    return result
 
 
 # Custom ops fusedmoe::fused_experts(_out): what a torch.compile(fullgraph=True) / export trace

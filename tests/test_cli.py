@@ -23,6 +23,23 @@ def test_explain_preset_on_described_platform(capsys):
     assert "flashinfer_cutlass" in out and "the flashinfer package is not installed" in out
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--model", "deepseek-v3", "--platform", "cuda:9.0"],
+     "routing: one Triton launch (moe_routing_kernel); torch.compile traces keep the torch ops"),
+    (["--model", "deepseek-v3", "--platform", "rocm:9.4"], "routing: one Triton launch (moe_routing_kernel)"),
+    (["--model", "qwen3-30b-a3b", "--platform", "cpu"], "routing: the torch ops (cpu tensors)"),
+    (["--experts", "2048", "--hidden", "64", "--intermediate", "32", "--top-k", "4", "--platform", "cuda:9.0"],
+     "routing: the torch ops (E=2048 > 1024 (one token's scores in one program))"),
+])
+def test_explain_says_how_the_layer_routes(argv, line, capsys, monkeypatch):
+    """explain names the routing path select_experts takes there (the preset's grouping included)."""
+    main(["explain", *argv])
+    assert line in capsys.readouterr().out
+    monkeypatch.setenv("FUSEDMOE_TRITON_ROUTING", "0")
+    main(["explain", "--model", "deepseek-v3", "--platform", "cuda:9.0", "--json"])
+    assert json.loads(capsys.readouterr().out)["routing"] == "routing: the torch ops (FUSEDMOE_TRITON_ROUTING=0)"
+
+
 def test_explain_json_with_parallel_config(capsys):
     rc = main(["explain", "--experts", "64", "--hidden", "2048", "--intermediate", "1408", "--top-k", "6",
                "--ep", "2", "--dp", "2", "--platform", "cuda:9.0", "--packages", "flashinfer", "--json"])

@@ -227,17 +227,21 @@ def cmd_explain(args) -> int:
     from fusedmoe.oracle import explain
 
     config = _config_from_args(args)
-    result = explain(config, _platform_from_args(args))
+    platform = _platform_from_args(args)
+    result = explain(config, platform)
     plans = triton_plans(config, result.chosen, _tokens(args.tokens)) if args.tokens else None
+    routing = _routing_line(args, config, platform)
     if args.json:
         data = result.to_dict()
         if plans is not None:
             data["triton_plan"] = plans
+        data["routing"] = routing
         print(json.dumps(data, indent=2, default=str))
     else:
         print(result.table())
         if result.error:
             print("\n" + result.error.splitlines()[0])
+        print("\n" + routing)
         if plans is not None:
             print("\n" + format_plans(plans))
     return 0 if result.chosen else 1
@@ -255,6 +259,21 @@ def _tokens(text: str) -> list[int]:
     if not tokens or min(tokens) < 1:
         raise ValueError(f"--tokens {text!r}: token counts must be >= 1")
     return tokens
+
+
+def _routing_line(args, config, platform) -> str:
+    """How select_experts routes this layer on the platform (--model: the preset's routing; else
+    plain top-k)."""
+    from fusedmoe.presets import get_preset
+    from fusedmoe.routing import routing_path
+
+    routing = dict(get_preset(args.model).routing) if args.model else {}
+    device_type = "cuda" if platform.kind == "rocm" else platform.kind  # ROCm tensors are "cuda" ones
+    why = routing_path(device_type, config.num_experts, config.top_k, routing.get("use_grouped_topk", False),
+                       routing.get("num_expert_group"), routing.get("topk_group"))
+    if why is None:
+        return "routing: one Triton launch (moe_routing_kernel); torch.compile traces keep the torch ops"
+    return f"routing: the torch ops ({why})"
 
 
 def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | dict:

@@ -110,17 +110,26 @@ def select_experts(
 
 def _triton_routing(router_logits: torch.Tensor, num_experts: int, top_k: int, use_grouped_topk: bool,
                     num_expert_group: int | None, topk_group: int | None) -> bool:
-    """One Triton launch instead of the torch ops: CUDA tensors, FUSEDMOE_TRITON_ROUTING not 0,
-    not while torch.compile traces, and a configuration the kernel takes (the arguments were
-    checked before: `check_grouping`)."""
-    # is_compiling first: dynamo cannot trace the knob's ContextVar lookup (fullgraph would fail)
-    if router_logits.device.type != "cuda" or torch.compiler.is_compiling():
+    """One Triton launch instead of the torch ops (the arguments were checked: `check_grouping`)."""
+    if torch.compiler.is_compiling():  # first: the torch ops are what a trace records
         return False
+    return routing_path(router_logits.device.type, num_experts, top_k, use_grouped_topk, num_expert_group,
+                        topk_group) is None
+
+
+def routing_path(device_type: str, num_experts: int, top_k: int, use_grouped_topk: bool = False,
+                 num_expert_group: int | None = None, topk_group: int | None = None) -> str | None:
+    """Why select_experts runs the torch ops for this routing on this device (None: one Triton
+    launch, `moe_routing_kernel`): not CUDA, FUSEDMOE_TRITON_ROUTING=0, or a configuration the
+    kernel does not take. torch.compile traces and custom routing functions always take the
+    torch ops."""
+    if device_type != "cuda":
+        return f"{device_type} tensors"
     if knobs.get("TRITON_ROUTING") is False:
-        return False
+        return "FUSEDMOE_TRITON_ROUTING=0"
     from fusedmoe.backends.triton.routing import routing_unsupported
 
-    return routing_unsupported(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group) is None
+    return routing_unsupported(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
 
 
 def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,

@@ -722,7 +722,8 @@ def test_backend_name_and_quant_groups_are_checked_at_construction() -> None:
 
 def test_cpu_layer_imports_neither_triton_nor_dynamo() -> None:
     """README: the CPU path never imports triton. torch._dynamo (~1 s of import, and it imports
-    triton) stays out too: nothing at import or in an eager CPU forward may pull it in."""
+    triton) stays out too: nothing at import, in an eager CPU forward or in the routing rule
+    explain prints may pull it in."""
     import subprocess
     import sys
 
@@ -735,6 +736,8 @@ def test_cpu_layer_imports_neither_triton_nor_dynamo() -> None:
         "layer.process_weights_after_loading()\n"
         "layer(torch.randn(3, 64), torch.randn(3, 8))\n"
         "fused_moe(torch.randn(3, 64), layer.w13_weight, layer.w2_weight, torch.randn(3, 8), 2)\n"
+        "from fusedmoe.routing import routing_path\n"
+        "assert routing_path('cuda', 256, 8, True, 8, 4) is None  # explain's rule for a described GPU\n"
         "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

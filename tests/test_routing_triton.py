@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fusedmoe import knobs, select_experts
-from fusedmoe.backends.triton.routing import MAX_EXPERTS, routing_unsupported, triton_select_experts
-from fusedmoe.routing import _triton_routing
+from fusedmoe.backends.triton.routing import triton_select_experts
+from fusedmoe.routing import ROUTING_KERNEL_MAX_EXPERTS, _triton_routing, routing_kernel_unsupported
 from test_routing import ROUTING_CASES, RoutingCase, _grouped, assert_routing_matches, spec_route
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,7 +36,7 @@ def _kernel_case(case: RoutingCase, device: str = "cpu"):
     logits = logits.to(device)
     bias = None if bias is None else bias.to(device)
     kw = case.kwargs(bias)
-    if routing_unsupported(case.num_experts, case.top_k, case.use_grouped_topk, case.num_expert_group,
+    if routing_kernel_unsupported(case.num_experts, case.top_k, case.use_grouped_topk, case.num_expert_group,
                            case.topk_group):
         pytest.skip("the kernel does not take this configuration (select_experts keeps the torch ops)")
     return logits, bias, kw, hidden
@@ -95,12 +95,12 @@ def test_kernel_no_tokens() -> None:
 
 
 def test_routing_unsupported_reasons() -> None:
-    assert routing_unsupported(256, 8, True, 8, 4) is None
-    assert routing_unsupported(384, 8, True, 1, 1) is None  # one group: plain top-k
-    assert "E=2048 > 1024" in routing_unsupported(2 * MAX_EXPERTS, 8, False, None, None)
-    assert "top_k=33 > 32" in routing_unsupported(64, 33, False, None, None)
-    assert "powers of two" in routing_unsupported(160, 6, True, 8, 3)  # DeepSeek-V2: 20 a group
-    assert "powers of two" in routing_unsupported(96, 6, True, 3, 2)
+    assert routing_kernel_unsupported(256, 8, True, 8, 4) is None
+    assert routing_kernel_unsupported(384, 8, True, 1, 1) is None  # one group: plain top-k
+    assert "E=2048 > 1024" in routing_kernel_unsupported(2 * ROUTING_KERNEL_MAX_EXPERTS, 8, False, None, None)
+    assert "top_k=33 > 32" in routing_kernel_unsupported(64, 33, False, None, None)
+    assert "powers of two" in routing_kernel_unsupported(160, 6, True, 8, 3)  # DeepSeek-V2: 20 a group
+    assert "powers of two" in routing_kernel_unsupported(96, 6, True, 3, 2)
 
 
 def test_select_experts_takes_the_kernel_only_on_cuda_eager_and_supported(monkeypatch) -> None:
@@ -129,7 +129,7 @@ def test_gpu_select_experts_runs_the_kernel_and_matches_spec(case: RoutingCase, 
     hidden, logits, bias = case.inputs()
     weights, ids = select_experts(hidden.cuda(), logits.cuda(), case.top_k,
                                   **case.kwargs(None if bias is None else bias.cuda()))
-    supported = routing_unsupported(case.num_experts, case.top_k, case.use_grouped_topk, case.num_expert_group,
+    supported = routing_kernel_unsupported(case.num_experts, case.top_k, case.use_grouped_topk, case.num_expert_group,
                                     case.topk_group) is None
     assert len(launched) == (1 if supported else 0)
     ref_ids, ref_weights = spec_route(logits, case.top_k, **case.spec_kwargs(bias))

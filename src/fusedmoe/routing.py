@@ -127,9 +127,29 @@ def routing_path(device_type: str, num_experts: int, top_k: int, use_grouped_top
         return f"{device_type} tensors"
     if knobs.get("TRITON_ROUTING") is False:
         return "FUSEDMOE_TRITON_ROUTING=0"
-    from fusedmoe.backends.triton.routing import routing_unsupported
+    return routing_kernel_unsupported(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
 
-    return routing_unsupported(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
+
+# moe_routing_kernel's limits: the rule is here, without triton, for select_experts and explain.
+ROUTING_KERNEL_MAX_EXPERTS = 1024  # one token's scores live in one program's registers
+ROUTING_KERNEL_MAX_TOP_K = 32  # the top-k picks are a loop of argmax reductions over E
+
+
+def routing_kernel_unsupported(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
+                        topk_group: int | None) -> str | None:
+    """Why `moe_routing_kernel` (fusedmoe.backends.triton.routing) cannot run this configuration
+    (None: it can)."""
+    if num_experts > ROUTING_KERNEL_MAX_EXPERTS:
+        return f"E={num_experts} > {ROUTING_KERNEL_MAX_EXPERTS} (one token's scores in one program)"
+    if top_k > ROUTING_KERNEL_MAX_TOP_K:
+        return f"top_k={top_k} > {ROUTING_KERNEL_MAX_TOP_K}"
+    if use_grouped_topk and num_expert_group > 1:  # one group keeps every expert: plain top-k
+        if num_experts & (num_experts - 1) or num_expert_group & (num_expert_group - 1):
+            return (f"grouped top-k over E={num_experts} in {num_expert_group} groups: the kernel needs "
+                    "powers of two for both")
+        if topk_group > 16:
+            return f"topk_group={topk_group} > 16"
+    return None
 
 
 def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,

@@ -10,9 +10,10 @@ a power of two, the padding at -inf), picks the kept groups by repeated argmax o
 scores, then the top_k experts by repeated argmax (ties to the lower id; ids come out best
 first, as torch.topk(sorted=True) gives them), and writes the weights after renormalising.
 
-`routing_unsupported(...)` says why a configuration stays on the torch path (None: the kernel
-runs it): E over `MAX_EXPERTS`, top_k over `MAX_TOP_K`, groups that do not split E into powers of
-two.
+`fusedmoe.routing.routing_kernel_unsupported(...)` says why a configuration stays on the torch
+path (None: this kernel runs it): E over `ROUTING_KERNEL_MAX_EXPERTS`, top_k over
+`ROUTING_KERNEL_MAX_TOP_K`, groups that do not split E into powers of two. (The rule lives there,
+without triton, so `select_experts` and `fusedmoe explain` answer on any machine.)
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-MAX_EXPERTS = 1024  # one token's scores live in one program's registers
-MAX_TOP_K = 32  # the top-k picks are a loop of argmax reductions over E
 
 
 @triton.jit
@@ -96,22 +94,6 @@ def moe_routing_kernel(
     tl.store(ids_ptr + out, top_i, mask=k_offs < TOP_K)
 
 
-def routing_unsupported(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
-                        topk_group: int | None) -> str | None:
-    """Why `moe_routing_kernel` cannot run this configuration (None: it can)."""
-    if num_experts > MAX_EXPERTS:
-        return f"E={num_experts} > {MAX_EXPERTS} (one token's scores in one program)"
-    if top_k > MAX_TOP_K:
-        return f"top_k={top_k} > {MAX_TOP_K}"
-    if use_grouped_topk and num_expert_group > 1:  # one group keeps every expert: plain top-k
-        if num_experts & (num_experts - 1) or num_expert_group & (num_expert_group - 1):
-            return (f"grouped top-k over E={num_experts} in {num_expert_group} groups: the kernel needs "
-                    "powers of two for both")
-        if topk_group > 16:
-            return f"topk_group={topk_group} > 16"
-    return None
-
-
 def triton_select_experts(
     router_logits: torch.Tensor,
     top_k: int,
@@ -125,7 +107,7 @@ def triton_select_experts(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts`' result from one `moe_routing_kernel` launch; inputs already validated
-    (`fusedmoe.routing`), the configuration one `routing_unsupported` accepts."""
+    (`fusedmoe.routing`), the configuration one `routing_kernel_unsupported` accepts."""
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)

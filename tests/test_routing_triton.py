@@ -154,3 +154,17 @@ def test_gpu_routing_kernel_in_a_cuda_graph() -> None:
     want_w, want_i = select_experts(hidden, logits, 8, **kw)
     assert torch.equal(i, want_i)
     torch.testing.assert_close(w, want_w, rtol=0, atol=0)
+
+
+def test_fake_cuda_tensors_take_the_torch_ops() -> None:
+    """Under fake tensors (torch.export, shape propagation) the routing of CUDA tensors is the
+    torch ops, which fake tensors run; the Triton launch would need real memory. Runs without a
+    GPU: fake CUDA tensors need none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, logits = torch.empty(4, 8, device="cuda"), torch.empty(4, 16, device="cuda")
+        weights, ids = select_experts(x, logits, 2)
+        biased = select_experts(x, logits, 2, scoring_func="sigmoid",
+                                e_score_correction_bias=torch.empty(16, device="cuda"))
+    assert weights.shape == ids.shape == biased[1].shape == (4, 2) and ids.dtype == torch.int32

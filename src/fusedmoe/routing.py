@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from fusedmoe import knobs
+from fusedmoe.modular import tracing
 from fusedmoe.validation import is_finite_real, is_integer, should_validate
 
 CustomRouting = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -111,7 +112,7 @@ def select_experts(
 def _triton_routing(router_logits: torch.Tensor, num_experts: int, top_k: int, use_grouped_topk: bool,
                     num_expert_group: int | None, topk_group: int | None) -> bool:
     """One Triton launch instead of the torch ops (the arguments were checked: `check_grouping`)."""
-    if torch.compiler.is_compiling():  # first: the torch ops are what a trace records
+    if tracing():  # first: a trace (compile, export) and fake tensors take the torch ops
         return False
     return routing_path(router_logits.device.type, num_experts, top_k, use_grouped_topk, num_expert_group,
                         topk_group) is None
@@ -121,8 +122,8 @@ def routing_path(device_type: str, num_experts: int, top_k: int, use_grouped_top
                  num_expert_group: int | None = None, topk_group: int | None = None) -> str | None:
     """Why select_experts runs the torch ops for this routing on this device (None: one Triton
     launch, `moe_routing_kernel`): not CUDA, FUSEDMOE_TRITON_ROUTING=0, or a configuration the
-    kernel does not take. torch.compile traces and custom routing functions always take the
-    torch ops."""
+    kernel does not take. Traces (torch.compile, export), dispatch modes (fake tensors) and
+    custom routing functions always take the torch ops."""
     if device_type != "cuda":
         return f"{device_type} tensors"
     if knobs.get("TRITON_ROUTING") is False:

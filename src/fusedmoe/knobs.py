@@ -119,8 +119,9 @@ KNOBS: dict[str, Knob] = {
              "the tensors and tile allow, on any device (the interpreter tests)."),
         Knob("TRITON_ROUTING", _tristate, None,
              "select_experts on CUDA tensors in one Triton launch (fusedmoe.backends.triton.routing) "
-             "where the configuration allows it: unset/1 = yes, 0 = the torch ops. Never under "
-             "torch.compile tracing (the torch ops are traced) nor for a custom routing function."),
+             "where the configuration allows it: unset/1 = yes, 0 = the torch ops. Never while tracing "
+             "(torch.compile, export) or under a dispatch mode such as fake tensors (the torch ops "
+             "run there), nor for a custom routing function; `fusedmoe explain` names the path."),
         Knob("TRITON_W4_FRAGMENTS", _on_off_all, None,
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "

@@ -4,16 +4,22 @@ when nothing is captured in a CUDA graph (transformers' eager models, first step
     python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300]
 Prints wall time per call (host-bound at decode: the GPU work is a few tens of us), the GPU time
 of the same calls replayed in a CUDA graph, and the cProfile functions with the most own time.
+The header says which CPU the process runs on and times three calls that do not involve the
+library (a Python function call, a `torch.empty` on the GPU, an empty Triton kernel's launch): the
+eager time has differed ~2x between processes on one host and tree, and these tell a slow
+process (all three slower) from a slow path in the library (only the library's calls slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
 import torch
+import triton
 
 from fusedmoe import FusedMoE, fused_experts, select_experts
 from fusedmoe.presets import get_preset
@@ -28,6 +34,34 @@ def _wall_us(fn, calls: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+@triton.jit
+def _empty_kernel(ptr):
+    pass
+
+
+def _host_us(fn, calls: int) -> float:
+    """Host time of a call, no synchronisation (the GPU work is not waited for)."""
+    for _ in range(10):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _process_line(dev: torch.device) -> str:
+    """Where this process runs and what calls outside the library cost in it."""
+    with open("/proc/self/stat") as stat:
+        cpu = stat.read().rsplit(")", 1)[1].split()[36]  # field 39: the CPU it last ran on
+    buf = torch.empty(16, device=dev)
+    return (f"process {os.getpid()}: cpu {cpu} of {len(os.sched_getaffinity(0))} allowed; python call "
+            f"{_host_us(lambda: None, 20000) * 1e3:.0f} ns, torch.empty(cuda) "
+            f"{_host_us(lambda: torch.empty(16, device=dev), 2000):.2f} us, empty Triton launch "
+            f"{_host_us(lambda: _empty_kernel[(1,)](buf), 2000):.2f} us")
 
 
 def _graph_us(fn, calls: int) -> float:
@@ -74,6 +108,7 @@ def main() -> None:
     calls = {"fused_experts": lambda: fused_experts(x, w13, w2, w, ids),
              "FusedMoE.forward (routing included)": lambda: layer(x, logits)}
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
+    print(_process_line(dev))
     for name, fn in calls.items():
         wall, gpu = _wall_us(fn, args.calls), _graph_us(fn, min(args.calls, 50))
         print(f"{name:40} eager wall {wall:8.1f} us/call   graph replay {gpu:8.1f} us/call")

@@ -9,6 +9,13 @@ add, divide, int cast; DeepSeek-V3's groups add ~8 more) where vLLM runs one fus
 a power of two, the padding at -inf), picks the kept groups by repeated argmax over the group
 scores, then the top_k experts by repeated argmax (ties to the lower id; ids come out best
 first, as torch.topk(sorted=True) gives them), and writes the weights after renormalising.
+On sm90+ it joins the experts' programmatic-dependent-launch chain: it waits for the kernel before
+it (`_pdl_wait`) and, once its weights and ids are stored, lets the next kernel launch
+(`_pdl_release`): the experts' first launch (`launch_pdl`, waiting in its own `gdc_wait` until
+routing's writes are visible) no longer starts after routing has retired. H200, layer decode with
+routing (`fusedmoe bench --routing`, A/B in one session): M=1 -0.8 to -5.7% on five presets;
+releasing at the program's start instead gained another 0.2-0.6 us at M=1 but cost Llama-4 M=16
+4 us (`benchmarks/results/2026-11-28_h200_routing_pdl_ab.txt`).
 
 `fusedmoe.routing.routing_kernel_unsupported(...)` says why a configuration stays on the torch
 path (None: this kernel runs it): E over `ROUTING_KERNEL_MAX_EXPERTS`, top_k over
@@ -22,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe.backends.triton.experts import pdl
+from fusedmoe.backends.triton.kernels import _pdl_release, _pdl_wait
+
 
 @triton.jit
 def moe_routing_kernel(
@@ -29,12 +39,13 @@ def moe_routing_kernel(
     num_experts, stride_lt, stride_le, routed_scaling_factor,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One token: weights[t, :TOP_K], ids[t, :TOP_K]. GROUPS > 0: grouped top-k over GROUPS
     contiguous groups of BLOCK_E // GROUPS experts (BLOCK_E == num_experts then), keeping the
     TOPK_GROUP best (group score: the sum of its two best biased scores with a bias, its best
     score without)."""
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
@@ -92,6 +103,7 @@ def moe_routing_kernel(
     out = t * TOP_K + k_offs
     tl.store(weights_ptr + out, top_w, mask=k_offs < TOP_K)
     tl.store(ids_ptr + out, top_i, mask=k_offs < TOP_K)
+    _pdl_release(PDL)
 
 
 def triton_select_experts(
@@ -125,6 +137,6 @@ def triton_select_experts(
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize),
         GROUPS=groups, TOPK_GROUP=topk_group if groups else 0,
-        num_warps=1 if block_e <= 256 else (2 if block_e <= 512 else 4),
+        num_warps=1 if block_e <= 256 else (2 if block_e <= 512 else 4), **pdl(device),
     )
     return weights, ids

@@ -13,9 +13,9 @@ On sm90+ it joins the experts' programmatic-dependent-launch chain: it waits for
 it (`_pdl_wait`) and, once its weights and ids are stored, lets the next kernel launch
 (`_pdl_release`): the experts' first launch (`launch_pdl`, waiting in its own `gdc_wait` until
 routing's writes are visible) no longer starts after routing has retired. H200, layer decode with
-routing (`fusedmoe bench --routing`, A/B in one session): M=1 -0.8 to -5.7% on five presets;
-releasing at the program's start instead gained another 0.2-0.6 us at M=1 but cost Llama-4 M=16
-4 us (`benchmarks/results/2026-11-28_h200_routing_pdl_ab.txt`).
+routing (`fusedmoe bench --routing`, A/B in one session): M=1 -0.3 to -6.1% on five presets, M=4-16
+up to -3%, no cell slower; releasing at the program's start instead gained another 0.2-0.6 us at
+M=1 but cost Llama-4 M=16 4 us (`benchmarks/results/2026-11-28_h200_routing_pdl_ab.txt`).
 
 `fusedmoe.routing.routing_kernel_unsupported(...)` says why a configuration stays on the torch
 path (None: this kernel runs it): E over `ROUTING_KERNEL_MAX_EXPERTS`, top_k over

@@ -168,3 +168,52 @@ def test_fake_cuda_tensors_take_the_torch_ops() -> None:
         biased = select_experts(x, logits, 2, scoring_func="sigmoid",
                                 e_score_correction_bias=torch.empty(16, device="cuda"))
     assert weights.shape == ids.shape == biased[1].shape == (4, 2) and ids.dtype == torch.int32
+
+
+_COMPILE_FOR_SM90 = """
+import json, sys, torch
+from fusedmoe.backends.triton import kernel_report, routing
+why = kernel_report.unavailable()
+if why:
+    print(json.dumps({"skip": why})); sys.exit(0)
+calls = []
+routing.moe_routing_kernel = kernel_report._Recorder("moe_routing_kernel", routing.moe_routing_kernel, calls, False)
+for e, k, groups, topk_group, sigmoid in json.loads(sys.argv[1]):
+    bias = torch.randn(e) if sigmoid else None
+    routing.triton_select_experts(torch.randn(3, e), k, renormalize=True, scoring_func="sigmoid" if sigmoid else "softmax",
+                                  use_grouped_topk=groups > 1, num_expert_group=groups, topk_group=topk_group,
+                                  e_score_correction_bias=bias, routed_scaling_factor=2.5)
+calls[-1].kwargs.update(PDL=True, launch_pdl=True)  # as a CUDA launch on sm90 takes it
+rows = []
+for call in calls:
+    use = kernel_report.usage(kernel_report.compile_call(call))
+    rows.append({"BLOCK_E": call.kwargs["BLOCK_E"], "regs": use["regs"], "stack": use["stack"],
+                 "SHFL": use["all_opcodes"].get("SHFL", 0), "REDUX": use["all_opcodes"].get("REDUX", 0)})
+print(json.dumps(rows))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The interpreter runs what the GPU compiler refuses (a plain global in a kernel did), so the
+    kernel is compiled here for sm90 (Triton's ptxas, no GPU): each kind of configuration the rule
+    lets through, from one warp (E <= 256) to four (E = 1024), the PDL form included, without
+    spilling."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    configs = [(8, 2, 0, 0, False), (128, 8, 0, 0, False), (256, 8, 8, 4, True), (384, 8, 1, 1, True),
+               (1000, 8, 0, 0, False), (64, 32, 0, 0, True)]
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root / "src"), env.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps(configs)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isinstance(rows, dict):
+        pytest.skip(rows["skip"])
+    assert [r["BLOCK_E"] for r in rows] == [8, 128, 256, 512, 1024, 64]
+    for row in rows:
+        assert row["stack"] == 0 and 0 < row["regs"] <= 128, row

@@ -145,7 +145,8 @@ OPCODES = ("HGMMA", "HMMA", "IMMA", "QGMMA", "LDG", "STG", "LDGSTS", "UTMALDG", 
 
 def usage(compiled) -> dict:
     """{regs, stack (bytes per thread: spills), shared (bytes, dynamic + static), instructions,
-    opcodes (counts of `OPCODES` by prefix)} from the cubin (cuobjdump)."""
+    opcodes (counts of `OPCODES` by prefix), all_opcodes (every opcode's count, modifiers
+    dropped), loop (`loop_mix`)} from the cubin (cuobjdump)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -163,6 +164,7 @@ def usage(compiled) -> dict:
         "shared": int(fields.get("SHARED", 0)) + int(compiled.metadata.shared),
         "instructions": len(ops),
         "opcodes": {p: sum(n for op, n in counts.items() if op.startswith(p)) for p in OPCODES},
+        "all_opcodes": dict(counts.most_common()),
         "loop": loop_mix(sass),
     }
 

@@ -87,6 +87,36 @@ def test_kernel_ties_and_minus_inf_give_distinct_lowest_ids() -> None:
 
 
 @needs_triton_here
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_kernel_ids_stay_distinct_and_in_range_on_non_finite_logits(poison: str, grouped: bool) -> None:
+    """Unvalidated NaN / Inf logits (FUSEDMOE_VALIDATE off on a GPU) make the scores NaN or -inf;
+    the weights are then undefined, but the ids are what the experts' kernels index with: each
+    row's stay in [0, E) and distinct, whatever the scores."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"nonfinite-{poison}-{grouped}".encode()))
+    e, k = 64, 8
+    logits = torch.randn(6, e, generator=g)
+    logits[0, 5] = float(poison)  # one poisoned score
+    logits[1] = float(poison)  # a whole row
+    logits[2, ::3] = float(poison)  # a third of the row, across groups
+    bias = torch.randn(e, generator=g) if grouped else None
+    weights, ids = triton_select_experts(logits.to(DEV), k, renormalize=True,
+                                         scoring_func="sigmoid" if grouped else "softmax",
+                                         use_grouped_topk=grouped, num_expert_group=8 if grouped else None,
+                                         topk_group=2 if grouped else None,
+                                         e_score_correction_bias=None if bias is None else bias.to(DEV),
+                                         routed_scaling_factor=1.0)
+    ids = ids.cpu()
+    assert ids.dtype == torch.int32 and bool(((ids >= 0) & (ids < e)).all()), ids
+    assert all(len(set(row.tolist())) == k for row in ids), ids
+    # the rows without a poisoned logit route as the spec router does
+    ref_ids, ref_weights = spec_route(logits[3:], k, scoring_func="sigmoid" if grouped else "softmax", bias=bias,
+                                      num_expert_group=8 if grouped else None, topk_group=2 if grouped else None)
+    assert_routing_matches(weights[3:].cpu(), ids[3:], ref_ids, ref_weights, num_experts=e, top_k=k,
+                           sorted_by_weight=True)
+
+
+@needs_triton_here
 def test_kernel_no_tokens() -> None:
     weights, ids = triton_select_experts(torch.randn(0, 16, device=DEV), 2, renormalize=True, scoring_func="softmax",
                                          use_grouped_topk=False, num_expert_group=None, topk_group=None,

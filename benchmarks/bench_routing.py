@@ -19,30 +19,17 @@ expert picked brings another weight), and the rows whose ids differ (ties) are c
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from fusedmoe import knobs, select_experts
-from fusedmoe.bench import time_rotated
+from fusedmoe.bench import host_us, time_rotated
 from fusedmoe.presets import get_preset
 
 
 def _graph_us(fn, calls: int) -> float:
     """GPU us a call: `calls` calls captured in one CUDA graph, the median of 5 replays."""
     return time_rotated([fn] * calls, iters=5) * 1e6
-
-
-def _host_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
             for on in (False, True):
                 with knobs.override(TRITON_ROUTING=on):
                     results.append(call())
-                    row += [_graph_us(call, args.calls), _host_us(call, args.calls)]
+                    row += [_graph_us(call, args.calls), host_us(call, args.calls)]
             (w0, i0), (w1, i1) = results
             # another expert picked would bring another weight: rows whose ids differ must be ties
             torch.testing.assert_close(w1.sort(-1).values, w0.sort(-1).values, rtol=2e-6, atol=1e-7)

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from fusedmoe import FusedMoE, fused_experts, select_experts
+from fusedmoe.bench import host_us
 from fusedmoe.presets import get_preset
 
 
@@ -41,27 +42,15 @@ def _empty_kernel(ptr):
     pass
 
 
-def _host_us(fn, calls: int) -> float:
-    """Host time of a call, no synchronisation (the GPU work is not waited for)."""
-    for _ in range(10):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
 def _process_line(dev: torch.device) -> str:
     """Where this process runs and what calls outside the library cost in it."""
     with open("/proc/self/stat") as stat:
         cpu = stat.read().rsplit(")", 1)[1].split()[36]  # field 39: the CPU it last ran on
     buf = torch.empty(16, device=dev)
     return (f"process {os.getpid()}: cpu {cpu} of {len(os.sched_getaffinity(0))} allowed; python call "
-            f"{_host_us(lambda: None, 20000) * 1e3:.0f} ns, torch.empty(cuda) "
-            f"{_host_us(lambda: torch.empty(16, device=dev), 2000):.2f} us, empty Triton launch "
-            f"{_host_us(lambda: _empty_kernel[(1,)](buf), 2000):.2f} us")
+            f"{host_us(lambda: None, 20000) * 1e3:.0f} ns, torch.empty(cuda) "
+            f"{host_us(lambda: torch.empty(16, device=dev), 2000):.2f} us, empty Triton launch "
+            f"{host_us(lambda: _empty_kernel[(1,)](buf), 2000):.2f} us")
 
 
 def _graph_us(fn, calls: int) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -160,6 +161,20 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     g.replay()
     torch.cuda.synchronize()
     return _events_median(g.replay, iters) / len(calls)
+
+
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Host microseconds a call: `calls` eager calls back to back without synchronising (the GPU
+    work is not waited for, so a host-bound call shows its host cost), after 10 warm-up calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
 
 
 # The references: timed eagerly (batched_torch copies host tensors, which a capture refuses).

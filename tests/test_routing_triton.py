@@ -206,13 +206,13 @@ from fusedmoe.backends.triton import kernel_report, routing
 why = kernel_report.unavailable()
 if why:
     print(json.dumps({"skip": why})); sys.exit(0)
-calls = []
-routing.moe_routing_kernel = kernel_report._Recorder("moe_routing_kernel", routing.moe_routing_kernel, calls, False)
-for e, k, groups, topk_group, sigmoid in json.loads(sys.argv[1]):
-    bias = torch.randn(e) if sigmoid else None
-    routing.triton_select_experts(torch.randn(3, e), k, renormalize=True, scoring_func="sigmoid" if sigmoid else "softmax",
-                                  use_grouped_topk=groups > 1, num_expert_group=groups, topk_group=topk_group,
-                                  e_score_correction_bias=bias, routed_scaling_factor=2.5)
+with kernel_report.recording(only=("moe_routing_kernel",)) as calls:
+    for e, k, groups, topk_group, sigmoid in json.loads(sys.argv[1]):
+        bias = torch.randn(e) if sigmoid else None
+        routing.triton_select_experts(torch.randn(3, e), k, renormalize=True,
+                                      scoring_func="sigmoid" if sigmoid else "softmax",
+                                      use_grouped_topk=groups > 1, num_expert_group=groups, topk_group=topk_group,
+                                      e_score_correction_bias=bias, routed_scaling_factor=2.5)
 calls[-1].kwargs.update(PDL=True, launch_pdl=True)  # as a CUDA launch on sm90 takes it
 rows = []
 for call in calls:

@@ -61,8 +61,8 @@ class _Recorder:
 
 @contextlib.contextmanager
 def recording(run: bool = False, only: tuple[str, ...] | None = None):
-    """Replace every jitted kernel of `kernels` and `quant_kernels` (or those named in `only`)
-    with a recorder; yields the list the launches are appended to. Nothing runs (outputs stay as
+    """Replace every jitted kernel of `kernels`, `quant_kernels` and `routing` (or those named in
+    `only`) with a recorder; yields the list the launches are appended to. Nothing runs (outputs stay as
     allocated) unless `run`: then each launch runs too, so the recorded tensors hold what the call
     computed (benchmarks/bench_row_stationary.py times a recorded GEMM2 beside variants on its
     tensors). Running needs `only` to name launched kernels: a jitted helper replaced by a recorder
@@ -72,11 +72,11 @@ def recording(run: bool = False, only: tuple[str, ...] | None = None):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from fusedmoe.backends.triton import kernels, quant_kernels
+    from fusedmoe.backends.triton import kernels, quant_kernels, routing
 
     calls: list[Call] = []
     saved = []
-    for module in (kernels, quant_kernels):
+    for module in (kernels, quant_kernels, routing):
         for name, fn in vars(module).items():
             if isinstance(fn, (JITFunction, InterpretedFunction)) and (only is None or name in only):
                 saved.append((module, name, fn))

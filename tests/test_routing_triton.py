@@ -5,6 +5,7 @@ ops (`gpu` tests). Plus when `select_experts` takes it."""
 from __future__ import annotations
 
 import os
+import random
 import zlib
 from types import SimpleNamespace
 
@@ -114,6 +115,42 @@ def test_kernel_ids_stay_distinct_and_in_range_on_non_finite_logits(poison: str,
                                       num_expert_group=8 if grouped else None, topk_group=2 if grouped else None)
     assert_routing_matches(weights[3:].cpu(), ids[3:], ref_ids, ref_weights, num_experts=e, top_k=k,
                            sorted_by_weight=True)
+
+
+@needs_triton_here
+def test_kernel_matches_spec_on_random_configurations() -> None:
+    """Seeded random configurations the rule accepts (E 2-1000, top_k 1-32, DeepSeek groups,
+    correction bias, centred or below every score so the picks order negative keys, softmax /
+    sigmoid, renormalisation, scaling, 1-4 tokens) against the float64 spec router. Unit-scale logits: large ones saturate sigmoid scores into fp32 ties, where the
+    kernel takes the lower id and float64 still tells them apart."""
+    rng = random.Random(zlib.crc32(b"random-routing-configurations"))
+    g = torch.Generator().manual_seed(zlib.crc32(b"random-routing-draws"))
+    checked = 0
+    while checked < 24:
+        e = rng.choice([2, 3, 8, 16, 60, 64, 128, 160, 256, 257, 384, 512, 1000])
+        k = rng.randint(1, min(e, 32))
+        groups = topk_group = None
+        splits = [n for n in (2, 4, 8, 16) if e % n == 0 and (e // n) & (e // n - 1) == 0]
+        if splits and rng.random() < 0.4:
+            groups = rng.choice(splits)
+            topk_group = rng.randint(-(-k // (e // groups)), groups)  # enough kept experts for top_k
+        if routing_kernel_unsupported(e, k, groups is not None, groups, topk_group):
+            continue
+        scoring = rng.choice(["softmax", "sigmoid"])
+        shift = rng.choice([None, 0.0, -1.0])  # no bias, a centred one, one below every score
+        bias = None if shift is None else torch.randn(e, generator=g) * 0.3 + shift
+        renormalize, scale = rng.random() < 0.7, rng.choice([1.0, 2.5])
+        logits = torch.randn(rng.randint(1, 4), e, generator=g)
+        weights, ids = triton_select_experts(
+            logits.to(DEV), k, renormalize=renormalize, scoring_func=scoring, use_grouped_topk=groups is not None,
+            num_expert_group=groups, topk_group=topk_group,
+            e_score_correction_bias=None if bias is None else bias.to(DEV), routed_scaling_factor=scale)
+        ref_ids, ref_weights = spec_route(logits, k, scoring_func=scoring, renormalize=renormalize, bias=bias,
+                                          num_expert_group=groups, topk_group=topk_group,
+                                          routed_scaling_factor=scale)
+        assert_routing_matches(weights.cpu(), ids.cpu(), ref_ids, ref_weights, num_experts=e, top_k=k,
+                               sorted_by_weight=True)
+        checked += 1
 
 
 @needs_triton_here

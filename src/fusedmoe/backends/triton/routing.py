@@ -87,7 +87,7 @@ def moe_routing_kernel(
     select_on = scores
     if HAS_BIAS:
         select_on = scores + tl.load(bias_ptr + offs, mask=valid, other=0.0)
-    select_on = tl.where(valid, select_on, float("-inf"))
+    # (padded positions: never picked, their keys are _NO_KEY below; groups have none)
 
     if GROUPS > 0:
         PER_GROUP: tl.constexpr = BLOCK_E // GROUPS

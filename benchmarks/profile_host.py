@@ -2,8 +2,11 @@
 when nothing is captured in a CUDA graph (transformers' eager models, first steps of a server).
 
     python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300]
-Prints wall time per call (host-bound at decode: the GPU work is a few tens of us), the GPU time
-of the same calls replayed in a CUDA graph, and the cProfile functions with the most own time.
+Prints wall time per call (host-bound at decode: the GPU work is a few tens of us) with each
+kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0) and through the
+library's cached launcher (fusedmoe.backends.triton.launcher, the default), alternating three
+rounds (medians), the GPU time of the same calls replayed in a CUDA graph, and the cProfile
+functions with the most own time.
 The header says which CPU the process runs on and times three calls that do not involve the
 library (a Python function call, a `torch.empty` on the GPU, an empty Triton kernel's launch): the
 eager time has differed ~2x between processes on one host and tree, and these tell a slow
@@ -21,7 +24,7 @@ import time
 import torch
 import triton
 
-from fusedmoe import FusedMoE, fused_experts, select_experts
+from fusedmoe import FusedMoE, fused_experts, knobs, select_experts
 from fusedmoe.bench import host_us
 from fusedmoe.presets import get_preset
 
@@ -99,8 +102,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
     print(_process_line(dev))
     for name, fn in calls.items():
-        wall, gpu = _wall_us(fn, args.calls), _graph_us(fn, min(args.calls, 50))
-        print(f"{name:40} eager wall {wall:8.1f} us/call   graph replay {gpu:8.1f} us/call")
+        walls = {False: [], None: []}
+        for _ in range(3):
+            for way, times in walls.items():
+                with knobs.override(TRITON_LAUNCHER=way):
+                    times.append(_wall_us(fn, args.calls))
+        triton_run, cached = (sorted(walls[way])[1] for way in (False, None))
+        gpu = _graph_us(fn, min(args.calls, 50))
+        print(f"{name:40} eager wall {triton_run:8.1f} us/call via JITFunction.run, {cached:8.1f} via "
+              f"the cached launcher   graph replay {gpu:8.1f} us/call")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

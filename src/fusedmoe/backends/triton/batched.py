@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fusedmoe.backends.triton.experts import _reduce, align, triton_cdiv, triton_next_pow2
+from fusedmoe.backends.triton.launcher import launch
 
 
 def batched_dispatch(
@@ -50,7 +51,7 @@ def batched_dispatch(
     block_p = 16
     block_h = min(512, triton_next_pow2(hidden))
     flat = x_b.view(num_local * max_tokens, hidden)
-    kernels.moe_batched_scatter_kernel[(triton_cdiv(positions, block_p),)](
+    launch(kernels.moe_batched_scatter_kernel, (triton_cdiv(positions, block_p),),
         x_TH, flat, topk_weights_TK.reshape(-1).contiguous(), sorted_slot, pos_expert, num_used, dest, counts, raw,
         positions, topk_ids_TK.shape[1], max_tokens, num_local, hidden, positions.bit_length() + 1,
         x_TH.stride(0), x_TH.stride(1), flat.stride(0), flat.stride(1),

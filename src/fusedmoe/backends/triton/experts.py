@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
+from fusedmoe.backends.triton.launcher import launch
 from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
@@ -143,7 +144,7 @@ def _align_small(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
     block_e = triton_next_pow2(num_local_experts + 1)
     scratch = torch.empty(block_e, dtype=torch.int32, device=device)
     ids = topk_ids_TK.reshape(-1)
-    kernels.moe_align_small_kernel[(1,)](
+    launch(kernels.moe_align_small_kernel, (1,),
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, scratch, n, num_global_experts, num_local_experts, rows,
         HAS_MAP=expert_map_E is not None, BLOCK_N=max(16, triton_next_pow2(n)), BLOCK_E=block_e,
@@ -166,7 +167,7 @@ def _align_chunked(topk_ids_TK, expert_map_E, num_global_experts, num_local_expe
     scratch = torch.empty(2 * num_local + 1 + 2 * padded_n, dtype=torch.int32, device=device)
     count, start, key, rank = scratch.split([num_local + 1, num_local, padded_n, padded_n])
     ids = topk_ids_TK.reshape(-1)
-    kernels.moe_align_kernel[(1,)](
+    launch(kernels.moe_align_kernel, (1,),
         ids, expert_map_E if expert_map_E is not None else ids, sorted_slot, block_expert, num_rows,
         slot_ok, count, start, key, rank, n, num_global_experts, num_local, sorted_slot.numel(),
         HAS_MAP=expert_map_E is not None, CHUNK=chunk, BLOCK_E=min(1024, triton_next_pow2(num_local + 1)),
@@ -196,7 +197,7 @@ def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
     has_map = expert_map_E is not None
     block_e = min(1024, triton_next_pow2(max(num_local, 1)))
     num_warps = min(16, max(4, chunk // 64))
-    kernels.moe_align_count_kernel[(num_chunks,)](
+    launch(kernels.moe_align_count_kernel, (num_chunks,),
         ids, expert_map_E if has_map else ids, sorted_slot, block_expert, slot_ok, count, key, in_run,
         n, num_global_experts, num_local, rows, triton_cdiv(rows, num_chunks),
         triton_cdiv(rows // block_m, num_chunks),
@@ -205,11 +206,11 @@ def _align_multi(topk_ids_TK, expert_map_E, num_global_experts, num_local_expert
     )
     block_e = min(block_e, triton_next_pow2(offsets_tile))
     block_c = max(2, min(triton_next_pow2(num_chunks), offsets_tile // block_e))
-    kernels.moe_align_offsets_kernel[(1,)](
+    launch(kernels.moe_align_offsets_kernel, (1,),
         count, start, num_rows, num_chunks, num_local, BLOCK_C=block_c, BLOCK_E=block_e, BLOCK_M=block_m,
         num_warps=16, **launch_kw,
     )
-    kernels.moe_align_scatter_kernel[(num_chunks,)](
+    launch(kernels.moe_align_scatter_kernel, (num_chunks,),
         sorted_slot, block_expert, count, start, key, in_run, num_local, CHUNK=chunk, BLOCK_M=block_m,
         num_warps=num_warps, **launch_kw,
     )
@@ -944,7 +945,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     programs = blocks * triton_cdiv(inter, tile.block_n)  # at most: the programs past the real rows exit
     if tile.persistent:  # the programs stride over the real tiles (read on the device)
         programs = min(programs, PERSISTENT_PROGRAMS * _num_sms(x.device))
-    kernels.moe_gemm1_kernel[(programs, splits)](
+    launch(kernels.moe_gemm1_kernel, (programs, splits),
         x, w_arg, bias, a, L.weights_N, hpart, *L.row_args(),
         L.num_slots, L.top_k, hidden, inter, k_per_split,
         x.stride(0), x.stride(1),
@@ -957,7 +958,7 @@ def launch_gemm1(L: Launch, w13: torch.Tensor, w13_bias: torch.Tensor | None, ti
     )
     if splits > 1:
         block_n = min(128, triton_next_pow2(inter))
-        kernels.moe_act_kernel[(blocks, triton_cdiv(inter, block_n))](
+        launch(kernels.moe_act_kernel, (blocks, triton_cdiv(inter, block_n)),
             hpart, bias, a, L.weights_N, *L.row_args(),
             L.num_slots, inter, *b_strides, a.stride(0), a.stride(1), *h_strides,
             float(L.swiglu_alpha), float(limit),
@@ -983,7 +984,7 @@ def launch_gemm2(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None, tile
     if tile.persistent:  # the programs stride over the real tiles (read on the device)
         per_sm = W4_PERSISTENT_PROGRAMS if quant_args and "W4_FMT" in quant_args else PERSISTENT_PROGRAMS
         tiles = min(tiles, per_sm * _num_sms(y.device))
-    kernels.moe_gemm2_kernel[(tiles,)](
+    launch(kernels.moe_gemm2_kernel, (tiles,),
         a_arg, w_arg, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows,
         y.shape[0], hidden, inter,
         a.stride(0), a.stride(1),
@@ -1049,7 +1050,7 @@ def launch_gemm2_rows(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | None,
     blocks = L.sorted_slot.numel() // L.block_m
     cfg = gemm2_rows_config(quant, inter, L.block_m)
     head, tail = gemm2_rows_split(inter)
-    kernels.moe_gemm2_rows_kernel[(blocks * cfg["SPLIT_N"],)](
+    launch(kernels.moe_gemm2_rows_kernel, (blocks * cfg["SPLIT_N"],),
         a, w2, bias, y, L.weights_N, L.sorted_slot, L.block_expert, L.num_rows, a_scales, w2_scale,
         y.shape[0], hidden, inter,
         a.stride(0), a.stride(1),
@@ -1079,7 +1080,7 @@ def launch_gemm2_direct(L: Launch, w2: torch.Tensor, w2_bias: torch.Tensor | Non
     part = out  # never written unless split > 1
     if split > 1:
         part = torch.empty(out.shape[0] * split, hidden, dtype=torch.float32, device=out.device)
-    kernels.moe_gemm2_direct_kernel[(out.shape[0], triton_cdiv(hidden, tile.block_n), split)](
+    launch(kernels.moe_gemm2_direct_kernel, (out.shape[0], triton_cdiv(hidden, tile.block_n), split),
         a, w2, bias, out, L.weights_N, L.ids, emap,
         L.num_global, L.num_local, hidden, inter,
         a.stride(0), a.stride(1),
@@ -1114,7 +1115,7 @@ def _reduce(y: torch.Tensor, out: torch.Tensor, slot_ok: torch.Tensor | None, ro
 
     hidden = y.shape[1]
     block_h = min(1024, triton_next_pow2(hidden))
-    kernels.moe_reduce_kernel[(out.shape[0], triton_cdiv(hidden, block_h))](
+    launch(kernels.moe_reduce_kernel, (out.shape[0], triton_cdiv(hidden, block_h)),
         y, out, y if slot_ok is None else slot_ok, y if rows is None else rows, y if weights is None else weights,
         hidden, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
         TOP_K=rows_per_token, BLOCK_H=block_h, FLAGS=slot_ok is not None, GATHER=rows is not None,
@@ -1369,7 +1370,7 @@ def _batched_rows(num_tokens_L: torch.Tensor, num_local: int, max_tokens: int, b
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
     block_l = triton_next_pow2(num_local)
     block_b = max(2, min(64, 8192 // block_l))
-    kernels.moe_batched_rows_kernel[(triton_cdiv(blocks, block_b),)](
+    launch(kernels.moe_batched_rows_kernel, (triton_cdiv(blocks, block_b),),
         num_tokens_L.contiguous(), sorted_slot, block_expert, num_rows, num_local, max_tokens, blocks,
         BLOCK_L=block_l, BLOCK_B=block_b, BLOCK_M=block_m, num_warps=4,
     )

@@ -53,6 +53,7 @@ from fusedmoe.backends.triton.experts import (
     triton_cdiv,
     triton_next_pow2,
 )
+from fusedmoe.backends.triton.launcher import launch
 from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan
 from fusedmoe.modular import call_op, experts_ops
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -190,7 +191,7 @@ def _tensor_scale(x_MK, static_scale, row_weight_M) -> torch.Tensor:
         sorted_slot = torch.arange(rows, dtype=torch.int32, device=device)  # rows >= m: padding
         one_expert = torch.zeros(rows // block_m, dtype=torch.int32, device=device)
         num_rows = torch.full((1,), rows, dtype=torch.int32, device=device)
-        quant_kernels.expert_amax_kernel[(rows // block_m,)](
+        launch(quant_kernels.expert_amax_kernel, (rows // block_m,),
             x_MK, amax, row_weight_M if row_weight_M is not None else amax, sorted_slot, one_expert,
             num_rows, m, 1, k, x_MK.stride(0), x_MK.stride(1),
             GATHER=True, HAS_ROW_W=row_weight_M is not None, BLOCK_M=block_m,
@@ -236,7 +237,7 @@ def _launch_rows(x, codes, scales, row_weight, group, key, *, scale_in=0, num_ro
         # [*, 768]: 3.7 -> 2.2 at 8 (7.9 at 1: programs that only exit)
         block_r = min(block_r, 8, triton_next_pow2(m))
     s_strides = (scales.stride(0), scales.stride(1)) if scale_in == 0 else (0, 0)
-    quant_kernels.quantize_rows_kernel[(triton_cdiv(m, block_r), groups)](
+    launch(quant_kernels.quantize_rows_kernel, (triton_cdiv(m, block_r), groups),
         x, codes, scales, row_weight if row_weight is not None else x, scales,
         num_rows if num_rows is not None else scales, row_map if row_map is not None else scales,
         m, k, group, map_end,
@@ -729,7 +730,7 @@ def _expert_amax(L: Launch, x: torch.Tensor, row_w: torch.Tensor | None, amax: t
     from fusedmoe.backends.triton import quant_kernels
 
     blocks = L.sorted_slot.numel() // L.block_m
-    quant_kernels.expert_amax_kernel[(blocks,)](
+    launch(quant_kernels.expert_amax_kernel, (blocks,),
         x, amax, row_w if row_w is not None else amax, L.sorted_slot, L.block_expert, L.num_rows,
         L.y.shape[0], L.top_k, x.shape[1], x.stride(0), x.stride(1),
         GATHER=gather, HAS_ROW_W=row_w is not None, BLOCK_M=L.block_m,
@@ -749,7 +750,7 @@ def _quantize_expert_rows(L: Launch, x: torch.Tensor, scale: torch.Tensor, stati
     codes = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block_k = min(max(16, 8192 // L.block_m), triton_next_pow2(width))  # ~8k elements a program
-    quant_kernels.quantize_expert_rows_kernel[(rows // L.block_m, triton_cdiv(width, block_k))](
+    launch(quant_kernels.quantize_expert_rows_kernel, (rows // L.block_m, triton_cdiv(width, block_k)),
         x, codes, scales, scale, row_w if row_w is not None else scale, L.sorted_slot, L.block_expert,
         L.num_rows, L.y.shape[0], L.top_k, width, scale.stride(0), x.stride(0), x.stride(1),
         codes.stride(0), codes.stride(1),

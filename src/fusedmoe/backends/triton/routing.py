@@ -37,6 +37,7 @@ import triton.language as tl
 
 from fusedmoe.backends.triton.experts import pdl
 from fusedmoe.backends.triton.kernels import _pdl_release, _pdl_wait
+from fusedmoe.backends.triton.launcher import launch
 
 # below every score's key, -inf's included: taken and padded positions
 _NO_KEY = tl.constexpr(-(2**31))
@@ -153,7 +154,7 @@ def triton_select_experts(
         bias = e_score_correction_bias.to(device=device, dtype=torch.float32).contiguous()
     groups = num_expert_group if use_grouped_topk and num_expert_group > 1 else 0
     block_e = triton.next_power_of_2(num_experts)
-    moe_routing_kernel[(num_tokens,)](
+    launch(moe_routing_kernel, (num_tokens,),
         router_logits, weights if bias is None else bias, weights, ids,
         num_experts, router_logits.stride(0), router_logits.stride(1), float(routed_scaling_factor),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,

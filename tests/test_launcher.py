@@ -1,0 +1,217 @@
+"""`fusedmoe.backends.triton.launcher.launch`: which launches take Triton's path and which the
+cached compiled kernel's launcher, with what arguments. A stand-in JITFunction records both
+(CPU); the GPU test runs the library both ways and compares outputs bit for bit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusedmoe import knobs
+from fusedmoe.backends.triton import launcher
+
+
+def kernel_source(x_ptr, out_ptr, n, scale, FLAG: bool = False, BLOCK: int = 64, MODE: str = "a"):
+    pass
+
+
+class FakeKernel:
+    """A CompiledKernel: `run` is its launcher."""
+
+    def __init__(self, log: list):
+        self.log, self.function, self.packed_metadata = log, "function", "metadata"
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class FakeJIT:
+    """A JITFunction: `fn[grid](*args, **kwargs)` is Triton's path; it returns the kernel it ran."""
+
+    def __init__(self):
+        self.fn, self.pre_run_hooks, self.log = kernel_source, [], []
+        self.kernel = FakeKernel(self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return self.kernel
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(launcher, "_TAILS", {})
+    runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    state = dict(ok=True, jit=FakeJIT, runtime=runtime, device=lambda: 0, stream=lambda device: 1234 + device)
+    monkeypatch.setattr(launcher, "_state", state)
+    monkeypatch.setattr(launcher, "_CACHES", {})
+    return FakeJIT(), runtime
+
+
+def ways(fn: FakeJIT) -> list[str]:
+    return [entry[0] for entry in fn.log]
+
+
+def test_a_repeat_calls_the_compiled_launcher_with_every_argument_in_order(fake):
+    fn, _ = fake
+    x, out = torch.randn(8), torch.empty(8)
+    for _ in range(3):
+        launcher.launch(fn, (5, 2), x, out, 8, 0.5, BLOCK=32, num_warps=4)
+    assert ways(fn) == ["triton", "direct", "direct"]
+    assert fn.log[0][1:] == ((5, 2), (x, out, 8, 0.5), {"BLOCK": 32, "num_warps": 4})
+    # grid padded to three, the current stream, no launch metadata or hooks, then every parameter
+    # in signature order with the defaults filled in; num_warps is an option, not a parameter
+    assert fn.log[1][1] == (5, 2, 1, 1234, "function", "metadata", None, None, None, x, out, 8, 0.5, False, 32, "a")
+
+
+def test_what_changes_the_key_takes_triton_path_once(fake):
+    fn, _ = fake
+    x, out = torch.randn(64), torch.empty(64)
+    base = dict(FLAG=True, MODE="b")
+    launcher.launch(fn, (1,), x, out, 16, 1.0, **base)
+    changed = [
+        ((x[1:], out, 16, 1.0), base),  # an address no longer 16-byte aligned
+        ((x.double(), out, 16, 1.0), base),  # the dtype
+        ((x, out, 1, 1.0), base),  # an int's value (Triton specialises 1 as a constant)
+        ((x, out, True, 1.0), base),  # a bool equal to that int
+        ((x, out, 16, 1.0), dict(base, MODE="c")),  # a constexpr
+        ((x, out, 16, 1.0), dict(MODE="b", FLAG=True)),  # the keywords' order
+        ((x, out, 16, 1.0), dict(base, num_stages=3)),  # a launch option
+    ]
+    for args, kwargs in changed:
+        launcher.launch(fn, (1,), *args, **kwargs)
+        launcher.launch(fn, (1,), *args, **kwargs)
+    assert ways(fn) == ["triton"] + ["triton", "direct"] * len(changed)
+    # the same key with new tensors at aligned addresses and another grid: a repeat
+    launcher.launch(fn, (7,), torch.randn(64), torch.empty(64), 16, 1.0, **base)
+    assert ways(fn)[-1] == "direct" and fn.log[-1][1][:3] == (7, 1, 1)
+
+
+def test_a_nn_parameter_has_a_key_other_arguments_do_not(fake):
+    fn, _ = fake
+    w = torch.nn.Parameter(torch.randn(8))
+    for _ in range(2):
+        launcher.launch(fn, (1,), w, w, 8, 1.0)
+    unknown = (torch.float32, [1, 2], SimpleNamespace(), object())
+    for value in unknown:
+        for _ in range(2):
+            launcher.launch(fn, (1,), w, w, 8, 1.0, MODE=value)
+    assert ways(fn) == ["triton", "direct"] + ["triton"] * 2 * len(unknown)
+
+
+class HookChain:
+    """Triton >= 3.5's launch hooks: a chain, empty when nothing is registered."""
+
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
+
+@pytest.mark.parametrize("hooks", [(None, None), (HookChain(), HookChain())], ids=["none", "empty_chains"])
+def test_no_launch_hook_is_a_none_or_an_empty_chain(fake, hooks):
+    fn, runtime = fake
+    runtime.launch_enter_hook, runtime.launch_exit_hook = hooks
+    x = torch.randn(8)
+    for _ in range(2):
+        launcher.launch(fn, (1,), x, x, 8, 1.0)
+    assert ways(fn) == ["triton", "direct"]
+
+
+@pytest.mark.parametrize("switch", ["enter_hook", "exit_hook", "enter_chain", "exit_chain", "pre_run_hook", "knob",
+                                    "grid_callable", "device"])
+def test_triton_path_when_a_hook_the_knob_or_a_callable_grid_says_so(fake, switch):
+    fn, runtime = fake
+    x = torch.randn(8)
+    grid = (1,)
+    launcher.launch(fn, grid, x, x, 8, 1.0)
+    if switch == "enter_hook":
+        runtime.launch_enter_hook = print
+    elif switch == "exit_hook":
+        runtime.launch_exit_hook = print
+    elif switch == "enter_chain":
+        runtime.launch_enter_hook = HookChain([print])
+    elif switch == "exit_chain":
+        runtime.launch_exit_hook = HookChain([print])
+    elif switch == "pre_run_hook":
+        fn.pre_run_hooks.append(print)
+    elif switch == "grid_callable":
+        grid = lambda meta: (1,)  # noqa: E731
+    elif switch == "device":  # another current device: its own key
+        launcher._state["device"] = lambda: 1
+    with knobs.override(TRITON_LAUNCHER=False if switch == "knob" else None):
+        launcher.launch(fn, grid, x, x, 8, 1.0)
+    assert ways(fn) == ["triton", "triton"]
+
+
+def test_keys_are_bounded_and_other_objects_take_triton_path(fake, monkeypatch):
+    fn, _ = fake
+    monkeypatch.setattr(launcher, "_MAX_KEYS", 3)
+    x = torch.randn(8)
+    for n in (2, 3, 4, 5, 6):  # five keys, the last three remembered
+        launcher.launch(fn, (1,), x, x, n, 1.0)
+    for n in (6, 5, 4, 2, 4):  # 2 was evicted; it evicts 4, the oldest left
+        launcher.launch(fn, (1,), x, x, n, 1.0)
+    assert ways(fn) == ["triton"] * 5 + ["direct"] * 3 + ["triton"] * 2
+    assert len(launcher._CACHES[id(fn)]) == 3
+    calls = []
+
+    class Recorder:  # e.g. kernel_report's recorder: not a JITFunction
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(grid)
+
+    for _ in range(2):
+        launcher.launch(Recorder(), (3,), x)
+    assert calls == [(3,), (3,)]
+
+
+def test_no_triton_state_takes_triton_path(monkeypatch):
+    monkeypatch.setattr(launcher, "_state", {"ok": False})
+    fn = FakeJIT()
+    for _ in range(2):
+        launcher.launch(fn, (1,), torch.randn(4), torch.randn(4), 4, 1.0)
+    assert ways(fn) == ["triton", "triton"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 300])  # 300: the aligned path's chunked alignment
+@pytest.mark.parametrize("direct", [None, False])
+def test_library_launches_bitwise_the_same_both_ways_and_repeats_skip_triton_run(monkeypatch, tokens, direct):
+    """fused_experts through the cached launcher equals Triton's path bit for bit, and a repeat
+    call goes through JITFunction.run not once. In place into a copy of the tokens: a launch that
+    did nothing would leave the tokens, not the reference."""
+    from triton.runtime.jit import JITFunction
+
+    from fusedmoe import fused_experts, select_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    E, H, inter, K = 20, 384, 192, 4
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
+    logits = torch.randn(tokens, E, device="cuda", generator=gen)
+    runs = []
+    original = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    outs = {}
+    with knobs.override(TRITON_DIRECT=direct, TRITON_TMA=False):  # TMA descriptors have no key
+        for way in (False, None, None):  # Triton's path; the first cached (keys made); repeats
+            with knobs.override(TRITON_LAUNCHER=way):
+                runs.clear()
+                weights, ids = select_experts(x, logits, K)
+                out = x.clone()
+                fused_experts(out, w13, w2, weights, ids, backend="triton", inplace=True)
+                torch.cuda.synchronize()
+                outs.setdefault(way, []).append((out, len(runs)))
+    (reference, through_triton), = outs[False]
+    assert through_triton > 0 and reference.isfinite().all() and not torch.equal(reference, x)
+    for out, _ in outs[None]:
+        assert torch.equal(out, reference)
+    assert outs[None][1][1] == 0  # the repeat: no launch through JITFunction.run

@@ -51,6 +51,14 @@ def fake(monkeypatch):
     return FakeJIT(), runtime
 
 
+def aligned(n: int, dtype=torch.float32) -> torch.Tensor:
+    """n fresh random values at an address that is a multiple of 128 bytes (CPU tensors are
+    aligned to 64)."""
+    buf = torch.randn(n + 64, dtype=dtype)
+    skip = (-buf.data_ptr() % 128) // buf.element_size()
+    return buf[skip:skip + n]
+
+
 def ways(fn: FakeJIT) -> list[str]:
     return [entry[0] for entry in fn.log]
 
@@ -69,12 +77,13 @@ def test_a_repeat_calls_the_compiled_launcher_with_every_argument_in_order(fake)
 
 def test_what_changes_the_key_takes_triton_path_once(fake):
     fn, _ = fake
-    x, out = torch.randn(64), torch.empty(64)
+    x, out = aligned(64), aligned(64)
     base = dict(FLAG=True, MODE="b")
     launcher.launch(fn, (1,), x, out, 16, 1.0, **base)
     changed = [
         ((x[1:], out, 16, 1.0), base),  # an address no longer 16-byte aligned
-        ((x.double(), out, 16, 1.0), base),  # the dtype
+        ((x[8:], out, 16, 1.0), base),  # 16-byte aligned, not 128 (a finer alignment rule stays safe)
+        ((aligned(64, torch.float64), out, 16, 1.0), base),  # the dtype
         ((x, out, 1, 1.0), base),  # an int's value (Triton specialises 1 as a constant)
         ((x, out, True, 1.0), base),  # a bool equal to that int
         ((x, out, 16, 1.0), dict(base, MODE="c")),  # a constexpr
@@ -85,8 +94,8 @@ def test_what_changes_the_key_takes_triton_path_once(fake):
         launcher.launch(fn, (1,), *args, **kwargs)
         launcher.launch(fn, (1,), *args, **kwargs)
     assert ways(fn) == ["triton"] + ["triton", "direct"] * len(changed)
-    # the same key with new tensors at aligned addresses and another grid: a repeat
-    launcher.launch(fn, (7,), torch.randn(64), torch.empty(64), 16, 1.0, **base)
+    # the same key with new tensors at addresses of the same residue and another grid: a repeat
+    launcher.launch(fn, (7,), aligned(64), aligned(64), 16, 1.0, **base)
     assert ways(fn)[-1] == "direct" and fn.log[-1][1][:3] == (7, 1, 1)
 
 
@@ -164,6 +173,21 @@ def test_keys_are_bounded_and_other_objects_take_triton_path(fake, monkeypatch):
     for _ in range(2):
         launcher.launch(Recorder(), (3,), x)
     assert calls == [(3,), (3,)]
+
+
+def test_a_launcher_that_refuses_the_call_turns_the_cache_off_with_a_warning(fake):
+    fn, _ = fake
+    x = torch.randn(8)
+
+    def refuses(*args):
+        raise TypeError("takes 12 positional arguments")
+
+    fn.kernel.run = refuses
+    launcher.launch(fn, (1,), x, x, 8, 1.0)
+    with pytest.warns(RuntimeWarning, match="kernel_source.*TypeError: takes 12"):
+        launcher.launch(fn, (1,), x, x, 8, 1.0)  # the direct call fails: relaunched through Triton
+    launcher.launch(fn, (1,), x, x, 8, 1.0)
+    assert ways(fn) == ["triton"] * 3 and launcher._state["ok"] is False
 
 
 def test_no_triton_state_takes_triton_path(monkeypatch):

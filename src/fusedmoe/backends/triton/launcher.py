@@ -13,14 +13,17 @@ The first launch with a given argument key goes through `fn[grid]`, which return
 (`CompiledKernel.run`, the call `JITFunction.run` ends with) directly. The key is strictly finer
 than Triton's specialisation, so a repeat always runs the kernel `run` would have chosen:
 
-- a tensor: its dtype and whether its address is a multiple of 16 (Triton's pointer
-  specialisation);
+- a tensor: its dtype and its address modulo 128 (Triton specialises pointers on 16-byte
+  alignment; the residue decides any alignment up to 128 bytes, and the caching allocator's
+  blocks share it, so it costs no repeats);
 - an int, float, bool, str or None: its type and exact value (Triton specialises ints on ==1,
   on divisibility by 16 and on their width; the exact value covers those and any other);
 - the names of the keyword arguments (launch options such as num_warps included), the number of
   positional ones, and the current device.
 
-Any other argument (a TMA `TensorDescriptor`, a Triton dtype), a callable grid, a launch hook set
+A Triton whose compiled-kernel launcher refuses the call (another signature) turns this off for
+the process with a warning and relaunches through Triton. Any other argument (a TMA
+`TensorDescriptor`, a Triton dtype), a callable grid, a launch hook set
 in `triton.knobs.runtime` (profilers such as proton; an empty `HookChain` is none), a pre-run hook, the interpreter, or
 FUSEDMOE_TRITON_LAUNCHER=0 takes Triton's path every time. Not re-checked on a repeat: module
 globals of the kernel changed after its first launch (the library never changes them) and
@@ -29,9 +32,12 @@ Triton's debug knobs changed mid-process.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+
+from fusedmoe import knobs
 
 # Kernels' cached launches: id(JITFunction) -> {key: (CompiledKernel, tail)}. Module-level
 # kernels live as long as the process, so their ids are never reused.
@@ -60,7 +66,7 @@ def _triton_state() -> dict | None:
 
 def argument_key(args: tuple, kwargs: dict) -> tuple | None:
     """The launch's key (module docstring), or None where an argument has no key. Two entries an
-    argument: its type and value, or a tensor's dtype and 16-byte alignment."""
+    argument: its type and value, or a tensor's dtype and address modulo 128."""
     parts: list = [len(args), *kwargs]
     append = parts.append
     for v in (*args, *kwargs.values()):
@@ -70,7 +76,7 @@ def argument_key(args: tuple, kwargs: dict) -> tuple | None:
             append(v)
         elif t is _TENSOR or isinstance(v, _TENSOR):  # a subclass too (nn.Parameter)
             append(v.dtype)
-            append(not v.data_ptr() & 15)
+            append(v.data_ptr() & 127)
         else:
             return None
     return tuple(parts)
@@ -102,8 +108,6 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
             or _hooked(state["runtime"].launch_enter_hook) or _hooked(state["runtime"].launch_exit_hook):
         fn[grid](*args, **kwargs)
         return
-    from fusedmoe import knobs
-
     if knobs.get("TRITON_LAUNCHER") is False:
         fn[grid](*args, **kwargs)
         return
@@ -127,8 +131,15 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
     grid_0 = grid[0]
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid_0, grid_1, grid_2, state["stream"](device), kernel.function, kernel.packed_metadata,
-               None, None, None, *values)
+    try:
+        kernel.run(grid_0, grid_1, grid_2, state["stream"](device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *values)
+    except Exception as exc:  # a Triton whose launcher takes other arguments: its own path from now on
+        _state["ok"] = False
+        warnings.warn(f"fusedmoe: launching {fn.fn.__name__} through its compiled kernel's launcher failed "
+                      f"({type(exc).__name__}: {exc}); every launch goes through Triton's JITFunction.run "
+                      "from now on", RuntimeWarning, stacklevel=2)
+        fn[grid](*args, **kwargs)
 
 
 def clear() -> None:

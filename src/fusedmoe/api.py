@@ -92,7 +92,7 @@ def fused_experts(
                 raise ValueError(f"quant.{name} holds {float(bad)}: static activation scales must be finite "
                                  "and > 0 (a zero one quantizes every activation to 0 or NaN)")
     dtype = hidden_states.dtype
-    config = MoEConfig(
+    config = _config(
         shape.num_global_experts,
         shape.top_k,
         shape.hidden_size,
@@ -172,6 +172,11 @@ def _fused_experts_op_impl(
 # Custom ops fusedmoe::fused_experts(_out): what a torch.compile(fullgraph=True) / export trace
 # records for a `fused_experts` call (the oracle and the config are Python a trace cannot hold).
 fused_experts_op, fused_experts_out_op = experts_ops("fused_experts", _fused_experts_op_impl)
+
+
+# MoEConfig (frozen, validated in __post_init__: ~8 us) per distinct set of arguments; a config
+# that fails validation raises every time (lru_cache keeps no exceptions).
+_config = functools.lru_cache(maxsize=256)(MoEConfig)
 
 
 @functools.lru_cache(maxsize=256)

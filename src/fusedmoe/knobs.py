@@ -180,14 +180,39 @@ def get(name: str) -> Any:
 
     Under torch.compile the value read while tracing is a constant of the graph (dynamo cannot
     trace the override's ContextVar; a knob changed later does not recompile)."""
-    knob = KNOBS[name]
     scoped = _overrides.get()
     if scoped is not None and name in scoped:
         return scoped[name]
-    raw = os.environ.get(PREFIX + name)
-    if raw is None or raw.strip() == "":
-        return knob.default
-    return knob.parse(name, raw)
+    raw = _raw(name)
+    if raw is None:
+        return KNOBS[name].default
+    parsed = _parsed.get((name, raw), _UNPARSED)
+    if parsed is _UNPARSED:
+        parsed = KNOBS[name].default if raw.strip() == "" else KNOBS[name].parse(name, raw)
+        if len(_parsed) < 256:
+            _parsed[(name, raw)] = parsed
+    return parsed
+
+
+# get() runs several times per eager call (eight for the oracle's cache key alone), so it reads
+# os.environ's own dict by a pre-encoded key (what os.environ.get does after encoding the key on
+# every call), where this Python has one, and keeps each (name, raw value)'s parse; the values
+# come from os.environ at every call all the same (monkeypatch.setenv, os.environ[...] = ...).
+_UNPARSED = object()
+_parsed: dict[tuple[str, str], Any] = {}
+_encoded: dict[str, Any] = {}
+
+
+def _raw(name: str) -> str | None:
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None or not hasattr(env, "encodekey"):
+        return env.get(PREFIX + name)
+    key = _encoded.get(name)
+    if key is None:
+        key = _encoded[name] = env.encodekey(PREFIX + name)
+    raw = data.get(key)
+    return None if raw is None else env.decodevalue(raw)
 
 
 # torch.compiler.assume_constant_result(get), without its import of torch._dynamo (~1 s, and it

@@ -21,13 +21,13 @@ than Triton's specialisation, so a repeat always runs the kernel `run` would hav
 - the names of the keyword arguments (launch options such as num_warps included), the number of
   positional ones, and the current device.
 
-A Triton whose compiled-kernel launcher refuses the call (another signature) turns this off for
-the process with a warning and relaunches through Triton. Any other argument (a TMA
-`TensorDescriptor`, a Triton dtype), a callable grid, a launch hook set
-in `triton.knobs.runtime` (profilers such as proton; an empty `HookChain` is none), a pre-run hook, the interpreter, or
-FUSEDMOE_TRITON_LAUNCHER=0 takes Triton's path every time. Not re-checked on a repeat: module
-globals of the kernel changed after its first launch (the library never changes them) and
-Triton's debug knobs changed mid-process.
+Any other argument (a TMA `TensorDescriptor`, a Triton dtype), a callable grid, a launch hook set
+in `triton.knobs.runtime` (profilers such as proton; an empty `HookChain` is none), a pre-run
+hook, the interpreter, or FUSEDMOE_TRITON_LAUNCHER=0 takes Triton's path every time. A Triton
+without these objects, or whose compiled-kernel launcher refuses the call (another signature),
+turns this off for the process (the latter with a warning, relaunching through Triton). Not
+re-checked on a repeat: module globals of the kernel changed after its first launch (the library
+never changes them) and Triton's debug knobs changed mid-process.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _triton_state() -> dict | None:
             from triton.runtime.driver import driver
             from triton.runtime.jit import JITFunction
 
-            _state.update(ok=True, jit=JITFunction, runtime=triton_knobs.runtime,
+            runtime = triton_knobs.runtime
+            runtime.launch_enter_hook, runtime.launch_exit_hook  # noqa: B018 (this Triton has them)
+            _state.update(ok=True, jit=JITFunction, runtime=runtime,
                           device=driver.active.get_current_device, stream=driver.active.get_current_stream)
         except (ImportError, AttributeError, RuntimeError):
             _state["ok"] = False
@@ -104,7 +106,7 @@ def _hooked(hook) -> bool:
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """`fn[grid](*args, **kwargs)`; a repeat of a key runs its compiled kernel's launcher directly."""
     state = _triton_state()
-    if state is None or type(fn) is not state["jit"] or type(grid) is not tuple or fn.pre_run_hooks \
+    if state is None or type(fn) is not state["jit"] or type(grid) is not tuple or getattr(fn, "pre_run_hooks", None) \
             or _hooked(state["runtime"].launch_enter_hook) or _hooked(state["runtime"].launch_exit_hook):
         fn[grid](*args, **kwargs)
         return

@@ -174,9 +174,17 @@ def _fused_experts_op_impl(
 fused_experts_op, fused_experts_out_op = experts_ops("fused_experts", _fused_experts_op_impl)
 
 
-# MoEConfig (frozen, validated in __post_init__: ~8 us) per distinct set of arguments; a config
-# that fails validation raises every time (lru_cache keeps no exceptions).
-_config = functools.lru_cache(maxsize=256)(MoEConfig)
+_cached_config = functools.lru_cache(maxsize=256)(MoEConfig)
+
+
+def _config(*args, **kwargs) -> MoEConfig:
+    """MoEConfig (frozen, validated in __post_init__: ~8 us) once per distinct set of arguments; a
+    config that fails validation raises every time (lru_cache keeps no exceptions), and an
+    unhashable argument gets MoEConfig's own error."""
+    try:
+        return _cached_config(*args, **kwargs)
+    except TypeError:
+        return MoEConfig(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=256)

@@ -186,6 +186,8 @@ BAD_EXPERTS = [
     Bad("swiglu_alpha_nan", lambda c: c.with_(activation="swigluoai", swiglu_alpha=float("nan")),
         r"swiglu_alpha=nan must be a finite number"),
     Bad("swiglu_limit_str", lambda c: c.with_(swiglu_limit="7"), r"swiglu_limit='7' must be a finite number"),
+    Bad("swiglu_alpha_list", lambda c: c.with_(activation="swigluoai", swiglu_alpha=[1.7]),  # unhashable
+        r"swiglu_alpha=\[1.7\] must be a finite number"),
     # strides
     Bad("w13_non_contiguous", lambda c: c.with_(w13=_non_contiguous(c.w13)), r"w13 must be contiguous"),
     Bad("w2_non_contiguous", lambda c: c.with_(w2=_non_contiguous(c.w2)), r"w2 must be contiguous"),

@@ -19,7 +19,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import time
 
 import torch
 import triton
@@ -27,17 +26,6 @@ import triton
 from fusedmoe import FusedMoE, fused_experts, knobs, select_experts
 from fusedmoe.bench import host_us
 from fusedmoe.presets import get_preset
-
-
-def _wall_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 @triton.jit
@@ -106,7 +94,7 @@ def main() -> None:
         for _ in range(3):
             for way, times in walls.items():
                 with knobs.override(TRITON_LAUNCHER=way):
-                    times.append(_wall_us(fn, args.calls))
+                    times.append(host_us(fn, args.calls, wall=True))
         triton_run, cached = (sorted(walls[way])[1] for way in (False, None))
         gpu = _graph_us(fn, min(args.calls, 50))
         print(f"{name:40} eager wall {triton_run:8.1f} us/call via JITFunction.run, {cached:8.1f} via "

@@ -163,15 +163,18 @@ def time_rotated(calls: Sequence[Callable[[], object]], *, graph: bool = True, i
     return _events_median(g.replay, iters) / len(calls)
 
 
-def host_us(fn: Callable[[], object], calls: int) -> float:
+def host_us(fn: Callable[[], object], calls: int, wall: bool = False) -> float:
     """Host microseconds a call: `calls` eager calls back to back without synchronising (the GPU
-    work is not waited for, so a host-bound call shows its host cost), after 10 warm-up calls."""
+    work is not waited for, so a host-bound call shows its host cost), after 10 warm-up calls.
+    wall: until the GPU has finished them too (an eager loop's time per call, host- or GPU-bound)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wall:
+        torch.cuda.synchronize()
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     return host / calls * 1e6

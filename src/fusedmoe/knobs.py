@@ -114,7 +114,8 @@ KNOBS: dict[str, Knob] = {
              "Programmatic dependent launch of the Triton MoE kernels (sm90+: each launch overlaps "
              "the previous kernel's tail): unset/1 = on where the GPU and Triton support it, 0 = off."),
         Knob("TRITON_LAUNCHER", _tristate, None,
-             "Eager launches of the Triton kernels (fusedmoe.backends.triton.launcher): unset/1 = a "
+             "Launches of the Triton kernels (fusedmoe.backends.triton.launcher; host time, so eager "
+             "calls gain, graph replays do not): unset/1 = a "
              "repeat of an argument key calls the compiled kernel's launcher directly (Triton's "
              "per-launch Python skipped), 0 = through Triton's JITFunction.run every time."),
         Knob("TRITON_TMA", _on_off_force, None,

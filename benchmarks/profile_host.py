@@ -24,7 +24,7 @@ import torch
 import triton
 
 from fusedmoe import FusedMoE, fused_experts, knobs, select_experts
-from fusedmoe.bench import host_us
+from fusedmoe.bench import host_us, time_rotated
 from fusedmoe.presets import get_preset
 
 
@@ -42,26 +42,6 @@ def _process_line(dev: torch.device) -> str:
             f"{host_us(lambda: None, 20000) * 1e3:.0f} ns, torch.empty(cuda) "
             f"{host_us(lambda: torch.empty(16, device=dev), 2000):.2f} us, empty Triton launch "
             f"{host_us(lambda: _empty_kernel[(1,)](buf), 2000):.2f} us")
-
-
-def _graph_us(fn, calls: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
 
 
 def main() -> None:
@@ -96,7 +76,7 @@ def main() -> None:
                 with knobs.override(TRITON_LAUNCHER=way):
                     times.append(host_us(fn, args.calls, wall=True))
         triton_run, cached = (sorted(walls[way])[1] for way in (False, None))
-        gpu = _graph_us(fn, min(args.calls, 50))
+        gpu = time_rotated([fn] * min(args.calls, 50), iters=5) * 1e6  # one graph of the calls
         print(f"{name:40} eager wall {triton_run:8.1f} us/call via JITFunction.run, {cached:8.1f} via "
               f"the cached launcher   graph replay {gpu:8.1f} us/call")
     prof = cProfile.Profile()

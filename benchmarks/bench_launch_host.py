@@ -1,12 +1,15 @@
-"""Host time of one eager decode launch three ways (GPU): Triton's `JITFunction.run`, the compiled
-kernel's own launcher called directly, and torch inductor's static launcher.
+"""Host time of one eager decode launch five ways (GPU): Triton's `JITFunction.run`, the compiled
+kernel's own launcher called directly (with tensors, and with their addresses), the library's
+launcher, and torch inductor's static launcher.
 
     python benchmarks/bench_launch_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 2000] [--profile]
 
 Triton's `run` binds and specialises every argument, builds the cache key, compares every module
 global the kernel's source reaches with its compile-time value and builds launch metadata on
 every launch. `direct` calls the `CompiledKernel`'s launcher (`kernel.run`, the call `run` ends
-with) with every argument: what fusedmoe.backends.triton.launcher does on a repeated argument key.
+with) with every argument; `direct-int` the same with each tensor passed as its address (Triton's
+C launcher then makes no `data_ptr()` call and no driver pointer query for it); `library`,
+fusedmoe.backends.triton.launcher.launch on a repeated argument key (its key, then `direct-int`).
 `static` is inductor's C++ launcher from the cubin (`StaticallyLaunchedCudaKernel`, private, in
 `torch._inductor.runtime.static_triton_launcher` or `static_cuda_launcher` in older torch), which
 knows no programmatic dependent launch or TMA descriptors; measured for comparison, not used.
@@ -27,10 +30,12 @@ import torch
 
 from fusedmoe import fused_experts, select_experts
 from fusedmoe.backends.triton import kernel_report
+from fusedmoe.backends.triton.launcher import launch
 from fusedmoe.bench import host_us
 from fusedmoe.presets import get_preset
 
 DECODE_KERNELS = ("moe_gemm1_kernel", "moe_act_kernel", "moe_gemm2_direct_kernel", "moe_reduce_kernel")
+COLUMNS = ("triton", "direct", "direct-int", "library", "static")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl", "launch_cooperative_grid")
 
 
@@ -83,7 +88,7 @@ def main() -> None:
     stream = torch.cuda.current_stream().cuda_stream
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}; "
           f"{launcher.__module__}.{launcher.__name__}")
-    print(f"{'kernel':26} {'grid':>14} {'args':>4} {'triton':>9} {'direct':>9} {'static':>9}  (host us a launch)")
+    print(f"{'kernel':26} {'grid':>14} {'args':>4} " + " ".join(f"{w:>10}" for w in COLUMNS) + "  (host us a launch)")
     folder = tempfile.mkdtemp(prefix="fusedmoe_static_")
     for n, call in enumerate(calls):
         print(_one(call, launcher, stream, os.path.join(folder, f"{n}_{call.name}.cubin"), args.calls))
@@ -108,7 +113,16 @@ def _one(call: kernel_report.Call, launcher, stream: int, cubin: str, calls: int
     def direct_launch():
         compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
-    ways = {"triton": triton_launch, "direct": direct_launch}
+    addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+
+    def direct_int_launch():  # tensors as their addresses: no data_ptr() call or pointer query in C
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *addresses)
+
+    def library_launch():  # the library's launcher: key, plan, then the direct call with addresses
+        launch(call.fn, tuple(call.grid), *call.args, **call.kwargs)
+
+    ways = {"triton": triton_launch, "direct": direct_launch, "direct-int": direct_int_launch,
+            "library": library_launch}
     try:
         if not hasattr(compiled, "_cubin_path"):  # inductor sets it when it writes the cubin itself
             compiled._cubin_path = None  # the launcher then writes `asm["cubin"]` to `cubin`
@@ -120,7 +134,7 @@ def _one(call: kernel_report.Call, launcher, stream: int, cubin: str, calls: int
     except Exception as exc:  # a private API: say what failed and go on
         print(f"{call.name}: static launcher failed: {type(exc).__name__}: {exc}"[:300])
     times = {way: host_us(launch, calls) for way, launch in ways.items()}
-    cols = " ".join(f"{times.get(w, float('nan')):>9.2f}" for w in ("triton", "direct", "static"))
+    cols = " ".join(f"{times.get(w, float('nan')):>10.2f}" for w in COLUMNS)
     return f"{call.name:26} {str(grid):>14} {len(values):>4} {cols}"
 
 

@@ -5,8 +5,12 @@ when nothing is captured in a CUDA graph (transformers' eager models, first step
 Prints wall time per call (host-bound at decode: the GPU work is a few tens of us) with each
 kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0) and through the
 library's cached launcher (fusedmoe.backends.triton.launcher, the default), alternating three
-rounds (medians), the GPU time of the same calls replayed in a CUDA graph, and the cProfile
-functions with the most own time.
+rounds (medians), the GPU time of the same calls replayed in a CUDA graph, where the eager
+`fused_experts` call's wall time goes by a sampling profiler (a timer signal every --interval-us
+records the running Python line and its callers: unlike cProfile, whose per-call overhead
+inflates code that makes many small calls, it charges each line the wall time spent in it, C
+calls such as a kernel launch included), and the cProfile functions with the most own time (for
+their call counts).
 The header says which CPU the process runs on and times three calls that do not involve the
 library (a Python function call, a `torch.empty` on the GPU, an empty Triton kernel's launch): the
 eager time has differed ~2x between processes on one host and tree, and these tell a slow
@@ -16,9 +20,12 @@ process (all three slower) from a slow path in the library (only the library's c
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
+import signal
+import time
 
 import torch
 import triton
@@ -44,11 +51,64 @@ def _process_line(dev: torch.device) -> str:
             f"{host_us(lambda: _empty_kernel[(1,)](buf), 2000):.2f} us")
 
 
+def _where(code, line: int | None = None) -> str:
+    path = code.co_filename
+    for marker in ("/site-packages/", "/src/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{path}:{code.co_firstlineno if line is None else line}({code.co_name})"
+
+
+def sample(fn, calls: int, interval_us: float) -> tuple[float, collections.Counter, collections.Counter, int]:
+    """Run fn `calls` times under a wall-clock timer signal; returns (us a call without the
+    sampler's own time, samples by innermost line, samples by function on the stack (once a
+    sample), total samples)."""
+    stacks: list = []  # (innermost code, its line, the codes on the stack), kept raw: formatted after
+    busy = [False]
+
+    def handler(signum, frame):
+        if busy[0]:  # a signal during the handler (a slow host): dropped
+            return
+        busy[0] = True
+        t0 = time.perf_counter()
+        codes = []
+        f = frame
+        while f is not None:
+            codes.append(f.f_code)
+            f = f.f_back
+        stacks.append((frame.f_code, frame.f_lineno, codes))
+        spent[0] += time.perf_counter() - t0
+        busy[0] = False
+
+    spent = [0.0]
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, interval_us * 1e-6, interval_us * 1e-6)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+    wall = time.perf_counter() - t0 - spent[0]
+    lines: collections.Counter = collections.Counter()
+    funcs: collections.Counter = collections.Counter()
+    for code, line, codes in stacks:
+        lines[_where(code, line)] += 1
+        for c in set(codes):
+            funcs[_where(c)] += 1
+    return wall / calls * 1e6, lines, funcs, len(stacks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--interval-us", type=float, default=97.0, help="the sampler's period")
+    ap.add_argument("--top", type=int, default=30, help="rows in each profile table")
     args = ap.parse_args()
     p = get_preset(args.preset)
     E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
@@ -69,6 +129,7 @@ def main() -> None:
              "FusedMoE.forward (routing included)": lambda: layer(x, logits)}
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
     print(_process_line(dev))
+    eager: dict[str, float] = {}
     for name, fn in calls.items():
         walls = {False: [], None: []}
         for _ in range(3):
@@ -76,9 +137,19 @@ def main() -> None:
                 with knobs.override(TRITON_LAUNCHER=way):
                     times.append(host_us(fn, args.calls, wall=True))
         triton_run, cached = (sorted(walls[way])[1] for way in (False, None))
+        eager[name] = cached
         gpu = time_rotated([fn] * min(args.calls, 50), iters=5) * 1e6  # one graph of the calls
         print(f"{name:40} eager wall {triton_run:8.1f} us/call via JITFunction.run, {cached:8.1f} via "
               f"the cached launcher   graph replay {gpu:8.1f} us/call")
+    sample(calls["fused_experts"], args.calls, args.interval_us)  # warm
+    base = eager["fused_experts"]
+    per_call, lines, funcs, n = sample(calls["fused_experts"], max(args.calls, 10000), args.interval_us)
+    print(f"\nSampled fused_experts (cached launcher): {n} samples, {per_call:.1f} us a call under the sampler "
+          f"(its handler's time taken out); us below = share of samples x {base:.1f} us, the eager wall above")
+    for title, counter in (("by line (innermost frame)", lines), ("by function on the stack (inclusive)", funcs)):
+        print(f"  {title}:")
+        for where, count in counter.most_common(args.top):
+            print(f"    {count / n * base:8.2f} us {count / n:6.1%}  {where}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
@@ -86,7 +157,7 @@ def main() -> None:
     torch.cuda.synchronize()
     prof.disable()
     print(f"\ncProfile of {args.calls} fused_experts calls, by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,10 @@ class FakeJIT:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(launcher, "_TAILS", {})
     runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
     state = dict(ok=True, jit=FakeJIT, runtime=runtime, device=lambda: 0, stream=lambda device: 1234 + device)
     monkeypatch.setattr(launcher, "_state", state)
-    monkeypatch.setattr(launcher, "_CACHES", {})
+    monkeypatch.setattr(launcher, "_PLANS", {})
     return FakeJIT(), runtime
 
 
@@ -71,8 +70,14 @@ def test_a_repeat_calls_the_compiled_launcher_with_every_argument_in_order(fake)
     assert ways(fn) == ["triton", "direct", "direct"]
     assert fn.log[0][1:] == ((5, 2), (x, out, 8, 0.5), {"BLOCK": 32, "num_warps": 4})
     # grid padded to three, the current stream, no launch metadata or hooks, then every parameter
-    # in signature order with the defaults filled in; num_warps is an option, not a parameter
-    assert fn.log[1][1] == (5, 2, 1, 1234, "function", "metadata", None, None, None, x, out, 8, 0.5, False, 32, "a")
+    # in signature order with the defaults filled in, tensors as their addresses; num_warps is an
+    # option, not a parameter
+    assert fn.log[1][1] == (5, 2, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), out.data_ptr(),
+                            8, 0.5, False, 32, "a")
+    # keywords in any order, a positional parameter given by keyword: signature order all the same
+    launcher.launch(fn, (1,), x, n=8, MODE="b", out_ptr=out, scale=2.0)
+    launcher.launch(fn, (1,), x, n=8, MODE="b", out_ptr=out, scale=2.0)
+    assert fn.log[-1][1][9:] == (x.data_ptr(), out.data_ptr(), 8, 2.0, False, 64, "b")
 
 
 def test_what_changes_the_key_takes_triton_path_once(fake):
@@ -163,7 +168,8 @@ def test_keys_are_bounded_and_other_objects_take_triton_path(fake, monkeypatch):
     for n in (6, 5, 4, 2, 4):  # 2 was evicted; it evicts 4, the oldest left
         launcher.launch(fn, (1,), x, x, n, 1.0)
     assert ways(fn) == ["triton"] * 5 + ["direct"] * 3 + ["triton"] * 2
-    assert len(launcher._CACHES[id(fn)]) == 3
+    plan, = launcher._PLANS.values()
+    assert len(plan.cache) == 3
     calls = []
 
     class Recorder:  # e.g. kernel_report's recorder: not a JITFunction

@@ -10,16 +10,23 @@ compiled kernel's own launcher, on an H200 host).
 
 The first launch with a given argument key goes through `fn[grid]`, which returns the
 `CompiledKernel` it ran; later launches with the same key call that kernel's launcher
-(`CompiledKernel.run`, the call `JITFunction.run` ends with) directly. The key is strictly finer
-than Triton's specialisation, so a repeat always runs the kernel `run` would have chosen:
+(`CompiledKernel.run`, the call `JITFunction.run` ends with) directly, with each tensor passed as
+its address (an int: Triton's launcher then skips its `data_ptr()` call and the driver's
+pointer-attribute query, which the first launch made). The key is strictly finer than Triton's
+specialisation, so a repeat always runs the kernel `run` would have chosen:
 
-- a tensor: its dtype and its address modulo 128 (Triton specialises pointers on 16-byte
-  alignment; the residue decides any alignment up to 128 bytes, and the caching allocator's
-  blocks share it, so it costs no repeats);
-- an int, float, bool, str or None: its type and exact value (Triton specialises ints on ==1,
-  on divisibility by 16 and on their width; the exact value covers those and any other);
-- the names of the keyword arguments (launch options such as num_warps included), the number of
-  positional ones, and the current device.
+- the type of every argument, the names of the keyword arguments (launch options such as
+  num_warps included), the number of positional ones, and the current device;
+- a tensor: its dtype, whether it is on a CUDA device, and its address modulo 128 (Triton
+  specialises pointers on 16-byte alignment; the residue decides any alignment up to 128 bytes,
+  and the caching allocator's blocks share it, so it costs no repeats);
+- an int, float, bool, str or None: its exact value (Triton specialises ints on ==1, on
+  divisibility by 16 and on their width; the exact value covers those and any other).
+
+The per-launch work is shaped for host time: the argument types select a plan, made once per
+kernel and type signature, that knows which positions hold tensors, which hold plain values, and
+how the values map to the kernel's parameters; a launch then builds one tuple of types, one of
+plain values (C-level `itemgetter`s) and loops over the tensors only.
 
 Any other argument (a TMA `TensorDescriptor`, a Triton dtype), a callable grid, a launch hook set
 in `triton.knobs.runtime` (profilers such as proton; an empty `HookChain` is none), a pre-run
@@ -32,6 +39,7 @@ never changes them) and Triton's debug knobs changed mid-process.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any
 
@@ -39,14 +47,16 @@ import torch
 
 from fusedmoe import knobs
 
-# Kernels' cached launches: id(JITFunction) -> {key: (CompiledKernel, tail)}. Module-level
-# kernels live as long as the process, so their ids are never reused.
-_CACHES: dict[int, dict] = {}
-_MAX_KEYS = 256  # per kernel; a new key beyond it (prefill at ever new M) evicts the oldest
-_TAILS: dict[tuple, tuple] = {}
+_MAX_KEYS = 256  # per plan; a new key beyond it (prefill at ever new M) evicts the oldest
 _PLAIN = frozenset((int, float, bool, str, type(None)))
-_TENSOR = torch.Tensor
+# (id(JITFunction), number of positional arguments, keyword names..., argument types...) -> _Plan,
+# or None where an argument's type has no key. Module-level kernels live as long as the process,
+# so their ids are never reused.
+_PLANS: dict[tuple, Any] = {}
 _state: dict[str, Any] = {}
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE_CUDA = operator.attrgetter("dtype", "is_cuda")
+_RESIDUE = (127).__and__
 
 
 def _triton_state() -> dict | None:
@@ -59,83 +69,122 @@ def _triton_state() -> dict | None:
 
             runtime = triton_knobs.runtime
             runtime.launch_enter_hook, runtime.launch_exit_hook  # noqa: B018 (this Triton has them)
-            _state.update(ok=True, jit=JITFunction, runtime=runtime,
-                          device=driver.active.get_current_device, stream=driver.active.get_current_stream)
+            device = driver.active.get_current_device  # torch.cuda.current_device: lazy init, then the raw call
+            if torch.cuda.is_initialized() and hasattr(torch._C, "_cuda_getDevice"):
+                device = torch._C._cuda_getDevice
+            _state.update(ok=True, jit=JITFunction, runtime=runtime, device=device,
+                          stream=driver.active.get_current_stream)
         except (ImportError, AttributeError, RuntimeError):
             _state["ok"] = False
     return _state if _state["ok"] else None
 
 
-def argument_key(args: tuple, kwargs: dict) -> tuple | None:
-    """The launch's key (module docstring), or None where an argument has no key. Two entries an
-    argument: its type and value, or a tensor's dtype and address modulo 128."""
-    parts: list = [len(args), *kwargs]
-    append = parts.append
-    for v in (*args, *kwargs.values()):
-        t = type(v)
-        if t in _PLAIN:
-            append(t)
-            append(v)
-        elif t is _TENSOR or isinstance(v, _TENSOR):  # a subclass too (nn.Parameter)
-            append(v.dtype)
-            append(v.data_ptr() & 127)
-        else:
-            return None
-    return tuple(parts)
+def _getter(indices: list[int]):
+    """vals -> tuple(vals[i] for i in indices), C-level (itemgetter returns a bare item for one
+    index: wrapped)."""
+    if not indices:
+        return lambda vals: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda vals: (vals[i],)
+    return operator.itemgetter(*indices)
 
 
-def _tail(fn, args: tuple, kwargs: dict) -> tuple:
-    """(name, default, from kwargs) of each parameter after the positional ones, in order; one
-    signature inspection per kernel and call shape."""
-    shape = (id(fn), len(args), tuple(kwargs))
-    tail = _TAILS.get(shape)
-    if tail is None:
+class _Plan:
+    """One kernel's launches with one shape of arguments (count, keyword names, types)."""
+
+    __slots__ = ("tensor_at", "tensors", "plain", "defaults", "order", "cache")
+
+    def __init__(self, fn, n_args: int, names: tuple, types: tuple):
         import inspect
 
+        self.tensor_at = [i for i, t in enumerate(types) if t not in _PLAIN]
+        self.tensors = _getter(self.tensor_at)
+        self.plain = _getter([i for i, t in enumerate(types) if t in _PLAIN])
+        # the compiled kernel's launcher takes every parameter in signature order: positional
+        # arguments, then each later one from the keywords or its default; keywords that are
+        # not parameters (launch options: num_warps, launch_pdl) are key only
         params = list(inspect.signature(fn.fn).parameters.values())
-        tail = _TAILS[shape] = tuple((p.name, p.default, p.name in kwargs) for p in params[len(args):])
-    return tail
+        at = {name: n_args + j for j, name in enumerate(names)}
+        defaults, order = [], list(range(min(n_args, len(params))))
+        for p in params[n_args:]:
+            if p.name in at:
+                order.append(at[p.name])
+            else:
+                order.append(len(types) + len(defaults))
+                defaults.append(p.default)
+        self.defaults = tuple(defaults)
+        self.order = _getter(order)
+        self.cache: dict[tuple, tuple] = {}
 
 
-def _hooked(hook) -> bool:
-    """A launch hook is set: a callable, or a `HookChain` (Triton >= 3.5's knobs: never None,
-    empty when nothing is registered) with calls in it."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _plan(fn, shape: tuple, n_args: int, names: tuple, types: tuple) -> _Plan | None:
+    for t in types:
+        if t not in _PLAIN and not issubclass(t, torch.Tensor):
+            plan = None  # a TMA descriptor, a Triton dtype, ...: Triton's path every time
+            break
+    else:
+        plan = _Plan(fn, n_args, names, types)
+    _PLANS[shape] = plan
+    return plan
+
+
+def argument_key(fn, args: tuple, kwargs: dict) -> tuple:
+    """(plan, key, the tensors' addresses, the argument values) of a launch (module docstring);
+    plan None where an argument has no key."""
+    vals = (*args, *kwargs.values())
+    plan = _PLANS.get((id(fn), len(args), *kwargs, *map(type, vals)), _PLANS)
+    if plan is _PLANS:
+        types = tuple(map(type, vals))
+        plan = _plan(fn, (id(fn), len(args), *kwargs, *types), len(args), tuple(kwargs), types)
+    if plan is None:
+        return None, None, None, vals
+    # C-level loops (map over a method, an attrgetter, int.__and__), no bytecode per tensor
+    tensors = plan.tensors(vals)
+    ptrs = list(map(_DATA_PTR, tensors))
+    key = (plan.plain(vals), *map(_DTYPE_CUDA, tensors), *map(_RESIDUE, ptrs))
+    return plan, key, ptrs, vals
 
 
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """`fn[grid](*args, **kwargs)`; a repeat of a key runs its compiled kernel's launcher directly."""
-    state = _triton_state()
-    if state is None or type(fn) is not state["jit"] or type(grid) is not tuple or getattr(fn, "pre_run_hooks", None) \
-            or _hooked(state["runtime"].launch_enter_hook) or _hooked(state["runtime"].launch_exit_hook):
+    state = _state if _state.get("ok") else _triton_state()
+    if state is None or type(fn) is not state["jit"] or type(grid) is not tuple \
+            or getattr(fn, "pre_run_hooks", None):
         fn[grid](*args, **kwargs)
         return
-    if knobs.get("TRITON_LAUNCHER") is False:
+    runtime = state["runtime"]
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # a launch hook: a callable, or a `HookChain` (Triton >= 3.5: never None) with calls in it
+    if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)) \
+            or knobs.get("TRITON_LAUNCHER") is False:
         fn[grid](*args, **kwargs)
         return
-    key = argument_key(args, kwargs)
-    if key is None:
+    plan, key, ptrs, vals = argument_key(fn, args, kwargs)
+    if plan is None:
         fn[grid](*args, **kwargs)
         return
     device = state["device"]()
-    key = (device, key)
-    cache = _CACHES.setdefault(id(fn), {})
-    entry = cache.get(key)
+    key = (device, *key)
+    entry = plan.cache.get(key)
     if entry is None:
         kernel = fn[grid](*args, **kwargs)
         if hasattr(kernel, "packed_metadata"):
-            if len(cache) >= _MAX_KEYS:
-                del cache[next(iter(cache))]
-            cache[key] = (kernel, _tail(fn, args, kwargs))
+            if len(plan.cache) >= _MAX_KEYS:
+                del plan.cache[next(iter(plan.cache))]
+            # the kernel too: its module stays loaded while the entry holds its function
+            plan.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
         return
-    kernel, tail = entry
-    values = [*args, *[kwargs[name] if named else default for name, default, named in tail]]
+    run, function, metadata, _ = entry
+    full = [*vals, *plan.defaults]
+    for i, ptr in zip(plan.tensor_at, ptrs, strict=True):
+        full[i] = ptr
     grid_0 = grid[0]
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     try:
-        kernel.run(grid_0, grid_1, grid_2, state["stream"](device), kernel.function, kernel.packed_metadata,
-                   None, None, None, *values)
+        run(grid_0, grid_1, grid_2, state["stream"](device), function, metadata, None, None, None,
+            *plan.order(full))
     except Exception as exc:  # a Triton whose launcher takes other arguments: its own path from now on
         _state["ok"] = False
         warnings.warn(f"fusedmoe: launching {fn.fn.__name__} through its compiled kernel's launcher failed "
@@ -146,5 +195,4 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
 
 def clear() -> None:
     """Forget every cached launch (tests; a kernel recompiled under changed Triton knobs)."""
-    _CACHES.clear()
-    _TAILS.clear()
+    _PLANS.clear()

@@ -3,9 +3,10 @@ when nothing is captured in a CUDA graph (transformers' eager models, first step
 
     python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300]
 Prints wall time per call (host-bound at decode: the GPU work is a few tens of us) with each
-kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0) and through the
-library's cached launcher (fusedmoe.backends.triton.launcher, the default), alternating three
-rounds (medians), the GPU time of the same calls replayed in a CUDA graph, where the eager
+kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0), through the
+library's cached launcher (fusedmoe.backends.triton.launcher; FUSEDMOE_TRITON_REPLAY=0), and with
+the recorded launches replayed as well (fusedmoe.backends.triton.replay, the default),
+alternating three rounds (medians), the GPU time of the same calls replayed in a CUDA graph, where the eager
 `fused_experts` call's wall time goes by a sampling profiler (a timer signal every --interval-us
 records the running Python line and its callers: unlike cProfile, whose per-call overhead
 inflates code that makes many small calls, it charges each line the wall time spent in it, C
@@ -130,21 +131,23 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
     print(_process_line(dev))
     eager: dict[str, float] = {}
+    ways = {"JITFunction.run": dict(TRITON_LAUNCHER=False), "cached launcher": dict(TRITON_REPLAY=False),
+            "launcher + replay": {}}
     for name, fn in calls.items():
-        walls = {False: [], None: []}
+        walls: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(3):
-            for way, times in walls.items():
-                with knobs.override(TRITON_LAUNCHER=way):
-                    times.append(host_us(fn, args.calls, wall=True))
-        triton_run, cached = (sorted(walls[way])[1] for way in (False, None))
-        eager[name] = cached
+            for way, setting in ways.items():
+                with knobs.override(**setting):
+                    walls[way].append(host_us(fn, args.calls, wall=True))
+        medians = {way: sorted(times)[1] for way, times in walls.items()}
+        eager[name] = medians["launcher + replay"]
         gpu = time_rotated([fn] * min(args.calls, 50), iters=5) * 1e6  # one graph of the calls
-        print(f"{name:40} eager wall {triton_run:8.1f} us/call via JITFunction.run, {cached:8.1f} via "
-              f"the cached launcher   graph replay {gpu:8.1f} us/call")
+        print(f"{name:40} eager wall us/call: " + ", ".join(f"{way} {us:.1f}" for way, us in medians.items())
+              + f"; graph replay {gpu:.1f} us/call")
     sample(calls["fused_experts"], args.calls, args.interval_us)  # warm
     base = eager["fused_experts"]
     per_call, lines, funcs, n = sample(calls["fused_experts"], max(args.calls, 10000), args.interval_us)
-    print(f"\nSampled fused_experts (cached launcher): {n} samples, {per_call:.1f} us a call under the sampler "
+    print(f"\nSampled fused_experts (launcher + replay): {n} samples, {per_call:.1f} us a call under the sampler "
           f"(its handler's time taken out); us below = share of samples x {base:.1f} us, the eager wall above")
     for title, counter in (("by line (innermost frame)", lines), ("by function on the stack (inclusive)", funcs)):
         print(f"  {title}:")

@@ -245,3 +245,54 @@ def test_library_launches_bitwise_the_same_both_ways_and_repeats_skip_triton_run
     for out, _ in outs[None]:
         assert torch.equal(out, reference)
     assert outs[None][1][1] == 0  # the repeat: no launch through JITFunction.run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+@pytest.mark.parametrize("direct", [None, False])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_replayed_calls_equal_the_full_path_bitwise_and_launch_nothing_through_python(monkeypatch, tokens, direct,
+                                                                                     inplace):
+    """From the third call of a signature fused_experts replays the recorded launches
+    (fusedmoe.backends.triton.replay): outputs bitwise those of the full path, on new tensors
+    each call (new addresses), with no call of `launch`. Every output is kept alive, so a
+    replay's fresh buffers never hold an earlier call's result."""
+    from fusedmoe import fused_experts, select_experts
+    from fusedmoe.backends.triton import experts, replay
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
+    E, H, inter, K = 20, 384, 192, 4
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
+    weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
+    launches = []
+    original = experts.launch
+
+    def counted(*args, **kwargs):
+        launches.append(args[0])
+        return original(*args, **kwargs)
+
+    def call() -> torch.Tensor:
+        launches.clear()
+        inp = x.clone()
+        out = fused_experts(inp, w13, w2, weights.clone(), ids.clone(), backend="triton", inplace=inplace)
+        assert (out is inp) == inplace
+        return out
+
+    replay.clear()
+    monkeypatch.setattr(experts, "launch", counted)
+    with knobs.override(TRITON_DIRECT=direct, TRITON_TMA=False):
+        with knobs.override(TRITON_REPLAY=False):
+            reference = call()
+            torch.cuda.synchronize()
+        assert launches and reference.isfinite().all() and not torch.equal(reference, x)
+        kept = []
+        for n in range(5):  # seen, recorded, then replayed
+            kept.append(call())
+            torch.cuda.synchronize()
+            assert torch.equal(kept[-1], reference), f"call {n}"
+            assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
+    plans = list(experts.triton_experts.plans().values())
+    assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +119,11 @@ KNOBS: dict[str, Knob] = {
              "calls gain, graph replays do not): unset/1 = a "
              "repeat of an argument key calls the compiled kernel's launcher directly (Triton's "
              "per-launch Python skipped), 0 = through Triton's JITFunction.run every time."),
+        Knob("TRITON_REPLAY", _tristate, None,
+             "Eager calls of the Triton experts (fusedmoe.backends.triton.replay; host time): unset/1 = "
+             "from the third call with the same argument signature, the launches recorded on the "
+             "second are replayed with this call's addresses (the tile choice, argument assembly "
+             "and launch keys skipped), 0 = the full path every call."),
         Knob("TRITON_TMA", _on_off_force, None,
              "TMA tensor descriptors for the large-M unquantized Triton GEMMs (weights; gemm2's sorted "
              "rows too): unset/1 = where eligible on sm90+, 0 = off (pointer loads), force = wherever "
@@ -183,16 +189,40 @@ def get(name: str) -> Any:
     trace the override's ContextVar; a knob changed later does not recompile)."""
     scoped = _overrides.get()
     if scoped is not None and name in scoped:
-        return scoped[name]
-    raw = _raw(name)
-    if raw is None:
-        return KNOBS[name].default
-    parsed = _parsed.get((name, raw), _UNPARSED)
-    if parsed is _UNPARSED:
-        parsed = KNOBS[name].default if raw.strip() == "" else KNOBS[name].parse(name, raw)
-        if len(_parsed) < 256:
-            _parsed[(name, raw)] = parsed
-    return parsed
+        value = scoped[name]
+    else:
+        raw = _raw(name)
+        if raw is None:
+            value = KNOBS[name].default
+        else:
+            value = _parsed.get((name, raw), _UNPARSED)
+            if value is _UNPARSED:
+                value = KNOBS[name].default if raw.strip() == "" else KNOBS[name].parse(name, raw)
+                if len(_parsed) < 256:
+                    _parsed[(name, raw)] = value
+    reads = _reads
+    if reads is not None and reads[0] == threading.get_ident():
+        reads[1].setdefault(name, value)
+    return value
+
+
+_reads: tuple[int, dict[str, Any]] | None = None  # `reading`: (its thread's id, the knobs read)
+
+
+@contextlib.contextmanager
+def reading():
+    """Collect {name: value} of every knob this thread reads inside (the first value read of
+    each): what a code path depended on (fusedmoe.backends.triton.replay checks them before a
+    replay). One at a time."""
+    global _reads
+    if _reads is not None:
+        raise RuntimeError("knobs.reading() is already collecting")
+    reads: dict[str, Any] = {}
+    _reads = (threading.get_ident(), reads)
+    try:
+        yield reads
+    finally:
+        _reads = None
 
 
 # get() runs several times per eager call (eight for the oracle's cache key alone), so it reads

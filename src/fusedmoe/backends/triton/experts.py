@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.activations import ACTIVATIONS, is_gated
+from fusedmoe.backends.triton import replay
 from fusedmoe.backends.triton.launcher import launch
+from fusedmoe.backends.triton.replay import replayable
 from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
@@ -305,6 +307,7 @@ _TILE_CACHES: list = []
 def clear_tile_caches() -> None:
     for cache in _TILE_CACHES:
         cache.cache_clear()
+    replay.clear()  # recorded launches carry the tiles chosen then
 
 
 @memoized_tiles
@@ -1123,6 +1126,7 @@ def _reduce(y: torch.Tensor, out: torch.Tensor, slot_ok: torch.Tensor | None, ro
     )
 
 
+@replayable
 def triton_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
@@ -1146,6 +1150,7 @@ def triton_experts(
     `out` may be x itself: x is read only by gemm1, out written only by the last kernel.
     direct: the decode path without alignment (None: FUSEDMOE_TRITON_DIRECT and the auto rule
     when no tiles are given; True: with `tiles` as (gemm1, direct gemm2) tiles when given).
+    Eager calls of a signature seen twice replay the recorded launches (`replay.replayable`).
     """
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]

@@ -39,9 +39,11 @@ never changes them) and Triton's debug knobs changed mid-process.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -146,34 +148,83 @@ def argument_key(fn, args: tuple, kwargs: dict) -> tuple:
     return plan, key, ptrs, vals
 
 
+def hooked(state: dict) -> bool:
+    """A Triton launch hook is set (profilers such as proton): a callable, or a `HookChain`
+    (Triton >= 3.5: never None) with calls in it."""
+    runtime = state["runtime"]
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) \
+        or (leave is not None and bool(getattr(leave, "calls", True)))
+
+
+class Launched(NamedTuple):
+    """One launch as the compiled kernel's launcher took it (`recording`): `values` in signature
+    order with every tensor as its address; `pointers` the positions in `values` that are
+    tensors' addresses."""
+
+    run: Any
+    function: Any
+    metadata: Any
+    kernel: Any
+    grid: tuple[int, int, int]
+    values: tuple
+    pointers: tuple[int, ...]
+    device: int
+
+
+# `recording`: (the recording thread's id, its list); each launch of that thread appends a
+# Launched, or None (Triton's own path)
+_recorder: tuple[int, list] | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect this thread's launches made inside (a Launched each; None for one that went
+    through Triton's own path: a hook, the knob, an argument without a key). One recording at a
+    time."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("launcher.recording() is already recording")
+    launches: list = []
+    _recorder = (threading.get_ident(), launches)
+    try:
+        yield launches
+    finally:
+        _recorder = None
+
+
+def _note(launched: Launched | None) -> None:
+    recorder = _recorder
+    if recorder is not None and recorder[0] == threading.get_ident():
+        recorder[1].append(launched)
+
+
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """`fn[grid](*args, **kwargs)`; a repeat of a key runs its compiled kernel's launcher directly."""
     state = _state if _state.get("ok") else _triton_state()
     if state is None or type(fn) is not state["jit"] or type(grid) is not tuple \
-            or getattr(fn, "pre_run_hooks", None):
-        fn[grid](*args, **kwargs)
-        return
-    runtime = state["runtime"]
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    # a launch hook: a callable, or a `HookChain` (Triton >= 3.5: never None) with calls in it
-    if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)) \
-            or knobs.get("TRITON_LAUNCHER") is False:
-        fn[grid](*args, **kwargs)
+            or getattr(fn, "pre_run_hooks", None) or hooked(state) or knobs.get("TRITON_LAUNCHER") is False:
+        _triton_path(fn, grid, args, kwargs)
         return
     plan, key, ptrs, vals = argument_key(fn, args, kwargs)
     if plan is None:
-        fn[grid](*args, **kwargs)
+        _triton_path(fn, grid, args, kwargs)
         return
     device = state["device"]()
     key = (device, *key)
     entry = plan.cache.get(key)
     if entry is None:
         kernel = fn[grid](*args, **kwargs)
-        if hasattr(kernel, "packed_metadata"):
-            if len(plan.cache) >= _MAX_KEYS:
-                del plan.cache[next(iter(plan.cache))]
-            # the kernel too: its module stays loaded while the entry holds its function
-            plan.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+        if not hasattr(kernel, "packed_metadata"):
+            if _recorder is not None:
+                _note(None)
+            return
+        if len(plan.cache) >= _MAX_KEYS:
+            del plan.cache[next(iter(plan.cache))]
+        # the kernel too: its module stays loaded while the entry holds its function
+        entry = plan.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+        if _recorder is not None:
+            _note(_launched(entry, plan, vals, ptrs, grid, device))
         return
     run, function, metadata, _ = entry
     full = [*vals, *plan.defaults]
@@ -190,7 +241,27 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
         warnings.warn(f"fusedmoe: launching {fn.fn.__name__} through its compiled kernel's launcher failed "
                       f"({type(exc).__name__}: {exc}); every launch goes through Triton's JITFunction.run "
                       "from now on", RuntimeWarning, stacklevel=2)
-        fn[grid](*args, **kwargs)
+        _triton_path(fn, grid, args, kwargs)
+        return
+    if _recorder is not None:
+        _note(_launched(entry, plan, vals, ptrs, grid, device))
+
+
+def _triton_path(fn, grid, args: tuple, kwargs: dict) -> None:
+    fn[grid](*args, **kwargs)
+    if _recorder is not None:
+        _note(None)
+
+
+def _launched(entry: tuple, plan: _Plan, vals: tuple, ptrs: list, grid: tuple, device: int) -> Launched:
+    full = [*vals, *plan.defaults]
+    for i, ptr in zip(plan.tensor_at, ptrs, strict=True):
+        full[i] = ptr
+    where = plan.order(list(range(len(full))))  # the argument behind each parameter
+    tensor_at = set(plan.tensor_at)
+    pointers = tuple(j for j, i in enumerate(where) if i in tensor_at)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    return Launched(*entry, grid3, tuple(plan.order(full)), pointers, device)
 
 
 def clear() -> None:

@@ -1,0 +1,273 @@
+"""Replaying an eager call's Triton launches with the new call's addresses (host time).
+
+An eager decode call of the `triton` experts spends most of its host time deciding, again, what
+the previous call with the same shapes decided: the tile plan, every kernel argument (strides,
+sizes, flags, constexprs) and each launch's key. `replayable(fn)` wraps a function that runs Triton
+kernels through `fusedmoe.backends.triton.launcher.launch`:
+
+- The signature of a call: each tensor argument's dtype, shape, strides and device, which tensor
+  arguments share an address, and every other argument's value (plain values, `None`, tuples and
+  frozen dataclasses such as tile configs); a call with anything else runs `fn` as it is.
+- The first call of a signature runs `fn`. The second runs it while recording: the launches, as
+  the compiled kernels' launchers took them (`launcher.recording`); the knobs it read and their
+  values (`knobs.reading`); the torch operations, under a dispatch mode, which may only allocate
+  (`torch.empty` and kin) or take views. Every pointer a launch passed must fall inside one
+  tensor argument or one allocation; it is kept as (that source, offset). Anything else (another
+  torch operation, a launch that took Triton's own path, a pointer from elsewhere, tensor
+  arguments that overlap without sharing an address) makes the signature never replay, with the
+  reason kept (`plans()`).
+- Later calls of the signature replay: the recorded allocations are made again, each pointer is
+  the new source's address plus its offset, and the recorded launches run on the current stream
+  with those addresses. A replay falls back to `fn` before launching anything when a knob it read
+  has another value, a Triton launch hook is set, the current device differs, or a pointer's
+  address modulo 128 differs from the recorded one (Triton specialises on 16-byte alignment).
+
+FUSEDMOE_TRITON_REPLAY=0 turns it off; so does FUSEDMOE_TRITON_LAUNCHER=0 (the knob is read while
+recording). `clear()` forgets the plans (`experts.clear_tile_caches` calls it: tuned tables
+written in this process change the tiles). At most `_MAX_PLANS` signatures per function, oldest
+evicted. Only the thread that records is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fusedmoe import knobs
+from fusedmoe.backends.triton import launcher
+
+_MAX_PLANS = 128
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+_MASK = 127  # addresses are compared modulo 128, as the launcher keys them
+_DATA_PTR = torch.Tensor.data_ptr
+_ALL: list[Callable[[], None]] = []  # each replayable function's clear()
+_state = {"on": True}
+
+
+def _packets(*names: str) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+_ALLOCATIONS = _packets("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
+_VIEWS = _packets("view", "_unsafe_view", "alias", "as_strided", "slice", "select", "t", "transpose",
+                  "permute", "unsqueeze", "squeeze", "expand", "detach", "_reshape_alias", "reshape",
+                  "unflatten", "flatten", "split", "split_with_sizes", "unbind", "chunk", "narrow")
+
+
+class _Operations(TorchDispatchMode):
+    """The torch operations of a recorded call: allocations kept (alive until the plan is built,
+    so no two share memory), views allowed, anything else noted."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations: list[torch.Tensor] = []
+        self.other: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in _ALLOCATIONS:
+            self.allocations.append(out)
+        elif packet not in _VIEWS and self.other is None:
+            self.other = str(func)
+        return out
+
+
+class Allocation(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Plan(NamedTuple):
+    """A signature's recorded launches. `slots`: for each pointer of each launch, in order,
+    (source, offset): source < number of tensor arguments is that argument, else an allocation."""
+
+    launches: tuple[launcher.Launched, ...]
+    allocations: tuple[Allocation, ...]
+    slots: tuple[tuple[int, int], ...]
+    residues: tuple[int, ...]
+    knobs: tuple[tuple[str, Any], ...]
+    device: int
+    out: int  # the returned tensor: a source index
+
+
+class Refused(NamedTuple):
+    reason: str
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last) of t's elements (a zero-size tensor: its address only)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start + 1
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return start, start + span * t.element_size()
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    """(signature, tensor arguments, their addresses), or None where an argument has no key."""
+    parts: list = [len(args), *kwargs]
+    tensors = []
+    for v in (*args, *kwargs.values()):
+        t = type(v)
+        if t in _PLAIN:
+            parts.append(t)
+            parts.append(v)
+        elif t in _TENSORS:
+            tensors.append(v)
+            parts.append((v.dtype, v.shape, v.stride(), v.get_device()))
+        elif t is tuple or (dataclasses.is_dataclass(v) and t.__dataclass_params__.frozen):
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            parts.append(t)
+            parts.append(v)
+        else:
+            return None
+    ptrs = list(map(_DATA_PTR, tensors))
+    first: dict[int, int] = {}
+    parts.append(tuple([first.setdefault(p, i) for i, p in enumerate(ptrs)]))  # shared addresses
+    return tuple(parts), tensors, ptrs
+
+
+def _build(out, launches: list, reads: dict, ops: _Operations, tensors: list) -> Plan | Refused:
+    if ops.other is not None:
+        return Refused(f"a torch operation other than allocations and views: {ops.other}")
+    if any(launch is None for launch in launches):
+        return Refused("a launch went through Triton's own path (a hook, the knob, an argument without a key)")
+    sources = tensors + ops.allocations
+    extents = [_extent(t) for t in sources]
+    distinct = sorted(set(extents))  # tensor arguments that share an address share their extent too
+    for (_, end), (start, _) in zip(distinct, distinct[1:], strict=False):
+        if start < end:
+            return Refused("tensor arguments overlap without sharing an address")
+    for a in ops.allocations:
+        if not a.is_contiguous():
+            return Refused(f"an allocation is not contiguous ({tuple(a.shape)}, strides {a.stride()})")
+    slots, residues = [], []
+    for launch in launches:
+        for j in launch.pointers:
+            address = launch.values[j]
+            if address == 0:
+                slots.append((-1, 0))
+                continue
+            source = next((i for i, (s, e) in enumerate(extents) if s <= address < e), None)
+            if source is None:
+                return Refused(f"a pointer of {launch.kernel.name} is in no tensor argument or allocation")
+            slots.append((source, address - extents[source][0]))
+            residues.append(address & _MASK)
+    # the same tensor: a dispatch mode hands the caller another Python object for an allocation
+    index = next((i for i, t in enumerate(sources) if t is out or (
+        type(out) in _TENSORS and t.data_ptr() == out.data_ptr() and t.shape == out.shape
+        and t.dtype == out.dtype and t.stride() == out.stride())), None)
+    if index is None:
+        return Refused("the result is neither a tensor argument nor an allocation")
+    devices = {launch.device for launch in launches}
+    if len(devices) > 1:
+        return Refused(f"launches on several devices {sorted(devices)}")
+    return Plan(tuple(launches), tuple(Allocation(tuple(a.shape), a.dtype, a.device) for a in ops.allocations),
+                tuple(slots), tuple(residues), tuple(reads.items()),
+                devices.pop() if devices else -1, index)
+
+
+def _replay(plan: Plan, tensors: list, ptrs: list):
+    """The result, or None where the plan does not apply now (nothing launched)."""
+    for name, value in plan.knobs:
+        if knobs.get(name) != value:
+            return None
+    state = launcher._state
+    if not state.get("ok") or launcher.hooked(state):
+        return None
+    device = state["device"]() if plan.launches else -1
+    if device != plan.device:
+        return None
+    allocations = [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a in plan.allocations]
+    bases = ptrs + list(map(_DATA_PTR, allocations))
+    addresses = [bases[s] + o if s >= 0 else 0 for s, o in plan.slots]
+    mask = _MASK
+    if tuple([a & mask for a in addresses if a]) != plan.residues:
+        return None
+    if plan.launches:
+        stream = state["stream"](device)
+        k = 0
+        for launch in plan.launches:
+            values = list(launch.values)
+            for j in launch.pointers:
+                values[j] = addresses[k]
+                k += 1
+            launch.run(*launch.grid, stream, launch.function, launch.metadata, None, None, None, *values)
+    sources = tensors + allocations
+    return sources[plan.out]
+
+
+def replayable(fn: Callable) -> Callable:
+    """fn, replaying its recorded launches on calls of a signature seen twice (module docstring)."""
+    plans: dict[tuple, Plan | Refused] = {}
+    seen: dict[tuple, None] = {}
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _state["on"] or knobs.get("TRITON_REPLAY") is False or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        signed = _signature(args, kwargs)
+        if signed is None:
+            return fn(*args, **kwargs)
+        sig, tensors, ptrs = signed
+        plan = plans.get(sig)
+        if type(plan) is Plan:
+            try:
+                out = _replay(plan, tensors, ptrs)
+            except Exception as exc:  # a launcher that refuses the call: the full path from now on
+                _state["on"] = False
+                warnings.warn(f"fusedmoe: replaying {fn.__name__}'s launches failed ({type(exc).__name__}: {exc}); "
+                              "every call runs its full path from now on", RuntimeWarning, stacklevel=2)
+                out = None
+            return fn(*args, **kwargs) if out is None else out
+        if plan is not None or sig not in seen:  # refused, or first seen: remember it
+            if plan is None:
+                if len(seen) >= _MAX_PLANS:
+                    del seen[next(iter(seen))]
+                seen[sig] = None
+            return fn(*args, **kwargs)
+        if not lock.acquire(blocking=False):  # another thread records: this call runs as it is
+            return fn(*args, **kwargs)
+        try:
+            with launcher.recording() as launches, knobs.reading() as reads, _Operations() as ops:
+                out = fn(*args, **kwargs)
+            built = _build(out, launches, reads, ops, tensors)
+        finally:
+            lock.release()
+        if len(plans) >= _MAX_PLANS:
+            del plans[next(iter(plans))]
+        plans[sig] = built
+        return out
+
+    def clear() -> None:
+        plans.clear()
+        seen.clear()
+
+    wrapper.plans = lambda: dict(plans)  # signature -> Plan or Refused (tests, diagnosis)
+    wrapper.clear = clear
+    _ALL.append(clear)
+    return wrapper
+
+
+def clear() -> None:
+    """Forget every replayable function's plans."""
+    for forget in _ALL:
+        forget()
+
+
+__all__ = ["Allocation", "Plan", "Refused", "clear", "replayable"]

@@ -1,0 +1,230 @@
+"""`fusedmoe.backends.triton.replay`: which calls replay their recorded launches, with which
+addresses, and which run their full path. Stand-in JITFunctions record both ways (CPU); the GPU
+test in tests/test_launcher.py runs the library both ways and compares outputs bit for bit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusedmoe import knobs
+from fusedmoe.backends.triton import launcher, replay
+
+
+def gemm_source(x_ptr, w_ptr, a_ptr, n, FLAG: bool = False, BLOCK: int = 16):
+    pass
+
+
+def sum_source(a_ptr, out_ptr, x_ptr, n, SCALE: float = 1.0):
+    pass
+
+
+class FakeKernel:
+    def __init__(self, name: str, log: list):
+        self.name, self.log, self.function, self.packed_metadata = name, log, name, "metadata"
+        self.fail = False
+
+    def run(self, *args):
+        if self.fail:
+            raise TypeError("takes 12 positional arguments")
+        self.log.append(("direct", self.name, args))
+
+
+class FakeJIT:
+    def __init__(self, source, log: list):
+        self.fn, self.pre_run_hooks, self.log = source, [], log
+        self.kernel = FakeKernel(source.__name__, log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", self.fn.__name__, grid))
+            return self.kernel
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    state = dict(ok=True, jit=FakeJIT, runtime=runtime, device=lambda: 0, stream=lambda device: 77)
+    monkeypatch.setattr(launcher, "_state", state)
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    monkeypatch.setitem(replay._state, "on", True)
+    # CPU allocations are 64-byte aligned (the CUDA caching allocator's are 512): addresses
+    # compared modulo 64 here, so a new buffer's address keeps its key
+    monkeypatch.setattr(launcher, "_RESIDUE", (63).__and__)
+    monkeypatch.setattr(replay, "_MASK", 63)
+    log: list = []
+    return SimpleNamespace(log=log, gemm=FakeJIT(gemm_source, log), sum=FakeJIT(sum_source, log), runtime=runtime)
+
+
+def make_path(fake, extra=None):
+    """An experts-like path: a buffer, a view, a knob read, two launches, out new or given."""
+
+    @replay.replayable
+    def path(x, w, out=None, flag=False):
+        knobs.get("TRITON_DIRECT")
+        a = torch.empty(x.shape[0], 4)
+        out = torch.empty_like(x) if out is None else out
+        launcher.launch(fake.gemm, (x.shape[0],), x, w, a, x.shape[0], FLAG=flag)
+        if extra is not None:
+            extra(x)
+        launcher.launch(fake.sum, (2, 1), a, out, x.reshape(-1), 3, SCALE=0.5)
+        return out
+
+    return path
+
+
+def aligned(*shape) -> torch.Tensor:
+    """Fresh random values at an address that is a multiple of 64 bytes."""
+    n = torch.Size(shape).numel()
+    buf = torch.randn(n + 64)
+    skip = (-buf.data_ptr() % 64) // buf.element_size()
+    return buf[skip:skip + n].view(shape)
+
+
+def ways(log: list) -> list[str]:
+    return [entry[0] for entry in log]
+
+
+def test_the_third_call_replays_with_its_own_addresses(fake):
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(2):  # first seen, then recorded (the launcher: Triton's path, then its cache)
+        path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and len(plan.launches) == 2 and len(plan.allocations) == 2
+    assert dict(plan.knobs).keys() >= {"TRITON_DIRECT", "TRITON_LAUNCHER"}
+    fake.log.clear()
+    x = aligned(3, 5)
+    out = path(x, w)
+    assert ways(fake.log) == ["direct", "direct"]
+    (_, g, gemm_args), (_, s, sum_args) = fake.log
+    assert (g, s) == ("gemm_source", "sum_source")
+    # grid, stream, function, metadata, no hooks, then the parameters: addresses of this call
+    assert gemm_args[:9] == (3, 1, 1, 77, "gemm_source", "metadata", None, None, None)
+    a_ptr = gemm_args[11]
+    assert gemm_args[9:] == (x.data_ptr(), w.data_ptr(), a_ptr, 3, False, 16)
+    assert sum_args[:3] == (2, 1, 1)
+    assert sum_args[9:] == (a_ptr, out.data_ptr(), x.data_ptr(), 3, 0.5)
+    assert a_ptr not in (x.data_ptr(), w.data_ptr(), out.data_ptr())
+    assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_what_changes_the_signature_or_the_plan_runs_the_full_path(fake):
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(3):
+        path(aligned(3, 5), w)
+    fake.log.clear()
+    cases = [
+        lambda: path(aligned(4, 5), w),  # another shape: first seen
+        lambda: path(aligned(3, 5), w, flag=True),  # another value
+        lambda: path(aligned(3, 5), w.double()),  # another dtype
+    ]
+    for case in cases:
+        fake.log.clear()
+        case()
+        assert "triton" in ways(fake.log)  # a new launch key: the full path through Triton
+    fake.log.clear()
+    with knobs.override(TRITON_DIRECT=False):  # a knob the recording read, now another value
+        path(aligned(3, 5), w)
+    assert ways(fake.log) == ["direct", "direct"] and len(path.plans()) == 1  # the others seen once
+    x = aligned(3, 5)
+    fake.log.clear()
+    path(x[:, :].as_strided((3, 5), (5, 1), 1), w)  # an address 4 bytes past the alignment: refused
+    assert "triton" in ways(fake.log)
+
+
+def test_out_given_and_shared_addresses_are_signatures_of_their_own(fake):
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(3):
+        x = aligned(3, 5)
+        assert path(x, w, out=x) is x  # in place: out is x
+    fake.log.clear()
+    x, out = aligned(3, 5), aligned(3, 5)
+    for _ in range(3):
+        assert path(x, w, out=out) is out
+    *_, (_, _, sum_args) = fake.log
+    assert sum_args[9 + 1] == out.data_ptr() and sum_args[9 + 2] == x.data_ptr()
+    plans = [p for p in path.plans().values() if isinstance(p, replay.Plan)]
+    assert len(plans) == 2 and {p.out for p in plans} == {0, 2}  # x (shared with out), then out
+
+
+@pytest.mark.parametrize("why", ["operation", "foreign_pointer", "unkeyed_argument"])
+def test_a_path_that_cannot_be_replayed_runs_whole_every_time(fake, why):
+    foreign = aligned(16)
+    if why == "operation":
+        path = make_path(fake, extra=lambda x: x + 1)
+    elif why == "foreign_pointer":
+        path = make_path(fake, extra=lambda x: launcher.launch(fake.sum, (1,), foreign, foreign, foreign, 1))
+    else:
+        path = make_path(fake)
+    w = aligned(8)
+    for _ in range(4):
+        if why == "unkeyed_argument":
+            path(aligned(3, 5), w, flag=[1])
+        else:
+            path(aligned(3, 5), w)
+    plans = list(path.plans().values())
+    if why == "unkeyed_argument":
+        assert plans == []
+    else:
+        (plan,) = plans
+        assert isinstance(plan, replay.Refused)
+        assert ("add" if why == "operation" else "in no tensor argument") in plan.reason
+    fake.log.clear()
+    path(aligned(3, 5), w, **({"flag": [1]} if why == "unkeyed_argument" else {}))
+    assert len(fake.log) == (3 if why == "foreign_pointer" else 2)  # every launch through launch()
+
+
+@pytest.mark.parametrize("switch", ["replay_knob", "launcher_knob", "hook", "device"])
+def test_switches_that_turn_a_replay_back_into_the_full_path(fake, switch):
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(3):
+        path(aligned(3, 5), w)
+    calls = []
+    original = launcher.launch
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    if switch == "hook":
+        fake.runtime.launch_enter_hook = print
+    elif switch == "device":
+        launcher._state["device"] = lambda: 1
+    override = {"replay_knob": dict(TRITON_REPLAY=False), "launcher_knob": dict(TRITON_LAUNCHER=False)}.get(switch, {})
+    import unittest.mock
+
+    with knobs.override(**override), unittest.mock.patch.object(launcher, "launch", counted):
+        path(aligned(3, 5), w)
+    assert len(calls) == 2  # both launches went through launch(): no replay
+
+
+def test_a_replay_that_fails_turns_replays_off_with_a_warning(fake):
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(2):
+        path(aligned(3, 5), w)
+    fake.gemm.kernel.fail = True  # the compiled kernel's launcher now refuses the call
+    with pytest.warns(RuntimeWarning, match="replaying path's launches failed"):
+        path(aligned(3, 5), w)  # then the full path (the launcher turns itself off too)
+    assert replay._state["on"] is False
+    fake.log.clear()
+    path(aligned(3, 5), w)
+    assert ways(fake.log) == ["triton", "triton"]
+
+
+def test_an_empty_call_replays_its_allocation_only(fake):
+    @replay.replayable
+    def path(x):
+        return torch.empty_like(x)
+
+    for _ in range(3):
+        out = path(aligned(0, 5))
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and plan.launches == () and out.shape == (0, 5)

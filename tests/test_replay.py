@@ -228,3 +228,25 @@ def test_an_empty_call_replays_its_allocation_only(fake):
         out = path(aligned(0, 5))
     (plan,) = path.plans().values()
     assert isinstance(plan, replay.Plan) and plan.launches == () and out.shape == (0, 5)
+
+
+@pytest.mark.parametrize("switch", ["launcher_knob", "hook"])
+def test_a_call_while_launches_take_tritons_path_is_not_recorded(fake, switch):
+    """A call made while the launcher is off or a hook is set records nothing (it would record
+    Triton-path launches and refuse the signature for good); a later call records."""
+    path = make_path(fake)
+    w = aligned(8)
+    path(aligned(3, 5), w)  # seen
+    if switch == "hook":
+        fake.runtime.launch_enter_hook = print
+        path(aligned(3, 5), w)
+        fake.runtime.launch_enter_hook = None
+    else:
+        with knobs.override(TRITON_LAUNCHER=False):
+            path(aligned(3, 5), w)
+    assert path.plans() == {}
+    path(aligned(3, 5), w)  # recorded now
+    fake.log.clear()
+    path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and ways(fake.log) == ["direct", "direct"]

@@ -8,7 +8,8 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
 - The signature of a call: each tensor argument's dtype, shape, strides and device, which tensor
   arguments share an address, and every other argument's value (plain values, `None`, tuples and
   frozen dataclasses such as tile configs); a call with anything else runs `fn` as it is.
-- The first call of a signature runs `fn`. The second runs it while recording: the launches, as
+- The first call of a signature runs `fn`. The second runs it while recording (unless the
+  launcher is off or a launch hook is set: then a later call records): the launches, as
   the compiled kernels' launchers took them (`launcher.recording`); the knobs it read and their
   values (`knobs.reading`); the torch operations, under a dispatch mode, which may only allocate
   (`torch.empty` and kin) or take views. Every pointer a launch passed must fall inside one
@@ -241,6 +242,9 @@ def replayable(fn: Callable) -> Callable:
                     del seen[next(iter(seen))]
                 seen[sig] = None
             return fn(*args, **kwargs)
+        state = launcher._state
+        if not state.get("ok") or launcher.hooked(state) or knobs.get("TRITON_LAUNCHER") is False:
+            return fn(*args, **kwargs)  # launches through Triton's path now: record a later call
         if not lock.acquire(blocking=False):  # another thread records: this call runs as it is
             return fn(*args, **kwargs)
         try:

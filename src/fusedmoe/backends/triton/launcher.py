@@ -35,6 +35,10 @@ without these objects, or whose compiled-kernel launcher refuses the call (anoth
 turns this off for the process (the latter with a warning, relaunching through Triton). Not
 re-checked on a repeat: module globals of the kernel changed after its first launch (the library
 never changes them) and Triton's debug knobs changed mid-process.
+
+`recording()` collects the launches one thread makes (`Launched`: the compiled kernel's launcher,
+grid and every parameter value with tensors as addresses), for `fusedmoe.backends.triton.replay`,
+which replays an eager call's launches with the next call's addresses.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ def fake(monkeypatch):
     # compared modulo 64 here, so a new buffer's address keeps its key
     monkeypatch.setattr(launcher, "_RESIDUE", (63).__and__)
     monkeypatch.setattr(replay, "_MASK", 63)
+    monkeypatch.setattr(replay, "_MIN_DEVICE", -1)  # CPU tensors stand in for CUDA ones
     log: list = []
     return SimpleNamespace(log=log, gemm=FakeJIT(gemm_source, log), sum=FakeJIT(sum_source, log), runtime=runtime)
 
@@ -217,6 +218,17 @@ def test_a_replay_that_fails_turns_replays_off_with_a_warning(fake):
     fake.log.clear()
     path(aligned(3, 5), w)
     assert ways(fake.log) == ["triton", "triton"]
+
+
+def test_cpu_tensors_run_the_path_as_it_is(fake, monkeypatch):
+    """On CPU the kernels run in Triton's interpreter, whose launches never take the launcher's
+    fast path: no signature, no recording (a dispatch mode over an interpreted call is slow)."""
+    monkeypatch.setattr(replay, "_MIN_DEVICE", 0)
+    path = make_path(fake)
+    w = aligned(8)
+    for _ in range(4):
+        path(aligned(3, 5), w)
+    assert path.plans() == {}
 
 
 def test_an_empty_call_replays_its_allocation_only(fake):

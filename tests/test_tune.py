@@ -474,7 +474,10 @@ def test_bench_gemm_tiles_smoke():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3-30b-a3b")]
     assert len(rows) == 4, proc.stdout
     assert "gemm2 16x64x64x4x1:persistent P=2" in rows[3] and rows[3].endswith("maxdiff 0.0e+00"), rows
-    assert rows[1].endswith("rel err 0.0e+00"), rows  # the checkpoint layout runs one_dot as two tiles
+    # the checkpoint layout runs one_dot as two tiles: the first tile's sums, but the interpreter's
+    # tl.dot is numpy's matmul, whose BLAS may sum a 32-wide tile in another order than a 64-wide
+    # one (numpy 2.4.6's does: 9e-8), so a round-off bound, not bitwise
+    assert float(rows[1].rsplit("rel err", 1)[1]) < 1e-6, rows
     # --direct: the decode path's GEMMs (GEMM1 by slot with 32-row one-dot halves over mxfp4
     # fragments, GEMM2 by token with its slot shares), at an H other than the preset's
     proc = subprocess.run(

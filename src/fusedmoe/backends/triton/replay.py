@@ -7,7 +7,8 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
 
 - The signature of a call: each tensor argument's dtype, shape, strides and device, which tensor
   arguments share an address, and every other argument's value (plain values, `None`, tuples and
-  frozen dataclasses such as tile configs); a call with anything else runs `fn` as it is.
+  frozen dataclasses such as tile configs); a call with anything else, or with a CPU tensor (the
+  interpreter, whose launches take Triton's path), runs `fn` as it is.
 - The first call of a signature runs `fn`. The second runs it while recording (unless the
   launcher is off or a launch hook is set: then a later call records): the launches, as
   the compiled kernels' launchers took them (`launcher.recording`); the knobs it read and their
@@ -48,6 +49,7 @@ _MAX_PLANS = 128
 _PLAIN = frozenset((int, float, bool, str, type(None)))
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 _MASK = 127  # addresses are compared modulo 128, as the launcher keys them
+_MIN_DEVICE = 0  # tensors on devices below this (get_device(): CPU is -1) run fn as it is (tests: -1)
 _DATA_PTR = torch.Tensor.data_ptr
 _ALL: list[Callable[[], None]] = []  # each replayable function's clear()
 _state = {"on": True}
@@ -125,8 +127,11 @@ def _signature(args: tuple, kwargs: dict) -> tuple | None:
             parts.append(t)
             parts.append(v)
         elif t in _TENSORS:
+            device = v.get_device()
+            if device < _MIN_DEVICE:  # a CPU tensor: the interpreter's launches, which take Triton's path
+                return None
             tensors.append(v)
-            parts.append((v.dtype, v.shape, v.stride(), v.get_device()))
+            parts.append((v.dtype, v.shape, v.stride(), device))
         elif t is tuple or (dataclasses.is_dataclass(v) and t.__dataclass_params__.frozen):
             try:
                 hash(v)

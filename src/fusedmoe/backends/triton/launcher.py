@@ -99,7 +99,7 @@ def _getter(indices: list[int]):
 class _Plan:
     """One kernel's launches with one shape of arguments (count, keyword names, types)."""
 
-    __slots__ = ("tensor_at", "tensors", "plain", "defaults", "order", "cache")
+    __slots__ = ("tensor_at", "tensors", "plain", "defaults", "size", "order", "cache")
 
     def __init__(self, fn, n_args: int, names: tuple, types: tuple):
         import inspect
@@ -120,6 +120,7 @@ class _Plan:
                 order.append(len(types) + len(defaults))
                 defaults.append(p.default)
         self.defaults = tuple(defaults)
+        self.size = len(types) + len(defaults)  # arguments, then defaults: what `order` indexes
         self.order = _getter(order)
         self.cache: dict[tuple, tuple] = {}
 
@@ -228,18 +229,15 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
         # the kernel too: its module stays loaded while the entry holds its function
         entry = plan.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
         if _recorder is not None:
-            _note(_launched(entry, plan, vals, ptrs, grid, device))
+            _note(_launched(entry, plan, _in_order(plan, vals, ptrs), grid, device))
         return
     run, function, metadata, _ = entry
-    full = [*vals, *plan.defaults]
-    for i, ptr in zip(plan.tensor_at, ptrs, strict=True):
-        full[i] = ptr
+    values = _in_order(plan, vals, ptrs)
     grid_0 = grid[0]
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     try:
-        run(grid_0, grid_1, grid_2, state["stream"](device), function, metadata, None, None, None,
-            *plan.order(full))
+        run(grid_0, grid_1, grid_2, state["stream"](device), function, metadata, None, None, None, *values)
     except Exception as exc:  # a Triton whose launcher takes other arguments: its own path from now on
         _state["ok"] = False
         warnings.warn(f"fusedmoe: launching {fn.fn.__name__} through its compiled kernel's launcher failed "
@@ -248,7 +246,7 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
         _triton_path(fn, grid, args, kwargs)
         return
     if _recorder is not None:
-        _note(_launched(entry, plan, vals, ptrs, grid, device))
+        _note(_launched(entry, plan, values, grid, device))
 
 
 def _triton_path(fn, grid, args: tuple, kwargs: dict) -> None:
@@ -257,15 +255,20 @@ def _triton_path(fn, grid, args: tuple, kwargs: dict) -> None:
         _note(None)
 
 
-def _launched(entry: tuple, plan: _Plan, vals: tuple, ptrs: list, grid: tuple, device: int) -> Launched:
+def _in_order(plan: _Plan, vals: tuple, ptrs: list) -> tuple:
+    """Every parameter's value in signature order (defaults filled in), tensors as addresses."""
     full = [*vals, *plan.defaults]
     for i, ptr in zip(plan.tensor_at, ptrs, strict=True):
         full[i] = ptr
-    where = plan.order(list(range(len(full))))  # the argument behind each parameter
+    return plan.order(full)
+
+
+def _launched(entry: tuple, plan: _Plan, values: tuple, grid: tuple, device: int) -> Launched:
+    positions = plan.order(range(plan.size))  # the argument (or default) behind each parameter
     tensor_at = set(plan.tensor_at)
-    pointers = tuple(j for j, i in enumerate(where) if i in tensor_at)
+    pointers = tuple(j for j, i in enumerate(positions) if i in tensor_at)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    return Launched(*entry, grid3, tuple(plan.order(full)), pointers, device)
+    return Launched(*entry, grid3, tuple(values), pointers, device)
 
 
 def clear() -> None:

@@ -46,7 +46,7 @@ from fusedmoe import knobs
 from fusedmoe.backends.triton import launcher
 
 _MAX_PLANS = 128
-_PLAIN = frozenset((int, float, bool, str, type(None)))
+_PLAIN = launcher._PLAIN  # the value types a launch key takes by value
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 _MASK = 127  # addresses are compared modulo 128, as the launcher keys them
 _MIN_DEVICE = 0  # tensors on devices below this (get_device(): CPU is -1) run fn as it is (tests: -1)

@@ -1,7 +1,7 @@
 """Host-side cost of one eager `fused_experts` / `FusedMoE` call (GPU): what Python spends per call
 when nothing is captured in a CUDA graph (transformers' eager models, first steps of a server).
 
-    python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300]
+    python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300] [--quant SCHEME]
 Prints wall time per call (host-bound at decode: the GPU work is a few tens of us) with each
 kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0), through the
 library's cached launcher (fusedmoe.backends.triton.launcher; FUSEDMOE_TRITON_REPLAY=0), and with
@@ -11,7 +11,9 @@ alternating three rounds (medians), the GPU time of the same calls replayed in a
 records the running Python line and its callers: unlike cProfile, whose per-call overhead
 inflates code that makes many small calls, it charges each line the wall time spent in it, C
 calls such as a kernel launch included), and the cProfile functions with the most own time (for
-their call counts).
+their call counts). --quant times a W8A8 or weight-only scheme (weights quantized by
+`quantize_weights`; the layer quantizes its bf16 weights at loading, so it is left out for
+static activation scales, which need calibration).
 The header says which CPU the process runs on and times three calls that do not involve the
 library (a Python function call, a `torch.empty` on the GPU, an empty Triton kernel's launch): the
 eager time has differed ~2x between processes on one host and tree, and these tell a slow
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--interval-us", type=float, default=97.0, help="the sampler's period")
     ap.add_argument("--top", type=int, default=30, help="rows in each profile table")
+    ap.add_argument("--quant", default=None, help="a W8A8 or weight-only scheme the triton backend runs")
     args = ap.parse_args()
     p = get_preset(args.preset)
     E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
@@ -119,16 +122,23 @@ def main() -> None:
     x = torch.randn(args.tokens, H, device=dev, dtype=dt)
     logits = torch.randn(args.tokens, E, device=dev, dtype=dt)
     w, ids = select_experts(x, logits, K)
-    layer = FusedMoE(E, K, H, inter, device=dev, params_dtype=dt)
-    for e in range(E):
-        layer.load_expert_weight(e, "gate", w13[e, :inter])
-        layer.load_expert_weight(e, "up", w13[e, inter:])
-        layer.load_expert_weight(e, "down", w2[e])
-    layer.process_weights_after_loading()
+    q13, q2, params = w13, w2, None
+    if args.quant is not None:
+        from fusedmoe.quant.weights import quantize_weights
 
-    calls = {"fused_experts": lambda: fused_experts(x, w13, w2, w, ids),
-             "FusedMoE.forward (routing included)": lambda: layer(x, logits)}
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}")
+        static = (torch.tensor(6.0), torch.tensor(10.0)) if args.quant.endswith("static") else None
+        q13, q2, params = quantize_weights(w13, w2, args.quant, activation_amax=static)
+    calls = {"fused_experts": lambda: fused_experts(x, q13, q2, w, ids, quant=params)}
+    if args.quant is None or not args.quant.endswith("static"):
+        layer = FusedMoE(E, K, H, inter, device=dev, params_dtype=dt, quant=args.quant)
+        for e in range(E):
+            layer.load_expert_weight(e, "gate", w13[e, :inter])
+            layer.load_expert_weight(e, "up", w13[e, inter:])
+            layer.load_expert_weight(e, "down", w2[e])
+        layer.process_weights_after_loading()
+        calls["FusedMoE.forward (routing included)"] = lambda: layer(x, logits)
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}"
+          f"{'' if args.quant is None else ' ' + args.quant}")
     print(_process_line(dev))
     eager: dict[str, float] = {}
     ways = {"JITFunction.run": dict(TRITON_LAUNCHER=False), "cached launcher": dict(TRITON_REPLAY=False),

@@ -296,3 +296,57 @@ def test_replayed_calls_equal_the_full_path_bitwise_and_launch_nothing_through_p
             assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
     plans = list(experts.triton_experts.plans().values())
     assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans
+
+
+QUANT_SCHEMES = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8",
+                 "fp8_w8a16", "int8_w8a16", "int4_w4a16_g128", "mxfp4_w4a16", "nvfp4_w4a16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+def test_quantized_calls_replay_bitwise(monkeypatch, scheme, tokens):
+    """The W8A8 and weight-only paths (`quant.triton_quant_experts`) replay from the third call
+    of a signature, bitwise the full path's output, with no call of `launch`. The dynamic
+    per-tensor scheme allocates its amax with torch.zeros: a filled allocation, made again."""
+    from fusedmoe import fused_experts, select_experts
+    from fusedmoe.backends.triton import experts, quant, replay
+    from fusedmoe.quant.weights import quantize_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(200 + tokens)
+    E, H, inter, K = 20, 384, 256, 4
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", generator=gen) / H**0.5
+    w2 = torch.randn(E, H, inter, device="cuda", generator=gen) / inter**0.5
+    amax = (torch.tensor(6.0), torch.tensor(10.0)) if scheme.endswith("static") else None
+    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
+    weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
+    launches = []
+
+    def counter(original):
+        def counted(*args, **kwargs):
+            launches.append(args[0])
+            return original(*args, **kwargs)
+        return counted
+
+    def call() -> torch.Tensor:
+        launches.clear()
+        return fused_experts(x.clone(), q13, q2, weights.clone(), ids.clone(), quant=params, backend="triton")
+
+    replay.clear()
+    for module in (experts, quant):
+        monkeypatch.setattr(module, "launch", counter(module.launch))
+    with knobs.override(TRITON_TMA=False):
+        with knobs.override(TRITON_REPLAY=False):
+            reference = call()
+            torch.cuda.synchronize()
+        assert launches and reference.isfinite().all()
+        kept = []
+        for n in range(5):  # seen, recorded, then replayed
+            kept.append(call())
+            torch.cuda.synchronize()
+            assert torch.equal(kept[-1], reference), f"call {n}"
+            assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
+    plans = list(quant.triton_quant_experts.plans().values())
+    assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans

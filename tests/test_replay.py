@@ -262,3 +262,61 @@ def test_a_call_while_launches_take_tritons_path_is_not_recorded(fake, switch):
     path(aligned(3, 5), w)
     (plan,) = path.plans().values()
     assert isinstance(plan, replay.Plan) and ways(fake.log) == ["direct", "direct"]
+
+
+def test_filled_allocations_are_made_again_with_their_fill(fake):
+    """torch.zeros / torch.full (an amax the kernels accumulate into) are allocations with a
+    fill: a replay fills its new buffers the same way. A fill from a tensor reads it on the host
+    (aten._local_scalar_dense): refused."""
+
+    @replay.replayable
+    def path(x, fill_from_tensor=False):
+        amax = torch.zeros(2, x.shape[0])
+        rows = torch.full((x.shape[0],), 7, dtype=torch.int32)
+        if fill_from_tensor:
+            torch.full_like(x, x[0, 0])
+        launcher.launch(fake.gemm, (1,), x, amax[1], rows, x.shape[0])
+        return amax
+
+    for _ in range(3):
+        out = path(aligned(3, 5))
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan)
+    assert [(a.shape, a.dtype, a.fill) for a in plan.allocations] == [((2, 3), torch.float32, 0),
+                                                                       ((3,), torch.int32, 7)]
+    assert torch.equal(out, torch.zeros(2, 3))
+    fake.log.clear()
+    out = path(aligned(3, 5))
+    ((way, _, args),) = fake.log
+    assert way == "direct" and args[10] == out.data_ptr() + 3 * 4  # amax[1] of this call's buffer
+    for _ in range(3):
+        path(aligned(3, 5), fill_from_tensor=True)
+    refused = [p for p in path.plans().values() if isinstance(p, replay.Refused)]
+    assert len(refused) == 1 and "_local_scalar_dense" in refused[0].reason
+
+
+def test_scratch_allocations_share_one_buffer(fake):
+    """Allocations that are neither returned nor filled are parts of one buffer in a replay, at
+    512-byte offsets (addresses keep their residues); the result is a tensor of its own."""
+
+    @replay.replayable
+    def path(x, w):
+        a = torch.empty(x.shape[0], 40)  # 480 bytes at x.shape[0] = 3: the next part starts at 512
+        b = torch.empty(5, dtype=torch.int32)
+        amax = torch.zeros(2)
+        out = torch.empty_like(x)
+        launcher.launch(fake.gemm, (1,), x, w, a, x.shape[0])
+        launcher.launch(fake.sum, (1,), b, out, amax, 3)
+        return out
+
+    w = aligned(8)
+    for _ in range(2):
+        path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert plan.pool == 1024 and plan.offsets == (0, 512, -1, -1)
+    fake.log.clear()
+    out = path(aligned(3, 5), w)
+    (_, _, gemm_args), (_, _, sum_args) = fake.log
+    a_ptr, b_ptr, out_ptr, amax_ptr = gemm_args[11], sum_args[9], sum_args[10], sum_args[11]
+    assert b_ptr - a_ptr == 512 and out_ptr == out.data_ptr()
+    assert len({a_ptr, b_ptr, out_ptr, amax_ptr}) == 4 and not a_ptr <= out_ptr < a_ptr + 1024

@@ -26,7 +26,6 @@ import torch
 from fusedmoe.activations import ACTIVATIONS, is_gated
 from fusedmoe.backends.triton import replay
 from fusedmoe.backends.triton.launcher import launch
-from fusedmoe.backends.triton.replay import replayable
 from fusedmoe.backends.triton.tiles import (
     DIRECT_BLOCK_M,
     DIRECT_REFUSED,
@@ -1126,7 +1125,7 @@ def _reduce(y: torch.Tensor, out: torch.Tensor, slot_ok: torch.Tensor | None, ro
     )
 
 
-@replayable
+@replay.replayable
 def triton_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,

@@ -54,6 +54,7 @@ from fusedmoe.backends.triton.experts import (
     triton_next_pow2,
 )
 from fusedmoe.backends.triton.launcher import launch
+from fusedmoe.backends.triton.replay import replayable
 from fusedmoe.backends.triton.tiles import TileConfig, heuristic, require_plan
 from fusedmoe.modular import call_op, experts_ops
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -273,6 +274,7 @@ def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, granularity: str, 
 
 
 # The experts ---------------------------------------------------------------------------------
+@replayable
 def triton_quant_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
@@ -306,7 +308,8 @@ def triton_quant_experts(
     path, `direct`). `out` may be x itself. direct: as `experts.triton_experts` (channel, token
     and block scales; per-tensor scales are per expert over its aligned rows, so it aligns):
     x quantized per token, GEMM1 by slot, the intermediate quantized per slot, GEMM2 with the
-    top-k sum.
+    top-k sum. Eager calls of a signature seen twice replay the recorded launches
+    (`replay.replayable`).
     """
     scheme = _triton_scheme(scheme)
     if scheme.weight_only:

@@ -18,8 +18,9 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   torch operation, a launch that took Triton's own path, a pointer from elsewhere, tensor
   arguments that overlap without sharing an address) makes the signature never replay, with the
   reason kept (`plans()`).
-- Later calls of the signature replay: the recorded allocations are made again, each pointer is
-  the new source's address plus its offset, and the recorded launches run on the current stream
+- Later calls of the signature replay: the recorded allocations are made again (those neither
+  returned nor filled as parts of one scratch buffer, one allocation instead of one each: the
+  launches need only their addresses), each pointer is the new source's address plus its offset, and the recorded launches run on the current stream
   with those addresses. A replay falls back to `fn` before launching anything when a knob it read
   has another value, a Triton launch hook is set, the current device differs, or a pointer's
   address modulo 128 differs from the recorded one (Triton specialises on 16-byte alignment).
@@ -49,6 +50,7 @@ _MAX_PLANS = 128
 _PLAIN = launcher._PLAIN  # the value types a launch key takes by value
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 _MASK = 127  # addresses are compared modulo 128, as the launcher keys them
+_POOL_ALIGN = 512  # the CUDA caching allocator's block alignment
 _MIN_DEVICE = 0  # tensors on devices below this (get_device(): CPU is -1) run fn as it is (tests: -1)
 _DATA_PTR = torch.Tensor.data_ptr
 _ALL: list[Callable[[], None]] = []  # each replayable function's clear()
@@ -61,6 +63,13 @@ def _packets(*names: str) -> frozenset:
 
 
 _ALLOCATIONS = _packets("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
+# allocations filled with one value: the value, from the operation's arguments
+_FILLED = {packet: value for names, value in (
+    (("zeros", "zeros_like", "new_zeros"), lambda args: 0),
+    (("ones", "ones_like", "new_ones"), lambda args: 1),
+    (("full", "full_like"), lambda args: args[1]),
+    (("new_full",), lambda args: args[2]),
+) for packet in _packets(*names)}
 _VIEWS = _packets("view", "_unsafe_view", "alias", "as_strided", "slice", "select", "t", "transpose",
                   "permute", "unsqueeze", "squeeze", "expand", "detach", "_reshape_alias", "reshape",
                   "unflatten", "flatten", "split", "split_with_sizes", "unbind", "chunk", "narrow")
@@ -68,11 +77,13 @@ _VIEWS = _packets("view", "_unsafe_view", "alias", "as_strided", "slice", "selec
 
 class _Operations(TorchDispatchMode):
     """The torch operations of a recorded call: allocations kept (alive until the plan is built,
-    so no two share memory), views allowed, anything else noted."""
+    so no two share memory) with their fill value (None: left empty), views allowed, anything else
+    noted."""
 
     def __init__(self):
         super().__init__()
         self.allocations: list[torch.Tensor] = []
+        self.fills: list[Any] = []
         self.other: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -80,6 +91,10 @@ class _Operations(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _ALLOCATIONS:
             self.allocations.append(out)
+            self.fills.append(None)
+        elif packet in _FILLED and type(fill := _FILLED[packet](args)) in (int, float, bool):
+            self.allocations.append(out)  # a fresh allocation: no earlier launch can have touched it
+            self.fills.append(fill)
         elif packet not in _VIEWS and self.other is None:
             self.other = str(func)
         return out
@@ -89,6 +104,7 @@ class Allocation(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    fill: int | float | bool | None = None  # None: torch.empty
 
 
 class Plan(NamedTuple):
@@ -102,6 +118,11 @@ class Plan(NamedTuple):
     knobs: tuple[tuple[str, Any], ...]
     device: int
     out: int  # the returned tensor: a source index
+    # The scratch: allocations neither returned nor filled share one byte buffer of `pool` bytes
+    # (one torch.empty a replay instead of one each); `offsets`: each allocation's offset in it
+    # (multiples of _POOL_ALIGN, so addresses keep their residues), -1 where it is a tensor of its own.
+    pool: int
+    offsets: tuple[int, ...]
 
 
 class Refused(NamedTuple):
@@ -182,9 +203,26 @@ def _build(out, launches: list, reads: dict, ops: _Operations, tensors: list) ->
     devices = {launch.device for launch in launches}
     if len(devices) > 1:
         return Refused(f"launches on several devices {sorted(devices)}")
-    return Plan(tuple(launches), tuple(Allocation(tuple(a.shape), a.dtype, a.device) for a in ops.allocations),
-                tuple(slots), tuple(residues), tuple(reads.items()),
-                devices.pop() if devices else -1, index)
+    allocations = tuple(Allocation(tuple(a.shape), a.dtype, a.device, fill)
+                        for a, fill in zip(ops.allocations, ops.fills, strict=True))
+    pool, offsets = _pool(allocations, index - len(tensors))
+    return Plan(tuple(launches), allocations, tuple(slots), tuple(residues), tuple(reads.items()),
+                devices.pop() if devices else -1, index, pool, offsets)
+
+
+def _pool(allocations: tuple[Allocation, ...], out: int) -> tuple[int, tuple[int, ...]]:
+    """(bytes, offsets) of the scratch buffer (Plan.pool): unfilled allocations other than the
+    result, all on one device; none where fewer than two would share it."""
+    scratch = [i for i, a in enumerate(allocations) if a.fill is None and i != out]
+    if len(scratch) < 2 or len({allocations[i].device for i in scratch}) > 1:
+        return 0, (-1,) * len(allocations)
+    offsets, end = [-1] * len(allocations), 0
+    for i in scratch:
+        a = allocations[i]
+        offsets[i] = end
+        size = torch.Size(a.shape).numel() * a.dtype.itemsize
+        end += -(-max(size, 1) // _POOL_ALIGN) * _POOL_ALIGN
+    return end, tuple(offsets)
 
 
 def _replay(plan: Plan, tensors: list, ptrs: list):
@@ -198,8 +236,20 @@ def _replay(plan: Plan, tensors: list, ptrs: list):
     device = state["device"]() if plan.launches else -1
     if device != plan.device:
         return None
-    allocations = [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a in plan.allocations]
-    bases = ptrs + list(map(_DATA_PTR, allocations))
+    bases = list(ptrs)
+    allocations: list[torch.Tensor | None] = []
+    if plan.pool:  # alive until the launches are queued: the allocator reuses it in stream order
+        pool = torch.empty(plan.pool, dtype=torch.uint8, device=plan.allocations[plan.offsets.index(0)].device)
+        start = pool.data_ptr()
+    for a, offset in zip(plan.allocations, plan.offsets, strict=True):
+        if offset >= 0:
+            allocations.append(None)
+            bases.append(start + offset)
+            continue
+        t = torch.empty(a.shape, dtype=a.dtype, device=a.device) if a.fill is None else \
+            torch.full(a.shape, a.fill, dtype=a.dtype, device=a.device)
+        allocations.append(t)
+        bases.append(t.data_ptr())
     addresses = [bases[s] + o if s >= 0 else 0 for s, o in plan.slots]
     mask = _MASK
     if tuple([a & mask for a in addresses if a]) != plan.residues:

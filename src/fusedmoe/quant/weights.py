@@ -185,7 +185,26 @@ def check_quant_weights(
 
     Metadata only (shapes, dtypes, devices, presence): no device sync.
     """
-    scheme = params.scheme
+    check_quant_tensors(w13, w2, params.scheme, params.w13_scale, params.w2_scale, params.a13_scale,
+                        params.a2_scale, params.w13_global_scale, params.w2_global_scale, hidden_size,
+                        intermediate_rows, gated)
+
+
+def check_quant_tensors(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: QuantScheme,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+    w13_global_scale: torch.Tensor | None,
+    w2_global_scale: torch.Tensor | None,
+    hidden_size: int,
+    intermediate_rows: int,
+    gated: bool | None = None,
+) -> None:
+    """`check_quant_weights` on the parts of a QuantParams (kernels that take them one by one)."""
     key = scheme.weight
     pack = 2 if key.dtype in _PACKED else 1
     packing = f" ({key.dtype} packs two codes per byte along K)" if pack == 2 else ""
@@ -218,13 +237,13 @@ def check_quant_weights(
 
     device = w13.device
     for name, scale, n, k in (
-        ("w13_scale", params.w13_scale, rows, hidden),
-        ("w2_scale", params.w2_scale, hidden, intermediate),
+        ("w13_scale", w13_scale, rows, hidden),
+        ("w2_scale", w2_scale, hidden, intermediate),
     ):
         _check_weight_scale(name, scale, scheme, num_experts, n, k, device)
     for name, global_scale in (
-        ("w13_global_scale", params.w13_global_scale),
-        ("w2_global_scale", params.w2_global_scale),
+        ("w13_global_scale", w13_global_scale),
+        ("w2_global_scale", w2_global_scale),
     ):
         if key.dtype == "nvfp4":
             _check_tensor(name, global_scale, ((num_experts,),), (torch.float32,), scheme, device)
@@ -233,7 +252,7 @@ def check_quant_weights(
                 f"{name} is set but {scheme.name} has no global scale (only nvfp4 does)"
             )
 
-    check_activation_scales(scheme, params.a13_scale, params.a2_scale, num_experts, device)
+    check_activation_scales(scheme, a13_scale, a2_scale, num_experts, device)
 
 
 def check_activation_scales(scheme: QuantScheme, a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,

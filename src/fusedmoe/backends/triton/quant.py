@@ -60,7 +60,7 @@ from fusedmoe.modular import call_op, experts_ops
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import QuantKey, QuantScheme, get_scheme
-from fusedmoe.quant.weights import check_activation_scales
+from fusedmoe.quant.weights import check_activation_scales, check_quant_tensors
 
 W8A8_SCHEMES = frozenset(
     ("fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8")
@@ -312,18 +312,21 @@ def triton_quant_experts(
     (`replay.replayable`).
     """
     scheme = _triton_scheme(scheme)
+    if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
+        raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
+    # payloads and scales against the scheme (metadata): here rather than in apply_quant, so a
+    # replay, whose signature fixes every input of the check, skips it
+    check_quant_tensors(w13, w2, scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
+                        w2_global_scale, x_TH.shape[1], w13.shape[1], gated=is_gated(activation))
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
 
-        if a13_scale is not None or a2_scale is not None:
-            raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
         return triton_weight_only_experts(
             x_TH, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, expert_map,
             num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
             tiles=tiles, out=out, direct=direct,
         )
-    check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.empty_like(x_TH) if out is None else out
@@ -809,14 +812,16 @@ triton_quant_experts_op, triton_quant_experts_out_op = experts_ops("triton_quant
 
 
 def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH):
-    """`TritonExperts.apply` for quantized weights: validate, then run the custom op."""
+    """`TritonExperts.apply` for quantized weights: the scheme checked, then the custom op (whose
+    body, `triton_quant_experts`, checks the tensors against it)."""
     from fusedmoe.quant.weights import check_quant_weights
 
     quant: QuantParams = weights.quant
     scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
-    check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=config.gated)
+    if torch.compiler.is_compiling():  # eager calls check in triton_quant_experts (replays skip it)
+        check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=config.gated)
     args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,

@@ -320,3 +320,35 @@ def test_scratch_allocations_share_one_buffer(fake):
     a_ptr, b_ptr, out_ptr, amax_ptr = gemm_args[11], sum_args[9], sum_args[10], sum_args[11]
     assert b_ptr - a_ptr == 512 and out_ptr == out.data_ptr()
     assert len({a_ptr, b_ptr, out_ptr, amax_ptr}) == 4 and not a_ptr <= out_ptr < a_ptr + 1024
+
+
+def test_a_refusal_under_other_knob_values_records_again(fake):
+    """A call with validation on reads a tensor on the host (a sync the replay cannot keep): the
+    signature is refused while the knob holds that value, and recorded again once it changes."""
+
+    @replay.replayable
+    def path(x, w):
+        if knobs.get("VALIDATE"):
+            bool((x > -1e9).all())  # a validation-style host read
+        a = torch.empty(x.shape[0], 4)
+        launcher.launch(fake.gemm, (1,), x, w, a, x.shape[0])
+        return a
+
+    w = aligned(8)
+    with knobs.override(VALIDATE=True):
+        for _ in range(3):
+            path(aligned(3, 5), w)
+        (plan,) = path.plans().values()
+        assert isinstance(plan, replay.Refused) and dict(plan.knobs)["VALIDATE"] is True
+    fake.log.clear()
+    path(aligned(3, 5), w)  # VALIDATE off: recorded now (the launch goes through launch())
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and dict(plan.knobs)["VALIDATE"] is None
+    with knobs.override(VALIDATE=True):  # the plan read VALIDATE: the full path, validation included
+        calls = []
+        original = launcher.launch
+        import unittest.mock
+
+        with unittest.mock.patch.object(launcher, "launch", lambda *a, **k: calls.append(a) or original(*a, **k)):
+            path(aligned(3, 5), w)
+        assert len(calls) == 1

@@ -16,8 +16,9 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   (`torch.empty` and kin) or take views. Every pointer a launch passed must fall inside one
   tensor argument or one allocation; it is kept as (that source, offset). Anything else (another
   torch operation, a launch that took Triton's own path, a pointer from elsewhere, tensor
-  arguments that overlap without sharing an address) makes the signature never replay, with the
-  reason kept (`plans()`).
+  arguments that overlap without sharing an address) makes the signature run `fn` as it is, with
+  the reason kept (`plans()`), until a knob the refused call read has another value (a call with
+  validation on syncs on the device: recorded again once it is off).
 - Later calls of the signature replay: the recorded allocations are made again (those neither
   returned nor filled as parts of one scratch buffer, one allocation instead of one each: the
   launches need only their addresses), each pointer is the new source's address plus its offset, and the recorded launches run on the current stream
@@ -127,6 +128,7 @@ class Plan(NamedTuple):
 
 class Refused(NamedTuple):
     reason: str
+    knobs: tuple[tuple[str, Any], ...] = ()  # the knobs the refused call read: another value records again
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -291,6 +293,12 @@ def replayable(fn: Callable) -> Callable:
                               "every call runs its full path from now on", RuntimeWarning, stacklevel=2)
                 out = None
             return fn(*args, **kwargs) if out is None else out
+        if plan is not None and any(knobs.get(name) != value for name, value in plan.knobs):
+            del plans[sig]  # refused under other knob values (validation's syncs, ...): record again
+            plan = None
+            if sig not in seen and len(seen) >= _MAX_PLANS:
+                del seen[next(iter(seen))]
+            seen[sig] = None
         if plan is not None or sig not in seen:  # refused, or first seen: remember it
             if plan is None:
                 if len(seen) >= _MAX_PLANS:
@@ -306,6 +314,8 @@ def replayable(fn: Callable) -> Callable:
             with launcher.recording() as launches, knobs.reading() as reads, _Operations() as ops:
                 out = fn(*args, **kwargs)
             built = _build(out, launches, reads, ops, tensors)
+            if type(built) is Refused:
+                built = built._replace(knobs=tuple(reads.items()))
         finally:
             lock.release()
         if len(plans) >= _MAX_PLANS:

@@ -13,7 +13,8 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   launcher is off or a launch hook is set: then a later call records): the launches, as
   the compiled kernels' launchers took them (`launcher.recording`); the knobs it read and their
   values (`knobs.reading`); the torch operations, under a dispatch mode, which may only allocate
-  (`torch.empty` and kin) or take views. Every pointer a launch passed must fall inside one
+  (`torch.empty` and kin; `torch.zeros`, `torch.full` and kin: such a fresh allocation is filled
+  again on a replay, before any launch) or take views. Every pointer a launch passed must fall inside one
   tensor argument or one allocation; it is kept as (that source, offset). Anything else (another
   torch operation, a launch that took Triton's own path, a pointer from elsewhere, tensor
   arguments that overlap without sharing an address) makes the signature run `fn` as it is, with
@@ -21,10 +22,14 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   validation on syncs on the device: recorded again once it is off).
 - Later calls of the signature replay: the recorded allocations are made again (those neither
   returned nor filled as parts of one scratch buffer, one allocation instead of one each: the
-  launches need only their addresses), each pointer is the new source's address plus its offset, and the recorded launches run on the current stream
-  with those addresses. A replay falls back to `fn` before launching anything when a knob it read
-  has another value, a Triton launch hook is set, the current device differs, or a pointer's
-  address modulo 128 differs from the recorded one (Triton specialises on 16-byte alignment).
+  launches need only their addresses), each pointer is the new source's address plus its offset,
+  and the recorded launches run on the current stream with those addresses. A replay falls back
+  to `fn` before launching anything when a knob it read has another value, a Triton launch hook
+  is set, the current device differs, or a pointer's address modulo 128 differs from the
+  recorded one (Triton specialises on 16-byte alignment).
+
+Wrapped: `experts.triton_experts` (unquantized) and `quant.triton_quant_experts` (W8A8 and
+weight-only; the quantized weights' metadata checks run inside it, so a replay skips them too).
 
 FUSEDMOE_TRITON_REPLAY=0 turns it off; so does FUSEDMOE_TRITON_LAUNCHER=0 (the knob is read while
 recording). `clear()` forgets the plans (`experts.clear_tile_caches` calls it: tuned tables

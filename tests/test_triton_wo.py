@@ -66,6 +66,29 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
              tiles=((16, 64, 16, 4, 1), (16, 64, 64, 4, 1)))
 
 
+@pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "fp8_w8a8_block"])
+def test_bad_scales_raise_inside_the_replayed_function_before_any_launch(monkeypatch, scheme):
+    """apply_quant leaves the payload and scale checks to triton_quant_experts (whose replays skip
+    them: their signature fixes every input of the check); both entries still raise before any
+    kernel launches."""
+    from fusedmoe.backends.triton import experts as experts_module
+    from fusedmoe.backends.triton import quant as quant_module
+
+    dtype = torch.float32
+    config, x, w, weights, ids, _ = problem(Case("bad-scale", T=3, H=64, I=32), scheme, dtype)
+    w = TritonExperts(config).process_weights(w)
+    bad = dataclasses.replace(w.quant, w2_scale=w.quant.w2_scale[:-1])  # one expert short
+    launched = []
+    for module in (experts_module, quant_module):
+        monkeypatch.setattr(module, "launch", lambda *a, **k: launched.append(a[0]))
+    with pytest.raises(ValueError, match="w2_scale"):
+        TritonExperts(config).apply(x, dataclasses.replace(w, quant=bad), weights, ids, expert_map_E=None)
+    with pytest.raises(ValueError, match="w2_scale"):
+        triton_quant_experts(x, w.w13, w.w2, weights, ids, None, None, None, 4, "silu", False, 1.702, None,
+                             scheme, bad.w13_scale, bad.w2_scale, bad.a13_scale, bad.a2_scale)
+    assert launched == []
+
+
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "int4_w4a16_g64", "nvfp4_w4a16", "int8_w8a16"])
 def test_process_weights_lays_int4_scales_group_major(scheme):
     """int4's and nvfp4's group scales come back group-major (same values, strides

@@ -814,13 +814,13 @@ triton_quant_experts_op, triton_quant_experts_out_op = experts_ops("triton_quant
 def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH):
     """`TritonExperts.apply` for quantized weights: the scheme checked, then the custom op (whose
     body, `triton_quant_experts`, checks the tensors against it)."""
-    from fusedmoe.quant.weights import check_quant_weights
-
     quant: QuantParams = weights.quant
     scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
     if torch.compiler.is_compiling():  # eager calls check in triton_quant_experts (replays skip it)
+        from fusedmoe.quant.weights import check_quant_weights
+
         check_quant_weights(weights.w13, weights.w2, quant, x_TH.shape[1], weights.w13.shape[1], gated=config.gated)
     args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,

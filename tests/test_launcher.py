@@ -62,6 +62,29 @@ def ways(fn: FakeJIT) -> list[str]:
     return [entry[0] for entry in fn.log]
 
 
+def replays_bitwise(call, launches: list, replayed) -> torch.Tensor:
+    """The GPU replay tests' common part: `call()` once with replays off (the reference), then
+    five times (seen, recorded, replayed three times), every output kept alive (a replay's fresh
+    buffers never hold an earlier result) and bitwise the reference's; `launches` (what went
+    through `launch()` during the last call) is empty from the third call on, and `replayed` (a
+    replayable function) holds one Plan. Returns the reference."""
+    from fusedmoe.backends.triton import replay
+
+    with knobs.override(TRITON_REPLAY=False):
+        reference = call()
+        torch.cuda.synchronize()
+    assert launches and reference.isfinite().all()
+    kept = []
+    for n in range(5):  # seen, recorded, then replayed
+        kept.append(call())
+        torch.cuda.synchronize()
+        assert torch.equal(kept[-1], reference), f"call {n}"
+        assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
+    plans = list(replayed.plans().values())
+    assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans
+    return reference
+
+
 def test_a_repeat_calls_the_compiled_launcher_with_every_argument_in_order(fake):
     fn, _ = fake
     x, out = torch.randn(8), torch.empty(8)
@@ -284,18 +307,8 @@ def test_replayed_calls_equal_the_full_path_bitwise_and_launch_nothing_through_p
     replay.clear()
     monkeypatch.setattr(experts, "launch", counted)
     with knobs.override(TRITON_DIRECT=direct, TRITON_TMA=False):
-        with knobs.override(TRITON_REPLAY=False):
-            reference = call()
-            torch.cuda.synchronize()
-        assert launches and reference.isfinite().all() and not torch.equal(reference, x)
-        kept = []
-        for n in range(5):  # seen, recorded, then replayed
-            kept.append(call())
-            torch.cuda.synchronize()
-            assert torch.equal(kept[-1], reference), f"call {n}"
-            assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
-    plans = list(experts.triton_experts.plans().values())
-    assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans
+        reference = replays_bitwise(call, launches, experts.triton_experts)
+    assert not torch.equal(reference, x)
 
 
 QUANT_SCHEMES = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8",
@@ -338,15 +351,4 @@ def test_quantized_calls_replay_bitwise(monkeypatch, scheme, tokens):
     for module in (experts, quant):
         monkeypatch.setattr(module, "launch", counter(module.launch))
     with knobs.override(TRITON_TMA=False):
-        with knobs.override(TRITON_REPLAY=False):
-            reference = call()
-            torch.cuda.synchronize()
-        assert launches and reference.isfinite().all()
-        kept = []
-        for n in range(5):  # seen, recorded, then replayed
-            kept.append(call())
-            torch.cuda.synchronize()
-            assert torch.equal(kept[-1], reference), f"call {n}"
-            assert (len(launches) == 0) == (n >= 2), f"call {n}: {len(launches)} launches through launch()"
-    plans = list(quant.triton_quant_experts.plans().values())
-    assert len(plans) == 1 and isinstance(plans[0], replay.Plan), plans
+        replays_bitwise(call, launches, quant.triton_quant_experts)

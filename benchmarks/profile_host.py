@@ -2,6 +2,7 @@
 when nothing is captured in a CUDA graph (transformers' eager models, first steps of a server).
 
     python benchmarks/profile_host.py [--preset qwen3-30b-a3b] [--tokens 1] [--calls 300] [--quant SCHEME]
+                                      [--layout standard|batched]
 Prints wall time per call (host-bound at decode: the GPU work is a few tens of us) with each
 kernel launched through Triton's `JITFunction.run` (FUSEDMOE_TRITON_LAUNCHER=0), through the
 library's cached launcher (fusedmoe.backends.triton.launcher; FUSEDMOE_TRITON_REPLAY=0), and with
@@ -13,7 +14,8 @@ inflates code that makes many small calls, it charges each line the wall time sp
 calls such as a kernel launch included), and the cProfile functions with the most own time (for
 their call counts). --quant times a W8A8 or weight-only scheme (weights quantized by
 `quantize_weights`; the layer quantizes its bf16 weights at loading, so it is left out for
-static activation scales, which need calibration).
+static activation scales, which need calibration). --layout batched times the one-rank batched
+path (dispatch into per-expert buffers, `batched_triton`, combine), whose experts replay too.
 The header says which CPU the process runs on and times three calls that do not involve the
 library (a Python function call, a `torch.empty` on the GPU, an empty Triton kernel's launch): the
 eager time has differed ~2x between processes on one host and tree, and these tell a slow
@@ -113,6 +115,8 @@ def main() -> None:
     ap.add_argument("--interval-us", type=float, default=97.0, help="the sampler's period")
     ap.add_argument("--top", type=int, default=30, help="rows in each profile table")
     ap.add_argument("--quant", default=None, help="a W8A8 or weight-only scheme the triton backend runs")
+    ap.add_argument("--layout", default="standard", choices=["standard", "batched"],
+                    help="batched: the one-rank dispatch into per-expert buffers and the batched_triton experts")
     args = ap.parse_args()
     p = get_preset(args.preset)
     E, K, H, inter = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp
@@ -128,9 +132,10 @@ def main() -> None:
 
         static = (torch.tensor(6.0), torch.tensor(10.0)) if args.quant.endswith("static") else None
         q13, q2, params = quantize_weights(w13, w2, args.quant, activation_amax=static)
-    calls = {"fused_experts": lambda: fused_experts(x, q13, q2, w, ids, quant=params)}
+    fmt = args.layout
+    calls = {"fused_experts": lambda: fused_experts(x, q13, q2, w, ids, quant=params, activation_format=fmt)}
     if args.quant is None or not args.quant.endswith("static"):
-        layer = FusedMoE(E, K, H, inter, device=dev, params_dtype=dt, quant=args.quant)
+        layer = FusedMoE(E, K, H, inter, device=dev, params_dtype=dt, quant=args.quant, activation_format=fmt)
         for e in range(E):
             layer.load_expert_weight(e, "gate", w13[e, :inter])
             layer.load_expert_weight(e, "up", w13[e, inter:])
@@ -138,7 +143,7 @@ def main() -> None:
         layer.process_weights_after_loading()
         calls["FusedMoE.forward (routing included)"] = lambda: layer(x, logits)
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.preset} M={args.tokens}"
-          f"{'' if args.quant is None else ' ' + args.quant}")
+          f"{'' if args.quant is None else ' ' + args.quant}{'' if fmt == 'standard' else ' ' + fmt}")
     print(_process_line(dev))
     eager: dict[str, float] = {}
     ways = {"JITFunction.run": dict(TRITON_LAUNCHER=False), "cached launcher": dict(TRITON_REPLAY=False),

@@ -352,3 +352,62 @@ def test_quantized_calls_replay_bitwise(monkeypatch, scheme, tokens):
         monkeypatch.setattr(module, "launch", counter(module.launch))
     with knobs.override(TRITON_TMA=False):
         replays_bitwise(call, launches, quant.triton_quant_experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+@pytest.mark.parametrize("scheme", [None, *QUANT_SCHEMES])
+def test_batched_layout_calls_replay_bitwise(monkeypatch, scheme, tokens):
+    """The batched layout's experts (`experts.triton_batched_experts`, `quant.triton_batched_quant_experts`)
+    replay from the third call of a signature: their result is a view ([L * max_tokens, H] as
+    [L, max_tokens, H]) of a zero-filled allocation, made again each replay; bitwise the full
+    path's output, zero past each count, with no call of `launch`."""
+    from fusedmoe import select_experts
+    from fusedmoe.backends.triton import experts, quant, replay
+    from fusedmoe.quant.weights import quantize_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(300 + tokens)
+    E, H, inter, K = 20, 384, 256, 4
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", generator=gen) / H**0.5
+    w2 = torch.randn(E, H, inter, device="cuda", generator=gen) / inter**0.5
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
+    counts = torch.bincount(ids.flatten().long(), minlength=E).to(torch.int32)  # each <= tokens
+    x_b = torch.randn(E, tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if scheme is None:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        replayed = experts.triton_batched_experts
+
+        def run(xb, n):
+            return experts.triton_batched_experts(xb, n, w13, w2, None, None, "silu", 1.702, None, tokens * K, K)
+    else:
+        amax = (torch.tensor(6.0), torch.tensor(10.0)) if scheme.endswith("static") else None
+        q13, q2, p = quantize_weights(w13, w2, scheme, activation_amax=amax)
+        replayed = quant.triton_batched_quant_experts
+
+        def run(xb, n):
+            return quant.triton_batched_quant_experts(
+                xb, n, q13, q2, None, None, "silu", 1.702, None, scheme, p.w13_scale, p.w2_scale, p.a13_scale,
+                p.a2_scale, w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
+                num_slots=tokens * K, top_k=K)
+    launches = []
+
+    def counter(original):
+        def counted(*args, **kwargs):
+            launches.append(args[0])
+            return original(*args, **kwargs)
+        return counted
+
+    def call() -> torch.Tensor:
+        launches.clear()
+        return run(x_b.clone(), counts.clone())
+
+    replay.clear()
+    for module in (experts, quant):
+        monkeypatch.setattr(module, "launch", counter(module.launch))
+    with knobs.override(TRITON_TMA=False):
+        reference = replays_bitwise(call, launches, replayed)
+    assert reference.shape == (E, tokens, H)
+    rows = torch.arange(tokens, device="cuda")[None, :] >= counts[:, None].long()
+    assert not reference[rows].any() and reference[~rows].abs().sum() > 0

@@ -352,3 +352,46 @@ def test_a_refusal_under_other_knob_values_records_again(fake):
         with unittest.mock.patch.object(launcher, "launch", lambda *a, **k: calls.append(a) or original(*a, **k)):
             path(aligned(3, 5), w)
         assert len(calls) == 1
+
+
+def test_a_result_that_views_an_allocation_is_that_view_of_the_new_one(fake):
+    """The batched layout returns y [L*M, H] viewed [L, M, H]: the plan keeps the view (shape,
+    strides, offset) and a replay returns the same view of its own allocation."""
+
+    @replay.replayable
+    def path(x, w):
+        y = torch.zeros(x.shape[0] * 2, x.shape[1])
+        launcher.launch(fake.gemm, (1,), x, w, y, x.shape[0])
+        return y[2:].view(x.shape[0] - 1, 2, x.shape[1]).transpose(0, 1)
+
+    w = aligned(8)
+    for _ in range(2):
+        want = path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and plan.view == ((2, 2, 5), (5, 10, 1), 10)
+    fake.log.clear()
+    out = path(aligned(3, 5), w)
+    ((way, _, args),) = fake.log
+    assert way == "direct" and out.data_ptr() == args[11] + 10 * 4
+    assert (out.shape, out.stride(), out.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(out, want)  # zeros both
+    base = out._base if out._base is not None else out
+    assert base.data_ptr() == args[11] and base.numel() == 30
+
+
+def test_a_result_from_elsewhere_is_refused(fake):
+    """A result that is no argument, allocation or view of one (a tensor held outside the call)
+    cannot be made again: refused, the full path every call."""
+    held = aligned(4, 5)
+
+    @replay.replayable
+    def path(x, w):
+        launcher.launch(fake.gemm, (1,), x, w, w, x.shape[0])
+        return held[1:]
+
+    w = aligned(8)
+    for _ in range(3):
+        out = path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Refused) and "view of one" in plan.reason
+    assert out.data_ptr() == held[1:].data_ptr()

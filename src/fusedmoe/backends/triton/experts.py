@@ -1247,6 +1247,7 @@ class TritonExperts(Experts):
 
 
 # Batched layout ---------------------------------------------------------------------------------
+@replay.replayable
 def triton_batched_experts(
     x_LMH: torch.Tensor,
     num_tokens_L: torch.Tensor,
@@ -1266,6 +1267,7 @@ def triton_batched_experts(
     The same kernels as the contiguous layout: buffer rows are the "slots" (top_k = 1), each
     expert's max_tokens rows are padded to whole BLOCK_M blocks, rows past the count masked.
     num_slots / top_k: the dispatch's slot count and top-k, for the tiles (`batched_problem`).
+    Eager calls of a signature seen twice replay the recorded launches (`replay.replayable`).
     """
     def gemms(launch: Launch, t1: TileConfig, t2: TileConfig) -> None:
         launch_gemm1(launch, w13, w13_bias, t1)

@@ -649,6 +649,7 @@ def launch_quant_gemm2(q: QuantLaunch, w2, w2_bias, w2_scale, tile: TileConfig,
     launch_gemm2(q.L, w2, w2_bias, tile, dict(args, ACC_INT=q.scheme.weight.dtype == "int8"), a=q.a_in)
 
 
+@replayable
 def triton_batched_quant_experts(
     x_LMH: torch.Tensor,
     num_tokens_L: torch.Tensor,
@@ -677,16 +678,20 @@ def triton_batched_quant_experts(
     The contiguous path's stages on the batched rows (experts.prepare_batched_launch), so fq is
     the same: a dynamic per-tensor scale is the amax of expert e's first num_tokens[e] rows (the
     tokens routed to it, as `emulation` computes it per expert); rows past the count are never
-    read by the amax, the GEMMs or the per-row quantization's consumers.
+    read by the amax, the GEMMs or the per-row quantization's consumers. Eager calls of a
+    signature seen twice replay the recorded launches (`replay.replayable`), skipping the checks
+    as `triton_quant_experts` does.
     """
     from fusedmoe.backends.triton.experts import run_batched
 
     scheme = _triton_scheme(scheme)
+    if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
+        raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
+    check_quant_tensors(w13, w2, scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
+                        w2_global_scale, x_LMH.shape[-1], w13.shape[1], gated=is_gated(activation))
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_batched_weight_only_experts
 
-        if a13_scale is not None or a2_scale is not None:
-            raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
         return triton_batched_weight_only_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
@@ -872,14 +877,16 @@ def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swigl
 
 
 def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0, top_k: int = 1):
-    """`BatchedTritonExperts.apply_batched` for quantized weights: validate, then run the custom op."""
-    from fusedmoe.quant.weights import check_quant_weights
-
+    """`BatchedTritonExperts.apply_batched` for quantized weights: the scheme checked, then the
+    custom op (whose body, `triton_batched_quant_experts`, checks the tensors against it)."""
     quant: QuantParams = weights.quant
     scheme = _triton_scheme(quant.scheme)
     if config.quant is not None and scheme != config.quant:
         raise ValueError(f"weights.quant has scheme {scheme.name} but the config says {config.quant.name}")
-    check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1], gated=config.gated)
+    if torch.compiler.is_compiling():  # eager calls check in triton_batched_quant_experts (replays skip it)
+        from fusedmoe.quant.weights import check_quant_weights
+
+        check_quant_weights(weights.w13, weights.w2, quant, x_LMH.shape[-1], weights.w13.shape[1], gated=config.gated)
     return call_op(
         triton_batched_quant_experts_op, _triton_batched_quant_experts_op_impl,
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,

@@ -20,6 +20,8 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   arguments that overlap without sharing an address) makes the signature run `fn` as it is, with
   the reason kept (`plans()`), until a knob the refused call read has another value (a call with
   validation on syncs on the device: recorded again once it is off).
+- The result must be a tensor argument, an allocation, or a view of one (kept as its shape,
+  strides and offset in that source: the batched layout returns [L*M, H] viewed [L, M, H]).
 - Later calls of the signature replay: the recorded allocations are made again (those neither
   returned nor filled as parts of one scratch buffer, one allocation instead of one each: the
   launches need only their addresses), each pointer is the new source's address plus its offset,
@@ -29,7 +31,9 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   recorded one (Triton specialises on 16-byte alignment).
 
 Wrapped: `experts.triton_experts` (unquantized) and `quant.triton_quant_experts` (W8A8 and
-weight-only; the quantized weights' metadata checks run inside it, so a replay skips them too).
+weight-only; the quantized weights' metadata checks run inside it, so a replay skips them too),
+and the batched layout's `experts.triton_batched_experts` and `quant.triton_batched_quant_experts`
+(likewise). The expert-parallel dispatch around them (`distributed`) runs its full path.
 
 FUSEDMOE_TRITON_REPLAY=0 turns it off; so does FUSEDMOE_TRITON_LAUNCHER=0 (the knob is read while
 recording). `clear()` forgets the plans (`experts.clear_tile_caches` calls it: tuned tables
@@ -129,6 +133,9 @@ class Plan(NamedTuple):
     # (multiples of _POOL_ALIGN, so addresses keep their residues), -1 where it is a tensor of its own.
     pool: int
     offsets: tuple[int, ...]
+    # the result as a view of source `out` (shape, strides, element offset from its first
+    # element); None where it is that source itself
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
 
 class Refused(NamedTuple):
@@ -205,8 +212,15 @@ def _build(out, launches: list, reads: dict, ops: _Operations, tensors: list) ->
     index = next((i for i, t in enumerate(sources) if t is out or (
         type(out) in _TENSORS and t.data_ptr() == out.data_ptr() and t.shape == out.shape
         and t.dtype == out.dtype and t.stride() == out.stride())), None)
+    view = None
+    if index is None and type(out) in _TENSORS:  # a view of a source (the batched layout's [L, M, H])
+        first, end = _extent(out)
+        index = next((i for i, t in enumerate(sources) if t.dtype == out.dtype
+                      and extents[i][0] <= first and end <= extents[i][1]), None)
+        if index is not None:
+            view = (tuple(out.shape), out.stride(), (first - extents[index][0]) // out.element_size())
     if index is None:
-        return Refused("the result is neither a tensor argument nor an allocation")
+        return Refused("the result is neither a tensor argument, an allocation nor a view of one")
     devices = {launch.device for launch in launches}
     if len(devices) > 1:
         return Refused(f"launches on several devices {sorted(devices)}")
@@ -214,7 +228,7 @@ def _build(out, launches: list, reads: dict, ops: _Operations, tensors: list) ->
                         for a, fill in zip(ops.allocations, ops.fills, strict=True))
     pool, offsets = _pool(allocations, index - len(tensors))
     return Plan(tuple(launches), allocations, tuple(slots), tuple(residues), tuple(reads.items()),
-                devices.pop() if devices else -1, index, pool, offsets)
+                devices.pop() if devices else -1, index, pool, offsets, view)
 
 
 def _pool(allocations: tuple[Allocation, ...], out: int) -> tuple[int, tuple[int, ...]]:
@@ -270,8 +284,11 @@ def _replay(plan: Plan, tensors: list, ptrs: list):
                 values[j] = addresses[k]
                 k += 1
             launch.run(*launch.grid, stream, launch.function, launch.metadata, None, None, None, *values)
-    sources = tensors + allocations
-    return sources[plan.out]
+    out = (tensors + allocations)[plan.out]
+    if plan.view is not None:
+        shape, stride, offset = plan.view
+        out = out.as_strided(shape, stride, out.storage_offset() + offset)
+    return out
 
 
 def replayable(fn: Callable) -> Callable:

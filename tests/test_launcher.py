@@ -411,3 +411,50 @@ def test_batched_layout_calls_replay_bitwise(monkeypatch, scheme, tokens):
     assert reference.shape == (E, tokens, H)
     rows = torch.arange(tokens, device="cuda")[None, :] >= counts[:, None].long()
     assert not reference[rows].any() and reference[~rows].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("scheme", [None, "fp8_w8a8_block", "int4_w4a16_g128"])
+def test_the_whole_batched_path_replays(monkeypatch, scheme, tokens):
+    """fused_experts(activation_format="batched") on one GPU: the dispatch (`batched.batched_dispatch`,
+    four tensors back, two of them rows of one zero-filled allocation), the batched experts and
+    the combine each replay from the third call; bitwise the full path, no call of `launch`."""
+    from fusedmoe import fused_experts, select_experts
+    from fusedmoe.backends.triton import batched, experts, quant, replay
+    from fusedmoe.quant.weights import quantize_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(400 + tokens)
+    E, H, inter, K = 20, 384, 256, 4
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", generator=gen) / H**0.5
+    w2 = torch.randn(E, H, inter, device="cuda", generator=gen) / inter**0.5
+    if scheme is None:
+        q13, q2, params = w13.bfloat16(), w2.bfloat16(), None
+    else:
+        q13, q2, params = quantize_weights(w13, w2, scheme)
+    weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
+    launches = []
+
+    def counter(original):
+        def counted(*args, **kwargs):
+            launches.append(args[0])
+            return original(*args, **kwargs)
+        return counted
+
+    def call() -> torch.Tensor:
+        launches.clear()
+        return fused_experts(x.clone(), q13, q2, weights.clone(), ids.clone(), quant=params, backend="triton",
+                             activation_format="batched")
+
+    replay.clear()
+    for module in (experts, quant, batched):
+        monkeypatch.setattr(module, "launch", counter(module.launch))
+    with knobs.override(TRITON_TMA=False):
+        reference = replays_bitwise(call, launches, batched.batched_dispatch)
+    middle = experts.triton_batched_experts if scheme is None else quant.triton_batched_quant_experts
+    for fn in (middle, batched.batched_combine):
+        assert [type(p) for p in fn.plans().values()] == [replay.Plan], fn.__name__
+    want = fused_experts(x.clone(), q13, q2, weights, ids, quant=params, backend="triton").float()
+    assert (reference.float() - want).norm() / want.norm() < 2e-2  # the standard layout, other sum orders

@@ -151,7 +151,7 @@ def test_out_given_and_shared_addresses_are_signatures_of_their_own(fake):
     *_, (_, _, sum_args) = fake.log
     assert sum_args[9 + 1] == out.data_ptr() and sum_args[9 + 2] == x.data_ptr()
     plans = [p for p in path.plans().values() if isinstance(p, replay.Plan)]
-    assert len(plans) == 2 and {p.out for p in plans} == {0, 2}  # x (shared with out), then out
+    assert len(plans) == 2 and {p.out for p in plans} == {((0, None),), ((2, None),)}  # x (shared with out), then out
 
 
 @pytest.mark.parametrize("why", ["operation", "foreign_pointer", "unkeyed_argument"])
@@ -368,7 +368,7 @@ def test_a_result_that_views_an_allocation_is_that_view_of_the_new_one(fake):
     for _ in range(2):
         want = path(aligned(3, 5), w)
     (plan,) = path.plans().values()
-    assert isinstance(plan, replay.Plan) and plan.view == ((2, 2, 5), (5, 10, 1), 10)
+    assert isinstance(plan, replay.Plan) and plan.out == ((2, ((2, 2, 5), (5, 10, 1), 10)),) and not plan.many
     fake.log.clear()
     out = path(aligned(3, 5), w)
     ((way, _, args),) = fake.log
@@ -377,6 +377,40 @@ def test_a_result_that_views_an_allocation_is_that_view_of_the_new_one(fake):
     assert torch.equal(out, want)  # zeros both
     base = out._base if out._base is not None else out
     assert base.data_ptr() == args[11] and base.numel() == 30
+
+
+def test_a_tuple_of_results_is_a_tuple_again(fake):
+    """The batched dispatch returns (buffer, counts, rows, raw counts): two allocations and two
+    rows of a third (unbind); a replay returns the same tuple of its own tensors, none of them
+    in the scratch buffer."""
+
+    @replay.replayable
+    def path(x, w):
+        buf = torch.empty(2, x.shape[0], x.shape[1])
+        dest = torch.full((x.shape[0],), -1, dtype=torch.int64)
+        raw, counts = torch.zeros(2, 4, dtype=torch.int32).unbind(0)
+        scratch = torch.empty(7), torch.empty(3)
+        launcher.launch(fake.gemm, (1,), x, w, buf, x.shape[0])
+        launcher.launch(fake.sum, (1,), dest, counts, scratch[0], 2)
+        launcher.launch(fake.sum, (1,), raw, scratch[1], x, 2)
+        return buf, counts, dest, raw
+
+    w = aligned(8)
+    for _ in range(2):
+        want = path(aligned(3, 5), w)
+    (plan,) = path.plans().values()
+    assert isinstance(plan, replay.Plan) and plan.many
+    assert [index for index, _ in plan.out] == [2, 4, 3, 4] and plan.out[1][1] == ((4,), (1,), 4)
+    assert plan.offsets == (-1, -1, -1, 0, 512)  # buf, dest, the zeros, then the scratch pair
+    fake.log.clear()
+    got = path(aligned(3, 5), w)
+    assert type(got) is tuple and len(got) == 4
+    for g, t in zip(got, want, strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (t.shape, t.stride(), t.dtype)
+    (_, _, a1), (_, _, a2), (_, _, a3) = fake.log
+    assert a1[11] == got[0].data_ptr() and a2[9:11] == (got[2].data_ptr(), got[1].data_ptr())
+    assert a3[9] == got[3].data_ptr() == got[1].data_ptr() - 16
+    assert torch.equal(got[2], torch.full((3,), -1)) and not got[1].any() and not got[3].any()
 
 
 def test_a_result_from_elsewhere_is_refused(fake):

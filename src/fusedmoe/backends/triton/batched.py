@@ -9,6 +9,8 @@ about 6 launches per call where the torch ops took ~45 (H100, whole batched call
 138 -> 61 us: benchmarks/results/2026-11-25_h100_6de5762_batched_dispatch_kernels.txt). The same
 results as the torch path in `modular.py`, which CPU tensors and torch.compile take. Routing
 weights and ids may be strided views (a column slice): both are read through contiguous copies.
+Both functions replay their recorded launches on eager calls of a signature seen twice
+(`replay.replayable`), as the batched experts between them do.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 
 from fusedmoe.backends.triton.experts import _reduce, align, triton_cdiv, triton_next_pow2
 from fusedmoe.backends.triton.launcher import launch
+from fusedmoe.backends.triton.replay import replayable
 
 
+@replayable
 def batched_dispatch(
     x_TH: torch.Tensor,
     topk_weights_TK: torch.Tensor,
@@ -60,6 +64,7 @@ def batched_dispatch(
     return x_b, counts, dest, raw
 
 
+@replayable
 def batched_combine(y_LMH: torch.Tensor, dest_N: torch.Tensor, topk_weights_TK: torch.Tensor,
                     weight_on_input: bool) -> torch.Tensor:
     """out [T, H] in y's dtype: each token's slots summed from their buffer rows (dest >= 0), times

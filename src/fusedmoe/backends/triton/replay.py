@@ -20,8 +20,9 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
   arguments that overlap without sharing an address) makes the signature run `fn` as it is, with
   the reason kept (`plans()`), until a knob the refused call read has another value (a call with
   validation on syncs on the device: recorded again once it is off).
-- The result must be a tensor argument, an allocation, or a view of one (kept as its shape,
-  strides and offset in that source: the batched layout returns [L*M, H] viewed [L, M, H]).
+- The result (a tensor, or a tuple of tensors) must be tensor arguments, allocations, or views of
+  them (kept as shape, strides and offset in that source: the batched layout returns [L*M, H]
+  viewed [L, M, H]).
 - Later calls of the signature replay: the recorded allocations are made again (those neither
   returned nor filled as parts of one scratch buffer, one allocation instead of one each: the
   launches need only their addresses), each pointer is the new source's address plus its offset,
@@ -33,7 +34,8 @@ kernels through `fusedmoe.backends.triton.launcher.launch`:
 Wrapped: `experts.triton_experts` (unquantized) and `quant.triton_quant_experts` (W8A8 and
 weight-only; the quantized weights' metadata checks run inside it, so a replay skips them too),
 and the batched layout's `experts.triton_batched_experts` and `quant.triton_batched_quant_experts`
-(likewise). The expert-parallel dispatch around them (`distributed`) runs its full path.
+(likewise), and the one-rank batched dispatch and combine around them (`batched`). The
+expert-parallel all-to-all (`distributed`) runs its full path.
 
 FUSEDMOE_TRITON_REPLAY=0 turns it off; so does FUSEDMOE_TRITON_LAUNCHER=0 (the knob is read while
 recording). `clear()` forgets the plans (`experts.clear_tile_caches` calls it: tuned tables
@@ -127,15 +129,16 @@ class Plan(NamedTuple):
     residues: tuple[int, ...]
     knobs: tuple[tuple[str, Any], ...]
     device: int
-    out: int  # the returned tensor: a source index
+    # the result: for each returned tensor (one, or each of a tuple: `many`), (its source index,
+    # its view of that source: (shape, strides, element offset from the source's first element),
+    # or None where it is the source itself)
+    out: tuple[tuple[int, tuple[tuple[int, ...], tuple[int, ...], int] | None], ...]
     # The scratch: allocations neither returned nor filled share one byte buffer of `pool` bytes
     # (one torch.empty a replay instead of one each); `offsets`: each allocation's offset in it
     # (multiples of _POOL_ALIGN, so addresses keep their residues), -1 where it is a tensor of its own.
     pool: int
     offsets: tuple[int, ...]
-    # the result as a view of source `out` (shape, strides, element offset from its first
-    # element); None where it is that source itself
-    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+    many: bool = False  # the function returns a tuple of tensors
 
 
 class Refused(NamedTuple):
@@ -208,33 +211,45 @@ def _build(out, launches: list, reads: dict, ops: _Operations, tensors: list) ->
                 return Refused(f"a pointer of {launch.kernel.name} is in no tensor argument or allocation")
             slots.append((source, address - extents[source][0]))
             residues.append(address & _MASK)
-    # the same tensor: a dispatch mode hands the caller another Python object for an allocation
-    index = next((i for i, t in enumerate(sources) if t is out or (
-        type(out) in _TENSORS and t.data_ptr() == out.data_ptr() and t.shape == out.shape
-        and t.dtype == out.dtype and t.stride() == out.stride())), None)
-    view = None
-    if index is None and type(out) in _TENSORS:  # a view of a source (the batched layout's [L, M, H])
-        first, end = _extent(out)
-        index = next((i for i, t in enumerate(sources) if t.dtype == out.dtype
-                      and extents[i][0] <= first and end <= extents[i][1]), None)
-        if index is not None:
-            view = (tuple(out.shape), out.stride(), (first - extents[index][0]) // out.element_size())
-    if index is None:
-        return Refused("the result is neither a tensor argument, an allocation nor a view of one")
+    many = type(out) is tuple
+    results = []
+    for o in out if many else (out,):
+        found = _result(o, sources, extents)
+        if found is None:
+            return Refused("the result is neither a tensor argument, an allocation nor a view of one")
+        results.append(found)
     devices = {launch.device for launch in launches}
     if len(devices) > 1:
         return Refused(f"launches on several devices {sorted(devices)}")
     allocations = tuple(Allocation(tuple(a.shape), a.dtype, a.device, fill)
                         for a, fill in zip(ops.allocations, ops.fills, strict=True))
-    pool, offsets = _pool(allocations, index - len(tensors))
+    pool, offsets = _pool(allocations, {i - len(tensors) for i, _ in results})
     return Plan(tuple(launches), allocations, tuple(slots), tuple(residues), tuple(reads.items()),
-                devices.pop() if devices else -1, index, pool, offsets, view)
+                devices.pop() if devices else -1, tuple(results), pool, offsets, many)
 
 
-def _pool(allocations: tuple[Allocation, ...], out: int) -> tuple[int, tuple[int, ...]]:
+def _result(out, sources: list, extents: list) -> tuple[int, tuple | None] | None:
+    """(source index, view or None) of a returned tensor, or None where no source holds it."""
+    if type(out) not in _TENSORS:
+        return None
+    # the same tensor: a dispatch mode hands the caller another Python object for an allocation
+    index = next((i for i, t in enumerate(sources) if t is out or (
+        t.data_ptr() == out.data_ptr() and t.shape == out.shape and t.dtype == out.dtype
+        and t.stride() == out.stride())), None)
+    if index is not None:
+        return index, None
+    first, end = _extent(out)  # a view of a source (the batched layout's [L, M, H], unbind's rows)
+    index = next((i for i, t in enumerate(sources) if t.dtype == out.dtype
+                  and extents[i][0] <= first and end <= extents[i][1]), None)
+    if index is None:
+        return None
+    return index, (tuple(out.shape), out.stride(), (first - extents[index][0]) // out.element_size())
+
+
+def _pool(allocations: tuple[Allocation, ...], out: set[int]) -> tuple[int, tuple[int, ...]]:
     """(bytes, offsets) of the scratch buffer (Plan.pool): unfilled allocations other than the
-    result, all on one device; none where fewer than two would share it."""
-    scratch = [i for i, a in enumerate(allocations) if a.fill is None and i != out]
+    results' sources, all on one device; none where fewer than two would share it."""
+    scratch = [i for i, a in enumerate(allocations) if a.fill is None and i not in out]
     if len(scratch) < 2 or len({allocations[i].device for i in scratch}) > 1:
         return 0, (-1,) * len(allocations)
     offsets, end = [-1] * len(allocations), 0
@@ -284,11 +299,15 @@ def _replay(plan: Plan, tensors: list, ptrs: list):
                 values[j] = addresses[k]
                 k += 1
             launch.run(*launch.grid, stream, launch.function, launch.metadata, None, None, None, *values)
-    out = (tensors + allocations)[plan.out]
-    if plan.view is not None:
-        shape, stride, offset = plan.view
-        out = out.as_strided(shape, stride, out.storage_offset() + offset)
-    return out
+    sources = tensors + allocations
+    results = []
+    for index, view in plan.out:
+        out = sources[index]
+        if view is not None:
+            shape, stride, offset = view
+            out = out.as_strided(shape, stride, out.storage_offset() + offset)
+        results.append(out)
+    return tuple(results) if plan.many else results[0]
 
 
 def replayable(fn: Callable) -> Callable:

@@ -506,6 +506,56 @@ def test_missing_up_on_non_gated_detected() -> None:
         layer.process_weights_after_loading()
 
 
+def test_weights_never_written_raise_before_any_compute() -> None:
+    """A full-precision layer whose weights were neither loaded nor written (torch.empty) raises
+    at its first forward, naming (expert, shard); EP names global experts; a non-gated layer has
+    no gate shard."""
+    layer = BASE.layer()
+    with pytest.raises(RuntimeError, match=r"neither loaded nor written \(expert, shard\): \[\(0, 'down'\), "
+                                           r"\(0, 'gate'\), \(0, 'up'\), \(1, 'down'\)"):
+        layer(torch.randn(3, BASE.hidden), torch.randn(3, BASE.num_experts))
+    assert layer._kernel is None  # nothing ran
+    layer = BASE.layer(ParallelConfig(ep_size=2, ep_rank=1, placement="round_robin"))
+    with pytest.raises(RuntimeError, match=rf"\[\(1, 'down'\), \(1, 'gate'\), \(1, 'up'\), \(3, 'down'\).* "
+                                           rf"\({3 * BASE.num_experts // 2} in all\)"):
+        layer.process_weights_after_loading()
+    layer = RELU2.layer()
+    with torch.no_grad():
+        layer.w2_weight.normal_()
+    with pytest.raises(RuntimeError, match=r"\[\(0, 'up'\), \(1, 'up'\)") as err:
+        layer.process_weights_after_loading()
+    assert "gate" not in str(err.value) and "down" not in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["data_copy", "state_dict", "init", "assigned", "some_experts"])
+def test_weights_written_directly_are_not_reported(how: str) -> None:
+    """Every way of writing the parameters directly counts as written (no loader involved); a
+    write that covers some experts names the others."""
+    layer = BASE.layer()
+    w13 = torch.randn(layer.w13_weight.shape) / BASE.hidden**0.5
+    w2 = torch.randn(layer.w2_weight.shape) / BASE.intermediate**0.5
+    with torch.no_grad():
+        if how == "data_copy":
+            layer.w13_weight.data.copy_(w13)
+            layer.w2_weight.data.copy_(w2)
+        elif how == "state_dict":
+            layer.load_state_dict({"w13_weight": w13, "w2_weight": w2}, strict=False)
+        elif how == "init":
+            torch.nn.init.normal_(layer.w13_weight, std=0.05)
+            torch.nn.init.normal_(layer.w2_weight, std=0.05)
+        elif how == "assigned":
+            layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+            layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        else:
+            layer.w13_weight[1:].copy_(w13[1:])
+            layer.w2_weight.copy_(w2)
+            with pytest.raises(RuntimeError, match=r"\[\(0, 'gate'\), \(0, 'up'\)\] \(2 in all\)"):
+                layer.process_weights_after_loading()
+            return
+    out = layer(torch.randn(3, BASE.hidden), torch.randn(3, BASE.num_experts))
+    assert out.isfinite().all()
+
+
 def test_loading_after_processing_raises() -> None:
     ckpt = make_checkpoint(BASE)
     layer = build(BASE, ckpt)

@@ -21,6 +21,9 @@ With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and 
 (`fusedmoe.quant.checkpoint`): `w13_weight`/`w2_weight` hold the storage dtype and the scale
 buffers the fused layout, except that w13's per-tensor values (fp8 weight scale, NVFP4 global
 scale, input scales) stay per half, [L, 2] (gate, up), until processing fuses them to [L].
+Weights may also be written directly (`param.data.copy_`, `load_state_dict`, `nn.init`, a new
+Parameter); a full-precision layer whose weights were neither loaded nor written raises at
+processing, naming the (expert, shard) pairs (a NaN sentinel per shard in the fresh storage).
 """
 
 from __future__ import annotations
@@ -236,6 +239,7 @@ class FusedMoE(nn.Module):
                                            requires_grad=False)
             self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter, **factory),
                                           requires_grad=False)
+            self._mark_unwritten()
         if has_bias:
             self.w13_bias = nn.Parameter(torch.zeros(num_local, rows, **factory), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.zeros(num_local, hidden_size, **factory), requires_grad=False)
@@ -635,8 +639,9 @@ class FusedMoE(nn.Module):
         return self.selection
 
     def _check_all_loaded(self) -> None:
-        """Raise listing (expert, shard) pairs never loaded, unless nothing was loaded at all
-        into a full-precision layer (its parameters may have been assigned directly).
+        """Raise listing (expert, shard) pairs never loaded; where nothing was loaded at all into a
+        full-precision layer (its parameters may have been written directly), those never written
+        either (`_mark_unwritten`'s sentinels).
 
         Optional roles (NVFP4's input_scale) are all-or-nothing across the layer.
         """
@@ -647,7 +652,17 @@ class FusedMoE(nn.Module):
         if not loaded.any():
             if self.prequantized:  # its storage is only ever filled by loading
                 raise RuntimeError("no checkpoint tensors were loaded into this pre-quantized layer")
-            return  # full-precision parameters may have been assigned directly
+            # full-precision parameters may have been written directly: unless they never were
+            unwritten = self._never_written()
+            if unwritten:
+                raise RuntimeError(
+                    f"FusedMoE weights were neither loaded nor written (expert, shard): {unwritten[:8]}"
+                    f"{' ...' if len(unwritten) > 8 else ''} ({len(unwritten)} in all): load them "
+                    "(load_weights, load_expert_weight, weight_loader) or write w13_weight / w2_weight "
+                    "before process_weights_after_loading() or the first forward (the storage is "
+                    "torch.empty: computing on it would return garbage)"
+                )
+            return
         roles = list(required) + [r for r in optional if loaded[..., ROLES.index(r)].any()]
         needed = loaded[..., [ROLES.index(r) for r in roles]]
         if needed.all():
@@ -700,6 +715,40 @@ class FusedMoE(nn.Module):
                      "w2_global_scale"):
             self.register_buffer(f"{name}", getattr(params, name))
         self.quant_params = params
+
+    # Sentinels: weights never written ---------------------------------------------------------
+    def _sentinels(self) -> list[tuple[str, str, int]]:
+        """(parameter, shard, row) of each full-precision shard's sentinel: element [e, row, 0]."""
+        c = self.config
+        inter = c.intermediate_size_per_partition
+        w13 = [("w13_weight", "gate", 0), ("w13_weight", "up", inter)] if c.gated else [("w13_weight", "up", 0)]
+        return [*w13, ("w2_weight", "down", 0)]
+
+    def _mark_unwritten(self) -> None:
+        """NaN into one element of each expert's shard of the fresh (torch.empty) weights, so a
+        layer whose weights were neither loaded nor assigned is told apart from one whose
+        parameters were written directly (`param.data.copy_`, `load_state_dict`, `nn.init`): a
+        write anywhere on the shard covers it. Checked once, when the weights are processed."""
+        if self.w13_weight.is_meta or self.w13_weight.numel() == 0 or self.w2_weight.numel() == 0:
+            return
+        with torch.no_grad():
+            for name, _, row in self._sentinels():
+                getattr(self, name).data[:, row, 0] = float("nan")
+        for name in ("w13_weight", "w2_weight"):  # a parameter assigned in its place is not checked
+            getattr(self, name)._fusedmoe_sentinels = True
+
+    def _never_written(self) -> list[tuple[int, str]]:
+        """(global expert, shard) pairs whose sentinel is still NaN in a parameter that was not
+        replaced since the layer made it (one small device-to-host read)."""
+        found = []
+        for name, shard, row in self._sentinels():
+            param = getattr(self, name)
+            if not getattr(param, "_fusedmoe_sentinels", False) or param.is_meta:
+                continue
+            with torch.no_grad():
+                nan = torch.isnan(param.data[:, row, 0]).cpu()
+            found += [(int(self.local_to_global[e]), shard) for e in nan.nonzero().flatten().tolist()]
+        return sorted(found)
 
     def _expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias,

@@ -504,6 +504,17 @@ REAL_MOE = {
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "glm4_moe": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # GLM-4.5
+    "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
+    "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
+    "glm4_moe_lite": dict(n_routed_experts=32, num_experts_per_tok=4),  # GLM-4.7-Flash: 64
+    "glm_moe_dsa": dict(n_routed_experts=32, num_experts_per_tok=8),  # 256
+    "solar_open": dict(n_routed_experts=32, num_experts_per_tok=8),  # Solar-Open-100B: 128
+    "exaone_moe": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 64
+    "mimo_v2_flash": dict(n_routed_experts=32, num_experts_per_tok=8),  # MiMo-V2-Flash: 256
+    "mellum": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 64
+    "lara_mini": dict(num_experts=32, num_experts_per_tok=4),  # transformers' default: 128
+    "flex_olmo": dict(num_experts=7, num_experts_per_tok=5),  # FlexOlmo-7x7B
+    "granitemoe_swa": dict(num_local_experts=8, num_experts_per_tok=2),  # transformers' default
     "nemotron_h": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),
     "gpt_oss": dict(num_local_experts=32, num_experts_per_tok=4),  # gpt-oss-20b
     "granitemoe": dict(num_local_experts=32, num_experts_per_tok=8),  # Granite-3.0-3B-A800M: 40

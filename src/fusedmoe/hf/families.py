@@ -5,10 +5,13 @@
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
                                                                   Qwen3.5-MoE
-    softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, OLMoE
+    softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, OLMoE, Mellum,
+                                                                  Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
     deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
-    grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3, GLM-4-MoE, Nemotron-H
+    grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
+                                                                  GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
+                                                                  GLM-4-MoE, Nemotron-H
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
@@ -94,6 +97,19 @@ FAMILIES: tuple[Family, ...] = (
                      head_dim=16, layer_types=["linear_attention", "full_attention"],
                      linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                      linear_num_value_heads=4)),
+    Family("Mellum", "mellum", "mellum", "MellumSparseMoeBlock", "MellumConfig",  # Qwen3-MoE's block
+           routing="softmax_norm_topk",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                     head_dim=16, norm_topk_prob=True)),
+    Family("Lara-Mini", "lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "LaraMiniConfig",
+           routing="softmax_norm_topk", router_fp32=True, shared="shared_expert",
+           tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                     head_dim=16, layer_types=["linear_attention", "full_attention"],
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                     linear_num_value_heads=4, eos_token_id=2)),
+    Family("FlexOlmo", "flex_olmo", "flex_olmo", "FlexOlmoSparseMoeBlock", "FlexOlmoConfig",
+           routing="softmax_norm_topk",
+           tiny=dict(_E4, num_experts=4, pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -108,6 +124,45 @@ FAMILIES: tuple[Family, ...] = (
                      n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                      routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V3's block, router and experts as they are (transformers' copies: the sources match)
+    Family("DeepSeek-V3.2", "deepseek_v32", "deepseek_v32", "DeepseekV32MoE", "DeepseekV32Config",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4,
+                     num_key_value_heads=4)),  # MLA: every head has its keys
+    Family("dots.llm1", "dots1", "dots1", "Dots1MoE", "Dots1Config",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=16)),
+    Family("GLM-4.7-Flash", "glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLiteMoE", "Glm4MoeLiteConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16)),
+    Family("GLM-MoE-DSA", "glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaMoE", "GlmMoeDsaConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4,
+                     num_key_value_heads=4)),  # MLA: every head has its keys
+    Family("Solar-Open", "solar_open", "solar_open", "SolarOpenMoE", "SolarOpenConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                     n_group=1, topk_group=1, routed_scaling_factor=1.5, head_dim=16)),
+    Family("EXAONE-MoE", "exaone_moe", "exaone_moe", "ExaoneMoeSparseMoEBlock", "ExaoneMoeConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                     num_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5, head_dim=16)),
+    Family("MiMo-V2-Flash", "mimo_v2_flash", "mimo_v2_flash", "MiMoV2FlashMoE", "MiMoV2FlashConfig",
+           routing="grouped_sigmoid", router_fp32=True,
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_group=1, topk_group=1, routed_scaling_factor=1.5, head_dim=16, v_head_dim=16)),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -126,6 +181,10 @@ FAMILIES: tuple[Family, ...] = (
                      layer_types=["sliding_attention", "full_attention"])),
     Family("GraniteMoE", "granitemoe", "granitemoe", "GraniteMoeMoE", "GraniteMoeConfig",
            router="router", tiny=dict(_E4, num_local_experts=4)),
+    Family("GraniteMoE-SWA", "granitemoe_swa", "granitemoe_swa", "GraniteMoeSWAMoE", "GraniteMoeSWAConfig",
+           router="router",
+           tiny=dict(_E4, num_local_experts=4, sliding_window=8,
+                     layer_types=["full_attention", "sliding_attention"], layer_rope_theta=[10000.0] * 2)),
     Family("GraniteMoE-Shared", "granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
            "GraniteMoeSharedConfig", router="router",
            tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48)),

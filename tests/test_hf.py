@@ -514,6 +514,7 @@ REAL_MOE = {
     "qwen2_moe": dict(num_experts=32, num_experts_per_tok=4),  # Qwen1.5-MoE-A2.7B: 60
     "qwen3_moe": dict(num_experts=32, num_experts_per_tok=8),  # Qwen3-30B-A3B: 128
     "qwen3_next": dict(num_experts=32, num_experts_per_tok=10),  # Qwen3-Next-80B-A3B: 512
+    "qwen4_exp_text": dict(num_experts=32, num_experts_per_tok=10),  # transformers' default: 512
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160

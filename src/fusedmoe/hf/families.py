@@ -5,8 +5,8 @@
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
                                                                   Qwen3.5-MoE
-    softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, OLMoE, Mellum,
-                                                                  Lara-Mini, FlexOlmo
+    softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
+                                                                  Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
     deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
@@ -91,6 +91,15 @@ FAMILIES: tuple[Family, ...] = (
                      shared_expert_intermediate_size=48, num_experts=4, head_dim=16,
                      layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+    Family("Qwen4-Exp", "qwen4_exp_text", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock",  # Qwen3-Next's block
+           "Qwen4ExpTextConfig", routing="softmax_norm_topk", shared="shared_expert",
+           shared_gate="shared_expert_gate",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, num_experts=4, head_dim=16,
+                     layer_types=["linear_attention", "indexed_attention"], linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                     indexer_compress_ratio=2)),
     Family("Qwen3.5-MoE", "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock",
            "Qwen3_5MoeTextConfig", shared="shared_expert", shared_gate="shared_expert_gate",
            tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,

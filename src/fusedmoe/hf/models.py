@@ -20,7 +20,7 @@ _SIZES = ("hidden_size", "d_model", "intermediate_size", "moe_intermediate_size"
           "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
           "intermediate_size_mlp", "shared_intermediate_size", "ffn_hidden_size", "head_dim",
           "linear_key_head_dim", "linear_value_head_dim", "kv_lora_rank", "q_lora_rank",
-          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "indexer_head_dim")
 
 
 def tiny_config(fam: Family | str, *, scale: int = 1, **overrides):

@@ -517,6 +517,7 @@ REAL_MOE = {
     "qwen4_exp_text": dict(num_experts=32, num_experts_per_tok=10),  # transformers' default: 512
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
+    "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "glm4_moe": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # GLM-4.5
@@ -666,10 +667,14 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("hunyuan_v1_moe", dict(moe_topk=[1, 3])),  # per-layer top-k list
     ("nemotron_h", dict(moe_latent_size=16)),  # latent projections around the experts
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
+    ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
+    ("lfm2_moe", dict(norm_topk_prob=False)),
 ]
 
 
-@pytest.mark.parametrize(("model_type", "overrides"), VARIANTS, ids=[f"{t}-{next(iter(o))}" for t, o in VARIANTS])
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    pytest.param(t, o, marks=p.marks) for (t, o), p in zip(VARIANTS, installed([t for t, _ in VARIANTS]), strict=True)
+], ids=[f"{t}-{next(iter(o))}" for t, o in VARIANTS])
 def test_patch_variants(model_type, overrides):
     model = build(model_type, **overrides)
     ids = prompt()
@@ -882,3 +887,19 @@ def test_generate_with_block_cuda_graphs_gpu():
     assert torch.equal(logits, ref_logits) and torch.equal(seq, ref_seq) and torch.equal(steps, ref_steps)
     assert blocks and all(any(e.graph is not None for e in b._fusedmoe_patch.graphs.graphs.values())
                           for b in blocks)
+
+
+def test_activation_functions_as_act_fn():
+    """Experts whose act_fn is a torch function (LFM2-MoE: F.silu) map like the modules; another
+    function is refused by its name."""
+    import torch.nn.functional as F
+
+    from fusedmoe.hf.experts import UnsupportedModel, activation_of
+
+    assert activation_of(F.silu, gated=True, where="E") == "silu"
+    assert activation_of(F.gelu, gated=False, where="E") == "gelu_no_mul"
+    assert activation_of(torch.nn.SiLU(), gated=True, where="E") == "silu"
+    with pytest.raises(UnsupportedModel, match=r"E: activation (torch\.)?tanh as a gated"):
+        activation_of(torch.tanh, gated=True, where="E")
+    with pytest.raises(UnsupportedModel, match=r"E: activation mish as a gated"):
+        activation_of(F.mish, gated=True, where="E")

@@ -46,14 +46,24 @@ class ExpertsMath:
     swiglu_limit: float | None = None
 
 
+# torch functions used as act_fn directly (LFM2-MoE: F.silu); F.gelu's default is the exact erf form
+_FUNCTIONS: dict[object, tuple[str | None, str | None]] = {
+    torch.nn.functional.silu: ("silu", "silu_no_mul"),
+    torch.nn.functional.gelu: ("gelu", "gelu_no_mul"),
+}
+
+
 def activation_of(act_fn: object, *, gated: bool, where: str) -> str:
-    """fusedmoe's activation name for a transformers activation module (gated or not)."""
-    names = _ACTIVATIONS.get(type(act_fn).__name__)
+    """fusedmoe's activation name for a transformers activation module or torch function (gated or not)."""
+    names = _FUNCTIONS.get(act_fn) if callable(act_fn) and not isinstance(act_fn, torch.nn.Module) else None
+    if names is None:
+        names = _ACTIVATIONS.get(type(act_fn).__name__)
     name = None if names is None else names[0 if gated else 1]
     if name is None:
         kind = "gated" if gated else "non-gated"
+        what = None if isinstance(act_fn, torch.nn.Module) else getattr(act_fn, "__qualname__", None)
         raise UnsupportedModel(
-            f"{where}: activation {type(act_fn).__name__} as a {kind} expert activation is not one "
+            f"{where}: activation {what or type(act_fn).__name__} as a {kind} expert activation is not one "
             f"of fusedmoe's (supported: {_supported_activations()})"
         )
     return name

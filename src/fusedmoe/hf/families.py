@@ -13,6 +13,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                                                                   GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
                                                                   GLM-4-MoE, Nemotron-H
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
+    sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
@@ -119,6 +120,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("FlexOlmo", "flex_olmo", "flex_olmo", "FlexOlmoSparseMoeBlock", "FlexOlmoConfig",
            routing="softmax_norm_topk",
            tiny=dict(_E4, num_experts=4, pad_token_id=1, bos_token_id=None, eos_token_id=2)),
+    Family("LFM2-MoE", "lfm2_moe", "lfm2_moe", "Lfm2MoeSparseMoeBlock", "Lfm2MoeConfig",
+           routing="sigmoid_topk",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
+                     routed_scaling_factor=1.5, layer_types=["conv", "full_attention"])),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -321,6 +326,16 @@ def _sigmoid_bias(block, router, x, logits, top_k):
     )
 
 
+def _sigmoid_topk(block, router, x, logits, top_k):
+    # LFM2-MoE: the block's optional selection bias; renormalize iff norm_topk_prob (transformers
+    # adds 1e-6 to the sum: <= 5e-7 relative on the weights); x routed_scaling_factor
+    return select_experts(
+        x, logits, top_k, scoring_func="sigmoid", renormalize=bool(router.norm_topk_prob),
+        e_score_correction_bias=block.expert_bias if block.use_expert_bias else None,
+        routed_scaling_factor=float(router.routed_scaling_factor),
+    )
+
+
 def _softmax_bias_clamp(block, router, x, logits, top_k):
     bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
     norm_min = float(router.norm_min)
@@ -382,6 +397,7 @@ ROUTINGS: dict[str, Route] = {
     "deepseek_v2": _deepseek_v2,
     "grouped_sigmoid": _grouped_sigmoid,
     "sigmoid_bias": _sigmoid_bias,
+    "sigmoid_topk": _sigmoid_topk,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,

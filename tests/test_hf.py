@@ -901,5 +901,5 @@ def test_activation_functions_as_act_fn():
     assert activation_of(torch.nn.SiLU(), gated=True, where="E") == "silu"
     with pytest.raises(UnsupportedModel, match=r"E: activation (torch\.)?tanh as a gated"):
         activation_of(torch.tanh, gated=True, where="E")
-    with pytest.raises(UnsupportedModel, match=r"E: activation mish as a gated"):
+    with pytest.raises(UnsupportedModel, match=r"E: activation torch\.nn\.functional\.mish as a gated"):
         activation_of(F.mish, gated=True, where="E")

@@ -61,7 +61,9 @@ def activation_of(act_fn: object, *, gated: bool, where: str) -> str:
     name = None if names is None else names[0 if gated else 1]
     if name is None:
         kind = "gated" if gated else "non-gated"
-        what = None if isinstance(act_fn, torch.nn.Module) else getattr(act_fn, "__qualname__", None)
+        what = None
+        if not isinstance(act_fn, torch.nn.Module) and hasattr(act_fn, "__name__"):  # a function: module.name
+            what = ".".join(filter(None, (getattr(act_fn, "__module__", None), act_fn.__name__)))
         raise UnsupportedModel(
             f"{where}: activation {what or type(act_fn).__name__} as a {kind} expert activation is not one "
             f"of fusedmoe's (supported: {_supported_activations()})"

@@ -521,6 +521,7 @@ REAL_MOE = {
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "glm4_moe": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # GLM-4.5
+    "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
     "glm4_moe_lite": dict(n_routed_experts=32, num_experts_per_tok=4),  # GLM-4.7-Flash: 64
@@ -668,6 +669,7 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("nemotron_h", dict(moe_latent_size=16)),  # latent projections around the experts
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
+    ("hy_v4", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
 ]
 
@@ -744,6 +746,8 @@ CUSTOM_GATES = [  # experts classes with their own _apply_gate that the hook kno
      dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
     ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig",
      dict(hidden_size=64, intermediate_size=32, num_local_experts=4, swiglu_limit=0.5, swiglu_alpha=1.702)),
+    ("hy_v4", "HYV4Experts", "HYV4Config",
+     dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
 ]
 
 

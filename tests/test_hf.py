@@ -515,6 +515,7 @@ REAL_MOE = {
     "qwen3_moe": dict(num_experts=32, num_experts_per_tok=8),  # Qwen3-30B-A3B: 128
     "qwen3_next": dict(num_experts=32, num_experts_per_tok=10),  # Qwen3-Next-80B-A3B: 512
     "qwen4_exp_text": dict(num_experts=32, num_experts_per_tok=10),  # transformers' default: 512
+    "qwen3_vl_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-VL-30B-A3B: 128
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
@@ -556,7 +557,7 @@ def test_real_moe_sizes_cover_every_family():
             continue
         config = tiny_config(model_type, scale=16, **overrides).get_text_config()
         for key, value in overrides.items():
-            got = getattr(config, key)
+            got = config if key == "text_config" else getattr(config, key)
             for sub, want in value.items() if isinstance(value, dict) else [(None, value)]:
                 assert (got if sub is None else getattr(got, sub)) == want, (model_type, key, sub)
 

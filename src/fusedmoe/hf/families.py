@@ -4,7 +4,7 @@
 
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
-                                                                  Qwen3.5-MoE
+                                                                  Qwen3-VL-MoE, Qwen3.5-MoE
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
                                                                   Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
@@ -101,6 +101,16 @@ FAMILIES: tuple[Family, ...] = (
                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                      indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                      indexer_compress_ratio=2)),
+    # Qwen3-MoE's block with renormalization always on, in the text model of a vision-language model
+    Family("Qwen3-VL-MoE", "qwen3_vl_moe_text", "qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
+           "Qwen3VLMoeConfig",
+           tiny=dict(text_config=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                      head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[2, 3, 3])),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                        out_hidden_size=64, deepstack_visual_indexes=[0]),
+                     # outside the tiny vocabulary: text-only prompts never hold them
+                     image_token_id=1000, video_token_id=1001, vision_start_token_id=1002)),
     Family("Qwen3.5-MoE", "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock",
            "Qwen3_5MoeTextConfig", shared="shared_expert", shared_gate="shared_expert_gate",
            tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,

@@ -20,11 +20,14 @@ _SIZES = ("hidden_size", "d_model", "intermediate_size", "moe_intermediate_size"
           "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
           "intermediate_size_mlp", "shared_intermediate_size", "ffn_hidden_size", "head_dim",
           "linear_key_head_dim", "linear_value_head_dim", "kv_lora_rank", "q_lora_rank",
-          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "indexer_head_dim")
+          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "indexer_head_dim",
+          "out_hidden_size", "mrope_section")
 
 
 def tiny_config(fam: Family | str, *, scale: int = 1, **overrides):
-    """The family's config class on its `tiny` keyword arguments, sizes multiplied by `scale`."""
+    """The family's config class on its `tiny` keyword arguments, sizes multiplied by `scale`;
+    an override that is a dict updates the tiny dict under its key (a multimodal family's
+    `text_config`), any other replaces the value."""
     import transformers
 
     fam = family(fam) if isinstance(fam, str) else fam
@@ -36,14 +39,21 @@ def tiny_config(fam: Family | str, *, scale: int = 1, **overrides):
         for key, value in kwargs.items():
             if isinstance(value, dict):
                 out[key] = scaled(value)
+            elif key in _SIZES and isinstance(value, list):  # mrope_section: parts of head_dim / 2
+                out[key] = [v * scale for v in value]
             elif key in _SIZES and value is not None:
                 out[key] = value * scale
             else:
                 out[key] = value
         return out
 
-    kwargs = scaled(dict(fam.tiny))
-    kwargs.update(overrides)
+    def merged(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    kwargs = merged(scaled(dict(fam.tiny)), overrides)
     return getattr(transformers, fam.config)(**kwargs)
 
 
@@ -54,7 +64,10 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
 
     torch.manual_seed(seed)
     config = tiny_config(fam, scale=scale, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError:  # a multimodal family whose MoE is in its text model (Qwen3-VL-MoE): text-only input
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
     with torch.no_grad():

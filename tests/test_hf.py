@@ -522,6 +522,8 @@ REAL_MOE = {
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "glm4_moe": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # GLM-4.5
+    "glm4v_moe_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1,
+                                            topk_group=1)),  # GLM-4.5V: 128
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128

@@ -201,6 +201,18 @@ FAMILIES: tuple[Family, ...] = (
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
                      n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
                      head_dim=16, routed_scaling_factor=1.5)),
+    Family("GLM-4.5V", "glm4v_moe_text", "glm4v_moe", "Glm4vMoeTextMoE", "Glm4vMoeConfig",  # GLM-4-MoE's block
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                                      n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+                                      routed_scaling_factor=1.5,
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                           partial_rotary_factor=0.5, mrope_section=[1, 1, 2])),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                        out_hidden_size=64),
+                     # outside the tiny vocabulary: text-only prompts never hold them
+                     image_token_id=1000, video_token_id=1001, image_start_token_id=1002,
+                     image_end_token_id=1003, video_start_token_id=1004, video_end_token_id=1005)),
     Family("Nemotron-H", "nemotron_h", "nemotron_h", "NemotronHMoE", "NemotronHConfig",
            routing="grouped_sigmoid", router_fp32=True, layout="up_only", shared="shared_experts",
            latent=True,

@@ -12,6 +12,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
                                                                   GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
                                                                   GLM-4-MoE, Nemotron-H
+    grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
     sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
@@ -196,6 +197,12 @@ FAMILIES: tuple[Family, ...] = (
                      index_head_dim=16, index_topk=4, swiglu_limit=0.5, num_key_value_heads=4, pad_token_id=1,
                      bos_token_id=None, eos_token_id=2,
                      mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2)),
+    Family("Mistral-4", "mistral4", "mistral4", "Mistral4MoE", "Mistral4Config",
+           routing="grouped_softmax", shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     head_dim=16, num_key_value_heads=4)),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -350,6 +357,20 @@ def _grouped_sigmoid(block, router, x, logits, top_k):
     )
 
 
+def _grouped_softmax(block, router, x, logits, top_k):
+    # Mistral-4: softmax scores, groups ranked by the sum of their two best scores (what
+    # select_experts does with a selection bias: a zero one), renormalize iff norm_topk_prob
+    # (Mistral-Large-4: always), x routed_scaling_factor. transformers masks the other groups with
+    # 0.0 where select_experts uses -inf: the same pick, every kept score being > 0.
+    zero_E = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+    return select_experts(
+        x, logits, top_k, scoring_func="softmax", use_grouped_topk=True,
+        num_expert_group=router.num_group, topk_group=router.topk_group, e_score_correction_bias=zero_E,
+        renormalize=bool(getattr(router, "norm_topk_prob", True)),
+        routed_scaling_factor=float(router.routed_scaling_factor),
+    )
+
+
 def _sigmoid_bias(block, router, x, logits, top_k):
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", renormalize=True,
@@ -427,6 +448,7 @@ ROUTINGS: dict[str, Route] = {
     "softmax": _softmax,
     "deepseek_v2": _deepseek_v2,
     "grouped_sigmoid": _grouped_sigmoid,
+    "grouped_softmax": _grouped_softmax,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
     "softmax_bias_clamp": _softmax_bias_clamp,

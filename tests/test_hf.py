@@ -525,6 +525,8 @@ REAL_MOE = {
     "glm4v_moe_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1,
                                             topk_group=1)),  # GLM-4.5V: 128
     "mistral4": dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2),  # 128, 1 group
+    "mistral_large4_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4,
+                                                 topk_group=2)),  # 128, 1 group
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
@@ -674,6 +676,7 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
     ("mistral4", dict(topk_group=1)),  # the group limit binds: a group's max would pick other experts
+    ("mistral_large4_text", dict(text_config=dict(topk_group=1))),
     ("hy_v4", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
 ]

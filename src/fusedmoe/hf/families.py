@@ -12,7 +12,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
                                                                   GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
                                                                   GLM-4-MoE, Nemotron-H
-    grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4
+    grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
     sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
@@ -203,6 +203,17 @@ FAMILIES: tuple[Family, ...] = (
                      n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
                      kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                      head_dim=16, num_key_value_heads=4)),
+    Family("Mistral-Large-4", "mistral_large4_text", "mistral_large4", "MistralLarge4TextMoE",
+           "MistralLarge4Config", routing="grouped_softmax", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                                      n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                                      kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                      head_dim=16, num_key_value_heads=4, index_n_heads=2, index_head_dim=16,
+                                      index_topk=4, first_k_dense_replace=0, bos_token_id=1, eos_token_id=2,
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                     vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, head_dim=16),
+                     image_token_index=1000)),  # outside the tiny vocabulary
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,

@@ -518,6 +518,7 @@ REAL_MOE = {
     "qwen3_vl_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-VL-30B-A3B: 128
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
+    "kolibri1": dict(num_experts=32, num_experts_per_tok=8),
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
@@ -675,6 +676,7 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("nemotron_h", dict(moe_latent_size=16)),  # latent projections around the experts
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
+    ("kolibri1", dict(norm_topk_prob=False)),
     ("mistral4", dict(topk_group=1)),  # the group limit binds: a group's max would pick other experts
     ("mistral_large4_text", dict(text_config=dict(topk_group=1))),
     ("hy_v4", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not

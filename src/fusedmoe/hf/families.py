@@ -16,6 +16,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
     sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
+    logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
     llama4              sigmoid top-1, weight on the input         Llama-4
@@ -135,6 +136,10 @@ FAMILIES: tuple[Family, ...] = (
            routing="sigmoid_topk",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
                      routed_scaling_factor=1.5, layer_types=["conv", "full_attention"])),
+    Family("Kolibri-1", "kolibri1", "kolibri1", "Kolibri1SparseMoeBlock", "Kolibri1Config",
+           routing="logit_bias_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     num_experts=8, head_dim=16, norm_topk_prob=True)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -412,6 +417,21 @@ def _softmax_bias_clamp(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
+def _logit_bias_sigmoid(block, router, x, logits, top_k):
+    # Kolibri-1: select on the logits plus the bias, weight = sigmoid of the picked logits,
+    # renormalize iff norm_topk_prob
+    bias_E = router.e_score_correction_bias
+    renorm = bool(router.norm_topk_prob)
+
+    def route(hidden, logits_TE, k, renormalize):
+        lg = logits_TE.float()
+        ids = torch.topk(lg + bias_E.float(), k, dim=-1).indices
+        w = lg.gather(-1, ids).sigmoid()
+        return (w / w.sum(dim=-1, keepdim=True) if renorm else w), ids
+
+    return select_experts(x, logits, top_k, custom_routing_function=route)
+
+
 def _sparsemixer(block, router, x, logits, top_k):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
@@ -463,6 +483,7 @@ ROUTINGS: dict[str, Route] = {
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
     "softmax_bias_clamp": _softmax_bias_clamp,
+    "logit_bias_sigmoid": _logit_bias_sigmoid,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,
     "llama4": _llama4,

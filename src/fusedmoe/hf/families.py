@@ -56,6 +56,7 @@ class Family:
     shared: str = ""  # block attribute of a shared-expert MLP added to the output
     shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
+    post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -219,6 +220,12 @@ FAMILIES: tuple[Family, ...] = (
                      vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, head_dim=16),
                      image_token_index=1000)),  # outside the tiny vocabulary
+    Family("A.X-K1", "axk1", "axk1", "AXK1MoE", "AXK1Config",  # DeepSeek-V3's block, then a norm
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts", post_norm="post_mlp_layernorm",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,

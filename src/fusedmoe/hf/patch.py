@@ -329,6 +329,8 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
         if fam.shared_gate:
             shared_TH = torch.sigmoid(getattr(self, fam.shared_gate)(x_TH)) * shared_TH
         out_TH = shared_TH + out_TH
+    if fam.post_norm:  # A.X-K1: a norm over the block's output (the hidden dimension)
+        out_TH = getattr(self, fam.post_norm)(out_TH)
     if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])
         return out_TH, logits_TE
     out = out_TH.view(shape)

@@ -220,6 +220,15 @@ FAMILIES: tuple[Family, ...] = (
                      vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, head_dim=16),
                      image_token_index=1000)),  # outside the tiny vocabulary
+    Family("Kimi-Linear", "kimi_linear", "kimi_linear", "KimiLinearMoE", "KimiLinearConfig",  # DeepSeek-V3's block
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                     num_experts_per_token=2, num_shared_experts=1, num_expert_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                     v_head_dim=16, linear_head_dim=16, linear_num_heads=4,
+                     layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
+                     pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("A.X-K1", "axk1", "axk1", "AXK1MoE", "AXK1Config",  # DeepSeek-V3's block, then a norm
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts", post_norm="post_mlp_layernorm",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,

@@ -518,6 +518,7 @@ REAL_MOE = {
     "qwen3_vl_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-VL-30B-A3B: 128
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
+    "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2),  # transformers' default
     "kolibri1": dict(num_experts=32, num_experts_per_tok=8),
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
@@ -679,6 +680,10 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
     ("kolibri1", dict(norm_topk_prob=False)),
+    ("cohere2_moe", dict(shared_expert_combination_strategy="sum")),  # the tiny config averages
+    ("cohere2_moe", dict(num_shared_experts=0)),  # no shared_experts module
+    ("cohere2_moe", dict(expert_selection_fn="sigmoid")),
+    ("cohere2_moe", dict(expert_selection_fn="sigmoid", norm_topk_prob=False)),
     ("mistral4", dict(topk_group=1)),  # the group limit binds: a group's max would pick other experts
     ("mistral_large4_text", dict(text_config=dict(topk_group=1))),
     ("hy_v4", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not
@@ -919,3 +924,16 @@ def test_activation_functions_as_act_fn():
         activation_of(torch.tanh, gated=True, where="E")
     with pytest.raises(UnsupportedModel, match=r"E: activation torch\.nn\.functional\.mish as a gated"):
         activation_of(F.mish, gated=True, where="E")
+
+
+def test_cohere2_moe_unknown_strategies_are_refused():
+    """A shared-expert combination or expert selection the patch does not know refuses the block
+    before anything changes."""
+    for attribute, value in (("shared_expert_combination_strategy", "max"), ("expert_selection_fn", "relu")):
+        model = build("cohere2_moe")
+        for module in model.modules():
+            if type(module).__name__ == "Cohere2MoeSparseMoeBlock":
+                setattr(module if attribute.startswith("shared") else module.gate, attribute, value)
+        with pytest.raises(fh.UnsupportedModel, match=rf"Cohere2-MoE: {attribute}='{value}' is not supported"):
+            fh.patch(model)
+        assert not fh.is_patched(model)

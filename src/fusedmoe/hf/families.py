@@ -13,6 +13,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                                                                   GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
                                                                   GLM-4-MoE, Nemotron-H
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
+    cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
     sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
@@ -57,6 +58,7 @@ class Family:
     shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
     post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
+    shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -141,6 +143,11 @@ FAMILIES: tuple[Family, ...] = (
            routing="logit_bias_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                      num_experts=8, head_dim=16, norm_topk_prob=True)),
+    Family("Cohere2-MoE", "cohere2_moe", "cohere2_moe", "Cohere2MoeSparseMoeBlock", "Cohere2MoeConfig",
+           routing="cohere2", shared="shared_experts", shared_combine="shared_expert_combination_strategy",
+           tiny=dict(_E4, num_experts=8, num_shared_experts=1, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -403,6 +410,14 @@ def _grouped_softmax(block, router, x, logits, top_k):
     )
 
 
+def _cohere2(block, router, x, logits, top_k):
+    # Cohere2-MoE: top-k of the logits, then softmax over the k (= softmax_renorm) or sigmoid
+    # (renormalized iff norm_topk_prob); expert_selection_fn is checked at patch time
+    if router.expert_selection_fn == "softmax":
+        return select_experts(x, logits, top_k, renormalize=True)
+    return select_experts(x, logits, top_k, scoring_func="sigmoid", renormalize=bool(router.norm_topk_prob))
+
+
 def _sigmoid_bias(block, router, x, logits, top_k):
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", renormalize=True,
@@ -496,6 +511,7 @@ ROUTINGS: dict[str, Route] = {
     "deepseek_v2": _deepseek_v2,
     "grouped_sigmoid": _grouped_sigmoid,
     "grouped_softmax": _grouped_softmax,
+    "cohere2": _cohere2,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
     "softmax_bias_clamp": _softmax_bias_clamp,

@@ -236,6 +236,12 @@ def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
     top_k_of(block, router)
     if fam.routing == "llama4":
         _check_llama4(block, router)
+    if fam.routing == "cohere2" and router.expert_selection_fn not in ("softmax", "sigmoid"):
+        raise UnsupportedModel(f"{fam.name}: expert_selection_fn={router.expert_selection_fn!r} is not supported")
+    if fam.shared_combine and getattr(block, fam.shared_combine) not in ("sum", "average"):
+        raise UnsupportedModel(
+            f"{fam.name}: {fam.shared_combine}={getattr(block, fam.shared_combine)!r} is not supported"
+        )
     if LAYOUTS[fam.layout].converts:
         w13 = LAYOUTS[fam.layout].source(experts)
         if w13 is None or not w13.is_floating_point() or w13.element_size() < 2:
@@ -323,12 +329,14 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     )
     if fam.latent:
         out_TH = self.fc2_latent_proj(out_TH)
-    shared = getattr(self, fam.shared) if fam.shared else None
+    shared = getattr(self, fam.shared, None) if fam.shared else None  # optional (Cohere2-MoE)
     if shared is not None:
         shared_TH = shared(x_TH)
         if fam.shared_gate:
             shared_TH = torch.sigmoid(getattr(self, fam.shared_gate)(x_TH)) * shared_TH
         out_TH = shared_TH + out_TH
+        if fam.shared_combine and getattr(self, fam.shared_combine) == "average":
+            out_TH = out_TH / 2
     if fam.post_norm:  # A.X-K1: a norm over the block's output (the hidden dimension)
         out_TH = getattr(self, fam.post_norm)(out_TH)
     if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])

@@ -518,6 +518,9 @@ REAL_MOE = {
     "qwen3_vl_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-VL-30B-A3B: 128
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
+    "flint": dict(num_experts=32, num_experts_per_tok=6),  # transformers' default: 256
+    "hy_v3": dict(num_local_experts=32, num_experts_per_tok=8),
+    "afmoe": dict(num_experts=32, num_experts_per_tok=8),
     "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2),  # transformers' default
     "kolibri1": dict(num_experts=32, num_experts_per_tok=8),
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
@@ -680,6 +683,7 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("gpt_oss", dict(swiglu_limit=0.5)),  # the clamp binds
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
     ("kolibri1", dict(norm_topk_prob=False)),
+    ("flint", dict(norm_topk_prob=False)),
     ("cohere2_moe", dict(shared_expert_combination_strategy="sum")),  # the tiny config averages
     ("cohere2_moe", dict(num_shared_experts=0)),  # no shared_experts module
     ("cohere2_moe", dict(expert_selection_fn="sigmoid")),

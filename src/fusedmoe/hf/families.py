@@ -15,7 +15,8 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
     sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
-    sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE
+    sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE, Flint
+    sigmoid_bias_scaled sigmoid + block bias, renormalize, x scale  HY-V3, AFMoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
@@ -148,6 +149,19 @@ FAMILIES: tuple[Family, ...] = (
            tiny=dict(_E4, num_experts=8, num_shared_experts=1, head_dim=16, sliding_window=8,
                      layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
                      pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    Family("Flint", "flint", "flint", "FlintSparseMoeBlock", "FlintConfig",
+           routing="sigmoid_topk", router_fp32=True, shared="shared_expert",
+           tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                     head_dim=16, norm_topk_prob=True, mlp_only_layers=[], sliding_window=8,
+                     layer_types=["full_attention", "sliding_attention"])),
+    Family("HY-V3", "hy_v3", "hy_v3", "HYV3MoE", "HYV3Config",
+           routing="sigmoid_bias_scaled", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, num_local_experts=8, num_shared_experts=1, head_dim=16,
+                     router_scaling_factor=2.5)),
+    Family("AFMoE", "afmoe", "afmoe", "AfmoeSparseMoeBlock", "AfmoeConfig",
+           routing="sigmoid_bias_scaled", router="router", router_linear="gate", shared="shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, num_shared_experts=1, head_dim=16,
+                     route_scale=2.5)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -427,11 +441,23 @@ def _sigmoid_bias(block, router, x, logits, top_k):
 
 def _sigmoid_topk(block, router, x, logits, top_k):
     # LFM2-MoE: the block's optional selection bias; renormalize iff norm_topk_prob (transformers
-    # adds 1e-6 to the sum: <= 5e-7 relative on the weights); x routed_scaling_factor
+    # adds 1e-6 to the sum: <= 5e-7 relative on the weights); x routed_scaling_factor.
+    # Flint: no bias, no scale.
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", renormalize=bool(router.norm_topk_prob),
-        e_score_correction_bias=block.expert_bias if block.use_expert_bias else None,
-        routed_scaling_factor=float(router.routed_scaling_factor),
+        e_score_correction_bias=block.expert_bias if getattr(block, "use_expert_bias", False) else None,
+        routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0)),
+    )
+
+
+def _sigmoid_bias_scaled(block, router, x, logits, top_k):
+    # HY-V3 (block.e_score_correction_bias, router.router_scaling_factor) and AFMoE
+    # (block.expert_bias, router.route_scale): sigmoid + bias select, renormalize, x scale
+    bias_E = block.e_score_correction_bias if hasattr(block, "e_score_correction_bias") else block.expert_bias
+    scale = router.router_scaling_factor if hasattr(router, "router_scaling_factor") else router.route_scale
+    return select_experts(
+        x, logits, top_k, scoring_func="sigmoid", renormalize=True, e_score_correction_bias=bias_E,
+        routed_scaling_factor=float(scale),
     )
 
 
@@ -514,6 +540,7 @@ ROUTINGS: dict[str, Route] = {
     "cohere2": _cohere2,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
+    "sigmoid_bias_scaled": _sigmoid_bias_scaled,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
     "sparsemixer": _sparsemixer,

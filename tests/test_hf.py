@@ -532,6 +532,7 @@ REAL_MOE = {
     "mistral4": dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2),  # 128, 1 group
     "mistral_large4_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4,
                                                  topk_group=2)),  # 128, 1 group
+    "dots3_note_text": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # 256
     "kimi_linear": dict(num_experts=32, num_experts_per_token=8, num_expert_group=1, topk_group=1),  # 256
     "axk1": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256

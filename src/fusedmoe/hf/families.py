@@ -241,6 +241,14 @@ FAMILIES: tuple[Family, ...] = (
                      vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, head_dim=16),
                      image_token_index=1000)),  # outside the tiny vocabulary
+    Family("dots.note-3", "dots3_note_text", "dots3_note", "Dots3NoteTextMoE", "Dots3NoteTextConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",  # DeepSeek-V3's router
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_experts_intermediate_size=48,
+                     n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     head_dim=16, num_key_value_heads=4, index_n_heads=2, index_head_dim=16, index_topk=4,
+                     sliding_window=8, layer_types=["indexed_attention", "sliding_attention"],
+                     mlp_layer_types=["dense", "sparse"], pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("Kimi-Linear", "kimi_linear", "kimi_linear", "KimiLinearMoE", "KimiLinearConfig",  # DeepSeek-V3's block
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -85,6 +85,18 @@ def replays_bitwise(call, launches: list, replayed) -> torch.Tensor:
     return reference
 
 
+def counted_launches(monkeypatch, *modules) -> list:
+    """The kernels launched through each module's `launch` (the name it imported), appended to the
+    returned list as they are launched (the GPU replay tests clear it before each call)."""
+    launches: list = []
+    for module in modules:
+        def counted(*args, _original=module.launch, **kwargs):
+            launches.append(args[0])
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, "launch", counted)
+    return launches
+
+
 def test_a_repeat_calls_the_compiled_launcher_with_every_argument_in_order(fake):
     fn, _ = fake
     x, out = torch.randn(8), torch.empty(8)
@@ -290,12 +302,7 @@ def test_replayed_calls_equal_the_full_path_bitwise_and_launch_nothing_through_p
     w13 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5
     w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
     weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
-    launches = []
-    original = experts.launch
-
-    def counted(*args, **kwargs):
-        launches.append(args[0])
-        return original(*args, **kwargs)
+    launches = counted_launches(monkeypatch, experts)
 
     def call() -> torch.Tensor:
         launches.clear()
@@ -305,7 +312,6 @@ def test_replayed_calls_equal_the_full_path_bitwise_and_launch_nothing_through_p
         return out
 
     replay.clear()
-    monkeypatch.setattr(experts, "launch", counted)
     with knobs.override(TRITON_DIRECT=direct, TRITON_TMA=False):
         reference = replays_bitwise(call, launches, experts.triton_experts)
     assert not torch.equal(reference, x)
@@ -335,21 +341,13 @@ def test_quantized_calls_replay_bitwise(monkeypatch, scheme, tokens):
     amax = (torch.tensor(6.0), torch.tensor(10.0)) if scheme.endswith("static") else None
     q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
     weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
-    launches = []
-
-    def counter(original):
-        def counted(*args, **kwargs):
-            launches.append(args[0])
-            return original(*args, **kwargs)
-        return counted
+    launches = counted_launches(monkeypatch, experts, quant)
 
     def call() -> torch.Tensor:
         launches.clear()
         return fused_experts(x.clone(), q13, q2, weights.clone(), ids.clone(), quant=params, backend="triton")
 
     replay.clear()
-    for module in (experts, quant):
-        monkeypatch.setattr(module, "launch", counter(module.launch))
     with knobs.override(TRITON_TMA=False):
         replays_bitwise(call, launches, quant.triton_quant_experts)
 
@@ -391,21 +389,13 @@ def test_batched_layout_calls_replay_bitwise(monkeypatch, scheme, tokens):
                 xb, n, q13, q2, None, None, "silu", 1.702, None, scheme, p.w13_scale, p.w2_scale, p.a13_scale,
                 p.a2_scale, w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
                 num_slots=tokens * K, top_k=K)
-    launches = []
-
-    def counter(original):
-        def counted(*args, **kwargs):
-            launches.append(args[0])
-            return original(*args, **kwargs)
-        return counted
+    launches = counted_launches(monkeypatch, experts, quant)
 
     def call() -> torch.Tensor:
         launches.clear()
         return run(x_b.clone(), counts.clone())
 
     replay.clear()
-    for module in (experts, quant):
-        monkeypatch.setattr(module, "launch", counter(module.launch))
     with knobs.override(TRITON_TMA=False):
         reference = replays_bitwise(call, launches, replayed)
     assert reference.shape == (E, tokens, H)
@@ -435,13 +425,7 @@ def test_the_whole_batched_path_replays(monkeypatch, scheme, tokens):
     else:
         q13, q2, params = quantize_weights(w13, w2, scheme)
     weights, ids = select_experts(x, torch.randn(tokens, E, device="cuda", generator=gen), K)
-    launches = []
-
-    def counter(original):
-        def counted(*args, **kwargs):
-            launches.append(args[0])
-            return original(*args, **kwargs)
-        return counted
+    launches = counted_launches(monkeypatch, experts, quant, batched)
 
     def call() -> torch.Tensor:
         launches.clear()
@@ -449,8 +433,6 @@ def test_the_whole_batched_path_replays(monkeypatch, scheme, tokens):
                              activation_format="batched")
 
     replay.clear()
-    for module in (experts, quant, batched):
-        monkeypatch.setattr(module, "launch", counter(module.launch))
     with knobs.override(TRITON_TMA=False):
         reference = replays_bitwise(call, launches, batched.batched_dispatch)
     middle = experts.triton_batched_experts if scheme is None else quant.triton_batched_quant_experts

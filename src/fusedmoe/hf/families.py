@@ -73,6 +73,12 @@ class Family:
 _ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 _E4 = dict(_ATTN, intermediate_size=32, num_experts_per_tok=2)
+# DeepSeek-style configs: routed experts with a shared one, multi-head latent attention (whose
+# every head has its keys), the DSA indexer's sizes
+_ROUTED8 = dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1)
+_MLA_KV = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
+_MLA = dict(_MLA_KV, q_lora_rank=24)
+_INDEX = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -179,29 +185,20 @@ FAMILIES: tuple[Family, ...] = (
     # DeepSeek-V3's block, router and experts as they are (transformers' copies: the sources match)
     Family("DeepSeek-V3.2", "deepseek_v32", "deepseek_v32", "DeepseekV32MoE", "DeepseekV32Config",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
-                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                     qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4,
-                     num_key_value_heads=4)),  # MLA: every head has its keys
+           tiny=dict(_ROUTED8, **_MLA, **_INDEX, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5)),
     Family("dots.llm1", "dots1", "dots1", "Dots1MoE", "Dots1Config",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                     routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=16)),
+           tiny=dict(_ROUTED8, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, head_dim=16)),
     Family("GLM-4.7-Flash", "glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLiteMoE", "Glm4MoeLiteConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                     routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                     qk_nope_head_dim=8, v_head_dim=16)),
+           tiny=dict(_ROUTED8, **_MLA, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=1.8)),
     Family("GLM-MoE-DSA", "glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaMoE", "GlmMoeDsaConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                     qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=4,
-                     num_key_value_heads=4)),  # MLA: every head has its keys
+           tiny=dict(_ROUTED8, **_MLA, **_INDEX, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5)),
     Family("Solar-Open", "solar_open", "solar_open", "SolarOpenMoE", "SolarOpenConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -218,36 +215,26 @@ FAMILIES: tuple[Family, ...] = (
     # GLM-4-MoE's router and block; experts clamp before silu(gate) * up (swiglu_limit)
     Family("HY-V4", "hy_v4", "hy_v4", "HYV4MoE", "HYV4Config",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
-                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2,
-                     index_head_dim=16, index_topk=4, swiglu_limit=0.5, num_key_value_heads=4, pad_token_id=1,
-                     bos_token_id=None, eos_token_id=2,
+           tiny=dict(_ROUTED8, **_INDEX, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, swiglu_limit=0.5,
+                     num_key_value_heads=4, pad_token_id=1, bos_token_id=None, eos_token_id=2,
                      mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2)),
     Family("Mistral-4", "mistral4", "mistral4", "Mistral4MoE", "Mistral4Config",
            routing="grouped_softmax", shared="shared_experts",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
-                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                     head_dim=16, num_key_value_heads=4)),
+           tiny=dict(_ROUTED8, **_MLA, n_group=4, topk_group=2, routed_scaling_factor=1.5, head_dim=16)),
     Family("Mistral-Large-4", "mistral_large4_text", "mistral_large4", "MistralLarge4TextMoE",
            "MistralLarge4Config", routing="grouped_softmax", router_fp32=True, shared="shared_experts",
-           tiny=dict(text_config=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                                      n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5,
-                                      kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                                      head_dim=16, num_key_value_heads=4, index_n_heads=2, index_head_dim=16,
-                                      index_topk=4, first_k_dense_replace=0, bos_token_id=1, eos_token_id=2,
+           tiny=dict(text_config=dict(_ROUTED8, **_MLA_KV, **_INDEX, n_group=4, topk_group=2,
+                                      routed_scaling_factor=1.5, head_dim=16, first_k_dense_replace=0,
+                                      bos_token_id=1, eos_token_id=2,
                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
                      vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, head_dim=16),
                      image_token_index=1000)),  # outside the tiny vocabulary
     Family("dots.note-3", "dots3_note_text", "dots3_note", "Dots3NoteTextMoE", "Dots3NoteTextConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",  # DeepSeek-V3's router
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_experts_intermediate_size=48,
-                     n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                     head_dim=16, num_key_value_heads=4, index_n_heads=2, index_head_dim=16, index_topk=4,
-                     sliding_window=8, layer_types=["indexed_attention", "sliding_attention"],
+           tiny=dict(_ROUTED8, **_MLA, **_INDEX, shared_experts_intermediate_size=48, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, head_dim=16, sliding_window=8, layer_types=["indexed_attention", "sliding_attention"],
                      mlp_layer_types=["dense", "sparse"], pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("Kimi-Linear", "kimi_linear", "kimi_linear", "KimiLinearMoE", "KimiLinearConfig",  # DeepSeek-V3's block
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
@@ -260,10 +247,8 @@ FAMILIES: tuple[Family, ...] = (
                      pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("A.X-K1", "axk1", "axk1", "AXK1MoE", "AXK1Config",  # DeepSeek-V3's block, then a norm
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts", post_norm="post_mlp_layernorm",
-           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
-                     routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                     qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
+           tiny=dict(_ROUTED8, **_MLA, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5)),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,

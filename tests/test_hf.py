@@ -521,6 +521,7 @@ REAL_MOE = {
     "flint": dict(num_experts=32, num_experts_per_tok=6),  # transformers' default: 256
     "hy_v3": dict(num_local_experts=32, num_experts_per_tok=8),
     "afmoe": dict(num_experts=32, num_experts_per_tok=8),
+    "laguna": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
     "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2),  # transformers' default
     "kolibri1": dict(num_experts=32, num_experts_per_tok=8),
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
@@ -685,6 +686,7 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("lfm2_moe", dict(use_expert_bias=False)),  # no selection bias
     ("kolibri1", dict(norm_topk_prob=False)),
     ("flint", dict(norm_topk_prob=False)),
+    ("laguna", dict(moe_router_logit_softcapping=0.0)),  # no softcap (the tiny config's binds)
     ("cohere2_moe", dict(shared_expert_combination_strategy="sum")),  # the tiny config averages
     ("cohere2_moe", dict(num_shared_experts=0)),  # no shared_experts module
     ("cohere2_moe", dict(expert_selection_fn="sigmoid")),

@@ -19,6 +19,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     sigmoid_bias_scaled sigmoid + block bias, renormalize, x scale  HY-V3, AFMoE
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
+    sigmoid_bias_block_scaled  sigmoid + router bias, renorm, x block scale  Laguna (softcapped logits)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
     llama4              sigmoid top-1, weight on the input         Llama-4
@@ -59,6 +60,7 @@ class Family:
     shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
     post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
+    router_softcap: str = ""  # router attribute: cap > 0 makes the logits cap * tanh(logits / cap), float32
     shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
@@ -150,6 +152,12 @@ FAMILIES: tuple[Family, ...] = (
            routing="logit_bias_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                      num_experts=8, head_dim=16, norm_topk_prob=True)),
+    Family("Laguna", "laguna", "laguna", "LagunaSparseMoeBlock", "LagunaConfig",
+           routing="sigmoid_bias_block_scaled", router_softcap="router_logit_softcapping", shared="shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                     head_dim=16, layer_types=["full_attention"] * 2, num_attention_heads_per_layer=[4, 4],
+                     mlp_layer_types=["dense", "sparse"], moe_routed_scaling_factor=1.5,
+                     moe_router_logit_softcapping=2.0)),
     Family("Cohere2-MoE", "cohere2_moe", "cohere2_moe", "Cohere2MoeSparseMoeBlock", "Cohere2MoeConfig",
            routing="cohere2", shared="shared_experts", shared_combine="shared_expert_combination_strategy",
            tiny=dict(_E4, num_experts=8, num_shared_experts=1, head_dim=16, sliding_window=8,
@@ -352,12 +360,18 @@ Route = Callable[[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, 
 
 
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
-    """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32."""
+    """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32; softcapped
+    in float32 where the family's router caps them (Laguna: what its router returns, and routes on)."""
     linear = getattr(router, fam.router_linear) if fam.router_linear else router
     weight, bias = linear.weight, getattr(linear, "bias", None)
     if fam.router_fp32:
-        return F.linear(x_TH.float(), weight.float(), None if bias is None else bias.float())
-    return F.linear(x_TH.to(weight.dtype), weight, bias)
+        logits = F.linear(x_TH.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = F.linear(x_TH.to(weight.dtype), weight, bias)
+    cap = float(getattr(router, fam.router_softcap)) if fam.router_softcap else 0.0
+    if cap > 0.0:
+        logits = torch.tanh(logits.float() / cap) * cap
+    return logits
 
 
 def top_k_of(block: torch.nn.Module, router: torch.nn.Module) -> int:
@@ -482,6 +496,16 @@ def _logit_bias_sigmoid(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
+def _sigmoid_bias_block_scaled(block, router, x, logits, top_k):
+    # Laguna (logits softcapped by router_logits: Family.router_softcap): sigmoid + the router's
+    # bias select, renormalize; the block scales the routed output (= the weights) by its factor
+    return select_experts(
+        x, logits, top_k, scoring_func="sigmoid", renormalize=True,
+        e_score_correction_bias=router.e_score_correction_bias,
+        routed_scaling_factor=float(block.routed_scaling_factor),
+    )
+
+
 def _sparsemixer(block, router, x, logits, top_k):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
@@ -536,6 +560,7 @@ ROUTINGS: dict[str, Route] = {
     "sigmoid_bias_scaled": _sigmoid_bias_scaled,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
+    "sigmoid_bias_block_scaled": _sigmoid_bias_block_scaled,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,
     "llama4": _llama4,

@@ -534,6 +534,8 @@ REAL_MOE = {
     "mistral_large4_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4,
                                                  topk_group=2)),  # 128, 1 group
     "dots3_note_text": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # 256
+    "glm5_next_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1,
+                                            swiglu_limit=10.0)),  # 288
     "kimi_linear": dict(num_experts=32, num_experts_per_token=8, num_expert_group=1, topk_group=1),  # 256
     "axk1": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
@@ -693,7 +695,8 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("cohere2_moe", dict(expert_selection_fn="sigmoid", norm_topk_prob=False)),
     ("mistral4", dict(topk_group=1)),  # the group limit binds: a group's max would pick other experts
     ("mistral_large4_text", dict(text_config=dict(topk_group=1))),
-    ("hy_v4", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not
+    ("hy_v4", dict(swiglu_limit=100.0)),
+    ("glm5_next_text", dict(text_config=dict(swiglu_limit=100.0))),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
 ]
 

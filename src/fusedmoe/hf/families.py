@@ -244,6 +244,18 @@ FAMILIES: tuple[Family, ...] = (
            tiny=dict(_ROUTED8, **_MLA, **_INDEX, shared_experts_intermediate_size=48, n_group=4, topk_group=2,
                      routed_scaling_factor=2.5, head_dim=16, sliding_window=8, layer_types=["indexed_attention", "sliding_attention"],
                      mlp_layer_types=["dense", "sparse"], pad_token_id=1, bos_token_id=None, eos_token_id=2)),
+    Family("GLM-5-Next", "glm5_next_text", "glm5_next", "Glm5NextTextMoE", "Glm5NextConfig",  # DeepSeek-V3's block
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",  # experts: clamped silu
+           tiny=dict(text_config=dict(_ROUTED8, **dict(_MLA, qk_rope_head_dim=0, qk_nope_head_dim=16), **_INDEX,
+                                      n_group=4, topk_group=2, routed_scaling_factor=2.5, head_dim=0, linear_head_dim=16,
+                                      linear_num_heads=4, swiglu_limit=0.5, index_kpool=4, pad_token_id=1,
+                                      layer_types=["linear_attention", "indexed_attention"],
+                                      mlp_layer_types=["sparse", "sparse"]),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                        out_hidden_size=64, projection_intermediate_size=64),
+                     # outside the tiny vocabulary: text-only prompts never hold them
+                     image_token_id=1000, video_token_id=1001, image_start_token_id=1002,
+                     image_end_token_id=1003, video_start_token_id=1004, video_end_token_id=1005)),
     Family("Kimi-Linear", "kimi_linear", "kimi_linear", "KimiLinearMoE", "KimiLinearConfig",  # DeepSeek-V3's block
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

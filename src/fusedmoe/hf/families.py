@@ -14,12 +14,11 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                                                                   GLM-4-MoE, Nemotron-H
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
-    sigmoid_bias        sigmoid + block bias, renormalize          MiniMax-M2
-    sigmoid_topk        sigmoid [+ block bias], renorm iff norm_topk_prob, x scale   LFM2-MoE, Flint
-    sigmoid_bias_scaled sigmoid + block bias, renormalize, x scale  HY-V3, AFMoE
+    sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
+    sigmoid_topk        sigmoid [+ bias], renorm iff norm_topk_prob [x scale]  LFM2-MoE, Flint
+                        (both: bias and scale where Family.selection_bias / weight_scale say)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
-    sigmoid_bias_block_scaled  sigmoid + router bias, renorm, x block scale  Laguna (softcapped logits)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
     llama4              sigmoid top-1, weight on the input         Llama-4
@@ -61,6 +60,10 @@ class Family:
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
     post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
     router_softcap: str = ""  # router attribute: cap > 0 makes the logits cap * tanh(logits / cap), float32
+    # where the sigmoid routings find the selection bias and the weights' scale: "name" on the block,
+    # "router.name" on the router ("" none)
+    selection_bias: str = ""
+    weight_scale: str = ""
     shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
@@ -90,7 +93,7 @@ FAMILIES: tuple[Family, ...] = (
            jitter="jitter_noise",
            tiny=dict(_E4, num_local_experts=4, head_dim=16, layer_types=["full_attention"] * 2)),
     Family("MiniMax-M2", "minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2Config",
-           routing="sigmoid_bias", jitter="jitter_noise",
+           routing="sigmoid_bias", selection_bias="e_score_correction_bias", jitter="jitter_noise",
            tiny=dict(_E4, num_local_experts=8, head_dim=16)),
     Family("Qwen2-MoE", "qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig",
            routing="softmax_norm_topk", shared="shared_expert", shared_gate="shared_expert_gate",
@@ -145,7 +148,7 @@ FAMILIES: tuple[Family, ...] = (
            routing="softmax_norm_topk",
            tiny=dict(_E4, num_experts=4, pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("LFM2-MoE", "lfm2_moe", "lfm2_moe", "Lfm2MoeSparseMoeBlock", "Lfm2MoeConfig",
-           routing="sigmoid_topk",
+           routing="sigmoid_topk", selection_bias="expert_bias", weight_scale="router.routed_scaling_factor",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
                      routed_scaling_factor=1.5, layer_types=["conv", "full_attention"])),
     Family("Kolibri-1", "kolibri1", "kolibri1", "Kolibri1SparseMoeBlock", "Kolibri1Config",
@@ -153,7 +156,9 @@ FAMILIES: tuple[Family, ...] = (
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                      num_experts=8, head_dim=16, norm_topk_prob=True)),
     Family("Laguna", "laguna", "laguna", "LagunaSparseMoeBlock", "LagunaConfig",
-           routing="sigmoid_bias_block_scaled", router_softcap="router_logit_softcapping", shared="shared_experts",
+           routing="sigmoid_bias", router_softcap="router_logit_softcapping",
+           selection_bias="router.e_score_correction_bias", weight_scale="routed_scaling_factor",
+           shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
                      head_dim=16, layer_types=["full_attention"] * 2, num_attention_heads_per_layer=[4, 4],
                      mlp_layer_types=["dense", "sparse"], moe_routed_scaling_factor=1.5,
@@ -169,11 +174,13 @@ FAMILIES: tuple[Family, ...] = (
                      head_dim=16, norm_topk_prob=True, mlp_only_layers=[], sliding_window=8,
                      layer_types=["full_attention", "sliding_attention"])),
     Family("HY-V3", "hy_v3", "hy_v3", "HYV3MoE", "HYV3Config",
-           routing="sigmoid_bias_scaled", router_fp32=True, shared="shared_experts",
+           routing="sigmoid_bias", selection_bias="e_score_correction_bias",
+           weight_scale="router.router_scaling_factor", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, num_local_experts=8, num_shared_experts=1, head_dim=16,
                      router_scaling_factor=2.5)),
     Family("AFMoE", "afmoe", "afmoe", "AfmoeSparseMoeBlock", "AfmoeConfig",
-           routing="sigmoid_bias_scaled", router="router", router_linear="gate", shared="shared_experts",
+           routing="sigmoid_bias", selection_bias="expert_bias", weight_scale="router.route_scale",
+           router="router", router_linear="gate", shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, num_shared_experts=1, head_dim=16,
                      route_scale=2.5)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
@@ -367,8 +374,8 @@ def family(name: str) -> Family:
 
 
 # Routing ------------------------------------------------------------------------------------------
-Route = Callable[[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int],
-                 tuple[torch.Tensor, torch.Tensor]]
+Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int],
+                 tuple[torch.Tensor, torch.Tensor]]  # (family, block, router, x, logits, top_k) -> (weights, ids)
 
 
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -394,19 +401,19 @@ def top_k_of(block: torch.nn.Module, router: torch.nn.Module) -> int:
     raise UnsupportedModel(f"{type(block).__name__}: no top_k on the block or its router")
 
 
-def _softmax_renorm(block, router, x, logits, top_k):
+def _softmax_renorm(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, renormalize=True)
 
 
-def _softmax_norm_topk(block, router, x, logits, top_k):
+def _softmax_norm_topk(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, renormalize=bool(router.norm_topk_prob))
 
 
-def _softmax(block, router, x, logits, top_k):
+def _softmax(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, renormalize=False)
 
 
-def _deepseek_v2(block, router, x, logits, top_k):
+def _deepseek_v2(fam, block, router, x, logits, top_k):
     method = router.topk_method
     if method not in ("greedy", "group_limited_greedy"):
         raise UnsupportedModel(f"DeepSeek-V2 topk_method={method!r} is not supported")
@@ -419,7 +426,7 @@ def _deepseek_v2(block, router, x, logits, top_k):
     )
 
 
-def _grouped_sigmoid(block, router, x, logits, top_k):
+def _grouped_sigmoid(fam, block, router, x, logits, top_k):
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=True,
         num_expert_group=router.num_group, topk_group=router.topk_group,
@@ -429,7 +436,7 @@ def _grouped_sigmoid(block, router, x, logits, top_k):
     )
 
 
-def _grouped_softmax(block, router, x, logits, top_k):
+def _grouped_softmax(fam, block, router, x, logits, top_k):
     # Mistral-4: softmax scores, groups ranked by the sum of their two best scores (what
     # select_experts does with a selection bias: a zero one), renormalize iff norm_topk_prob
     # (Mistral-Large-4: always), x routed_scaling_factor. transformers masks the other groups with
@@ -443,7 +450,7 @@ def _grouped_softmax(block, router, x, logits, top_k):
     )
 
 
-def _cohere2(block, router, x, logits, top_k):
+def _cohere2(fam, block, router, x, logits, top_k):
     # Cohere2-MoE: top-k of the logits, then softmax over the k (= softmax_renorm) or sigmoid
     # (renormalized iff norm_topk_prob); expert_selection_fn is checked at patch time
     if router.expert_selection_fn == "softmax":
@@ -451,36 +458,40 @@ def _cohere2(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, scoring_func="sigmoid", renormalize=bool(router.norm_topk_prob))
 
 
-def _sigmoid_bias(block, router, x, logits, top_k):
+def _declared(block, router, path: str, *, optional: bool = False):
+    """The value a Family field names ("name": the block's, "router.name": the router's; "": None)."""
+    if not path:
+        return None
+    owner, name = (router, path.removeprefix("router.")) if path.startswith("router.") else (block, path)
+    if optional:
+        return getattr(owner, name, None)
+    return getattr(owner, name)
+
+
+def _sigmoid_bias(fam, block, router, x, logits, top_k):
+    # sigmoid + the declared selection bias, renormalize, x the declared scale: MiniMax-M2, HY-V3,
+    # AFMoE, Laguna (on its softcapped logits: Family.router_softcap)
+    scale = _declared(block, router, fam.weight_scale)
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", renormalize=True,
-        e_score_correction_bias=block.e_score_correction_bias,
+        e_score_correction_bias=_declared(block, router, fam.selection_bias),
+        routed_scaling_factor=1.0 if scale is None else float(scale),
     )
 
 
-def _sigmoid_topk(block, router, x, logits, top_k):
-    # LFM2-MoE: the block's optional selection bias; renormalize iff norm_topk_prob (transformers
-    # adds 1e-6 to the sum: <= 5e-7 relative on the weights); x routed_scaling_factor.
-    # Flint: no bias, no scale.
+def _sigmoid_topk(fam, block, router, x, logits, top_k):
+    # LFM2-MoE: the block's selection bias where it has one (use_expert_bias); renormalize iff
+    # norm_topk_prob (transformers adds 1e-6 to the sum: <= 5e-7 relative on the weights); x its
+    # scale. Flint: no bias, no scale.
+    scale = _declared(block, router, fam.weight_scale)
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", renormalize=bool(router.norm_topk_prob),
-        e_score_correction_bias=block.expert_bias if getattr(block, "use_expert_bias", False) else None,
-        routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0)),
+        e_score_correction_bias=_declared(block, router, fam.selection_bias, optional=True),
+        routed_scaling_factor=1.0 if scale is None else float(scale),
     )
 
 
-def _sigmoid_bias_scaled(block, router, x, logits, top_k):
-    # HY-V3 (block.e_score_correction_bias, router.router_scaling_factor) and AFMoE
-    # (block.expert_bias, router.route_scale): sigmoid + bias select, renormalize, x scale
-    bias_E = block.e_score_correction_bias if hasattr(block, "e_score_correction_bias") else block.expert_bias
-    scale = router.router_scaling_factor if hasattr(router, "router_scaling_factor") else router.route_scale
-    return select_experts(
-        x, logits, top_k, scoring_func="sigmoid", renormalize=True, e_score_correction_bias=bias_E,
-        routed_scaling_factor=float(scale),
-    )
-
-
-def _softmax_bias_clamp(block, router, x, logits, top_k):
+def _softmax_bias_clamp(fam, block, router, x, logits, top_k):
     bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
     norm_min = float(router.norm_min)
 
@@ -493,7 +504,7 @@ def _softmax_bias_clamp(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _logit_bias_sigmoid(block, router, x, logits, top_k):
+def _logit_bias_sigmoid(fam, block, router, x, logits, top_k):
     # Kolibri-1: select on the logits plus the bias, weight = sigmoid of the picked logits,
     # renormalize iff norm_topk_prob
     bias_E = router.e_score_correction_bias
@@ -508,17 +519,7 @@ def _logit_bias_sigmoid(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _sigmoid_bias_block_scaled(block, router, x, logits, top_k):
-    # Laguna (logits softcapped by router_logits: Family.router_softcap): sigmoid + the router's
-    # bias select, renormalize; the block scales the routed output (= the weights) by its factor
-    return select_experts(
-        x, logits, top_k, scoring_func="sigmoid", renormalize=True,
-        e_score_correction_bias=router.e_score_correction_bias,
-        routed_scaling_factor=float(block.routed_scaling_factor),
-    )
-
-
-def _sparsemixer(block, router, x, logits, top_k):
+def _sparsemixer(fam, block, router, x, logits, top_k):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
     eps2 = 2 * float(router.router_jitter_noise)
@@ -542,7 +543,7 @@ def _sparsemixer(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _pnorm(block, router, x, logits, top_k):
+def _pnorm(fam, block, router, x, logits, top_k):
     p = block.moe_normalize_expert_weights
 
     def route(hidden, logits_TE, k, renormalize):
@@ -554,7 +555,7 @@ def _pnorm(block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _llama4(block, router, x, logits, top_k):
+def _llama4(fam, block, router, x, logits, top_k):
     # top_k == 1 is checked at patch time (the weight goes on the input).
     return select_experts(x, logits, top_k, scoring_func="sigmoid", renormalize=False)
 
@@ -569,10 +570,8 @@ ROUTINGS: dict[str, Route] = {
     "cohere2": _cohere2,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
-    "sigmoid_bias_scaled": _sigmoid_bias_scaled,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
-    "sigmoid_bias_block_scaled": _sigmoid_bias_block_scaled,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,
     "llama4": _llama4,

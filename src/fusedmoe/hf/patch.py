@@ -317,7 +317,7 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     logits_TE = router_logits(fam, router, x_TH)
     _record_router_logits(logits_TE)
     top_k = top_k_of(self, router)
-    weights_TK, ids_TK = ROUTINGS[fam.routing](self, router, x_TH, logits_TE, top_k)
+    weights_TK, ids_TK = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k)
 
     experts = getattr(self, fam.experts)
     w13, w2, b13, b2 = state.layout.tensors(experts)

@@ -478,3 +478,37 @@ def test_expert_map_entry_past_the_local_experts_is_never_read(path):
                              direct=path == "direct")
     torch.cuda.synchronize()
     assert rel_err(out, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("n,experts", [(1, 8), (100, 128), (129, 128), (1000, 256), (1024, 60), (3000, 4096),
+                                       (8192, 256), (65536, 128), (200_000, 256)])
+@pytest.mark.parametrize("use_map", [False, True], ids=["no-map", "map"])
+def test_alignments_equal_the_torch_sort(n, experts, use_map):
+    """Every Triton alignment (compiled, also where `align` routes elsewhere) against align_torch, bit
+    for bit: stable order, padding, dropped ids (-1, E), a run of one expert across chunks and an
+    expert_map that drops every third expert."""
+    from fusedmoe.backends.triton import experts as ex
+
+    gen = torch.Generator(device="cuda").manual_seed(n + experts)
+    ids = torch.randint(0, experts, (n,), device="cuda", generator=gen, dtype=torch.int32)
+    ids[: n // 3] = ids[0]  # a long run of one expert across chunks
+    ids[::97] = -1
+    ids[5::101] = experts
+    emap, num_local = None, experts
+    if use_map:
+        owned = torch.arange(experts, device="cuda") % 3 != 1
+        emap = torch.where(owned, owned.cumsum(0) - 1, -1).int()
+        num_local = int(owned.sum())
+    paths = {"multi": ex._align_multi}
+    if n <= 8192:
+        paths["chunked"] = ex._align_chunked
+    if n <= ex.ALIGN_SMALL_MAX_SLOTS:
+        paths["small"] = ex._align_small
+    for block_m in (16, 64):
+        want = ex.align_torch(ids, emap, experts, num_local, block_m)
+        routed = ex.align(ids, emap, experts, num_local, block_m)
+        for name, fn in {**paths, "routed": lambda *a, r=routed: r}.items():
+            got = fn(ids, emap, experts, num_local, block_m)
+            torch.cuda.synchronize()
+            for what, a, b in zip(("sorted_slot", "block_expert", "num_rows", "slot_ok"), got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, block_m, what)

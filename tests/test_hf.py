@@ -35,19 +35,52 @@ HOOKED = [t for t in SUPPORTED if t not in ("gpt_oss", "llama4_text", "dbrx")]
 NEW_TOKENS = 4
 
 
-def installed(model_types: list[str]) -> list:
-    """The model types as parameters, each skipped where the installed transformers lacks its
-    model (a family newer than it: the GPU machine's transformers may be older than CI's)."""
+def _min_transformers() -> str:
+    """The hf extra's minimum transformers version, from pyproject.toml (read as text: Python 3.10
+    has no tomllib)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    return re.search(r'^hf = \[.*"transformers>=([\d.]+)"', text, re.MULTILINE).group(1)
+
+
+def _unrunnable(model_type: str) -> str | None:
+    """Why the installed transformers cannot run this family's tests, or None. A family newer than
+    it has no model; below the hf extra's minimum (the GPU machine's transformers may be older than
+    CI's) a family's config may refuse the tiny config written for the newer one (its layer-type
+    names changed between releases)."""
     from importlib.util import find_spec
 
-    def has(model_type: str) -> bool:
-        try:
-            return find_spec(fh.family(model_type).module_path) is not None
-        except ModuleNotFoundError:
-            return False
+    from packaging.version import Version
 
-    return [pytest.param(t, marks=pytest.mark.skipif(
-        not has(t), reason=f"transformers {transformers.__version__} has no {t} model")) for t in model_types]
+    try:
+        if find_spec(fh.family(model_type).module_path) is None:
+            raise ModuleNotFoundError
+    except ModuleNotFoundError:
+        return f"transformers {transformers.__version__} has no {model_type} model"
+    minimum = _min_transformers()
+    if Version(transformers.__version__) < Version(minimum):
+        try:
+            tiny_config(model_type)
+        except Exception as err:  # noqa: BLE001 - any refusal of the config by that release
+            return (f"transformers {transformers.__version__} (the hf extra needs >= {minimum}) refuses "
+                    f"{model_type}'s tiny config: {str(err).splitlines()[-1][:160]}")
+    return None
+
+
+def installed(model_types: list[str]) -> list:
+    """The model types as parameters, each skipped where the installed transformers cannot run
+    it (`_unrunnable` says why)."""
+    params = []
+    for t in model_types:
+        why = _unrunnable(t)
+        params.append(pytest.param(t, marks=pytest.mark.skipif(why is not None, reason=why or "")))
+    return params
+
+
+def test_min_transformers_is_the_hf_extras():
+    assert _min_transformers() == "5.23"
 
 
 @pytest.fixture

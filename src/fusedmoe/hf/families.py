@@ -439,8 +439,9 @@ def _grouped_sigmoid(fam, block, router, x, logits, top_k):
 
 def _zero_bias(num_experts: int, device: torch.device) -> torch.Tensor:
     """A float32 zero selection bias (read only), made once per (E, device) instead of on every
-    call; not kept when made inside a CUDA graph capture (its memset runs only at replay)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    call; not kept when made inside a CUDA graph capture (its memset runs only at replay) nor
+    while torch.compile traces (a constant of the graph then)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(num_experts, dtype=torch.float32, device=device)
     return _cached_zero_bias(num_experts, device)
 

@@ -6,6 +6,7 @@ TP ranks (intermediate split) and EP ranks (expert split) must sum to the single
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import zlib
 from collections.abc import Callable
@@ -525,6 +526,23 @@ def test_weights_never_written_raise_before_any_compute() -> None:
     with pytest.raises(RuntimeError, match=r"\[\(0, 'up'\), \(1, 'up'\)") as err:
         layer.process_weights_after_loading()
     assert "gate" not in str(err.value) and "down" not in str(err.value)
+
+
+def test_a_deep_copy_keeps_the_never_written_check() -> None:
+    """copy.deepcopy of a never-written layer raises as the original does (nn.Parameter's deep copy
+    drops Python attributes: the layer carries its marks over); a copy of a written layer runs,
+    equal to the original; the copy's parameters are its own."""
+    layer = BASE.layer()
+    twin = copy.deepcopy(layer)
+    with pytest.raises(RuntimeError, match=r"neither loaded nor written"):
+        twin(torch.randn(3, BASE.hidden), torch.randn(3, BASE.num_experts))
+    with torch.no_grad():
+        layer.w13_weight.normal_(std=0.05)
+        layer.w2_weight.normal_(std=0.05)
+    twin = copy.deepcopy(layer)
+    assert twin.w13_weight.data_ptr() != layer.w13_weight.data_ptr()
+    x, logits = torch.randn(3, BASE.hidden), torch.randn(3, BASE.num_experts)
+    assert torch.equal(twin(x, logits), layer(x, logits))
 
 
 @pytest.mark.parametrize("how", ["data_copy", "state_dict", "init", "assigned", "some_experts"])

@@ -28,6 +28,7 @@ processing, naming the (expert, shard) pairs (a NaN sentinel per shard in the fr
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -736,6 +737,18 @@ class FusedMoE(nn.Module):
                 getattr(self, name).data[:, row, 0] = float("nan")
         for name in ("w13_weight", "w2_weight"):  # a parameter assigned in its place is not checked
             getattr(self, name)._fusedmoe_sentinels = True
+
+    def __deepcopy__(self, memo: dict) -> FusedMoE:
+        """nn.Module's deep copy (its __dict__, memo-shared), keeping the sentinel marks, which
+        nn.Parameter's own deep copy drops with every Python attribute: a copy of a never-written
+        layer raises as the original does, and a copy of a written one computes."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        for name, param in self._parameters.items():
+            if getattr(param, "_fusedmoe_sentinels", False) and new._parameters.get(name) is not None:
+                new._parameters[name]._fusedmoe_sentinels = True
+        return new
 
     def _never_written(self) -> list[tuple[int, str]]:
         """(global expert, shard) pairs whose sentinel is still NaN in a parameter that was not

@@ -507,12 +507,16 @@ def _block_accuracy(model_type: str, device: str, scale: int) -> tuple[float, fl
     block32 = next(m for m in model32.modules() if _is_block(m))
     block16 = next(m for m in model16.modules() if _is_block(m))
     hidden = model32.config.get_text_config().hidden_size
-    x = torch.randn(1, 64, hidden, generator=torch.Generator().manual_seed(3)).to(device)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, hidden, generator=g).to(device)
+    # a hash router (DeepSeek-V4's first layers) picks by the block's input_ids
+    vocab = model32.config.get_text_config().vocab_size
+    kw = dict(input_ids=torch.randint(0, vocab, (1, 64), generator=g).to(device)) if fh.family(model_type).hash_table else {}
     with torch.no_grad():
-        want = _first(block32(x)).double()
-        theirs = _first(block16(x.bfloat16())).double()
+        want = _first(block32(x, **kw)).double()
+        theirs = _first(block16(x.bfloat16(), **kw)).double()
         fh.patch(model16)
-        ours = _first(block16(x.bfloat16())).double()
+        ours = _first(block16(x.bfloat16(), **kw)).double()
     return rel_err(theirs, want), rel_err(ours, want)
 
 
@@ -572,6 +576,7 @@ REAL_MOE = {
     "kimi_linear": dict(num_experts=32, num_experts_per_token=8, num_expert_group=1, topk_group=1),  # 256
     "axk1": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
+    "deepseek_v4": dict(n_routed_experts=32, num_experts_per_tok=6, swiglu_limit=10.0),  # DeepSeek-V4-Flash: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
     "glm4_moe_lite": dict(n_routed_experts=32, num_experts_per_tok=4),  # GLM-4.7-Flash: 64
@@ -731,6 +736,8 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("hy_v4", dict(swiglu_limit=100.0)),
     ("glm5_next_text", dict(text_config=dict(swiglu_limit=100.0))),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
+    ("deepseek_v4", dict(scoring_func="sigmoid")),
+    ("deepseek_v4", dict(mlp_layer_types=["moe", "moe"], swiglu_limit=100.0)),  # no hash layer, no clamp binding
 ]
 
 

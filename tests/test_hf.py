@@ -452,6 +452,30 @@ def test_refused_family_names_the_feature(monkeypatch):
         fh.patch(model)
 
 
+def test_gemma4_patch_is_refused_and_the_experts_hook_matches(hook_calls):
+    """Gemma-4's MoE has no block module: patch() names that before changing anything; the experts
+    hook (its router and dense MLP left to transformers) matches transformers' logits."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, intermediate_size=48, moe_intermediate_size=32, num_experts=8,
+        top_k_experts=2, enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # router and experts redrawn so that they move the logits
+        for layer in model.model.layers:
+            for p in (*layer.router.parameters(), *layer.experts.parameters()):
+                p.copy_(torch.randn(p.shape) * 0.3)
+    with pytest.raises(fh.UnsupportedModel, match="Gemma-4 .*no MoE block module"):
+        fh.patch(model)
+    assert not fh.is_patched(model)
+    ids = prompt()
+    ref = run(model, ids)
+    model.set_experts_implementation("fusedmoe")
+    assert_same_outputs(run(model, ids), ref)
+    assert hook_calls
+
+
 def test_patch_without_moe_blocks():
     with pytest.raises(ValueError, match="no MoE block"):
         fh.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
@@ -818,9 +842,17 @@ CUSTOM_GATES = [  # experts classes with their own _apply_gate that the hook kno
 ]
 
 
-@pytest.mark.parametrize(("module", "experts_cls", "config_cls", "kwargs"), CUSTOM_GATES,
-                         ids=[c[0] for c in CUSTOM_GATES])
-def test_experts_hook_custom_gates(module, experts_cls, config_cls, kwargs, hook_calls):
+NO_BLOCK = [  # experts of families patch() refuses for having no MoE block module: the hook runs them
+    ("gemma4", "Gemma4TextExperts", "Gemma4TextConfig",
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, top_k_experts=2, enable_moe_block=True)),
+    ("diffusion_gemma", "DiffusionGemmaTextExperts", "DiffusionGemmaTextConfig",
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, top_k_experts=2)),
+]
+
+
+@pytest.mark.parametrize(("module", "experts_cls", "config_cls", "kwargs"), CUSTOM_GATES + NO_BLOCK,
+                         ids=[c[0] for c in CUSTOM_GATES + NO_BLOCK])
+def test_experts_hook_modules(module, experts_cls, config_cls, kwargs, hook_calls):
     from importlib import import_module
 
     modeling = import_module(f"transformers.models.{module}.modeling_{module}")

@@ -89,6 +89,10 @@ _ROUTED8 = dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_ex
 _MLA_KV = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 _MLA = dict(_MLA_KV, q_lora_rank=24)
 _INDEX = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
+# Gemma-4's decoder layer calls its router and experts inline: nothing for patch() to replace
+_NO_BLOCK = ("no MoE block module: the decoder layer routes its residual (the router's own RMSNorm, scale, "
+             "per_expert_scale) and runs the experts on pre_feedforward_layernorm_2 of it, beside a dense MLP; "
+             "patch() replaces whole blocks (experts_implementation='fusedmoe' runs the experts)")
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -365,6 +369,11 @@ FAMILIES: tuple[Family, ...] = (
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
+    # Gemma-4's MoE (and DiffusionGemma's, a copy): found by the experts class, present only where the MoE is
+    Family("Gemma-4", "gemma4_text", "gemma4", "Gemma4TextExperts",
+           refused=_NO_BLOCK),
+    Family("DiffusionGemma", "diffusion_gemma_text", "diffusion_gemma", "DiffusionGemmaTextExperts",
+           refused=_NO_BLOCK),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
            refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
                    "supported"),

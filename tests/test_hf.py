@@ -452,6 +452,30 @@ def test_refused_family_names_the_feature(monkeypatch):
         fh.patch(model)
 
 
+def test_gemma4_patch_is_refused_and_the_experts_hook_matches(hook_calls):
+    """Gemma-4's MoE has no block module: patch() names that before changing anything; the experts
+    hook (its router and dense MLP left to transformers) matches transformers' logits."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, intermediate_size=48, moe_intermediate_size=32, num_experts=8,
+        top_k_experts=2, enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # router and experts redrawn so that they move the logits
+        for layer in model.model.layers:
+            for p in (*layer.router.parameters(), *layer.experts.parameters()):
+                p.copy_(torch.randn(p.shape) * 0.3)
+    with pytest.raises(fh.UnsupportedModel, match="Gemma-4 .*no MoE block module"):
+        fh.patch(model)
+    assert not fh.is_patched(model)
+    ids = prompt()
+    ref = run(model, ids)
+    model.set_experts_implementation("fusedmoe")
+    assert_same_outputs(run(model, ids), ref)
+    assert hook_calls
+
+
 def test_patch_without_moe_blocks():
     with pytest.raises(ValueError, match="no MoE block"):
         fh.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
@@ -507,12 +531,16 @@ def _block_accuracy(model_type: str, device: str, scale: int) -> tuple[float, fl
     block32 = next(m for m in model32.modules() if _is_block(m))
     block16 = next(m for m in model16.modules() if _is_block(m))
     hidden = model32.config.get_text_config().hidden_size
-    x = torch.randn(1, 64, hidden, generator=torch.Generator().manual_seed(3)).to(device)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, hidden, generator=g).to(device)
+    # a hash router (DeepSeek-V4's first layers) picks by the block's input_ids
+    vocab = model32.config.get_text_config().vocab_size
+    kw = dict(input_ids=torch.randint(0, vocab, (1, 64), generator=g).to(device)) if fh.family(model_type).hash_table else {}
     with torch.no_grad():
-        want = _first(block32(x)).double()
-        theirs = _first(block16(x.bfloat16())).double()
+        want = _first(block32(x, **kw)).double()
+        theirs = _first(block16(x.bfloat16(), **kw)).double()
         fh.patch(model16)
-        ours = _first(block16(x.bfloat16())).double()
+        ours = _first(block16(x.bfloat16(), **kw)).double()
     return rel_err(theirs, want), rel_err(ours, want)
 
 
@@ -572,6 +600,7 @@ REAL_MOE = {
     "kimi_linear": dict(num_experts=32, num_experts_per_token=8, num_expert_group=1, topk_group=1),  # 256
     "axk1": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
+    "deepseek_v4": dict(n_routed_experts=32, num_experts_per_tok=6, swiglu_limit=10.0),  # DeepSeek-V4-Flash: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
     "glm4_moe_lite": dict(n_routed_experts=32, num_experts_per_tok=4),  # GLM-4.7-Flash: 64
@@ -731,6 +760,8 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("hy_v4", dict(swiglu_limit=100.0)),
     ("glm5_next_text", dict(text_config=dict(swiglu_limit=100.0))),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
+    ("deepseek_v4", dict(scoring_func="sigmoid")),
+    ("deepseek_v4", dict(mlp_layer_types=["moe", "moe"], swiglu_limit=100.0)),  # no hash layer, no clamp binding
 ]
 
 
@@ -811,9 +842,17 @@ CUSTOM_GATES = [  # experts classes with their own _apply_gate that the hook kno
 ]
 
 
-@pytest.mark.parametrize(("module", "experts_cls", "config_cls", "kwargs"), CUSTOM_GATES,
-                         ids=[c[0] for c in CUSTOM_GATES])
-def test_experts_hook_custom_gates(module, experts_cls, config_cls, kwargs, hook_calls):
+NO_BLOCK = [  # experts of families patch() refuses for having no MoE block module: the hook runs them
+    ("gemma4", "Gemma4TextExperts", "Gemma4TextConfig",
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, top_k_experts=2, enable_moe_block=True)),
+    ("diffusion_gemma", "DiffusionGemmaTextExperts", "DiffusionGemmaTextConfig",
+     dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, top_k_experts=2)),
+]
+
+
+@pytest.mark.parametrize(("module", "experts_cls", "config_cls", "kwargs"), CUSTOM_GATES + NO_BLOCK,
+                         ids=[c[0] for c in CUSTOM_GATES + NO_BLOCK])
+def test_experts_hook_modules(module, experts_cls, config_cls, kwargs, hook_calls):
     from importlib import import_module
 
     modeling = import_module(f"transformers.models.{module}.modeling_{module}")

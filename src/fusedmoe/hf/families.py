@@ -17,6 +17,8 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
     sigmoid_topk        sigmoid [+ bias], renorm iff norm_topk_prob [x scale]  LFM2-MoE, Flint
                         (both: bias and scale where Family.selection_bias / weight_scale say)
+    score_bias          score_fn + bias select | the token's hash    DeepSeek-V4 (custom)
+                        row, renormalize, x scale (score_fn: sqrtsoftplus | sigmoid)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
@@ -66,6 +68,9 @@ class Family:
     selection_bias: str = ""
     weight_scale: str = ""
     shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
+    # router attribute: token id -> its experts [vocab, K]; a router holding it picks by the block's
+    # input_ids, and transformers records no router logits for it (DeepSeek-V4's hash layers)
+    hash_table: str = ""
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -85,6 +90,10 @@ _ROUTED8 = dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_ex
 _MLA_KV = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 _MLA = dict(_MLA_KV, q_lora_rank=24)
 _INDEX = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
+# Gemma-4's decoder layer calls its router and experts inline: nothing for patch() to replace
+_NO_BLOCK = ("no MoE block module: the decoder layer routes its residual (the router's own RMSNorm, scale, "
+             "per_expert_scale) and runs the experts on pre_feedforward_layernorm_2 of it, beside a dense MLP; "
+             "patch() replaces whole blocks (experts_implementation='fusedmoe' runs the experts)")
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -235,6 +244,15 @@ FAMILIES: tuple[Family, ...] = (
                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, swiglu_limit=0.5,
                      num_key_value_heads=4, pad_token_id=1, bos_token_id=None, eos_token_id=2,
                      mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2)),
+    # sqrt(softplus) (or sigmoid) scores with a selection bias, no groups; the first layers pick by
+    # token id (hash_moe); experts and shared expert clamped by swiglu_limit
+    Family("DeepSeek-V4", "deepseek_v4", "deepseek_v4", "DeepseekV4SparseMoeBlock", "DeepseekV4Config",
+           routing="score_bias", selection_bias="router.e_score_correction_bias",
+           weight_scale="router.routed_scaling_factor", hash_table="tid2eid", shared="shared_experts",
+           tiny=dict(_ATTN, num_key_value_heads=1, head_dim=32, q_lora_rank=24, moe_intermediate_size=32,
+                     n_routed_experts=8, num_experts_per_tok=2, swiglu_limit=0.5, o_groups=2, o_lora_rank=16,
+                     **_INDEX, sliding_window=8, hc_mult=2, mlp_layer_types=["hash_moe", "moe"],
+                     layer_types=["sliding_attention", "compressed_sparse_attention"])),
     Family("Mistral-4", "mistral4", "mistral4", "Mistral4MoE", "Mistral4Config",
            routing="grouped_softmax", shared="shared_experts",
            tiny=dict(_ROUTED8, **_MLA, n_group=4, topk_group=2, routed_scaling_factor=1.5, head_dim=16)),
@@ -352,6 +370,11 @@ FAMILIES: tuple[Family, ...] = (
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
+    # Gemma-4's MoE (and DiffusionGemma's, a copy): found by the experts class, present only where the MoE is
+    Family("Gemma-4", "gemma4_text", "gemma4", "Gemma4TextExperts",
+           refused=_NO_BLOCK),
+    Family("DiffusionGemma", "diffusion_gemma_text", "diffusion_gemma", "DiffusionGemmaTextExperts",
+           refused=_NO_BLOCK),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
            refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
                    "supported"),
@@ -375,8 +398,10 @@ def family(name: str) -> Family:
 
 
 # Routing ------------------------------------------------------------------------------------------
-Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int],
-                 tuple[torch.Tensor, torch.Tensor]]  # (family, block, router, x, logits, top_k) -> (weights, ids)
+# (family, block, router, x, logits, top_k, token_ids [T] | None) -> (weights, ids); token_ids: the
+# block's input_ids, read by hash routers only (`Family.hash_table`)
+Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int, torch.Tensor | None],
+                 tuple[torch.Tensor, torch.Tensor]]
 
 
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -402,19 +427,19 @@ def top_k_of(block: torch.nn.Module, router: torch.nn.Module) -> int:
     raise UnsupportedModel(f"{type(block).__name__}: no top_k on the block or its router")
 
 
-def _softmax_renorm(fam, block, router, x, logits, top_k):
+def _softmax_renorm(fam, block, router, x, logits, top_k, token_ids):
     return select_experts(x, logits, top_k, renormalize=True)
 
 
-def _softmax_norm_topk(fam, block, router, x, logits, top_k):
+def _softmax_norm_topk(fam, block, router, x, logits, top_k, token_ids):
     return select_experts(x, logits, top_k, renormalize=bool(router.norm_topk_prob))
 
 
-def _softmax(fam, block, router, x, logits, top_k):
+def _softmax(fam, block, router, x, logits, top_k, token_ids):
     return select_experts(x, logits, top_k, renormalize=False)
 
 
-def _deepseek_v2(fam, block, router, x, logits, top_k):
+def _deepseek_v2(fam, block, router, x, logits, top_k, token_ids):
     method = router.topk_method
     if method not in ("greedy", "group_limited_greedy"):
         raise UnsupportedModel(f"DeepSeek-V2 topk_method={method!r} is not supported")
@@ -427,7 +452,7 @@ def _deepseek_v2(fam, block, router, x, logits, top_k):
     )
 
 
-def _grouped_sigmoid(fam, block, router, x, logits, top_k):
+def _grouped_sigmoid(fam, block, router, x, logits, top_k, token_ids):
     return select_experts(
         x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=True,
         num_expert_group=router.num_group, topk_group=router.topk_group,
@@ -451,7 +476,7 @@ def _cached_zero_bias(num_experts: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.float32, device=device)
 
 
-def _grouped_softmax(fam, block, router, x, logits, top_k):
+def _grouped_softmax(fam, block, router, x, logits, top_k, token_ids):
     # Mistral-4: softmax scores, groups ranked by the sum of their two best scores (what
     # select_experts does with a selection bias: a zero one), renormalize iff norm_topk_prob
     # (Mistral-Large-4: always), x routed_scaling_factor. transformers masks the other groups with
@@ -465,7 +490,7 @@ def _grouped_softmax(fam, block, router, x, logits, top_k):
     )
 
 
-def _cohere2(fam, block, router, x, logits, top_k):
+def _cohere2(fam, block, router, x, logits, top_k, token_ids):
     # Cohere2-MoE: top-k of the logits, then softmax over the k (= softmax_renorm) or sigmoid
     # (renormalized iff norm_topk_prob); expert_selection_fn is checked at patch time
     if router.expert_selection_fn == "softmax":
@@ -483,7 +508,7 @@ def _declared(block, router, path: str, *, optional: bool = False):
     return getattr(owner, name)
 
 
-def _sigmoid_bias(fam, block, router, x, logits, top_k):
+def _sigmoid_bias(fam, block, router, x, logits, top_k, token_ids):
     # sigmoid + the declared selection bias, renormalize, x the declared scale: MiniMax-M2, HY-V3,
     # AFMoE, Laguna (on its softcapped logits: Family.router_softcap)
     scale = _declared(block, router, fam.weight_scale)
@@ -494,7 +519,7 @@ def _sigmoid_bias(fam, block, router, x, logits, top_k):
     )
 
 
-def _sigmoid_topk(fam, block, router, x, logits, top_k):
+def _sigmoid_topk(fam, block, router, x, logits, top_k, token_ids):
     # LFM2-MoE: the block's selection bias where it has one (use_expert_bias); renormalize iff
     # norm_topk_prob (transformers adds 1e-6 to the sum: <= 5e-7 relative on the weights); x its
     # scale. Flint: no bias, no scale.
@@ -506,7 +531,52 @@ def _sigmoid_topk(fam, block, router, x, logits, top_k):
     )
 
 
-def _softmax_bias_clamp(fam, block, router, x, logits, top_k):
+def hash_table_of(fam: Family, router: torch.nn.Module) -> torch.Tensor | None:
+    """The router's token id -> experts table where the family declares one and this router has it."""
+    return getattr(router, fam.hash_table, None) if fam.hash_table else None
+
+
+# transformers' router score functions by class -> float32 scores (DeepSeek-V4's score_fn)
+_SCORE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "SqrtSoftplusActivation": lambda lg: F.softplus(lg).sqrt(),
+    "Sigmoid": torch.sigmoid,
+}
+
+
+def score_fn_of(fam: Family, router: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = type(router.score_fn).__name__
+    if name not in _SCORE_FNS:
+        raise UnsupportedModel(f"{fam.name}: router score function {name} is not one fusedmoe knows "
+                               f"(supported: {sorted(_SCORE_FNS)})")
+    return _SCORE_FNS[name]
+
+
+def _score_bias(fam, block, router, x, logits, top_k, token_ids):
+    # DeepSeek-V4: scores = score_fn(logits); ids = top-k of scores + the declared bias, or the
+    # token's row of the hash table; weights = the picked scores, renormalized (transformers adds
+    # 1e-20 to the sum), x the declared scale
+    score = score_fn_of(fam, router)
+    table = hash_table_of(fam, router)
+    if table is not None and token_ids is None:
+        raise UnsupportedModel(f"{fam.name}: a hash-routed block needs the block's input_ids (inputs_embeds alone "
+                               "cannot be routed)")
+    bias_E = None if table is not None else _declared(block, router, fam.selection_bias)
+    scale = _declared(block, router, fam.weight_scale)
+
+    def route(hidden, logits_TE, k, renormalize):
+        p = score(logits_TE.float())
+        if table is None:
+            ids = torch.topk(p + bias_E.float(), k, dim=-1).indices
+        else:
+            ids = table[token_ids.reshape(-1)].long()
+        w = p.gather(-1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+    return select_experts(x, logits, top_k, custom_routing_function=route,
+                          routed_scaling_factor=1.0 if scale is None else float(scale))
+
+
+def _softmax_bias_clamp(fam, block, router, x, logits, top_k, token_ids):
     bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
     norm_min = float(router.norm_min)
 
@@ -519,7 +589,7 @@ def _softmax_bias_clamp(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _logit_bias_sigmoid(fam, block, router, x, logits, top_k):
+def _logit_bias_sigmoid(fam, block, router, x, logits, top_k, token_ids):
     # Kolibri-1: select on the logits plus the bias, weight = sigmoid of the picked logits,
     # renormalize iff norm_topk_prob
     bias_E = router.e_score_correction_bias
@@ -534,7 +604,7 @@ def _logit_bias_sigmoid(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _sparsemixer(fam, block, router, x, logits, top_k):
+def _sparsemixer(fam, block, router, x, logits, top_k, token_ids):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
     eps2 = 2 * float(router.router_jitter_noise)
@@ -558,7 +628,7 @@ def _sparsemixer(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _pnorm(fam, block, router, x, logits, top_k):
+def _pnorm(fam, block, router, x, logits, top_k, token_ids):
     p = block.moe_normalize_expert_weights
 
     def route(hidden, logits_TE, k, renormalize):
@@ -570,7 +640,7 @@ def _pnorm(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
-def _llama4(fam, block, router, x, logits, top_k):
+def _llama4(fam, block, router, x, logits, top_k, token_ids):
     # top_k == 1 is checked at patch time (the weight goes on the input).
     return select_experts(x, logits, top_k, scoring_func="sigmoid", renormalize=False)
 
@@ -585,6 +655,7 @@ ROUTINGS: dict[str, Route] = {
     "cohere2": _cohere2,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
+    "score_bias": _score_bias,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
     "sparsemixer": _sparsemixer,

@@ -5,14 +5,15 @@
 transformers initialises weights with std 0.02, which leaves a tiny model's logits nearly blind to
 its MoE blocks; the MoE tensors (router, experts, shared experts, correction biases) are redrawn
 here with std 0.3 * sqrt(64 / hidden) (matrices) and 0.5 (vectors), so that a wrong expert or
-routing weight shows in the logits.
+routing weight shows in the logits. A hash router's token -> experts table (DeepSeek-V4) gets K
+distinct random experts per token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fusedmoe.hf.families import Family, family
+from fusedmoe.hf.families import Family, family, hash_table_of
 from fusedmoe.hf.patch import block_family
 
 # Config keys that are sizes, scaled by `scale` (head counts stay fixed).
@@ -72,10 +73,17 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
     matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
     with torch.no_grad():
         for module in model.modules():
-            if block_family(module) is None:
+            fam = block_family(module)
+            if fam is None:
                 continue
             for tensor in list(module.parameters()) + list(module.buffers()):
                 if tensor.is_floating_point():
                     std = matrix_std if tensor.dim() > 1 else 0.5
                     tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+            router = getattr(module, fam.router)
+            table = hash_table_of(fam, router)
+            if table is not None:  # each token's K distinct experts, at random (transformers' init: all 0)
+                experts = (getattr(router, fam.router_linear) if fam.router_linear else router).weight.shape[0]
+                picks = torch.rand(table.shape[0], experts, generator=generator).argsort(dim=-1)
+                table.copy_(picks[:, : table.shape[1]])
     return model.to(device=device, dtype=dtype).eval()

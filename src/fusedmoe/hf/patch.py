@@ -30,7 +30,15 @@ from fusedmoe.hf.experts import (
     quant_params,
     run_experts,
 )
-from fusedmoe.hf.families import FAMILIES, ROUTINGS, Family, router_logits, top_k_of
+from fusedmoe.hf.families import (
+    FAMILIES,
+    ROUTINGS,
+    Family,
+    hash_table_of,
+    router_logits,
+    score_fn_of,
+    top_k_of,
+)
 from fusedmoe.hf.layouts import LAYOUTS, Layout
 
 _STATE = "_fusedmoe_patch"
@@ -236,6 +244,8 @@ def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
     top_k_of(block, router)
     if fam.routing == "llama4":
         _check_llama4(block, router)
+    if fam.routing == "score_bias":
+        score_fn_of(fam, router)
     if fam.routing == "cohere2" and router.expert_selection_fn not in ("softmax", "sigmoid"):
         raise UnsupportedModel(f"{fam.name}: expert_selection_fn={router.expert_selection_fn!r} is not supported")
     if fam.shared_combine and getattr(block, fam.shared_combine) not in ("sum", "average"):
@@ -315,9 +325,11 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     x_TH = hidden_states.reshape(-1, shape[-1])
     router = getattr(self, fam.router)
     logits_TE = router_logits(fam, router, x_TH)
-    _record_router_logits(logits_TE)
+    if hash_table_of(fam, router) is None:  # transformers records no hash router's logits
+        _record_router_logits(logits_TE)
     top_k = top_k_of(self, router)
-    weights_TK, ids_TK = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k)
+    token_ids = kwargs.get("input_ids") if fam.hash_table else None
+    weights_TK, ids_TK = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k, token_ids)
 
     experts = getattr(self, fam.experts)
     w13, w2, b13, b2 = state.layout.tensors(experts)

@@ -560,6 +560,9 @@ REAL_MOE = {
     "lfm2_moe": dict(num_experts=32, num_experts_per_tok=4),  # LFM2-8B-A1B
     "deepseek_v2": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3),  # 160
     "deepseek_v3": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
+    "deepseek_ocr2_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=6,
+                                                topk_method="greedy")),  # transformers' default: 64
+    "unlimited_ocr_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=6)),  # default: 64
     "glm4_moe": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1),  # GLM-4.5
     "glm4v_moe_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1,
                                             topk_group=1)),  # GLM-4.5V: 128
@@ -571,6 +574,9 @@ REAL_MOE = {
                                             swiglu_limit=10.0)),  # 288
     "kimi_linear": dict(num_experts=32, num_experts_per_token=8, num_expert_group=1, topk_group=1),  # 256
     "axk1": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),
+    "axk2": dict(n_routed_experts=32, num_experts_per_tok=8),  # A.X-K2-Light: 128, no groups
+    "bailing_hybrid": dict(num_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # default: 512
+    "beam": dict(num_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # transformers' default: 256
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
@@ -731,6 +737,14 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("hy_v4", dict(swiglu_limit=100.0)),
     ("glm5_next_text", dict(text_config=dict(swiglu_limit=100.0))),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
+    ("axk2", dict(n_group=4, topk_group=2)),  # grouped (the larger A.X-K2 releases)
+    ("axk2", dict(n_group=4, topk_group=1)),  # the group limit binds
+    ("axk2", dict(norm_topk_prob=False)),
+    ("bailing_hybrid", dict(topk_group=1)),
+    ("beam", dict(topk_group=1)),
+    ("beam", dict(norm_topk_prob=False)),
+    ("deepseek_ocr2_text", dict(text_config=dict(topk_method="greedy"))),
+    ("unlimited_ocr_text", dict(text_config=dict(topk_method="group_limited_greedy", n_group=4, topk_group=1))),
 ]
 
 

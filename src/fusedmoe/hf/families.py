@@ -8,10 +8,11 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
                                                                   Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
-    deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
+    deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2 (and DeepSeek-OCR-2, Unlimited-OCR)
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
-                                                                  GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
-                                                                  GLM-4-MoE, Nemotron-H
+                        (ungrouped where num_group is None;       GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash,
+                        the scale: Family.weight_scale, else      A.X-K2, Bailing-Hybrid), GLM-4-MoE, Nemotron-H,
+                        the router's routed_scaling_factor)       Beam
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
     sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
@@ -84,6 +85,11 @@ _ROUTED8 = dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_ex
 _MLA_KV = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
 _MLA = dict(_MLA_KV, q_lora_rank=24)
 _INDEX = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
+# DeepSeek-V2's MoE with multi-head attention, and a small SAM vision encoder (the OCR models)
+_OCR_TEXT = dict(_ROUTED8, routed_scaling_factor=1.5, mlp_layer_types=["dense", "sparse"], bos_token_id=1,
+                 eos_token_id=2)
+_OCR_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                patch_size=16, window_size=2, global_attn_indexes=[0], downsample_channels=[16, 32])
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -191,6 +197,20 @@ FAMILIES: tuple[Family, ...] = (
                      n_shared_experts=1, first_k_dense_replace=0, topk_method="group_limited_greedy",
                      n_group=4, topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=16,
                      q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V2's block, router and experts (the sources match) in the text model of an OCR model
+    Family("DeepSeek-OCR-2", "deepseek_ocr2_text", "deepseek_ocr2", "DeepseekOcr2TextMoe", "DeepseekOcr2Config",
+           routing="deepseek_v2", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_OCR_TEXT, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+                     vision_config=dict(sam_config=_OCR_SAM, encoder_config=dict(
+                         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)),
+                     image_token_id=1000)),  # outside the tiny vocabulary
+    Family("Unlimited-OCR", "unlimited_ocr_text", "unlimited_ocr", "UnlimitedOcrTextMoe", "UnlimitedOcrConfig",
+           routing="deepseek_v2", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_OCR_TEXT, sliding_window=8),  # greedy: no groups
+                     vision_config=dict(sam_config=_OCR_SAM, encoder_config=dict(
+                         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)),
+                     image_token_id=1000)),  # outside the tiny vocabulary
     Family("DeepSeek-V3", "deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3Config",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -276,6 +296,20 @@ FAMILIES: tuple[Family, ...] = (
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts", post_norm="post_mlp_layernorm",
            tiny=dict(_ROUTED8, **_MLA, first_k_dense_replace=1, n_group=4, topk_group=2,
                      routed_scaling_factor=2.5)),
+    Family("A.X-K2", "axk2", "axk2", "AXK2MoE", "AXK2Config",  # DeepSeek-V3's block, groups optional
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_ROUTED8, **_MLA, **_INDEX, first_k_dense_replace=1, routed_scaling_factor=2.5)),
+    Family("Bailing-Hybrid", "bailing_hybrid", "bailing_hybrid", "BailingHybridMoE",  # DeepSeek-V3's block
+           "BailingHybridConfig", routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, **_MLA_KV, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                     n_shared_experts=1, q_lora_rank=None, head_dim=16, n_group=4,
+                     topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, num_mtp_layers=0,
+                     layer_types=["linear_attention", "full_attention"], pad_token_id=1, eos_token_id=2)),
+    Family("Beam", "beam", "beam", "BeamMoE", "BeamConfig",  # DeepSeek-V3's router, the scale on the output
+           routing="grouped_sigmoid", router_fp32=True, weight_scale="routed_scaling_factor",
+           tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -427,12 +461,17 @@ def _deepseek_v2(fam, block, router, x, logits, top_k):
 
 
 def _grouped_sigmoid(fam, block, router, x, logits, top_k):
+    # DeepSeek-V3: groups ranked by the sum of their two best biased scores; over all experts where
+    # the router has no groups (A.X-K2-Light: num_group None); x the router's routed_scaling_factor,
+    # or the declared scale (Beam scales the block's output by its own: the same product)
+    grouped = router.num_group is not None
+    scale = _declared(block, router, fam.weight_scale or "router.routed_scaling_factor")
     return select_experts(
-        x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=True,
-        num_expert_group=router.num_group, topk_group=router.topk_group,
+        x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=grouped,
+        num_expert_group=router.num_group if grouped else None, topk_group=router.topk_group if grouped else None,
         e_score_correction_bias=router.e_score_correction_bias,
         renormalize=bool(router.norm_topk_prob),
-        routed_scaling_factor=float(router.routed_scaling_factor),
+        routed_scaling_factor=float(scale),
     )
 
 

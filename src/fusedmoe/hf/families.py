@@ -20,6 +20,9 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                         (both: bias and scale where Family.selection_bias / weight_scale say)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
+    sigmoid_shared_sink sigmoid + bias select; the picked and the  Inkling (custom)
+                        shared experts' sigmoids normalized
+                        together, x scale (Family.shared_logits)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
     llama4              sigmoid top-1, weight on the input         Llama-4
@@ -66,6 +69,9 @@ class Family:
     selection_bias: str = ""
     weight_scale: str = ""
     shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
+    # router attribute: the number S of trailing router logits that score the shared experts
+    # (Inkling); the routing then returns their weights [T, S] too, the shared module takes them
+    shared_logits: str = ""
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -189,6 +195,13 @@ FAMILIES: tuple[Family, ...] = (
            router="router", router_linear="gate", shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, num_shared_experts=1, head_dim=16,
                      route_scale=2.5)),
+    Family("Inkling", "inkling_text", "inkling", "InklingMoE", "InklingTextConfig",
+           routing="sigmoid_shared_sink", router_fp32=True, shared="shared_experts",
+           shared_logits="n_shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, route_scale=2.0,
+                     head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                     sliding_window_size=8, d_rel=4, rel_extent=16, local_layer_ids=[0],
+                     logits_mup_width_multiplier=1.0, bos_token_id=1, eos_token_id=2)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -383,6 +396,8 @@ FAMILIES: tuple[Family, ...] = (
                    "swiglu_limits) is not an activation fusedmoe runs"),
     Family("Inkling-2", "inkling2_text", "inkling2", "Inkling2SparseMoeBlock",
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
+    Family("Inkling-2-Loop", "inkling2_loop_text", "inkling2_loop", "Inkling2LoopSparseMoeBlock",  # Inkling-2's
+           refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
@@ -408,8 +423,10 @@ def family(name: str) -> Family:
 
 
 # Routing ------------------------------------------------------------------------------------------
+# (family, block, router, x, logits, top_k) -> (weights, ids), + the shared experts' weights [T, S]
+# where Family.shared_logits names their count
 Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int],
-                 tuple[torch.Tensor, torch.Tensor]]  # (family, block, router, x, logits, top_k) -> (weights, ids)
+                 tuple[torch.Tensor, ...]]
 
 
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -558,6 +575,22 @@ def _logit_bias_sigmoid(fam, block, router, x, logits, top_k):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
+def _sigmoid_shared_sink(fam, block, router, x, logits, top_k):
+    # Inkling: logits [T, E + S], the last S scoring the shared experts. Select on sigmoid + the
+    # bias over the E routed ones; the weights of the k picked and the S shared experts are their
+    # sigmoids normalized together (as transformers: softmax of their logsigmoids), x route_scale x
+    # global_scale. Returns (weights [T, K], ids [T, K], shared weights [T, S]).
+    n_shared = int(getattr(router, fam.shared_logits))
+    lg = logits.float()
+    routed_TE, shared_TS = lg[:, :-n_shared], lg[:, -n_shared:]
+    ids = torch.topk(routed_TE.sigmoid() + router.e_score_correction_bias.float(), top_k, dim=-1).indices
+    log_p = F.logsigmoid(torch.cat((routed_TE.gather(-1, ids), shared_TS), dim=-1))
+    w = torch.exp(log_p - torch.logsumexp(log_p, dim=-1, keepdim=True))
+    w = w * float(router.route_scale) * router.global_scale.float()
+    weights, ids = select_experts(x, routed_TE, top_k, custom_routing_function=lambda *_: (w[:, :top_k], ids))
+    return weights, ids, w[:, top_k:]
+
+
 def _sparsemixer(fam, block, router, x, logits, top_k):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
@@ -611,6 +644,7 @@ ROUTINGS: dict[str, Route] = {
     "sigmoid_topk": _sigmoid_topk,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
+    "sigmoid_shared_sink": _sigmoid_shared_sink,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,
     "llama4": _llama4,

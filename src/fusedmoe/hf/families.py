@@ -398,6 +398,10 @@ FAMILIES: tuple[Family, ...] = (
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Inkling-2-Loop", "inkling2_loop_text", "inkling2_loop", "Inkling2LoopSparseMoeBlock",  # Inkling-2's
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
+    Family("OpenAI-Privacy-Filter", "openai_privacy_filter", "openai_privacy_filter", "OpenAIPrivacyFilterMLP",
+           refused="experts that upcast every projection to float32 whatever the model's dtype are not "
+                   "supported (a token-classification encoder; otherwise gpt-oss's block with concatenated "
+                   "gate/up, weights / top_k and the output x top_k)"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",

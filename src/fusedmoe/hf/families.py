@@ -8,10 +8,11 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
                                                                   Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
-    deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2
+    deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2 (and DeepSeek-OCR-2, Unlimited-OCR)
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
-                                                                  GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash),
-                                                                  GLM-4-MoE, Nemotron-H
+                        (ungrouped where num_group is None;       GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash,
+                        the scale: Family.weight_scale, else      A.X-K2, Bailing-Hybrid), GLM-4-MoE, Nemotron-H,
+                        the router's routed_scaling_factor)       Beam
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
     sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
@@ -21,6 +22,9 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                         row, renormalize, x scale (score_fn: sqrtsoftplus | sigmoid)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
+    sigmoid_shared_sink sigmoid + bias select; the picked and the  Inkling (custom)
+                        shared experts' sigmoids normalized
+                        together, x scale (Family.shared_logits)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
     pnorm               softmax -> top-k -> / p-norm               DBRX (custom)
     llama4              sigmoid top-1, weight on the input         Llama-4
@@ -71,6 +75,9 @@ class Family:
     # router attribute: token id -> its experts [vocab, K]; a router holding it picks by the block's
     # input_ids, and transformers records no router logits for it (DeepSeek-V4's hash layers)
     hash_table: str = ""
+    # router attribute: the number S of trailing router logits that score the shared experts
+    # (Inkling); the routing then returns their weights [T, S] too, the shared module takes them
+    shared_logits: str = ""
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -94,6 +101,11 @@ _INDEX = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 _NO_BLOCK = ("no MoE block module: the decoder layer routes its residual (the router's own RMSNorm, scale, "
              "per_expert_scale) and runs the experts on pre_feedforward_layernorm_2 of it, beside a dense MLP; "
              "patch() replaces whole blocks (experts_implementation='fusedmoe' runs the experts)")
+# DeepSeek-V2's MoE with multi-head attention, and a small SAM vision encoder (the OCR models)
+_OCR_TEXT = dict(_ROUTED8, routed_scaling_factor=1.5, mlp_layer_types=["dense", "sparse"], bos_token_id=1,
+                 eos_token_id=2)
+_OCR_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                patch_size=16, window_size=2, global_attn_indexes=[0], downsample_channels=[16, 32])
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -193,6 +205,13 @@ FAMILIES: tuple[Family, ...] = (
            router="router", router_linear="gate", shared="shared_experts",
            tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, num_shared_experts=1, head_dim=16,
                      route_scale=2.5)),
+    Family("Inkling", "inkling_text", "inkling", "InklingMoE", "InklingTextConfig",
+           routing="sigmoid_shared_sink", router_fp32=True, shared="shared_experts",
+           shared_logits="n_shared_experts",
+           tiny=dict(_E4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, route_scale=2.0,
+                     head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                     sliding_window_size=8, d_rel=4, rel_extent=16, local_layer_ids=[0],
+                     logits_mup_width_multiplier=1.0, bos_token_id=1, eos_token_id=2)),
     Family("OLMoE", "olmoe", "olmoe", "OlmoeSparseMoeBlock", "OlmoeConfig",
            routing="softmax_norm_topk", tiny=dict(_E4, num_experts=4)),
     Family("DeepSeek-V2", "deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "DeepseekV2Config",
@@ -201,6 +220,20 @@ FAMILIES: tuple[Family, ...] = (
                      n_shared_experts=1, first_k_dense_replace=0, topk_method="group_limited_greedy",
                      n_group=4, topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=16,
                      q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V2's block, router and experts (the sources match) in the text model of an OCR model
+    Family("DeepSeek-OCR-2", "deepseek_ocr2_text", "deepseek_ocr2", "DeepseekOcr2TextMoe", "DeepseekOcr2Config",
+           routing="deepseek_v2", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_OCR_TEXT, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+                     vision_config=dict(sam_config=_OCR_SAM, encoder_config=dict(
+                         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)),
+                     image_token_id=1000)),  # outside the tiny vocabulary
+    Family("Unlimited-OCR", "unlimited_ocr_text", "unlimited_ocr", "UnlimitedOcrTextMoe", "UnlimitedOcrConfig",
+           routing="deepseek_v2", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_OCR_TEXT, sliding_window=8),  # greedy: no groups
+                     vision_config=dict(sam_config=_OCR_SAM, encoder_config=dict(
+                         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)),
+                     image_token_id=1000)),  # outside the tiny vocabulary
     Family("DeepSeek-V3", "deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3Config",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -295,6 +328,20 @@ FAMILIES: tuple[Family, ...] = (
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts", post_norm="post_mlp_layernorm",
            tiny=dict(_ROUTED8, **_MLA, first_k_dense_replace=1, n_group=4, topk_group=2,
                      routed_scaling_factor=2.5)),
+    Family("A.X-K2", "axk2", "axk2", "AXK2MoE", "AXK2Config",  # DeepSeek-V3's block, groups optional
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_ROUTED8, **_MLA, **_INDEX, first_k_dense_replace=1, routed_scaling_factor=2.5)),
+    Family("Bailing-Hybrid", "bailing_hybrid", "bailing_hybrid", "BailingHybridMoE",  # DeepSeek-V3's block
+           "BailingHybridConfig", routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(_E4, **_MLA_KV, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                     n_shared_experts=1, q_lora_rank=None, head_dim=16, n_group=4,
+                     topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, num_mtp_layers=0,
+                     layer_types=["linear_attention", "full_attention"], pad_token_id=1, eos_token_id=2)),
+    Family("Beam", "beam", "beam", "BeamMoE", "BeamConfig",  # DeepSeek-V3's router, the scale on the output
+           routing="grouped_sigmoid", router_fp32=True, weight_scale="routed_scaling_factor",
+           tiny=dict(_E4, moe_intermediate_size=32, num_experts=8, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])),
     Family("GLM-4-MoE", "glm4_moe", "glm4_moe", "Glm4MoeMoE", "Glm4MoeConfig",
            routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
@@ -368,6 +415,12 @@ FAMILIES: tuple[Family, ...] = (
                    "swiglu_limits) is not an activation fusedmoe runs"),
     Family("Inkling-2", "inkling2_text", "inkling2", "Inkling2SparseMoeBlock",
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
+    Family("Inkling-2-Loop", "inkling2_loop_text", "inkling2_loop", "Inkling2LoopSparseMoeBlock",  # Inkling-2's
+           refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
+    Family("OpenAI-Privacy-Filter", "openai_privacy_filter", "openai_privacy_filter", "OpenAIPrivacyFilterMLP",
+           refused="experts that upcast every projection to float32 whatever the model's dtype are not "
+                   "supported (a token-classification encoder; otherwise gpt-oss's block with concatenated "
+                   "gate/up, weights / top_k and the output x top_k)"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
     # Gemma-4's MoE (and DiffusionGemma's, a copy): found by the experts class, present only where the MoE is
@@ -398,10 +451,11 @@ def family(name: str) -> Family:
 
 
 # Routing ------------------------------------------------------------------------------------------
-# (family, block, router, x, logits, top_k, token_ids [T] | None) -> (weights, ids); token_ids: the
-# block's input_ids, read by hash routers only (`Family.hash_table`)
+# (family, block, router, x, logits, top_k, token_ids [T] | None) -> (weights, ids), + the shared
+# experts' weights [T, S] where Family.shared_logits names their count; token_ids: the block's
+# input_ids, read by hash routers only (`Family.hash_table`)
 Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor, int, torch.Tensor | None],
-                 tuple[torch.Tensor, torch.Tensor]]
+                 tuple[torch.Tensor, ...]]
 
 
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -453,12 +507,17 @@ def _deepseek_v2(fam, block, router, x, logits, top_k, token_ids):
 
 
 def _grouped_sigmoid(fam, block, router, x, logits, top_k, token_ids):
+    # DeepSeek-V3: groups ranked by the sum of their two best biased scores; over all experts where
+    # the router has no groups (A.X-K2-Light: num_group None); x the router's routed_scaling_factor,
+    # or the declared scale (Beam scales the block's output by its own: the same product)
+    grouped = router.num_group is not None
+    scale = _declared(block, router, fam.weight_scale or "router.routed_scaling_factor")
     return select_experts(
-        x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=True,
-        num_expert_group=router.num_group, topk_group=router.topk_group,
+        x, logits, top_k, scoring_func="sigmoid", use_grouped_topk=grouped,
+        num_expert_group=router.num_group if grouped else None, topk_group=router.topk_group if grouped else None,
         e_score_correction_bias=router.e_score_correction_bias,
         renormalize=bool(router.norm_topk_prob),
-        routed_scaling_factor=float(router.routed_scaling_factor),
+        routed_scaling_factor=float(scale),
     )
 
 
@@ -604,6 +663,22 @@ def _logit_bias_sigmoid(fam, block, router, x, logits, top_k, token_ids):
     return select_experts(x, logits, top_k, custom_routing_function=route)
 
 
+def _sigmoid_shared_sink(fam, block, router, x, logits, top_k, token_ids):
+    # Inkling: logits [T, E + S], the last S scoring the shared experts. Select on sigmoid + the
+    # bias over the E routed ones; the weights of the k picked and the S shared experts are their
+    # sigmoids normalized together (as transformers: softmax of their logsigmoids), x route_scale x
+    # global_scale. Returns (weights [T, K], ids [T, K], shared weights [T, S]).
+    n_shared = int(getattr(router, fam.shared_logits))
+    lg = logits.float()
+    routed_TE, shared_TS = lg[:, :-n_shared], lg[:, -n_shared:]
+    ids = torch.topk(routed_TE.sigmoid() + router.e_score_correction_bias.float(), top_k, dim=-1).indices
+    log_p = F.logsigmoid(torch.cat((routed_TE.gather(-1, ids), shared_TS), dim=-1))
+    w = torch.exp(log_p - torch.logsumexp(log_p, dim=-1, keepdim=True))
+    w = w * float(router.route_scale) * router.global_scale.float()
+    weights, ids = select_experts(x, routed_TE, top_k, custom_routing_function=lambda *_: (w[:, :top_k], ids))
+    return weights, ids, w[:, top_k:]
+
+
 def _sparsemixer(fam, block, router, x, logits, top_k, token_ids):
     if top_k != 2:
         raise UnsupportedModel(f"PhiMoE's SparseMixer routing picks exactly 2 experts, config asks {top_k}")
@@ -658,6 +733,7 @@ ROUTINGS: dict[str, Route] = {
     "score_bias": _score_bias,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
+    "sigmoid_shared_sink": _sigmoid_shared_sink,
     "sparsemixer": _sparsemixer,
     "pnorm": _pnorm,
     "llama4": _llama4,

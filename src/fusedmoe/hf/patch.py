@@ -324,12 +324,13 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
     router = getattr(self, fam.router)
-    logits_TE = router_logits(fam, router, x_TH)
+    logits_TE = router_logits(fam, router, x_TH)  # Inkling: [T, E + S], the shared experts' last
+    n_shared = int(getattr(router, fam.shared_logits)) if fam.shared_logits else 0
     if hash_table_of(fam, router) is None:  # transformers records no hash router's logits
-        _record_router_logits(logits_TE)
+        _record_router_logits(logits_TE[:, : logits_TE.shape[-1] - n_shared])  # what its router returns
     top_k = top_k_of(self, router)
     token_ids = kwargs.get("input_ids") if fam.hash_table else None
-    weights_TK, ids_TK = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k, token_ids)
+    weights_TK, ids_TK, *shared_weights = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k, token_ids)
 
     experts = getattr(self, fam.experts)
     w13, w2, b13, b2 = state.layout.tensors(experts)
@@ -343,7 +344,8 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
         out_TH = self.fc2_latent_proj(out_TH)
     shared = getattr(self, fam.shared, None) if fam.shared else None  # optional (Cohere2-MoE)
     if shared is not None:
-        shared_TH = shared(x_TH)
+        # Inkling: the shared experts weighted by the router (in x's dtype, as transformers)
+        shared_TH = shared(x_TH, shared_weights[0].to(x_TH.dtype)) if shared_weights else shared(x_TH)
         if fam.shared_gate:
             shared_TH = torch.sigmoid(getattr(self, fam.shared_gate)(x_TH)) * shared_TH
         out_TH = shared_TH + out_TH

@@ -4,7 +4,7 @@
 
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
-                                                                  Qwen3-VL-MoE, Qwen3.5-MoE
+                                                                  Qwen3-VL-MoE, Qwen3.5-MoE, JetMoE
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
                                                                   Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
@@ -54,17 +54,22 @@ class Family:
     router: str = "gate"  # block attribute holding the router
     router_linear: str = ""  # router attribute holding the Linear ("" = the router itself)
     router_fp32: bool = False  # logits computed in float32 from float32 weights
-    experts: str = "experts"
+    experts: str = "experts"  # block attribute holding the experts ("": the block itself, JetMoE)
     shared: str = ""  # block attribute of a shared-expert MLP added to the output
     shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
     post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
     router_softcap: str = ""  # router attribute: cap > 0 makes the logits cap * tanh(logits / cap), float32
+    router_no_bias: bool = False  # the router's forward ignores its Linear's bias (LongCat-Flash)
     # where the sigmoid routings find the selection bias and the weights' scale: "name" on the block,
     # "router.name" on the router ("" none)
     selection_bias: str = ""
     weight_scale: str = ""
     shared_combine: str = ""  # block attribute: "sum" or "average" of routed and shared (Cohere2-MoE)
+    output_bias: str = ""  # block attribute of a [H] bias added to the block's output (JetMoE)
+    # experts attribute: that many experts after the routed ones return their input, x weight
+    # (LongCat-Flash's zero-computation experts)
+    identity_experts: str = ""
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -73,6 +78,10 @@ class Family:
     @property
     def module_path(self) -> str:
         return f"transformers.models.{self.module}.modeling_{self.module}"
+
+    def experts_of(self, block: torch.nn.Module) -> torch.nn.Module:
+        """The module holding the block's experts."""
+        return getattr(block, self.experts) if self.experts else block
 
 
 _ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -317,6 +326,13 @@ FAMILIES: tuple[Family, ...] = (
            "GraniteMoeHybridConfig", router="router",
            tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48,
                      layer_types=["attention", "attention"])),
+    # experts held by the block (JetMoeParallelExperts), a bias added to the block's output; its
+    # mixture-of-attention experts (JetMoeMoA) are attention, left to transformers
+    Family("JetMoE", "jetmoe", "jetmoe", "JetMoeMoE", "JetMoeConfig",
+           layout="jetmoe", router="router", router_linear="layer", experts="", output_bias="bias",
+           tiny=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+                     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                     max_position_embeddings=128)),
     Family("PhiMoE", "phimoe", "phimoe", "PhimoeSparseMoeBlock", "PhimoeConfig",
            routing="sparsemixer", router="router", jitter="input_jitter_noise",
            tiny=dict(_E4, num_local_experts=4)),
@@ -382,7 +398,8 @@ def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> t
     """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32; softcapped
     in float32 where the family's router caps them (Laguna: what its router returns, and routes on)."""
     linear = getattr(router, fam.router_linear) if fam.router_linear else router
-    weight, bias = linear.weight, getattr(linear, "bias", None)
+    weight = linear.weight
+    bias = None if fam.router_no_bias else getattr(linear, "bias", None)
     if fam.router_fp32:
         logits = F.linear(x_TH.float(), weight.float(), None if bias is None else bias.float())
     else:

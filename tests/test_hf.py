@@ -591,6 +591,7 @@ REAL_MOE = {
     "phimoe": dict(num_local_experts=16, num_experts_per_tok=2),  # Phi-3.5-MoE
     "jamba": dict(num_experts=16, num_experts_per_tok=2),  # Jamba
     "jetmoe": dict(num_local_experts=8, num_experts_per_tok=2),  # JetMoE-8B
+    "longcat_flash": dict(n_routed_experts=32, zero_expert_num=16, num_experts_per_tok=12),  # LongCat-Flash: 512 + 256
     "hunyuan_v1_moe": dict(num_experts=32, moe_topk=8),  # Hunyuan-A13B: 64
     "ernie4_5_moe": dict(moe_num_experts=32, moe_k=6),  # ERNIE-4.5-21B-A3B: 64
     "llama4_text": dict(num_local_experts=16, num_experts_per_tok=1),  # Llama-4-Scout
@@ -732,6 +733,8 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("hy_v4", dict(swiglu_limit=100.0)),
     ("glm5_next_text", dict(text_config=dict(swiglu_limit=100.0))),  # the tiny config's clamp (0.5) binds; this one does not
     ("lfm2_moe", dict(norm_topk_prob=False)),
+    ("longcat_flash", dict(router_bias=True)),  # a classifier bias its router's forward never adds
+    ("longcat_flash", dict(zero_expert_num=0)),  # no identity experts
 ]
 
 

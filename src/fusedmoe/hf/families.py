@@ -17,6 +17,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
     sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
     sigmoid_topk        sigmoid [+ bias], renorm iff norm_topk_prob [x scale]  LFM2-MoE, Flint
                         (both: bias and scale where Family.selection_bias / weight_scale say)
+    softmax_bias        softmax + bias select, x scale             LongCat-Flash (bias, scale: Family fields)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sparsemixer         SparseMixer-v2 top-2 (inference)           PhiMoE (custom)
@@ -326,6 +327,14 @@ FAMILIES: tuple[Family, ...] = (
            "GraniteMoeHybridConfig", router="router",
            tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48,
                      layer_types=["attention", "attention"])),
+    # zero-computation experts: ids >= n_routed_experts return their input x weight; the router's
+    # classifier bias (router_bias) is never applied by its forward
+    Family("LongCat-Flash", "longcat_flash", "longcat_flash", "LongcatFlashMoE", "LongcatFlashConfig",
+           routing="softmax_bias", layout="longcat", router="router", router_linear="classifier",
+           router_fp32=True, router_no_bias=True, selection_bias="router.e_score_correction_bias",
+           weight_scale="router.routed_scaling_factor", identity_experts="zero_expert_num",
+           tiny=dict(_ROUTED8, **_MLA, num_hidden_layers=4, num_experts_per_tok=3, head_dim=8,  # 2 layers
+                     zero_expert_num=2, routed_scaling_factor=1.5)),
     # experts held by the block (JetMoeParallelExperts), a bias added to the block's output; its
     # mixture-of-attention experts (JetMoeMoA) are attention, left to transformers
     Family("JetMoE", "jetmoe", "jetmoe", "JetMoeMoE", "JetMoeConfig",
@@ -508,6 +517,16 @@ def _sigmoid_topk(fam, block, router, x, logits, top_k):
     )
 
 
+def _softmax_bias(fam, block, router, x, logits, top_k):
+    # LongCat-Flash: softmax scores + the declared bias for selection, no renormalization, x the
+    # declared scale; its identity experts are ids >= the routed count (Family.identity_experts)
+    return select_experts(
+        x, logits, top_k, scoring_func="softmax", renormalize=False,
+        e_score_correction_bias=_declared(block, router, fam.selection_bias),
+        routed_scaling_factor=float(_declared(block, router, fam.weight_scale)),
+    )
+
+
 def _softmax_bias_clamp(fam, block, router, x, logits, top_k):
     bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
     norm_min = float(router.norm_min)
@@ -587,6 +606,7 @@ ROUTINGS: dict[str, Route] = {
     "cohere2": _cohere2,
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
+    "softmax_bias": _softmax_bias,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
     "sparsemixer": _sparsemixer,

@@ -30,8 +30,9 @@ from fusedmoe.reference import fused_experts_ref  # noqa: E402
 
 RTOL = 1e-5  # fp32: ours and transformers' differ by summation order only (~3e-7 seen)
 SUPPORTED = [f.model_type for f in fh.FAMILIES if not f.refused]
-# Families whose experts class is @use_experts_implementation with fusedmoe's layout.
-HOOKED = [t for t in SUPPORTED if fh.family(t).layout in ("fused", "up_only")]
+# Families whose experts class is @use_experts_implementation with fusedmoe's layout (with a
+# refused block whose experts the hook runs: ZAYA).
+HOOKED = [f.model_type for f in fh.FAMILIES if f.config and f.layout in ("fused", "up_only")]
 NEW_TOKENS = 4
 
 
@@ -479,6 +480,16 @@ def test_cuda_graphs_argument():
     assert_same_outputs(run(model, ids), want)
     assert blocks and all(b._fusedmoe_patch.graphs.max_tokens == 8 and not b._fusedmoe_patch.graphs.graphs
                           for b in blocks)
+
+
+@pytest.mark.parametrize("model_type", installed(["zaya"]))
+def test_refused_block_with_hooked_experts(model_type):
+    """ZAYA: patch refuses its block (an MLP router carrying state across layers) before changing
+    anything; its experts run through the hook (test_experts_implementation_fusedmoe)."""
+    model = build(model_type)
+    with pytest.raises(fh.UnsupportedModel, match=r"ZAYA \(model\.layers\.0\.mlp: ZayaSparseMoeBlock\): its router is an MLP"):
+        fh.patch(model)
+    assert not fh.is_patched(model)
 
 
 def test_table_is_consistent():

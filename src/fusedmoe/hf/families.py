@@ -376,6 +376,18 @@ FAMILIES: tuple[Family, ...] = (
            refused="softcapped SwiGLU (mlp_gate_softcap / mlp_up_softcap) is not supported"),
     Family("Muse-Spark", "muse_spark_text", "muse_spark", "MuseSparkMoE",
            refused="a norm after each expert (has_post_expert_norm) is not supported"),
+    # patch refuses the block; its experts (ZayaExperts, top-1, the skip expert's weight zeroed by
+    # the router) run through experts_implementation="fusedmoe", tested from this tiny config
+    Family("ZAYA", "zaya", "zaya", "ZayaSparseMoeBlock", "ZayaConfig",
+           refused="its router is an MLP (down_proj, norm, two GELU layers, out_proj) over a state "
+                   "carried from the previous layer's router, with a skip expert; fusedmoe routes on "
+                   "a linear router's logits (experts_implementation='fusedmoe' runs its experts)",
+           tiny=dict(_ATTN, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1,
+                     router_hidden_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    Family("Doge", "doge", "doge", "DogeCDMoE",
+           refused="product-key routing (CDMoE: top-k of sums of two half-key scores, on router logits "
+                   "that transformers reshapes across tokens) over single-neuron experts (rows of "
+                   "down_embed / up_embed) is not a routing or an experts layout fusedmoe runs"),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
            refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
                    "supported"),

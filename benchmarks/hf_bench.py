@@ -43,6 +43,7 @@ from importlib import import_module
 import torch
 
 import fusedmoe.hf as fh
+from fusedmoe.hf.layouts import LAYOUTS
 from fusedmoe.presets import get_preset
 
 GRAPH = "+graph"
@@ -75,7 +76,7 @@ class CaptureError(RuntimeError):
 
 def modes_for(fam: fh.Family, *, graph: bool) -> list[str]:
     """The family's modes in table order: eager-launched ones, then (graph) the +graph ones."""
-    dispatched = fam.layout not in ("transposed", "dbrx")  # experts classes transformers dispatches
+    dispatched = LAYOUTS[fam.layout].dispatched  # experts classes transformers dispatches
     hf = list(HF_MODES) if dispatched else ["eager"]
     hook = ["fusedmoe"] if fam.layout in ("fused", "up_only") else []  # read as they are
     modes = [*hf, *hook, "patch", "patch-cg"]

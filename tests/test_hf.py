@@ -30,8 +30,9 @@ from fusedmoe.reference import fused_experts_ref  # noqa: E402
 
 RTOL = 1e-5  # fp32: ours and transformers' differ by summation order only (~3e-7 seen)
 SUPPORTED = [f.model_type for f in fh.FAMILIES if not f.refused]
-# Families whose experts class is @use_experts_implementation with fusedmoe's layout.
-HOOKED = [t for t in SUPPORTED if t not in ("gpt_oss", "llama4_text", "dbrx")]
+# Families whose experts class is @use_experts_implementation with fusedmoe's layout (with a
+# refused block whose experts the hook runs: ZAYA).
+HOOKED = [f.model_type for f in fh.FAMILIES if f.config and f.layout in ("fused", "up_only")]
 NEW_TOKENS = 4
 
 
@@ -158,7 +159,7 @@ def test_routing_and_experts_matter(model_type):
     with torch.no_grad():
         good = model(ids).logits
         block = next(m for m in model.modules() if fh.is_patched(m) and hasattr(m, "_fusedmoe_patch"))
-        w13 = block._fusedmoe_patch.layout.tensors(getattr(block, block._fusedmoe_patch.family.experts))[0]
+        w13 = block._fusedmoe_patch.layout.tensors(block._fusedmoe_patch.family.experts_of(block))[0]
         w13.mul_(-1)  # in fusedmoe's layout: flips gates (and relu2's input)
         assert rel_err(model(ids).logits, good) > 1e-3
 
@@ -505,6 +506,16 @@ def test_cuda_graphs_argument():
                           for b in blocks)
 
 
+@pytest.mark.parametrize("model_type", installed(["zaya"]))
+def test_refused_block_with_hooked_experts(model_type):
+    """ZAYA: patch refuses its block (an MLP router carrying state across layers) before changing
+    anything; its experts run through the hook (test_experts_implementation_fusedmoe)."""
+    model = build(model_type)
+    with pytest.raises(fh.UnsupportedModel, match=r"ZAYA \(model\.layers\.0\.mlp: ZayaSparseMoeBlock\): its router is an MLP"):
+        fh.patch(model)
+    assert not fh.is_patched(model)
+
+
 def test_table_is_consistent():
     for f in fh.FAMILIES:
         assert f.refused or (f.routing in fam_table.ROUTINGS and f.config), f.name
@@ -626,6 +637,8 @@ REAL_MOE = {
     "granitemoehybrid": dict(num_local_experts=32, num_experts_per_tok=6),  # Granite-4.0-H-Tiny: 64
     "phimoe": dict(num_local_experts=16, num_experts_per_tok=2),  # Phi-3.5-MoE
     "jamba": dict(num_experts=16, num_experts_per_tok=2),  # Jamba
+    "jetmoe": dict(num_local_experts=8, num_experts_per_tok=2),  # JetMoE-8B
+    "longcat_flash": dict(n_routed_experts=32, zero_expert_num=16, num_experts_per_tok=12),  # LongCat-Flash: 512 + 256
     "hunyuan_v1_moe": dict(num_experts=32, moe_topk=8),  # Hunyuan-A13B: 64
     "ernie4_5_moe": dict(moe_num_experts=32, moe_k=6),  # ERNIE-4.5-21B-A3B: 64
     "llama4_text": dict(num_local_experts=16, num_experts_per_tok=1),  # Llama-4-Scout
@@ -778,6 +791,8 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("inkling_text", dict(n_shared_experts=1)),
     ("deepseek_ocr2_text", dict(text_config=dict(topk_method="greedy"))),
     ("unlimited_ocr_text", dict(text_config=dict(topk_method="group_limited_greedy", n_group=4, topk_group=1))),
+    ("longcat_flash", dict(router_bias=True)),  # a classifier bias its router's forward never adds
+    ("longcat_flash", dict(zero_expert_num=0)),  # no identity experts
 ]
 
 
@@ -973,7 +988,7 @@ def test_block_cuda_graphs_gpu(model_type):
         assert len(graphs.graphs) == 1 and next(iter(graphs.graphs.values())).graph is not None
         check(1)
         assert len(graphs.graphs) == 2
-        experts = getattr(block, block._fusedmoe_patch.family.experts)
+        experts = block._fusedmoe_patch.family.experts_of(block)
         name, param = next((n, p) for n, p in experts.named_parameters() if p.dim() == 3)
         key3 = next(k for k in graphs.graphs if k[0][1] == 3)
         old = graphs.graphs[key3].weights

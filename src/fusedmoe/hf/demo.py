@@ -18,6 +18,7 @@ import time
 import torch
 
 from fusedmoe.hf.families import FAMILIES, family
+from fusedmoe.hf.layouts import LAYOUTS
 from fusedmoe.hf.models import build
 from fusedmoe.hf.patch import patch
 
@@ -72,7 +73,7 @@ def run_demo(name: str, *, tokens: int, new_tokens: int, dtype: torch.dtype, dev
                                   pad_token_id=0)
 
     times = {}
-    hooked = fam.layout not in ("transposed", "dbrx")  # experts classes transformers dispatches
+    hooked = LAYOUTS[fam.layout].dispatched  # experts classes transformers dispatches
     if hooked:
         for impl in ("eager", "grouped_mm"):
             try:

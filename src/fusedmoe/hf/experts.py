@@ -177,16 +177,19 @@ def run_experts(
     w2_bias: torch.Tensor | None = None,
     quant: QuantParams | None = None,
     apply_router_weight_on_input: bool = False,
+    placeholders: bool = False,
 ) -> torch.Tensor:
     """fused_experts on HF routing outputs; returns [T, H] in x's dtype.
 
     Under transformers' expert parallelism ids >= E are placeholders with weight 0: they map to
-    expert E, which `expert_map` marks as not on this rank, so they add exactly zero.
+    expert E, which `expert_map` marks as not on this rank, so they add exactly zero. `placeholders`
+    skips ids >= E the same way whatever their weight (LongCat-Flash's identity experts, which the
+    caller adds).
     """
     num_experts = w13.shape[0]
     expert_map = global_num_experts = None
     ids = top_k_index_TK
-    if getattr(experts, "_is_expert_parallel", False):
+    if placeholders or getattr(experts, "_is_expert_parallel", False):
         ids = ids.clamp(max=num_experts)
         expert_map = torch.arange(num_experts + 1, dtype=torch.int32, device=ids.device)
         expert_map[num_experts] = -1

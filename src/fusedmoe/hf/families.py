@@ -4,7 +4,7 @@
 
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
-                                                                  Qwen3-VL-MoE, Qwen3.5-MoE
+                                                                  Qwen3-VL-MoE, Qwen3.5-MoE, JetMoE
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
                                                                   Mellum, Lara-Mini, FlexOlmo
     softmax             softmax -> top-k                          Jamba
@@ -20,6 +20,7 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
                         (both: bias and scale where Family.selection_bias / weight_scale say)
     score_bias          score_fn + bias select | the token's hash    DeepSeek-V4 (custom)
                         row, renormalize, x scale (score_fn: sqrtsoftplus | sigmoid)
+    softmax_bias        softmax + bias select, x scale             LongCat-Flash (bias, scale: Family fields)
     softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sigmoid_shared_sink sigmoid + bias select; the picked and the  Inkling (custom)
@@ -61,12 +62,13 @@ class Family:
     router: str = "gate"  # block attribute holding the router
     router_linear: str = ""  # router attribute holding the Linear ("" = the router itself)
     router_fp32: bool = False  # logits computed in float32 from float32 weights
-    experts: str = "experts"
+    experts: str = "experts"  # block attribute holding the experts ("": the block itself, JetMoE)
     shared: str = ""  # block attribute of a shared-expert MLP added to the output
     shared_gate: str = ""  # Linear(H, 1): shared output x sigmoid(shared_gate(x))
     latent: bool = False  # Nemotron-H fc1/fc2_latent_proj around the experts
     post_norm: str = ""  # block attribute of a norm applied to the block's output (A.X-K1)
     router_softcap: str = ""  # router attribute: cap > 0 makes the logits cap * tanh(logits / cap), float32
+    router_no_bias: bool = False  # the router's forward ignores its Linear's bias (LongCat-Flash)
     # where the sigmoid routings find the selection bias and the weights' scale: "name" on the block,
     # "router.name" on the router ("" none)
     selection_bias: str = ""
@@ -78,6 +80,10 @@ class Family:
     # router attribute: the number S of trailing router logits that score the shared experts
     # (Inkling); the routing then returns their weights [T, S] too, the shared module takes them
     shared_logits: str = ""
+    output_bias: str = ""  # block attribute of a [H] bias added to the block's output (JetMoE)
+    # experts attribute: that many experts after the routed ones return their input, x weight
+    # (LongCat-Flash's zero-computation experts)
+    identity_experts: str = ""
     output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
@@ -86,6 +92,10 @@ class Family:
     @property
     def module_path(self) -> str:
         return f"transformers.models.{self.module}.modeling_{self.module}"
+
+    def experts_of(self, block: torch.nn.Module) -> torch.nn.Module:
+        """The module holding the block's experts."""
+        return getattr(block, self.experts) if self.experts else block
 
 
 _ATTN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -383,6 +393,21 @@ FAMILIES: tuple[Family, ...] = (
            "GraniteMoeHybridConfig", router="router",
            tiny=dict(_E4, num_local_experts=4, shared_intermediate_size=48,
                      layer_types=["attention", "attention"])),
+    # zero-computation experts: ids >= n_routed_experts return their input x weight; the router's
+    # classifier bias (router_bias) is never applied by its forward
+    Family("LongCat-Flash", "longcat_flash", "longcat_flash", "LongcatFlashMoE", "LongcatFlashConfig",
+           routing="softmax_bias", layout="longcat", router="router", router_linear="classifier",
+           router_fp32=True, router_no_bias=True, selection_bias="router.e_score_correction_bias",
+           weight_scale="router.routed_scaling_factor", identity_experts="zero_expert_num",
+           tiny=dict(_ROUTED8, **_MLA, num_hidden_layers=4, num_experts_per_tok=3, head_dim=8,  # 2 layers
+                     zero_expert_num=2, routed_scaling_factor=1.5)),
+    # experts held by the block (JetMoeParallelExperts), a bias added to the block's output; its
+    # mixture-of-attention experts (JetMoeMoA) are attention, left to transformers
+    Family("JetMoE", "jetmoe", "jetmoe", "JetMoeMoE", "JetMoeConfig",
+           layout="jetmoe", router="router", router_linear="layer", experts="", output_bias="bias",
+           tiny=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+                     intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                     max_position_embeddings=128)),
     Family("PhiMoE", "phimoe", "phimoe", "PhimoeSparseMoeBlock", "PhimoeConfig",
            routing="sparsemixer", router="router", jitter="input_jitter_noise",
            tiny=dict(_E4, num_local_experts=4)),
@@ -428,6 +453,18 @@ FAMILIES: tuple[Family, ...] = (
            refused=_NO_BLOCK),
     Family("DiffusionGemma", "diffusion_gemma_text", "diffusion_gemma", "DiffusionGemmaTextExperts",
            refused=_NO_BLOCK),
+    # patch refuses the block; its experts (ZayaExperts, top-1, the skip expert's weight zeroed by
+    # the router) run through experts_implementation="fusedmoe", tested from this tiny config
+    Family("ZAYA", "zaya", "zaya", "ZayaSparseMoeBlock", "ZayaConfig",
+           refused="its router is an MLP (down_proj, norm, two GELU layers, out_proj) over a state "
+                   "carried from the previous layer's router, with a skip expert; fusedmoe routes on "
+                   "a linear router's logits (experts_implementation='fusedmoe' runs its experts)",
+           tiny=dict(_ATTN, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1,
+                     router_hidden_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    Family("Doge", "doge", "doge", "DogeCDMoE",
+           refused="product-key routing (CDMoE: top-k of sums of two half-key scores, on router logits "
+                   "that transformers reshapes across tokens) over single-neuron experts (rows of "
+                   "down_embed / up_embed) is not a routing or an experts layout fusedmoe runs"),
     Family("NLLB-MoE", "nllb_moe", "nllb_moe", "NllbMoeSparseMLP",
            refused="capacity-limited top-2 routing (tokens over expert capacity are dropped) is not "
                    "supported"),
@@ -462,7 +499,8 @@ def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> t
     """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32; softcapped
     in float32 where the family's router caps them (Laguna: what its router returns, and routes on)."""
     linear = getattr(router, fam.router_linear) if fam.router_linear else router
-    weight, bias = linear.weight, getattr(linear, "bias", None)
+    weight = linear.weight
+    bias = None if fam.router_no_bias else getattr(linear, "bias", None)
     if fam.router_fp32:
         logits = F.linear(x_TH.float(), weight.float(), None if bias is None else bias.float())
     else:
@@ -635,6 +673,16 @@ def _score_bias(fam, block, router, x, logits, top_k, token_ids):
                           routed_scaling_factor=1.0 if scale is None else float(scale))
 
 
+def _softmax_bias(fam, block, router, x, logits, top_k, token_ids):
+    # LongCat-Flash: softmax scores + the declared bias for selection, no renormalization, x the
+    # declared scale; its identity experts are ids >= the routed count (Family.identity_experts)
+    return select_experts(
+        x, logits, top_k, scoring_func="softmax", renormalize=False,
+        e_score_correction_bias=_declared(block, router, fam.selection_bias),
+        routed_scaling_factor=float(_declared(block, router, fam.weight_scale)),
+    )
+
+
 def _softmax_bias_clamp(fam, block, router, x, logits, top_k, token_ids):
     bias_E = router.moe_statics.e_score_correction_bias.reshape(-1)
     norm_min = float(router.norm_min)
@@ -731,6 +779,7 @@ ROUTINGS: dict[str, Route] = {
     "sigmoid_bias": _sigmoid_bias,
     "sigmoid_topk": _sigmoid_topk,
     "score_bias": _score_bias,
+    "softmax_bias": _softmax_bias,
     "softmax_bias_clamp": _softmax_bias_clamp,
     "logit_bias_sigmoid": _logit_bias_sigmoid,
     "sigmoid_shared_sink": _sigmoid_shared_sink,

@@ -5,6 +5,10 @@
     transposed  gate_up_proj [E, H, 2I], down_proj [E, I, H]        Llama-4: one transpose copy each
     gpt_oss     transposed, gate/up interleaved on 2I, + biases     gpt-oss: transpose + de-interleave
     dbrx        w1, v1, w2 each [E*I, H] (w2 used as a @ w2_e)     w1|v1 -> w13 [E, 2I, H], w2 -> [E, H, I]
+    jetmoe      input_linear.weight [E, 2I, H], output_linear       ours, on the block: nothing moves
+                .weight [E, H, I]
+    longcat     gate_up_proj [E+Z, 2I, H], down_proj [E, H, I]      ours once the Z identity experts' unused
+                                                                    gate_up rows are sliced off (a view)
 
 A converted tensor replaces the original (`param.data = new`, or a new parameter for DBRX's fused
 w13 with w1/v1 removed), so the model never holds two copies. State-dict hooks keep the
@@ -24,6 +28,8 @@ class Layout:
 
     name = "fused"
     converts = False  # True when adopt() changes tensors (then state-dict hooks are needed)
+    dispatched = True  # transformers dispatches the experts class (@use_experts_implementation)
+    fp8 = True  # patch runs FP8 experts of this layout (quant_params); others are refused
 
     def tensors(self, experts: nn.Module):
         """(w13 [E, G, H], w2 [E, H, I], w13_bias | None, w2_bias | None) in fusedmoe's layout."""
@@ -52,6 +58,10 @@ class Layout:
 
 class UpOnly(Layout):
     name = "up_only"
+    fp8 = False
+
+    def source(self, experts):
+        return getattr(experts, "up_proj", None)
 
     def tensors(self, experts):
         bias = getattr(experts, "has_bias", False)
@@ -69,10 +79,12 @@ class Transposed(Layout):
     """gate_up_proj [E, H, 2I] and down_proj [E, I, H] (x @ w); gate/up concatenated or interleaved."""
 
     converts = True
+    fp8 = False
 
     def __init__(self, interleaved: bool):
         self.interleaved = interleaved
         self.name = "gpt_oss" if interleaved else "transposed"
+        self.dispatched = interleaved  # Llama-4's experts are called directly
 
     def _to_ours_gate_up(self, w_EHG: torch.Tensor) -> torch.Tensor:
         w_EGH = w_EHG.transpose(1, 2)
@@ -121,6 +133,8 @@ class Dbrx(Layout):
 
     name = "dbrx"
     converts = True
+    dispatched = False
+    fp8 = False
 
     def source(self, experts):
         return getattr(getattr(experts, "mlp", None), "w1", None)
@@ -175,10 +189,39 @@ class Dbrx(Layout):
         state_dict[prefix + "mlp.w2"] = w2.view(e, i, h).transpose(1, 2)
 
 
+class ParallelExperts(Layout):
+    """JetMoE: the block holds `input_linear` / `output_linear` (JetMoeParallelExperts), whose
+    `weight`s are [E, 2I, H] (gate rows first) and [E, H, I]."""
+
+    name = "jetmoe"
+    dispatched = False
+    fp8 = False
+
+    def tensors(self, block):
+        return block.input_linear.weight, block.output_linear.weight, None, None
+
+    def source(self, block):
+        return getattr(getattr(block, "input_linear", None), "weight", None)
+
+
+class IdentityTail(Layout):
+    """LongCat-Flash: `gate_up_proj` has a row block for each of the E routed and Z identity
+    experts, `down_proj` for the E routed ones only; the kernels read the first E of gate_up."""
+
+    name = "longcat"
+    dispatched = False
+    fp8 = False
+
+    def tensors(self, experts):
+        return experts.gate_up_proj[: experts.down_proj.shape[0]], experts.down_proj, None, None
+
+
 LAYOUTS: dict[str, Layout] = {
     "fused": Layout(),
     "up_only": UpOnly(),
     "transposed": Transposed(interleaved=False),
     "gpt_oss": Transposed(interleaved=True),
     "dbrx": Dbrx(),
+    "jetmoe": ParallelExperts(),
+    "longcat": IdentityTail(),
 }

@@ -223,7 +223,7 @@ def unpatch(model: nn.Module) -> int:
         state = getattr(module, _STATE, None)
         if state is None:
             continue
-        experts = getattr(module, state.family.experts)
+        experts = state.family.experts_of(module)
         for hook in state.hooks:
             hook.remove()
         state.layout.restore(experts)
@@ -239,7 +239,7 @@ def is_patched(module: nn.Module) -> bool:
 
 def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
     """Everything that can refuse the block, checked before any tensor moves."""
-    experts = getattr(block, fam.experts)
+    experts = fam.experts_of(block)
     router = getattr(block, fam.router)
     top_k_of(block, router)
     if fam.routing == "llama4":
@@ -252,13 +252,13 @@ def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
         raise UnsupportedModel(
             f"{fam.name}: {fam.shared_combine}={getattr(block, fam.shared_combine)!r} is not supported"
         )
-    if LAYOUTS[fam.layout].converts:
+    if not LAYOUTS[fam.layout].fp8:
         w13 = LAYOUTS[fam.layout].source(experts)
         if w13 is None or not w13.is_floating_point() or w13.element_size() < 2:
             what = type(experts).__name__ if w13 is None else str(w13.dtype)
             raise UnsupportedModel(
                 f"{fam.name} ({fam.block}): quantized experts ({what}) in the {fam.layout} layout are "
-                "not supported; patch re-lays out bf16/fp16/fp32 expert weights only"
+                "not supported; patch reads bf16/fp16/fp32 expert weights only in this layout"
             )
     if fam.layout == "gpt_oss":
         return ExpertsMath("swigluoai", float(experts.alpha), float(experts.limit))
@@ -266,6 +266,8 @@ def _plan(block: nn.Module, fam: Family) -> ExpertsMath:
         return ExpertsMath(activation_of(experts.mlp.activation_fn, gated=True, where=fam.block))
     if fam.layout == "transposed":
         return ExpertsMath(activation_of(experts.act_fn, gated=True, where=fam.block))
+    if fam.layout == "jetmoe":
+        return ExpertsMath(activation_of(experts.activation, gated=True, where=fam.block))
     return experts_math(experts)
 
 
@@ -289,7 +291,7 @@ def _patched_class(cls: type) -> type:
 
 
 def _patch_block(block: nn.Module, fam: Family, math: ExpertsMath, graphs: _BlockGraphs | None) -> None:
-    experts = getattr(block, fam.experts)
+    experts = fam.experts_of(block)
     layout = LAYOUTS[fam.layout]
     layout.adopt(experts)
     hooks: tuple = ()
@@ -332,14 +334,18 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     token_ids = kwargs.get("input_ids") if fam.hash_table else None
     weights_TK, ids_TK, *shared_weights = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k, token_ids)
 
-    experts = getattr(self, fam.experts)
+    experts = fam.experts_of(self)
     w13, w2, b13, b2 = state.layout.tensors(experts)
     x_in = self.fc1_latent_proj(x_TH) if fam.latent else x_TH
+    identity = bool(fam.identity_experts) and getattr(experts, fam.identity_experts) > 0
     out_TH = run_experts(
         experts, x_in, ids_TK, weights_TK, w13, w2, state.math, w13_bias=b13, w2_bias=b2,
-        quant=quant_params(experts) if fam.layout == "fused" else None,
-        apply_router_weight_on_input=fam.routing == "llama4",
+        quant=quant_params(experts) if state.layout.fp8 else None,
+        apply_router_weight_on_input=fam.routing == "llama4", placeholders=identity,
     )
+    if identity:  # LongCat-Flash: ids >= E (skipped above) are identity experts, x * weight
+        weight_T1 = (weights_TK.float() * (ids_TK >= w13.shape[0])).sum(dim=-1, keepdim=True)
+        out_TH = out_TH + (x_TH.float() * weight_T1).to(out_TH.dtype)
     if fam.latent:
         out_TH = self.fc2_latent_proj(out_TH)
     shared = getattr(self, fam.shared, None) if fam.shared else None  # optional (Cohere2-MoE)
@@ -353,6 +359,8 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
             out_TH = out_TH / 2
     if fam.post_norm:  # A.X-K1: a norm over the block's output (the hidden dimension)
         out_TH = getattr(self, fam.post_norm)(out_TH)
+    if fam.output_bias:  # JetMoE
+        out_TH = out_TH + getattr(self, fam.output_bias)
     if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])
         return out_TH, logits_TE
     out = out_TH.view(shape)

@@ -120,6 +120,7 @@ _CUSTOM_GATES = {
     # the same clamp with silu, limit from swiglu_limit
     "Glm5NextTextExperts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
     "HYV4Experts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
+    "HYV4VLExperts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
     # gpt-oss's swigluoai on concatenated halves
     "MiniMaxM3VLExperts": lambda m: ExpertsMath(
         "swigluoai", float(m.swiglu_alpha), _limit(m.swiglu_limit)

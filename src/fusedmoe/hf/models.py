@@ -68,8 +68,14 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError:  # a multimodal family whose MoE is in its text model (Qwen3-VL-MoE): text-only input
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
-    matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
+    redraw_moe(model, seed=seed + 1)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def redraw_moe(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
+    """The tensors of the model's MoE blocks redrawn in place (std as the module docstring says)."""
+    generator = torch.Generator().manual_seed(seed)
+    matrix_std = 0.3 * (64 / model.config.get_text_config().hidden_size) ** 0.5
     with torch.no_grad():
         for module in model.modules():
             if block_family(module) is None:
@@ -78,4 +84,4 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
                 if tensor.is_floating_point():
                     std = matrix_std if tensor.dim() > 1 else 0.5
                     tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
-    return model.to(device=device, dtype=dtype).eval()
+    return model

@@ -30,7 +30,7 @@ from fusedmoe.hf.experts import (
     quant_params,
     run_experts,
 )
-from fusedmoe.hf.families import FAMILIES, ROUTINGS, Family, router_logits, top_k_of
+from fusedmoe.hf.families import FAMILIES, ROUTINGS, Family, router_linear, router_logits, top_k_of
 from fusedmoe.hf.layouts import LAYOUTS, Layout
 
 _STATE = "_fusedmoe_patch"
@@ -312,10 +312,12 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     if self.training:
         _check_training(self, fam)
     shape = hidden_states.shape
-    x_TH = hidden_states.reshape(-1, shape[-1])
     router = getattr(self, fam.router)
+    # [..., H] as the router's weight reads it (Ernie-4.5-VL's modality block hands its blocks the
+    # values of its tokens flattened, [N * H])
+    x_TH = hidden_states.reshape(-1, router_linear(fam, router).weight.shape[-1])
     logits_TE = router_logits(fam, router, x_TH)
-    _record_router_logits(logits_TE)
+    _record_router_logits(router, logits_TE)
     top_k = top_k_of(self, router)
     weights_TK, ids_TK = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k)
 
@@ -341,15 +343,20 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
         out_TH = getattr(self, fam.post_norm)(out_TH)
     if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])
         return out_TH, logits_TE
+    if fam.output == "flat_with_logits":  # Ernie-4.5-VL: ([T * H], [T * E]), as its modality block assigns them
+        return out_TH.flatten(), logits_TE.flatten()
     out = out_TH.view(shape)
     if fam.output == "with_scores":  # gpt-oss: (out, top-k routing weights [T, K])
         return out, weights_TK.to(logits_TE.dtype)
     return out
 
 
-def _record_router_logits(logits_TE: torch.Tensor) -> None:
+def _record_router_logits(router: nn.Module, logits_TE: torch.Tensor) -> None:
     """With output_router_logits=True transformers collects the router's logits through a hook
-    on the router module, which a patched block does not call: hand it ours (the same values)."""
+    on the router module, which a patched block does not call: hand it ours (the same values).
+    Only where such a hook sits on the router: a model that records them from a module around
+    the block (Ernie-4.5-VL: the modality block around the patched text and vision blocks, whose
+    own hook still runs) would count them twice."""
     collector = _collector()
     if collector is None:  # a transformers without output capturing: nothing collects
         return
@@ -359,8 +366,15 @@ def _record_router_logits(logits_TE: torch.Tensor) -> None:
         # nothing in this region collects.
         return
     collected = collector.get()
-    if collected is not None and "router_logits" in collected:
+    if collected is not None and "router_logits" in collected and _captured(router):
         collected["router_logits"].append(logits_TE)
+
+
+def _captured(module: nn.Module) -> bool:
+    """Whether transformers' output capturing hooked `module` (its hooks are functions of the
+    collector's module)."""
+    capturing = type(_collector()).__module__
+    return any(getattr(hook, "__module__", None) == capturing for hook in module._forward_hooks.values())
 
 
 def _check_training(block: nn.Module, fam: Family) -> None:

@@ -29,10 +29,14 @@ from fusedmoe.hf.models import build, tiny_config  # noqa: E402
 from fusedmoe.reference import fused_experts_ref  # noqa: E402
 
 RTOL = 1e-5  # fp32: ours and transformers' differ by summation order only (~3e-7 seen)
-SUPPORTED = [f.model_type for f in fh.FAMILIES if not f.refused]
+# Families whose MoE blocks no causal-LM class runs from token ids: tested on their text model
+# (test_text_model_only_families)
+TEXT_MODEL_ONLY = {"qwen3_omni_moe_talker_text": "Qwen3OmniMoeTalkerModel"}
+SUPPORTED = [f.model_type for f in fh.FAMILIES if not f.refused and f.model_type not in TEXT_MODEL_ONLY]
 # Families whose experts class is @use_experts_implementation with fusedmoe's layout (with a
 # refused block whose experts the hook runs: ZAYA).
-HOOKED = [f.model_type for f in fh.FAMILIES if f.config and f.layout in ("fused", "up_only")]
+HOOKED = [f.model_type for f in fh.FAMILIES
+          if f.config and f.layout in ("fused", "up_only") and f.model_type not in TEXT_MODEL_ONLY]
 NEW_TOKENS = 4
 
 
@@ -183,7 +187,7 @@ def test_output_router_logits(model_type):
         assert rel_err(got.aux_loss, want.aux_loss) < RTOL
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx", "aria_text", "qwen2_moe"])
 def test_patched_model_loads_transformers_checkpoints(model_type):
     """load_state_dict of a checkpoint in transformers' layout into a patched (re-laid-out) model."""
     source = build(model_type, seed=1)
@@ -583,12 +587,14 @@ REAL_MOE = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),  # Mixtral-8x7B
     "minimax": dict(num_local_experts=32, num_experts_per_tok=2),  # MiniMax-Text-01
     "minimax_m2": dict(num_local_experts=32, num_experts_per_tok=8),  # MiniMax-M2: 256
+    "minimax_m3_vl_text": dict(num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0),  # MiniMax-M3: 128
     "qwen2_moe": dict(num_experts=32, num_experts_per_tok=4),  # Qwen1.5-MoE-A2.7B: 60
     "qwen3_moe": dict(num_experts=32, num_experts_per_tok=8),  # Qwen3-30B-A3B: 128
     "qwen3_next": dict(num_experts=32, num_experts_per_tok=10),  # Qwen3-Next-80B-A3B: 512
     "qwen4_exp_text": dict(num_experts=32, num_experts_per_tok=10),  # transformers' default: 512
     "qwen3_vl_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-VL-30B-A3B: 128
     "qwen3_5_moe_text": dict(num_experts=32, num_experts_per_tok=8),  # transformers' default: 256
+    "qwen3_omni_moe_text": dict(text_config=dict(num_experts=32, num_experts_per_tok=8)),  # Qwen3-Omni-30B-A3B: 128
     "olmoe": dict(num_experts=32, num_experts_per_tok=8),  # OLMoE-1B-7B: 64
     "inkling_text": dict(n_routed_experts=32, num_experts_per_tok=6),  # transformers' default: 256 (+ 2 shared)
     "flint": dict(num_experts=32, num_experts_per_tok=6),  # transformers' default: 256
@@ -619,6 +625,8 @@ REAL_MOE = {
     "beam": dict(num_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # transformers' default: 256
     "hy_v4": dict(n_routed_experts=32, num_experts_per_tok=8, swiglu_limit=10.0),  # transformers' default: 256
     "deepseek_v4": dict(n_routed_experts=32, num_experts_per_tok=6, swiglu_limit=10.0),  # DeepSeek-V4-Flash: 256
+    "hy_v4_vl_text": dict(text_config=dict(n_routed_experts=32, num_experts_per_tok=8, n_group=1, topk_group=1,
+                                           swiglu_limit=10.0)),  # transformers' default: 256, 1 group
     "deepseek_v32": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4),  # 256
     "dots1": dict(n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1),  # dots.llm1: 128
     "glm4_moe_lite": dict(n_routed_experts=32, num_experts_per_tok=4),  # GLM-4.7-Flash: 64
@@ -641,6 +649,8 @@ REAL_MOE = {
     "longcat_flash": dict(n_routed_experts=32, zero_expert_num=16, num_experts_per_tok=12),  # LongCat-Flash: 512 + 256
     "hunyuan_v1_moe": dict(num_experts=32, moe_topk=8),  # Hunyuan-A13B: 64
     "ernie4_5_moe": dict(moe_num_experts=32, moe_k=6),  # ERNIE-4.5-21B-A3B: 64
+    "ernie4_5_vl_moe_text": dict(text_config=dict(moe_num_experts=32, moe_k=6)),  # ERNIE-4.5-VL-28B-A3B: 64
+    "aria_text": dict(moe_num_experts=32, moe_topk=6),  # Aria: 64
     "llama4_text": dict(num_local_experts=16, num_experts_per_tok=1),  # Llama-4-Scout
     "dbrx": dict(ffn_config=dict(ffn_hidden_size=512, moe_num_experts=16, moe_top_k=4,  # DBRX
                                  moe_normalize_expert_weights=1.0)),
@@ -734,7 +744,7 @@ def test_hf_experts_op_opcheck():
     )
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "dbrx", "aria_text"])
 def test_conversion_keeps_one_copy(model_type):
     """Re-laid-out families: the converted tensors replace the originals (same parameter bytes,
     same names except DBRX's w1 + v1 -> w13), and unpatch restores names and shapes."""
@@ -793,6 +803,10 @@ VARIANTS = [  # config switches the default tiny configs do not take
     ("unlimited_ocr_text", dict(text_config=dict(topk_method="group_limited_greedy", n_group=4, topk_group=1))),
     ("longcat_flash", dict(router_bias=True)),  # a classifier bias its router's forward never adds
     ("longcat_flash", dict(zero_expert_num=0)),  # no identity experts
+    ("qwen3_omni_moe_text", dict(text_config=dict(norm_topk_prob=False))),
+    ("minimax_m3_vl_text", dict(swiglu_limit=100.0)),  # the tiny config's clamp (0.5) binds; this one does not
+    ("hy_v4_vl_text", dict(text_config=dict(swiglu_limit=100.0))),
+    ("ernie4_5_vl_moe_text", dict(text_config=dict(moe_norm_min=0.9))),  # the clamp binds
 ]
 
 
@@ -869,6 +883,8 @@ CUSTOM_GATES = [  # experts classes with their own _apply_gate that the hook kno
     ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig",
      dict(hidden_size=64, intermediate_size=32, num_local_experts=4, swiglu_limit=0.5, swiglu_alpha=1.702)),
     ("hy_v4", "HYV4Experts", "HYV4Config",
+     dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
+    ("hy_v4_vl", "HYV4VLExperts", "HYV4VLTextConfig",
      dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, swiglu_limit=0.5)),
 ]
 
@@ -1050,3 +1066,68 @@ def test_cohere2_moe_unknown_strategies_are_refused():
         with pytest.raises(fh.UnsupportedModel, match=rf"Cohere2-MoE: {attribute}='{value}' is not supported"):
             fh.patch(model)
         assert not fh.is_patched(model)
+
+
+def test_ernie4_5_vl_vision_tokens():
+    """Ernie-4.5-VL: tokens marked as vision tokens (moe_mm_token_type_ids) go through the patched
+    vision block, the others through the text block (transformers' modality block splits them):
+    logits, router logits and aux loss as transformers', and the vision experts matter."""
+    model = build("ernie4_5_vl_moe_text")
+    ids = prompt()
+    vision = torch.zeros_like(ids)
+    vision[0, 2:5] = vision[1, 4:] = 1
+    with torch.no_grad():
+        want = model(ids, moe_mm_token_type_ids=vision, output_router_logits=True)
+        assert rel_err(model(ids).logits, want.logits) > 1e-3  # the vision blocks change the logits
+        fh.patch(model)
+        got = model(ids, moe_mm_token_type_ids=vision, output_router_logits=True)
+        assert rel_err(got.logits, want.logits) < RTOL
+        assert len(got.router_logits) == len(want.router_logits) == 2
+        for g, w in zip(got.router_logits, want.router_logits, strict=True):
+            assert rel_err(g, w) < RTOL
+        assert rel_err(got.aux_loss, want.aux_loss) < RTOL
+        model.model.language_model.layers[0].mlp.vision_moe.experts.gate_up_proj.mul_(-1)
+        assert rel_err(model(ids, moe_mm_token_type_ids=vision).logits, got.logits) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", installed(list(TEXT_MODEL_ONLY)))
+def test_text_model_only_families(model_type, hook_calls):
+    """Qwen3-Omni-MoE's talker (its text model on embeddings: the talker's generation needs the
+    thinker's hidden states): prefill and two cached decode steps, patched, hooked and as
+    transformers, router logits included, and the experts matter."""
+    from importlib import import_module
+
+    from fusedmoe.hf.models import redraw_moe
+
+    modeling = import_module(fh.family(model_type).module_path)
+    torch.manual_seed(0)
+    model = redraw_moe(getattr(modeling, TEXT_MODEL_ONLY[model_type])(tiny_config(model_type)), seed=1).eval()
+    g = torch.Generator().manual_seed(0)
+    embeds = [torch.randn(2, n, 64, generator=g) for n in (7, 1, 1)]
+
+    def run_model():
+        cache, out = None, []
+        with torch.no_grad():
+            for x in embeds:
+                step = model(inputs_embeds=x, cache=cache, use_cache=True, output_router_logits=True)
+                cache = step.cache
+                out.append((step.last_hidden_state, step.router_logits))
+        return out
+
+    def check(got, want):
+        for (hidden, logits), (ref_hidden, ref_logits) in zip(got, want, strict=True):
+            assert rel_err(hidden, ref_hidden) < RTOL
+            assert len(logits) == len(ref_logits) > 0
+            assert all(rel_err(a, b) < RTOL for a, b in zip(logits, ref_logits, strict=True))
+
+    want = run_model()
+    model.set_experts_implementation("fusedmoe")
+    check(run_model(), want)
+    assert hook_calls
+    model.set_experts_implementation("eager")
+    block = next(m for m in model.modules() if _is_block(m))
+    patched = fh.patch(model)
+    assert patched and all(name == fh.family(model_type).name for _, name in patched)
+    check(run_model(), want)
+    block.experts.gate_up_proj.data.mul_(-1)
+    assert rel_err(run_model()[0][0], want[0][0]) > 1e-3

@@ -123,6 +123,7 @@ _CUSTOM_GATES = {
     # act(gate) * up in float32, rounded to the input's dtype: fusedmoe's activation reads the
     # float32 accumulator anyway
     "BeamExperts": lambda m: ExpertsMath(activation_of(m.act_fn, gated=True, where="BeamExperts")),
+    "HYV4VLExperts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
     # gpt-oss's swigluoai on concatenated halves
     "MiniMaxM3VLExperts": lambda m: ExpertsMath(
         "swigluoai", float(m.swiglu_alpha), _limit(m.swiglu_limit)

@@ -4,24 +4,24 @@
 
 Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the block's router:
     softmax_renorm      softmax -> top-k -> renormalize           Mixtral, MiniMax, Hunyuan, Granite, gpt-oss,
-                                                                  Qwen3-VL-MoE, Qwen3.5-MoE, JetMoE
+                                                                  Qwen3-VL-MoE, Qwen3.5-MoE, JetMoE, Aria
     softmax_norm_topk   ... renormalize iff router.norm_topk_prob  Qwen2/3-MoE, Qwen3-Next, Qwen4-Exp, OLMoE,
-                                                                  Mellum, Lara-Mini, FlexOlmo
+                                                                  Mellum, Lara-Mini, FlexOlmo, Qwen3-Omni-MoE
     softmax             softmax -> top-k                          Jamba
     deepseek_v2         softmax, greedy | group max, x scale      DeepSeek-V2 (and DeepSeek-OCR-2, Unlimited-OCR)
     grouped_sigmoid     sigmoid + bias, grouped top-k, x scale     DeepSeek-V3 (and V3.2, dots.llm1, GLM-4.7-Flash,
                         (ungrouped where num_group is None;       GLM-MoE-DSA, Solar-Open, EXAONE-MoE, MiMo-V2-Flash,
-                        the scale: Family.weight_scale, else      A.X-K2, Bailing-Hybrid), GLM-4-MoE, Nemotron-H,
+                        the scale: Family.weight_scale, else      A.X-K2, Bailing-Hybrid), GLM-4-MoE, HY-V4(-VL), Nemotron-H,
                         the router's routed_scaling_factor)       Beam
     grouped_softmax     softmax, top-2-sum groups, x scale        Mistral-4, Mistral-Large-4
     cohere2             top-k of logits, softmax over k | sigmoid  Cohere2-MoE
-    sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2, HY-V3, AFMoE, Laguna
+    sigmoid_bias        sigmoid + bias select, renormalize [x scale]  MiniMax-M2/M3, HY-V3, AFMoE, Laguna
     sigmoid_topk        sigmoid [+ bias], renorm iff norm_topk_prob [x scale]  LFM2-MoE, Flint
                         (both: bias and scale where Family.selection_bias / weight_scale say)
     score_bias          score_fn + bias select | the token's hash    DeepSeek-V4 (custom)
                         row, renormalize, x scale (score_fn: sqrtsoftplus | sigmoid)
     softmax_bias        softmax + bias select, x scale             LongCat-Flash (bias, scale: Family fields)
-    softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE (custom)
+    softmax_bias_clamp  softmax + bias select, / clamp(sum, min)   Ernie-4.5-MoE, Ernie-4.5-VL-MoE (custom)
     logit_bias_sigmoid  logits + bias select, sigmoid(picked)      Kolibri-1 (custom)
     sigmoid_shared_sink sigmoid + bias select; the picked and the  Inkling (custom)
                         shared experts' sigmoids normalized
@@ -84,7 +84,8 @@ class Family:
     # experts attribute: that many experts after the routed ones return their input, x weight
     # (LongCat-Flash's zero-computation experts)
     identity_experts: str = ""
-    output: str = "tensor"  # tensor | with_scores (gpt-oss) | with_logits (Llama-4)
+    # tensor | with_scores (gpt-oss) | with_logits (Llama-4) | flat_with_logits (Ernie-4.5-VL: both flattened)
+    output: str = "tensor"
     jitter: str = ""  # block/router attribute with training-time jitter noise
     refused: str = ""
     tiny: Mapping = field(default_factory=dict, compare=False, hash=False)
@@ -127,6 +128,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("MiniMax-M2", "minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2Config",
            routing="sigmoid_bias", selection_bias="e_score_correction_bias", jitter="jitter_noise",
            tiny=dict(_E4, num_local_experts=8, head_dim=16)),
+    # MiniMax-M2's routing x the block's routed_scaling_factor; a dense shared expert; experts in SwiGLU-OAI
+    # (gpt-oss's clamped activation on concatenated gate/up halves)
+    Family("MiniMax-M3-VL", "minimax_m3_vl_text", "minimax_m3_vl", "MiniMaxM3VLSparseMoeBlock",
+           "MiniMaxM3VLTextConfig", routing="sigmoid_bias", selection_bias="router.e_score_correction_bias",
+           weight_scale="routed_scaling_factor", shared="shared_experts",
+           tiny=dict(_E4, num_local_experts=8, head_dim=16, rotary_dim=8, shared_intermediate_size=48,
+                     dense_intermediate_size=64, routed_scaling_factor=2.0, swiglu_limit=0.5,
+                     mlp_layer_types=["sparse", "sparse"], layer_types=["minimax_m3_sparse", "full_attention"],
+                     index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=1,
+                     pad_token_id=1, bos_token_id=None, eos_token_id=2)),
     Family("Qwen2-MoE", "qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig",
            routing="softmax_norm_topk", shared="shared_expert", shared_gate="shared_expert_gate",
            tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32,
@@ -160,6 +171,26 @@ FAMILIES: tuple[Family, ...] = (
                                         out_hidden_size=64, deepstack_visual_indexes=[0]),
                      # outside the tiny vocabulary: text-only prompts never hold them
                      image_token_id=1000, video_token_id=1001, vision_start_token_id=1002)),
+    # Qwen3-MoE's block in the thinker's text model of an any-to-any model
+    Family("Qwen3-Omni-MoE", "qwen3_omni_moe_text", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock",
+           "Qwen3OmniMoeThinkerConfig", routing="softmax_norm_topk",
+           tiny=dict(text_config=dict(_E4, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                      head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[2, 3, 3])),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                        out_hidden_size=64, deepstack_visual_indexes=[0]),
+                     audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
+                                       output_dim=64, downsample_hidden_size=16),
+                     # outside the tiny vocabulary: text-only prompts never hold them
+                     image_token_id=1000, video_token_id=1001, audio_token_id=1002, audio_start_token_id=1003,
+                     vision_start_token_id=1004)),
+    # Qwen3-Next's block in the talker's text model (no class runs it from token ids: tested on embeddings)
+    Family("Qwen3-Omni-MoE talker", "qwen3_omni_moe_talker_text", "qwen3_omni_moe",
+           "Qwen3OmniMoeTalkerTextSparseMoeBlock", "Qwen3OmniMoeTalkerTextConfig", routing="softmax_norm_topk",
+           shared="shared_expert", shared_gate="shared_expert_gate",
+           tiny=dict(_E4, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     num_experts=4, head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                      mrope_section=[2, 3, 3]))),
     Family("Qwen3.5-MoE", "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock",
            "Qwen3_5MoeTextConfig", shared="shared_expert", shared_gate="shared_expert_gate",
            tiny=dict(_E4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
@@ -369,6 +400,18 @@ FAMILIES: tuple[Family, ...] = (
                      # outside the tiny vocabulary: text-only prompts never hold them
                      image_token_id=1000, video_token_id=1001, image_start_token_id=1002,
                      image_end_token_id=1003, video_start_token_id=1004, video_end_token_id=1005)),
+    # HY-V4's block (HY-V4's router, its clamped experts) in the text model of a vision-language model
+    Family("HY-V4-VL", "hy_v4_vl_text", "hy_v4_vl", "HYV4VLMoE", "HYV4VLConfig",
+           routing="grouped_sigmoid", router_fp32=True, shared="shared_experts",
+           tiny=dict(text_config=dict(_ROUTED8, **_INDEX, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, q_lora_rank=24,
+                                      kv_lora_rank=16, swiglu_limit=0.5, pad_token_id=1, bos_token_id=None,
+                                      eos_token_id=2, mlp_layer_types=["dense", "sparse"],
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                           mrope_section=[2, 1, 1])),
+                     vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, out_hidden_size=64),
+                     image_token_id=1000, video_token_id=1001)),  # outside the tiny vocabulary
     Family("Nemotron-H", "nemotron_h", "nemotron_h", "NemotronHMoE", "NemotronHConfig",
            routing="grouped_sigmoid", router_fp32=True, layout="up_only", shared="shared_experts",
            latent=True,
@@ -422,11 +465,27 @@ FAMILIES: tuple[Family, ...] = (
            "Ernie4_5_MoeConfig", routing="softmax_bias_clamp", router_fp32=True, shared="shared_experts",
            tiny=dict(_ATTN, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=4,
                      moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=0, head_dim=16)),
+    # Ernie-4.5-MoE's routing in each of the text and vision blocks of a modality block, which keeps the
+    # split of the tokens by moe_mm_token_type_ids and the shared experts (transformers' code)
+    Family("Ernie-4.5-VL-MoE", "ernie4_5_vl_moe_text", "ernie4_5_vl_moe", "Ernie4_5_VLMoeSparseMoeBlock",
+           "Ernie4_5_VLMoeConfig", routing="softmax_bias_clamp", router_fp32=True, output="flat_with_logits",
+           tiny=dict(text_config=dict(_ATTN, intermediate_size=64, moe_intermediate_size=[32, 48], moe_num_experts=4,
+                                      moe_k=2, moe_num_shared_experts=1, mlp_layer_types=["sparse", "sparse"],
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                           mrope_section=[3, 3, 2])),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+                     # outside the tiny vocabulary: text-only prompts never hold them
+                     image_token_id=1000, video_token_id=1001, image_start_token_id=1002,
+                     image_end_token_id=1003, video_start_token_id=1004, video_end_token_id=1005)),
     Family("Llama-4", "llama4_text", "llama4", "Llama4TextMoe", "Llama4TextConfig",
            routing="llama4", layout="transposed", router="router", shared="shared_expert",
            output="with_logits",
            tiny=dict(_ATTN, intermediate_size=32, intermediate_size_mlp=48, num_local_experts=4,
                      num_experts_per_tok=1, head_dim=16)),
+    # Mixtral's routing (top-k of the logits, softmax over k), shared experts, experts stored transposed
+    Family("Aria", "aria_text", "aria", "AriaTextMoELayer", "AriaTextConfig",
+           layout="transposed", router="router", shared="shared_experts",
+           tiny=dict(_E4, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2, head_dim=16)),
     Family("DBRX", "dbrx", "dbrx", "DbrxFFN", "DbrxConfig",
            routing="pnorm", layout="dbrx", router="router", router_linear="layer",
            tiny=dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=128,
@@ -495,10 +554,15 @@ Route = Callable[[Family, torch.nn.Module, torch.nn.Module, torch.Tensor, torch.
                  tuple[torch.Tensor, ...]]
 
 
+def router_linear(fam: Family, router: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the router's weight [E, H] (and bias)."""
+    return getattr(router, fam.router_linear) if fam.router_linear else router
+
+
 def router_logits(fam: Family, router: torch.nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     """logits [T, E] = x @ W.T (+ b), in float32 where the family's router is float32; softcapped
     in float32 where the family's router caps them (Laguna: what its router returns, and routes on)."""
-    linear = getattr(router, fam.router_linear) if fam.router_linear else router
+    linear = router_linear(fam, router)
     weight = linear.weight
     bias = None if fam.router_no_bias else getattr(linear, "bias", None)
     if fam.router_fp32:

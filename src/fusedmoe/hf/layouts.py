@@ -2,7 +2,7 @@
 
     fused       gate_up_proj [E, 2I, H], down_proj [E, H, I]        already ours: nothing moves
     up_only     up_proj [E, I, H], down_proj [E, H, I]              already ours (non-gated)
-    transposed  gate_up_proj [E, H, 2I], down_proj [E, I, H]        Llama-4: one transpose copy each
+    transposed  gate_up_proj [E, H, 2I], down_proj [E, I, H]        Llama-4, Aria: one transpose copy each
     gpt_oss     transposed, gate/up interleaved on 2I, + biases     gpt-oss: transpose + de-interleave
     dbrx        w1, v1, w2 each [E*I, H] (w2 used as a @ w2_e)     w1|v1 -> w13 [E, 2I, H], w2 -> [E, H, I]
     jetmoe      input_linear.weight [E, 2I, H], output_linear       ours, on the block: nothing moves

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedmoe.hf.families import Family, family, hash_table_of
+from fusedmoe.hf.families import Family, family, hash_table_of, router_linear
 from fusedmoe.hf.patch import block_family
 
 # Config keys that are sizes, scaled by `scale` (head counts stay fixed).
@@ -69,8 +69,14 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError:  # a multimodal family whose MoE is in its text model (Qwen3-VL-MoE): text-only input
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
-    matrix_std = 0.3 * (64 / config.get_text_config().hidden_size) ** 0.5
+    redraw_moe(model, seed=seed + 1)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def redraw_moe(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
+    """The tensors of the model's MoE blocks redrawn in place (std as the module docstring says)."""
+    generator = torch.Generator().manual_seed(seed)
+    matrix_std = 0.3 * (64 / model.config.get_text_config().hidden_size) ** 0.5
     with torch.no_grad():
         for module in model.modules():
             fam = block_family(module)
@@ -83,7 +89,7 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
             router = getattr(module, fam.router)
             table = hash_table_of(fam, router)
             if table is not None:  # each token's K distinct experts, at random (transformers' init: all 0)
-                experts = (getattr(router, fam.router_linear) if fam.router_linear else router).weight.shape[0]
+                experts = router_linear(fam, router).weight.shape[0]
                 picks = torch.rand(table.shape[0], experts, generator=generator).argsort(dim=-1)
                 table.copy_(picks[:, : table.shape[1]])
-    return model.to(device=device, dtype=dtype).eval()
+    return model

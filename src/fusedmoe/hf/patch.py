@@ -35,6 +35,7 @@ from fusedmoe.hf.families import (
     ROUTINGS,
     Family,
     hash_table_of,
+    router_linear,
     router_logits,
     score_fn_of,
     top_k_of,
@@ -324,12 +325,14 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
     if self.training:
         _check_training(self, fam)
     shape = hidden_states.shape
-    x_TH = hidden_states.reshape(-1, shape[-1])
     router = getattr(self, fam.router)
+    # [..., H] as the router's weight reads it (Ernie-4.5-VL's modality block hands its blocks the
+    # values of its tokens flattened, [N * H])
+    x_TH = hidden_states.reshape(-1, router_linear(fam, router).weight.shape[-1])
     logits_TE = router_logits(fam, router, x_TH)  # Inkling: [T, E + S], the shared experts' last
     n_shared = int(getattr(router, fam.shared_logits)) if fam.shared_logits else 0
     if hash_table_of(fam, router) is None:  # transformers records no hash router's logits
-        _record_router_logits(logits_TE[:, : logits_TE.shape[-1] - n_shared])  # what its router returns
+        _record_router_logits(router, logits_TE[:, : logits_TE.shape[-1] - n_shared])  # what its router returns
     top_k = top_k_of(self, router)
     token_ids = kwargs.get("input_ids") if fam.hash_table else None
     weights_TK, ids_TK, *shared_weights = ROUTINGS[fam.routing](fam, self, router, x_TH, logits_TE, top_k, token_ids)
@@ -363,15 +366,20 @@ def _fused_forward_eager(self: nn.Module, hidden_states: torch.Tensor, *args, **
         out_TH = out_TH + getattr(self, fam.output_bias)
     if fam.output == "with_logits":  # Llama-4: ([T, H], router logits [T, E])
         return out_TH, logits_TE
+    if fam.output == "flat_with_logits":  # Ernie-4.5-VL: ([T * H], [T * E]), as its modality block assigns them
+        return out_TH.flatten(), logits_TE.flatten()
     out = out_TH.view(shape)
     if fam.output == "with_scores":  # gpt-oss: (out, top-k routing weights [T, K])
         return out, weights_TK.to(logits_TE.dtype)
     return out
 
 
-def _record_router_logits(logits_TE: torch.Tensor) -> None:
+def _record_router_logits(router: nn.Module, logits_TE: torch.Tensor) -> None:
     """With output_router_logits=True transformers collects the router's logits through a hook
-    on the router module, which a patched block does not call: hand it ours (the same values)."""
+    on the router module, which a patched block does not call: hand it ours (the same values).
+    Only where such a hook sits on the router: a model that records them from a module around
+    the block (Ernie-4.5-VL: the modality block around the patched text and vision blocks, whose
+    own hook still runs) would count them twice."""
     collector = _collector()
     if collector is None:  # a transformers without output capturing: nothing collects
         return
@@ -381,8 +389,15 @@ def _record_router_logits(logits_TE: torch.Tensor) -> None:
         # nothing in this region collects.
         return
     collected = collector.get()
-    if collected is not None and "router_logits" in collected:
+    if collected is not None and "router_logits" in collected and _captured(router):
         collected["router_logits"].append(logits_TE)
+
+
+def _captured(module: nn.Module) -> bool:
+    """Whether transformers' output capturing hooked `module` (its hooks are functions of the
+    collector's module)."""
+    capturing = type(_collector()).__module__
+    return any(getattr(hook, "__module__", None) == capturing for hook in module._forward_hooks.values())
 
 
 def _check_training(block: nn.Module, fam: Family) -> None:

@@ -1107,6 +1107,14 @@ def test_ernie4_5_vl_vision_tokens():
 
 
 @pytest.mark.parametrize("model_type", installed(list(TEXT_MODEL_ONLY)))
+def test_text_model_only_families_are_not_built_as_language_models(model_type):
+    """`build` (and so `fusedmoe demo --hf`) names why such a family has no model to run, instead
+    of transformers' list of every config class its auto classes take."""
+    with pytest.raises(ValueError, match=rf"^{model_type}: transformers has no causal-LM or image-text-to-text model"):
+        build(model_type)
+
+
+@pytest.mark.parametrize("model_type", installed(list(TEXT_MODEL_ONLY)))
 def test_text_model_only_families(model_type, hook_calls):
     """Qwen3-Omni-MoE's talker (its text model on embeddings: the talker's generation needs the
     thinker's hidden states): prefill and two cached decode steps, patched, hooked and as

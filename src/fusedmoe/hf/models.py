@@ -68,7 +68,15 @@ def build(fam: Family | str, *, scale: int = 1, seed: int = 0, dtype: torch.dtyp
     try:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError:  # a multimodal family whose MoE is in its text model (Qwen3-VL-MoE): text-only input
-        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        try:
+            model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        except ValueError:
+            name = fam if isinstance(fam, str) else fam.model_type
+            raise ValueError(
+                f"{name}: transformers has no causal-LM or image-text-to-text model for "
+                f"{type(config).__name__}, so no model runs it from token ids: its blocks are patched "
+                "inside the whole model that runs them (Qwen3-Omni-MoE's talker, which generates from "
+                "the thinker's hidden states, inside Qwen3-Omni-MoE)") from None
     redraw_moe(model, seed=seed + 1)
     return model.to(device=device, dtype=dtype).eval()
 

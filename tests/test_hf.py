@@ -50,6 +50,13 @@ def _min_transformers() -> str:
     return re.search(r'^hf = \[.*"transformers>=([\d.]+)"', text, re.MULTILINE).group(1)
 
 
+def _below_minimum() -> bool:
+    """The installed transformers is older than the hf extra's minimum (the GPU machine's)."""
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(_min_transformers())
+
+
 def _unrunnable(model_type: str) -> str | None:
     """Why the installed transformers cannot run this family's tests, or None. A family newer than
     it has no model; below the hf extra's minimum (the GPU machine's transformers may be older than
@@ -57,20 +64,17 @@ def _unrunnable(model_type: str) -> str | None:
     names changed between releases)."""
     from importlib.util import find_spec
 
-    from packaging.version import Version
-
     try:
         if find_spec(fh.family(model_type).module_path) is None:
             raise ModuleNotFoundError
     except ModuleNotFoundError:
         return f"transformers {transformers.__version__} has no {model_type} model"
-    minimum = _min_transformers()
-    if Version(transformers.__version__) < Version(minimum):
+    if _below_minimum():
         try:
             tiny_config(model_type)
         except Exception as err:  # noqa: BLE001 - any refusal of the config by that release
-            return (f"transformers {transformers.__version__} (the hf extra needs >= {minimum}) refuses "
-                    f"{model_type}'s tiny config: {str(err).splitlines()[-1][:160]}")
+            return (f"transformers {transformers.__version__} (the hf extra needs >= {_min_transformers()}) "
+                    f"refuses {model_type}'s tiny config: {str(err).splitlines()[-1][:160]}")
     return None
 
 
@@ -78,16 +82,13 @@ def _on_a_supported_transformers(model_type: str, run):
     """run(), except that below the hf extra's minimum transformers (the GPU machine's may be
     older) a family whose block that release builds differently (patch raises UnsupportedModel)
     skips, naming why; from the minimum on the error fails the test."""
-    from packaging.version import Version
-
     try:
         return run()
     except fh.UnsupportedModel as err:
-        minimum = _min_transformers()
-        if Version(transformers.__version__) >= Version(minimum):
+        if not _below_minimum():
             raise
-        pytest.skip(f"transformers {transformers.__version__} (the hf extra needs >= {minimum}) builds "
-                    f"{model_type}'s block differently: {err}")
+        pytest.skip(f"transformers {transformers.__version__} (the hf extra needs >= {_min_transformers()}) "
+                    f"builds {model_type}'s block differently: {err}")
 
 
 def installed(model_types: list[str]) -> list:

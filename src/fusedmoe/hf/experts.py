@@ -111,19 +111,23 @@ def _default_gate(experts: torch.nn.Module) -> bool:
     return getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
 
 
+def _clamped_silu(experts: torch.nn.Module) -> ExpertsMath:
+    """gate.clamp(max=L), up.clamp(-L, L), silu(gate) * up with L = swiglu_limit."""
+    return ExpertsMath("silu", swiglu_limit=_limit(experts.swiglu_limit))
+
+
 # Experts classes whose `_apply_gate` is a clamped form of an activation we have (concatenated).
 _CUSTOM_GATES = {
     # gate.clamp(max=limit), up.clamp(-limit, limit), act(gate) * up
     "DeepseekV4Experts": lambda m: ExpertsMath(
         activation_of(m.act_fn, gated=True, where="DeepseekV4Experts"), swiglu_limit=_limit(m.limit)
     ),
-    # the same clamp with silu, limit from swiglu_limit
-    "Glm5NextTextExperts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
-    "HYV4Experts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
+    "Glm5NextTextExperts": _clamped_silu,
+    "HYV4Experts": _clamped_silu,
+    "HYV4VLExperts": _clamped_silu,
     # act(gate) * up in float32, rounded to the input's dtype: fusedmoe's activation reads the
     # float32 accumulator anyway
     "BeamExperts": lambda m: ExpertsMath(activation_of(m.act_fn, gated=True, where="BeamExperts")),
-    "HYV4VLExperts": lambda m: ExpertsMath("silu", swiglu_limit=_limit(m.swiglu_limit)),
     # gpt-oss's swigluoai on concatenated halves
     "MiniMaxM3VLExperts": lambda m: ExpertsMath(
         "swigluoai", float(m.swiglu_alpha), _limit(m.swiglu_limit)

@@ -15,7 +15,6 @@ work (routing ops, checks, kernel launches: ~0.5-1 ms) outweighs its GPU work at
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,15 +137,22 @@ def _clone(out):
     return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
 
 
-@functools.cache
-def _collector():
-    """transformers' ContextVar of the outputs being collected (output_router_logits=True, ...),
-    or None for a transformers without output capturing."""
+def _find_collector():
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
         return None
     return _active_collector
+
+
+# transformers' ContextVar of the outputs being collected (output_router_logits=True, ...), or None
+# for a transformers without output capturing: looked up once, at import, so a traced forward reads
+# a module constant (a functools.cache'd lookup made Dynamo warn on every compiled block).
+_COLLECTOR = _find_collector()
+
+
+def _collector():
+    return _COLLECTOR
 
 
 def _collecting_router_logits() -> bool:

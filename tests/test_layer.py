@@ -76,6 +76,10 @@ LAYER_CASES = [
               routing=(("scoring_func", "sigmoid"), ("renormalize", False))),
 ]
 LAYER_CASES += [dataclasses.replace(c, dtype=torch.bfloat16) for c in LAYER_CASES]
+# Mistral-4's grouped routing: softmax scores, groups ranked by their two best, no correction bias
+MISTRAL4_ROUTING = (("use_grouped_topk", True), ("num_expert_group", 8), ("topk_group", 2),
+                    ("group_score", "top2_sum"), ("routed_scaling_factor", 1.5))
+LAYER_CASES.append(LayerCase("mistral4_grouped_top2_sum", num_experts=32, top_k=4, routing=MISTRAL4_ROUTING))
 
 
 # Checkpoint ------------------------------------------------------------------------------------
@@ -205,6 +209,19 @@ def test_forward_equals_fused_moe(case: LayerCase, loader: str) -> None:
     out = layer(x, logits)
     assert out.dtype == case.dtype
     assert_close_rel(out, functional(case, ckpt, x, logits), case.dtype)
+
+
+def test_group_score_reaches_the_routing() -> None:
+    """Guard the data and the plumbing: the Mistral-4 case's layer output changes when the
+    layer is built without its group_score (the groups ranked by their best score instead)."""
+    case = next(c for c in LAYER_CASES if c.name == "mistral4_grouped_top2_sum")
+    ckpt = make_checkpoint(case)
+    x, logits = make_batch(case)
+    by_max = dataclasses.replace(case, routing=tuple(kv for kv in case.routing if kv[0] != "group_score"))
+    with torch.no_grad():
+        given = build(case, ckpt)(x, logits)
+        default = build(by_max, ckpt)(x, logits)
+    assert (given - default).abs().amax() > 1e-3
 
 
 def test_correction_bias_changes_routing() -> None:
@@ -767,6 +784,9 @@ def test_meta_device_is_refused_with_the_reason() -> None:
     ({"use_grouped_topk": True, "num_expert_group": 3, "topk_group": 1},
      r"num_experts=8 is not divisible by num_expert_group=3"),
     ({"num_expert_group": 2, "topk_group": 1}, r"num_expert_group/topk_group are only used with use_grouped_topk=True"),
+    ({"use_grouped_topk": True, "num_expert_group": 4, "topk_group": 2, "group_score": "mean"},
+     r"group_score='mean'; expected one of \('max', 'top2_sum'\) or None"),
+    ({"group_score": "max"}, r"group_score='max' ranks expert groups: it is only used with use_grouped_topk=True"),
 ])
 def test_routing_arguments_are_checked_at_construction(kwargs, match) -> None:
     """Routing arguments fail when the layer is built, naming the argument (a bad scoring_func

@@ -37,8 +37,11 @@ def spec_route(
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
     group_mask_value: float = NEG_INF,
+    group_score: str | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """(ids, weights) per row: ids in selection order (best first), float64 weights."""
+    """(ids, weights) per row: ids in selection order (best first), float64 weights.
+    group_score: "top2_sum" / "max", None: "top2_sum" with a bias, "max" without."""
+    top2_sum = (group_score or ("top2_sum" if bias is not None else "max")) == "top2_sum"
     all_ids, all_weights = [], []
     for row in logits.double().tolist():
         if scoring_func == "softmax":
@@ -53,9 +56,9 @@ def spec_route(
         if num_expert_group is not None:
             per_group = num_experts // num_expert_group
             groups = [list(range(g * per_group, (g + 1) * per_group)) for g in range(num_expert_group)]
-            # DeepSeek-V3 (bias): a group scores the sum of its two best; DeepSeek-V2: its best.
+            # DeepSeek-V3 (bias), Mistral-4: a group scores the sum of its two best; DeepSeek-V2: its best.
             best = [sorted((select_on[e] for e in members), reverse=True) for members in groups]
-            group_scores = [sum(b[:2]) if bias is not None else b[0] for b in best]
+            group_scores = [sum(b[:2]) if top2_sum else b[0] for b in best]
             kept = sorted(range(num_expert_group), key=lambda g: group_scores[g], reverse=True)
             kept = set(kept[:topk_group])
             select_on = [
@@ -105,6 +108,7 @@ class RoutingCase:
     bias: str | None = None  # None | "random" | "negative" (every biased score < 0)
     routed_scaling_factor: float = 1.0
     logits_dtype: torch.dtype = torch.float32
+    group_score: str | None = None
 
     @property
     def sorted_by_weight(self) -> bool:
@@ -127,14 +131,14 @@ class RoutingCase:
             renormalize=self.renormalize, scoring_func=self.scoring_func,
             use_grouped_topk=self.use_grouped_topk, num_expert_group=self.num_expert_group,
             topk_group=self.topk_group, e_score_correction_bias=bias,
-            routed_scaling_factor=self.routed_scaling_factor,
+            routed_scaling_factor=self.routed_scaling_factor, group_score=self.group_score,
         )
 
     def spec_kwargs(self, bias: torch.Tensor | None) -> dict:
         return dict(
             scoring_func=self.scoring_func, renormalize=self.renormalize, bias=bias,
             num_expert_group=self.num_expert_group, topk_group=self.topk_group,
-            routed_scaling_factor=self.routed_scaling_factor,
+            routed_scaling_factor=self.routed_scaling_factor, group_score=self.group_score,
         )
 
 
@@ -169,6 +173,10 @@ ROUTING_CASES = [
     _grouped("deepseek_v2_group_limited_greedy", 23, 160, 6, 8, 3, renormalize=False,
              routed_scaling_factor=16.0),
     _grouped("deepseek_v2_small", 31, 12, 3, 4, 2, renormalize=False, routed_scaling_factor=2.5),
+    # group_score given: Mistral-4 ranks groups by their two best softmax scores with no bias;
+    # "max" over biased scores is the other pairing the default does not make
+    _grouped("mistral4_top2_sum_no_bias", 37, 32, 4, 8, 2, routed_scaling_factor=1.5, group_score="top2_sum"),
+    _grouped("biased_group_max", 37, 32, 4, 8, 2, scoring_func="sigmoid", bias="random", group_score="max"),
 ]
 
 
@@ -189,6 +197,28 @@ def test_negative_bias_case_needs_minus_inf_masking() -> None:
     right, _ = spec_route(logits, case.top_k, **case.spec_kwargs(bias))
     wrong, _ = spec_route(logits, case.top_k, **case.spec_kwargs(bias), group_mask_value=0.0)
     assert any(set(a) != set(b) for a, b in zip(right, wrong, strict=True))
+
+
+@pytest.mark.parametrize("name", ["mistral4_top2_sum_no_bias", "biased_group_max"])
+def test_group_score_cases_pick_other_experts_than_the_default(name: str) -> None:
+    """Guard the data: the group_score cases pick other ids than the default ranking would, so
+    an ignored group_score fails them."""
+    case = next(c for c in ROUTING_CASES if c.name == name)
+    _, logits, bias = case.inputs()
+    given, _ = spec_route(logits, case.top_k, **case.spec_kwargs(bias))
+    default, _ = spec_route(logits, case.top_k, **{**case.spec_kwargs(bias), "group_score": None})
+    assert any(set(a) != set(b) for a, b in zip(given, default, strict=True))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, group_score="sum"), "group_score='sum'"),
+    (dict(group_score="max"), r"group_score='max' ranks expert groups: it is only used with use_grouped_topk=True"),
+    (dict(custom_routing_function=lambda x, lg, k, r: torch.topk(lg, k), group_score="max"), "custom_routing_function"),
+])
+def test_group_score_errors(kw, match) -> None:
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=match):
+        select_experts(logits, logits, 2, **kw)
 
 
 def test_bias_selects_but_does_not_weight() -> None:

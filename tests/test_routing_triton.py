@@ -119,7 +119,8 @@ def test_kernel_ids_stay_distinct_and_in_range_on_non_finite_logits(poison: str,
 
 @needs_triton_here
 def test_kernel_matches_spec_on_random_configurations() -> None:
-    """Seeded random configurations the rule accepts (E 2-1000, top_k 1-32, DeepSeek groups,
+    """Seeded random configurations the rule accepts (E 2-1000, top_k 1-32, DeepSeek groups
+    ranked by either group score,
     correction bias, centred or below every score so the picks order negative keys, softmax /
     sigmoid, renormalisation, scaling, 1-4 tokens) against the float64 spec router. Unit-scale logits: large ones saturate sigmoid scores into fp32 ties, where the
     kernel takes the lower id and float64 still tells them apart."""
@@ -140,14 +141,16 @@ def test_kernel_matches_spec_on_random_configurations() -> None:
         shift = rng.choice([None, 0.0, -1.0])  # no bias, a centred one, one below every score
         bias = None if shift is None else torch.randn(e, generator=g) * 0.3 + shift
         renormalize, scale = rng.random() < 0.7, rng.choice([1.0, 2.5])
+        group_score = rng.choice([None, "max", "top2_sum"]) if groups else None
         logits = torch.randn(rng.randint(1, 4), e, generator=g)
         weights, ids = triton_select_experts(
             logits.to(DEV), k, renormalize=renormalize, scoring_func=scoring, use_grouped_topk=groups is not None,
             num_expert_group=groups, topk_group=topk_group,
-            e_score_correction_bias=None if bias is None else bias.to(DEV), routed_scaling_factor=scale)
+            e_score_correction_bias=None if bias is None else bias.to(DEV), routed_scaling_factor=scale,
+            group_score=group_score)
         ref_ids, ref_weights = spec_route(logits, k, scoring_func=scoring, renormalize=renormalize, bias=bias,
                                           num_expert_group=groups, topk_group=topk_group,
-                                          routed_scaling_factor=scale)
+                                          routed_scaling_factor=scale, group_score=group_score)
         assert_routing_matches(weights.cpu(), ids.cpu(), ref_ids, ref_weights, num_experts=e, top_k=k,
                                sorted_by_weight=True)
         checked += 1

@@ -209,7 +209,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """select_experts(hidden_states, router_logits, top_k, ...) then fused_experts(...).
 
-    Routing keywords (renormalize, scoring_func, use_grouped_topk, num_expert_group, topk_group,
+    Routing keywords (renormalize, scoring_func, use_grouped_topk, num_expert_group, topk_group, group_score,
     e_score_correction_bias, routed_scaling_factor, custom_routing_function) go to
     `select_experts`; the rest to `fused_experts`. `validate` goes to both.
     """

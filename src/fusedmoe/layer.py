@@ -128,6 +128,7 @@ class FusedMoE(nn.Module):
         use_grouped_topk: bool = False,
         num_expert_group: int | None = None,
         topk_group: int | None = None,
+        group_score: str | None = None,
         has_correction_bias: bool = False,
         routed_scaling_factor: float = 1.0,
         custom_routing_function: CustomRouting | None = None,
@@ -167,7 +168,10 @@ class FusedMoE(nn.Module):
         if scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func={scoring_func!r}; expected 'softmax' or 'sigmoid'")
         if custom_routing_function is None:
-            check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
+            check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score)
+        elif group_score is not None:
+            raise ValueError("group_score ranks expert groups of the grouped top-k; a custom_routing_function "
+                             "routes on its own")
         if use_grouped_topk:
             routing_method = "grouped_topk"
         elif custom_routing_function is not None:
@@ -226,7 +230,7 @@ class FusedMoE(nn.Module):
             renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
             num_expert_group=num_expert_group, topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
-            custom_routing_function=custom_routing_function,
+            custom_routing_function=custom_routing_function, group_score=group_score,
         )
         self.platform = platform
         c = self.config

@@ -38,8 +38,14 @@ def select_experts(
     routed_scaling_factor: float = 1.0,
     custom_routing_function: CustomRouting | None = None,
     validate: bool | None = None,
+    group_score: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick top_k experts per token; returns (weights float32 [T, K], ids int32 [T, K]).
+
+    Grouped top-k (use_grouped_topk) keeps the topk_group best of num_expert_group contiguous
+    expert groups; group_score says how a group is ranked: "max" (its best selection score,
+    DeepSeek-V2's group_limited_greedy) or "top2_sum" (the sum of its two best, DeepSeek-V3's
+    noaux_tc, Mistral-4's); None: "top2_sum" with an e_score_correction_bias, else "max".
 
     `validate` (default: on for CPU tensors, FUSEDMOE_VALIDATE for GPU tensors) adds the checks
     that need a device-to-host sync: NaN/Inf logits.
@@ -56,7 +62,10 @@ def select_experts(
     if not is_finite_real(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
     if custom_routing_function is None:
-        check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group)
+        check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score)
+    elif group_score is not None:
+        raise ValueError("group_score ranks expert groups of the grouped top-k; a custom_routing_function "
+                         "routes on its own")
     checking = should_validate(validate, router_logits)
     if checking and not bool(torch.isfinite(router_logits).all()):
         bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
@@ -87,6 +96,7 @@ def select_experts(
             router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
             use_grouped_topk=use_grouped_topk, num_expert_group=num_expert_group, topk_group=topk_group,
             e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+            group_score=group_score,
         )
 
     logits = router_logits.float()
@@ -96,9 +106,8 @@ def select_experts(
         select_on = scores + e_score_correction_bias.to(device=scores.device, dtype=torch.float32)
 
     if use_grouped_topk:
-        select_on = _mask_groups(
-            select_on, num_expert_group, topk_group, top_k, biased=e_score_correction_bias is not None
-        )
+        top2_sum = resolve_group_score(group_score, e_score_correction_bias is not None) == "top2_sum"
+        select_on = _mask_groups(select_on, num_expert_group, topk_group, top_k, top2_sum=top2_sum)
 
     ids = torch.topk(select_on, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, ids)
@@ -153,15 +162,31 @@ def routing_kernel_unsupported(num_experts: int, top_k: int, use_grouped_topk: b
     return None
 
 
+GROUP_SCORES = ("max", "top2_sum")  # how grouped top-k ranks a group (select_experts' group_score)
+
+
+def resolve_group_score(group_score: str | None, has_bias: bool) -> str:
+    """The group ranking select_experts applies: group_score, else by the correction bias'
+    presence ("top2_sum" with one, as DeepSeek-V3; "max" without, as DeepSeek-V2)."""
+    if group_score is not None:
+        return group_score
+    return "top2_sum" if has_bias else "max"
+
+
 def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
-                   topk_group: int | None) -> None:
+                   topk_group: int | None, group_score: str | None = None) -> None:
     """The grouped top-k arguments' errors (select_experts, and FusedMoE at construction)."""
     for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if value is not None and not is_integer(value):
             raise TypeError(f"{name}={value!r} must be an int")
+    if group_score is not None and group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score={group_score!r}; expected one of {GROUP_SCORES} or None")
     if not use_grouped_topk:
         if num_expert_group is not None or topk_group is not None:
             raise ValueError("num_expert_group/topk_group are only used with use_grouped_topk=True")
+        if group_score is not None:
+            raise ValueError(f"group_score={group_score!r} ranks expert groups: it is only used with "
+                             "use_grouped_topk=True")
         return
     if num_expert_group is None or topk_group is None:
         raise ValueError("use_grouped_topk=True needs num_expert_group and topk_group")
@@ -180,13 +205,13 @@ def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_exp
 
 
 def _mask_groups(
-    select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, biased: bool
+    select_on: torch.Tensor, num_expert_group: int | None, topk_group: int | None, top_k: int, *, top2_sum: bool
 ) -> torch.Tensor:
     """Keep the topk_group best expert groups per token; others -> -inf (scores may be < 0)."""
     tokens, num_experts = select_on.shape  # arguments checked by select_experts (check_grouping)
     per_group = num_experts // num_expert_group
     grouped = select_on.view(tokens, num_expert_group, per_group)
-    if biased:  # DeepSeek-V3 noaux_tc: a group scores the sum of its two best biased scores
+    if top2_sum:  # DeepSeek-V3 noaux_tc, Mistral-4: a group scores the sum of its two best
         group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
     else:  # DeepSeek-V2 group_limited_greedy: the group's best score
         group_scores = grouped.amax(dim=-1)

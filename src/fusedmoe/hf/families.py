@@ -33,7 +33,6 @@ Routing kinds (`ROUTINGS`), each a call of `fusedmoe.select_experts` on the bloc
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -623,29 +622,14 @@ def _grouped_sigmoid(fam, block, router, x, logits, top_k, token_ids):
     )
 
 
-def _zero_bias(num_experts: int, device: torch.device) -> torch.Tensor:
-    """A float32 zero selection bias (read only), made once per (E, device) instead of on every
-    call; not kept when made inside a CUDA graph capture (its memset runs only at replay) nor
-    while torch.compile traces (a constant of the graph then)."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.zeros(num_experts, dtype=torch.float32, device=device)
-    return _cached_zero_bias(num_experts, device)
-
-
-@functools.cache
-def _cached_zero_bias(num_experts: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(num_experts, dtype=torch.float32, device=device)
-
-
 def _grouped_softmax(fam, block, router, x, logits, top_k, token_ids):
-    # Mistral-4: softmax scores, groups ranked by the sum of their two best scores (what
-    # select_experts does with a selection bias: a zero one), renormalize iff norm_topk_prob
-    # (Mistral-Large-4: always), x routed_scaling_factor. transformers masks the other groups with
-    # 0.0 where select_experts uses -inf: the same pick, every kept score being > 0.
+    # Mistral-4: softmax scores, groups ranked by the sum of their two best scores (no correction
+    # bias), renormalize iff norm_topk_prob (Mistral-Large-4: always), x routed_scaling_factor.
+    # transformers masks the other groups with 0.0 where select_experts uses -inf: the same pick,
+    # every kept score being > 0.
     return select_experts(
         x, logits, top_k, scoring_func="softmax", use_grouped_topk=True,
-        num_expert_group=router.num_group, topk_group=router.topk_group,
-        e_score_correction_bias=_zero_bias(logits.shape[-1], logits.device),
+        num_expert_group=router.num_group, topk_group=router.topk_group, group_score="top2_sum",
         renormalize=bool(getattr(router, "norm_topk_prob", True)),
         routed_scaling_factor=float(router.routed_scaling_factor),
     )

@@ -38,6 +38,7 @@ import triton.language as tl
 from fusedmoe.backends.triton.experts import pdl
 from fusedmoe.backends.triton.kernels import _pdl_release, _pdl_wait
 from fusedmoe.backends.triton.launcher import launch
+from fusedmoe.routing import resolve_group_score
 
 # below every score's key, -inf's included: taken and padded positions
 _NO_KEY = tl.constexpr(-(2**31))
@@ -67,12 +68,12 @@ def moe_routing_kernel(
     num_experts, stride_lt, stride_le, routed_scaling_factor,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, PDL: tl.constexpr = False,
+    GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, PDL: tl.constexpr = False, TOP2_GROUPS: tl.constexpr = False,
 ):
     """One token: weights[t, :TOP_K], ids[t, :TOP_K]. GROUPS > 0: grouped top-k over GROUPS
     contiguous groups of BLOCK_E // GROUPS experts (BLOCK_E == num_experts then), keeping the
-    TOPK_GROUP best (group score: the sum of its two best biased scores with a bias, its best
-    score without)."""
+    TOPK_GROUP best (group score: with TOP2_GROUPS the sum of its two best selection scores,
+    else its best; `routing.resolve_group_score`)."""
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -95,7 +96,7 @@ def moe_routing_kernel(
         grouped = tl.reshape(select_on, (GROUPS, PER_GROUP))
         members = tl.reshape(offs, (GROUPS, PER_GROUP)) % PER_GROUP
         best = tl.max(grouped, 1)
-        if HAS_BIAS and PER_GROUP > 1:  # DeepSeek-V3 noaux_tc: the sum of the group's two best
+        if TOP2_GROUPS and PER_GROUP > 1:  # DeepSeek-V3 noaux_tc, Mistral-4: the group's two best
             first = _first_max(_ordered_key(grouped), members, PER_GROUP, 1)
             rest = tl.where(members == first[:, None], float("-inf"), grouped)
             group_scores = best + tl.max(rest, 1)
@@ -140,9 +141,11 @@ def triton_select_experts(
     topk_group: int | None,
     e_score_correction_bias: torch.Tensor | None,
     routed_scaling_factor: float,
+    group_score: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts`' result from one `moe_routing_kernel` launch; inputs already validated
     (`fusedmoe.routing`), the configuration one `routing_kernel_unsupported` accepts."""
+
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
@@ -160,6 +163,7 @@ def triton_select_experts(
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize),
         GROUPS=groups, TOPK_GROUP=topk_group if groups else 0,
+        TOP2_GROUPS=bool(groups) and resolve_group_score(group_score, bias is not None) == "top2_sum",
         num_warps=1 if block_e <= 256 else (2 if block_e <= 512 else 4), **pdl(device),
     )
     return weights, ids

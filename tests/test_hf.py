@@ -296,6 +296,22 @@ def test_compile_patched_model(model_type):
     assert not ours, ours
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "ernie4_5_vl_moe_text"])  # hook on the router / the modality block
+def test_output_router_logits_compiled(model_type):
+    """output_router_logits=True under torch.compile(fullgraph=True): a patched block hands its
+    router logits to transformers' collector inside the traced region too."""
+    model = build(model_type)
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids, output_router_logits=True)
+        fh.patch(model)
+        got = torch.compile(model, fullgraph=True)(ids, output_router_logits=True)
+    assert rel_err(got.logits, want.logits) < RTOL
+    assert len(got.router_logits) == len(want.router_logits) > 0
+    for g, w in zip(got.router_logits, want.router_logits, strict=True):
+        assert rel_err(g, w) < RTOL
+
+
 def _fp8_experts(config, w13: torch.Tensor, w2: torch.Tensor):
     """transformers' FP8Experts (block 128, dynamic) holding w13/w2 quantized; and the dequantized
     weights it really holds."""

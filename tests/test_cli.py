@@ -227,9 +227,12 @@ def test_tune_bias_is_for_explicit_shapes(capsys):
 
 
 def test_tune_refuses_a_bad_min_gain_and_search(capsys):
-    """--min-gain is a fraction, checked before any GPU check; --search names descent or grid."""
+    """--min-gain is a fraction and --jobs at least 1, checked before any GPU check; --search
+    names descent or grid."""
     assert main(["tune", "--model", "qwen3-30b-a3b", "--min-gain", "3"]) == 2
     assert "--min-gain 3.0: a fraction in [0, 1)" in capsys.readouterr().err
+    assert main(["tune", "--model", "qwen3-30b-a3b", "--jobs", "0"]) == 2
+    assert "--jobs 0: at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--model", "qwen3-30b-a3b", "--search", "random"])
     assert "invalid choice: 'random'" in capsys.readouterr().err

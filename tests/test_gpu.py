@@ -512,3 +512,33 @@ def test_alignments_equal_the_torch_sort(n, experts, use_map):
             torch.cuda.synchronize()
             for what, a, b in zip(("sorted_slot", "block_expert", "num_rows", "slot_ok"), got, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (name, block_m, what)
+
+
+@pytest.mark.parametrize("quant", [None, "mxfp4_w4a16"])
+def test_tune_compile_pool_workers_compile_every_tile(quant):
+    """`fusedmoe tune --jobs`: the CompilePool's workers (spawned processes on this GPU) run
+    every tile the search hands them that the tuner runs itself, and the search finds what it finds
+    without them (a cost model times the tiles, so the two searches are comparable; both paths
+    at one token, the aligned one at 40)."""
+    from fusedmoe.tune import CompilePool, tune_shape
+
+    costs = {"gemm1": lambda t: 30.0 - t.block_n / 16, "gemm2": lambda t: 30.0 - t.block_k / 16,
+             "align": lambda t: 5.0, "direct gemm1": lambda t: 20.0 - t.block_n / 16,
+             "direct gemm2": lambda t: 20.0 - t.num_stages}
+
+    failures = []
+
+    def timer(kind, tile, fn):
+        try:
+            fn(0)  # the tuner's own launch (compiled here, or found in Triton's cache)
+        except Exception:
+            failures.append((kind, tile))
+            raise
+        return costs[kind](tile)
+
+    shape = dict(experts=8, hidden=256, inter=128, top_k=2, quant=quant)
+    with CompilePool(2, **shape) as pool:  # first: its workers compile into a cold cache
+        pooled = tune_shape(**shape, tokens_list=[1], copies=2, timer=timer, compile_pool=pool)
+    # a worker fails only on a tile the tuner cannot run either (out of shared memory, say)
+    assert len(pool.errors) <= len(failures), pool.errors
+    assert pooled == tune_shape(**shape, tokens_list=[1], copies=2, timer=timer) and pooled

@@ -439,6 +439,88 @@ def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch)
             assert entries == [] and not any(tile.one_dot for _, tile in seen)
 
 
+class _RecordingPool:
+    """A CompilePool stand-in: records each warm batch (tokens, kind, tiles) and, where a timer
+    is handed the same list, when it came relative to the timings."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def warm(self, tokens, kind, tiles):
+        assert len(tiles) == len(set(tiles)), tiles
+        self.events.append(("warm", kind, tuple(tiles)))
+
+
+def test_compile_pool_warms_every_searched_tile_before_it_is_timed():
+    """With a compile pool, each tile the search times on either path (the starts and every
+    descent step; not the heuristic's own pair, timed first) was handed to the pool, in a batch,
+    before its timing, and none twice; the entries are the same as without a pool. One token:
+    both paths are searched."""
+    from fusedmoe.tune import tune_shape
+
+    flat = lambda us: lambda tile: us  # noqa: E731
+    # costs with a slope, so the descents take steps
+    costs = {"gemm1": lambda t: 30.0 - t.block_n / 16, "gemm2": lambda t: 30.0 - t.block_k / 16,
+             "align": flat(5.0), "direct gemm1": lambda t: 20.0 - t.block_n / 16,
+             "direct gemm2": lambda t: 20.0 - t.num_stages}
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=torch.device("cpu"),
+                 tokens_list=[1])
+    plain = tune_shape(**shape, timer=_model_timer(costs, []))
+    assert plain, "the model should give an entry"
+    events = []
+    model = _model_timer(costs, [])
+
+    def timer(kind, tile, fn):
+        events.append(("time", kind, tile))
+        return model(kind, tile, fn)
+
+    assert tune_shape(**shape, timer=timer, compile_pool=_RecordingPool(events)) == plain
+    warmed, batches, unwarmed = set(), [], {}
+    for event in events:
+        if event[0] == "warm":
+            batches.append(event[2])
+            for tile in event[2]:
+                assert (event[1], tile) not in warmed, ("warmed twice", event)
+                warmed.add((event[1], tile))
+        elif event[1] != "align" and (event[1], event[2]) not in warmed:
+            unwarmed.setdefault(event[1], set()).add(event[2])
+    # timed without a batch first: per kind only the heuristic's tile (the aligned GEMMs' at
+    # each of the three row blocks, whose timers the stage then reuses: one block size's pair)
+    assert {kind: len(tiles) for kind, tiles in unwarmed.items()} == \
+        {"gemm1": 1, "gemm2": 1, "direct gemm1": 1, "direct gemm2": 1}, unwarmed
+    assert {kind for kind, _ in warmed} == {"gemm1", "gemm2", "direct gemm1", "direct gemm2"}
+    assert max(len(b) for b in batches) > 1  # batches: the point is compiling them in parallel
+
+
+def test_compile_pool_runs_each_tile_in_its_spawned_workers():
+    """The real CompilePool on CPU tensors (its spawned workers inherit TRITON_INTERPRET=1): the
+    workers build their own problem and run every tile the search hands them, GEMM1 and GEMM2
+    of both paths, without an error; the search's entries are the ones it finds without them."""
+    from fusedmoe.tune import CompilePool, tune_shape
+
+    costs = {"gemm1": lambda t: 30.0 - t.block_n / 16, "gemm2": lambda t: 30.0 - t.block_k / 16,
+             "align": lambda t: 5.0, "direct gemm1": lambda t: 20.0 - t.block_n / 16,
+             "direct gemm2": lambda t: 20.0 - t.num_stages}
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32)
+    plain = tune_shape(**shape, copies=2, device=cpu, tokens_list=[1], timer=_model_timer(costs, []))
+    with CompilePool(2, **shape, device=cpu) as pool:
+        warmed = []
+        warm = pool.warm
+        pool.warm = lambda tokens, kind, tiles: (warmed.append(kind), warm(tokens, kind, tiles))
+        assert tune_shape(**shape, copies=2, device=cpu, tokens_list=[1], timer=_model_timer(costs, []),
+                          compile_pool=pool) == plain
+    assert pool.errors == []
+    assert set(warmed) == {"gemm1", "gemm2", "direct gemm1", "direct gemm2"}
+
+
+def test_compile_pool_needs_two_jobs():
+    from fusedmoe.tune import CompilePool
+
+    with pytest.raises(ValueError, match=r"jobs=1: a CompilePool needs at least 2 worker processes"):
+        CompilePool(1, experts=E, hidden=H, inter=I, top_k=K)
+
+
 def test_descent_from_a_start_that_does_not_compile():
     """A start Triton cannot compile (the persistent start on a smaller GPU, say) ends its
     descent at infinite time instead of failing the tune; the other starts decide."""

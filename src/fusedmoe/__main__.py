@@ -1,3 +1,4 @@
 from fusedmoe.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not in multiprocessing's spawned children
+    raise SystemExit(main())

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                            "tune.GRID at each block_m first (minutes per token count), then descend")
     tune.add_argument("--min-gain", type=float, default=0.03,
                       help="write an entry only when it beats the plan that runs now by this fraction")
+    tune.add_argument("--jobs", type=int, default=1,
+                      help="worker processes compiling each batch of tiles before they are timed "
+                           "(tune.CompilePool; the same entries, found sooner); 1: none")
     fuzz = sub.add_parser("fuzz", help="random problems, every backend that accepts them, vs the float64 reference")
     fuzz.add_argument("--cases", type=int, default=200, help="number of cases (seeds --seed .. --seed + N - 1)")
     fuzz.add_argument("--seed", type=int, default=0, help="first seed")
@@ -669,7 +672,7 @@ def cmd_tune(args) -> int:
     from fusedmoe.backends.triton.tuning import PACKAGED
     from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
     from fusedmoe.presets import get_preset
-    from fusedmoe.tune import progress_printer, tune_shape, write_table
+    from fusedmoe.tune import CompilePool, progress_printer
 
     runs = sorted(W8A8_SCHEMES | WEIGHT_ONLY_SCHEMES)
     if args.quant in WEIGHT_ONLY_TWIN:  # marlin runs these on the twin's kernels and tiles
@@ -683,6 +686,8 @@ def cmd_tune(args) -> int:
                          f"({'with' if get_preset(args.model).has_bias else 'without'} them)")
     if not 0 <= args.min_gain < 1:
         raise ValueError(f"--min-gain {args.min_gain}: a fraction in [0, 1) (0.03 writes entries 3% faster)")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: at least 1 (1 compiles each tile when it is first timed)")
     if not torch.cuda.is_available():
         raise ValueError("fusedmoe tune times GPU kernels and needs a CUDA device")
     if args.model:
@@ -699,24 +704,35 @@ def cmd_tune(args) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     folder = args.out or knobs.get("TUNED_DIR") or PACKAGED
     progress = progress_printer(4 * len(tokens))  # up to 3 block_m of the aligned path + the direct one
-    written = 0
-    for count in tokens:  # written after each token count, so an interrupted run keeps its work
-        entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
-                             progress=progress, search=args.search, min_gain=args.min_gain)
-        print(file=sys.stderr)
-        if not entries:
-            print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
-                  f"is within {args.min_gain:.1%} of the best config found; nothing written")
-            continue
-        e = entries[0]
-        table = f", tuned table {e['table_us']:8.1f} us" if "table_us" in e else ""
-        print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
-              f"{e['heuristic_us']:8.1f} us{table})  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
-        path = write_table(entries, folder)
-        written += 1
+    written = []
+    pool = CompilePool(args.jobs, **shape, dtype=DTYPES[args.dtype], quant=args.quant) if args.jobs > 1 else None
+    try:
+        for count in tokens:  # written after each token count, so an interrupted run keeps its work
+            written += [p for p in [_tune_count(args, shape, count, progress, folder, pool)] if p is not None]
+    finally:
+        if pool is not None:
+            pool.close()
     if written:
-        print(f"wrote {written} entries to {path}")
+        print(f"wrote {len(written)} entries to {written[-1]}")
     return 0
+
+
+def _tune_count(args, shape: dict, count: int, progress, folder, pool) -> Path | None:
+    """`fusedmoe tune` at one token count: the table file its entry went to (None: no entry)."""
+    from fusedmoe.tune import tune_shape, write_table
+
+    entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
+                         progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool)
+    print(file=sys.stderr)
+    if not entries:
+        print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
+              f"is within {args.min_gain:.1%} of the best config found; nothing written")
+        return None
+    e = entries[0]
+    table = f", tuned table {e['table_us']:8.1f} us" if "table_us" in e else ""
+    print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
+          f"{e['heuristic_us']:8.1f} us{table})  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
+    return write_table(entries, folder)
 
 
 # env ---------------------------------------------------------------------------------------------

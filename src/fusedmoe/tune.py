@@ -31,14 +31,22 @@ x's launch per token / 1x128 group timed once and added to each path that runs i
 GEMM1 quantizing x itself where quant.fuse_x_quantization says so; the intermediate's in GEMM1's
 timing). W8A8 with fp8 activations also descends over kernels.py's SWAP_AB, both ways per GEMM;
 a tile that sets it writes it as its list's 7th value (`TileConfig.as_list`).
+
+Compiling is most of a search's time (a 4-bit GEMM's kernel takes seconds; the timing of one tile
+tens of milliseconds), and the tiles a descent step times are known before it times them:
+`CompilePool` (`fusedmoe tune --jobs N`) runs each such batch once in N worker processes, on their
+own copy of the problem, so the one-by-one timing here finds every kernel in Triton's cache. The
+timings, and so the entries, are the same with or without it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -136,15 +144,26 @@ def _neighbours(tile: TileConfig, allow_split: bool, allow_swap: bool = False,
 
 
 class _once:
-    """time_tile(tile) run once per tile: later calls return the first time (`known`)."""
+    """time_tile(tile) run once per tile: later calls return the first time (`known`). warm(tiles),
+    where given, compiles a batch of tiles' kernels ahead of their timing (`CompilePool.warm`)."""
 
-    def __init__(self, time_tile: Callable[[TileConfig], float]):
-        self.time_tile, self.known = time_tile, {}
+    def __init__(self, time_tile: Callable[[TileConfig], float],
+                 warm: Callable[[list[TileConfig]], None] | None = None):
+        self.time_tile, self.known, self.warm, self.warmed = time_tile, {}, warm, set()
 
     def __call__(self, tile: TileConfig) -> float:
         if tile not in self.known:
             self.known[tile] = self.time_tile(tile)
         return self.known[tile]
+
+    def prepare(self, tiles: Iterable[TileConfig]) -> None:
+        """Compile the kernels of the tiles not timed yet, in parallel, before they are timed."""
+        if self.warm is None:
+            return
+        todo = list(dict.fromkeys(t for t in tiles if t not in self.known and t not in self.warmed))
+        if todo:
+            self.warm(todo)
+            self.warmed.update(todo)
 
 
 def _descend(time_tile: Callable[[TileConfig], float], start: TileConfig,
@@ -172,9 +191,10 @@ def _fastest(time_tile: Callable[[TileConfig], float], tiles: Iterable[TileConfi
     """(tile, us) of the fastest of `tiles` that `reason` (the validity predicate) accepts and
     Triton compiles; (None, inf) when none does."""
     best, best_t = None, float("inf")
+    tiles = [tile for tile in tiles if not reason(tile)]
+    if isinstance(time_tile, _once):
+        time_tile.prepare(tiles)
     for tile in tiles:
-        if reason(tile):
-            continue
         try:
             t = time_tile(tile)
         except Exception:  # a config Triton cannot compile here (e.g. out of resources)
@@ -189,6 +209,7 @@ def tune_shape(
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
     copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
     timer: Timer | None = None, bias: bool = False, search: str = "descent", min_gain: float = 0.03,
+    compile_pool: CompilePool | None = None,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
@@ -209,6 +230,8 @@ def tune_shape(
     (`table_us`, timed where an entry serves it).
     search: "descent" (from the heuristic's tiles) or "grid" (every valid GRID tile at each
     block_m first, then the descent from the best of them too); the direct path descends either way.
+    compile_pool: compiles each batch of tiles about to be timed in its worker processes first
+    (`CompilePool`, made for this shape); None: each tile compiles when it is first timed.
     """
     if search not in SEARCHES:
         raise ValueError(f"search={search!r} must be one of {', '.join(SEARCHES)}")
@@ -249,6 +272,9 @@ def tune_shape(
     label = f"{scheme or str(dtype).replace('torch.', '')} E={experts} H={hidden} I={inter} k={top_k}"
     entries = []
     for tokens in tokens_list:
+        def warm(kind: str, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
+            return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind)
+
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
@@ -302,9 +328,12 @@ def tune_shape(
                 continue
             # each tile timed once per block size, though the descents from two starts (and a
             # descent's second round) meet tiles already timed
-            time1, time2 = (_once(f) for f in (heuristic_timers if same else timers(starts1[0])))
+            time1, time2 = (_once(f, warm(kind)) for f, kind in
+                            zip(heuristic_timers if same else timers(starts1[0]), ("gemm1", "gemm2"), strict=True))
             if same:
                 time1.known[starts1[0]], time2.known[starts2[0]] = h_us[0], h_us[1]
+            time1.prepare(starts1)  # every start's kernel at once (the descents then time them one by one)
+            time2.prepare(starts2)
             if search == "grid":
                 starts1 += [t for t in [_grid_best(time1, block_m, ok1, scheme, device)] if t is not None]
                 starts2 += [t for t in [_grid_best(time2, block_m, ok2, scheme, device)] if t is not None]
@@ -324,7 +353,8 @@ def tune_shape(
                                                           problem.num_slots, experts):
                 direct_xq_us = timer("quantize x", h1, xq)
             heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
-                                                activation, timer, direct_xq_us, one_dot=one_dot and mode == "w4")
+                                                activation, timer, direct_xq_us, one_dot=one_dot and mode == "w4",
+                                                warm=warm)
             if direct_auto(problem, sms):
                 default = ("direct", heuristic_us)
             found.append(best)
@@ -493,7 +523,9 @@ def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) 
 
 
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
-                   timer: Timer, xq_us: float = 0.0, one_dot: bool = False) -> tuple[float, tuple]:
+                   timer: Timer, xq_us: float = 0.0, one_dot: bool = False,
+                   warm: Callable[[str], Callable[[list[TileConfig]], None] | None] = lambda kind: None,
+                   ) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
     each GEMM descends from the heuristic's tile over the pairs `tiles.check_plan` accepts as
     direct (GEMM2's split_k: slot shares, at most top_k). xq_us: x's quantization launch, added
@@ -520,7 +552,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
 
     us1, us2 = time1(d1), time2(d2)
     d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
-    time1, time2 = _once(time1), _once(time2)
+    time1, time2 = _once(time1, warm("direct gemm1")), _once(time2, warm("direct gemm2"))
     time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme, direct=True)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
@@ -587,6 +619,125 @@ def _weight_only_args(scheme, weights, x) -> tuple[list, list]:
 
     return ([_kernel_args(scheme, w[2].w13_scale, w[2].w13_global_scale, x) for w in weights],
             [_kernel_args(scheme, w[2].w2_scale, w[2].w2_global_scale, x) for w in weights])
+
+
+class CompilePool:
+    """Worker processes that compile batches of tiles' kernels for one shape (`fusedmoe tune
+    --jobs N`). Each worker builds its own copy of the problem on the same GPU (one weight copy,
+    the scheme's layout, the same token count) and runs each tile's GEMM once: Triton writes the
+    kernel to its cache, where the tuner's own launch of the tile then finds it. A tile whose
+    kernel fails in a worker is left to the tuner, which compiles it itself and skips it as
+    before. Spawned processes (CUDA cannot fork); use as a context manager."""
+
+    def __init__(self, jobs: int, *, experts: int, hidden: int, inter: int, top_k: int, activation: str = "silu",
+                 dtype: torch.dtype = torch.bfloat16, quant: str | None = None, bias: bool = False,
+                 device: torch.device | None = None):
+        if jobs < 2:
+            raise ValueError(f"jobs={jobs}: a CompilePool needs at least 2 worker processes")
+        device = torch.device(device or "cuda")
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+        else:  # CPU tensors: the kernels run under the Triton interpreter (the tests' case)
+            index = None
+        self.spec = (experts, hidden, inter, top_k, activation, dtype, quant, bias, device.type)
+        self.errors: list[str] = []  # (kind, tile): why, for each tile a worker could not run
+        context = multiprocessing.get_context("spawn")
+        # one worker at a time builds its weight copy: quantizing gpt-oss-size weights holds
+        # several GB of full-precision temporaries, which N workers at once could run out of
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=context, initializer=_worker_init, initargs=(index, context.Lock()))
+
+    def warm(self, tokens: int, kind: str, tiles: list[TileConfig]) -> None:
+        """Run each tile's `kind` GEMM ("gemm1", "gemm2", "direct gemm1", "direct gemm2") once in
+        the workers, all at once; returns when every one has finished."""
+        futures = [self._pool.submit(_worker_warm, self.spec, tokens, kind, tile) for tile in tiles]
+        for tile, future in zip(tiles, futures, strict=True):
+            try:
+                error = future.result()
+            except Exception as exc:  # a worker that died (e.g. out of memory): the tuner compiles it itself
+                error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                self.errors.append(f"{kind} {tile}: {error}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_WORKER_LOCK = None  # a CompilePool worker's share of the pool's weight-building lock
+
+
+def _worker_init(device_index: int | None, lock) -> None:
+    global _WORKER_LOCK
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    _WORKER_LOCK = lock
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_weights(spec: tuple) -> tuple:
+    experts, hidden, inter, top_k, activation, dtype, quant, bias, device = spec
+    from fusedmoe.activations import is_gated
+    from fusedmoe.quant.scheme import get_scheme
+
+    scheme = get_scheme(quant)
+    gen = torch.Generator(device=device).manual_seed(1)
+    with _WORKER_LOCK:
+        weights = [_weight_copy(experts, hidden, inter, is_gated(activation), dtype, scheme, gen, bias)]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the temporaries back to the device before the lock passes on
+    return scheme, weights
+
+
+@functools.lru_cache(maxsize=4)
+def _worker_tokens(spec: tuple, tokens: int) -> tuple:
+    experts, hidden, _, top_k, _, dtype, _, _, device = spec
+    from fusedmoe.routing import select_experts
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+    topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
+    return x, topk_w, topk_ids
+
+
+def _worker_warm(spec: tuple, tokens: int, kind: str, tile: TileConfig) -> str | None:
+    """One tile's GEMM run once in a CompilePool worker (compiling its kernel into Triton's
+    cache); None, or why it failed."""
+    try:
+        from fusedmoe.activations import is_gated
+        from fusedmoe.backends.triton.experts import GemmProblem, _num_sms, direct_heuristic
+        from fusedmoe.backends.triton.tiles import heuristic, tile_mode
+
+        experts, hidden, inter, top_k, activation, dtype, _, _, _ = spec
+        scheme, weights = _worker_weights(spec)
+        x, topk_w, topk_ids = _worker_tokens(spec, tokens)
+        args = (scheme, weights, x, topk_w, topk_ids, experts, inter, activation)
+        if kind == "gemm1":
+            _gemms(*args, tile)  # runs GEMM1 with its fill tile: this one
+        elif kind == "gemm2":  # GEMM2 reads an intermediate at its block size: the heuristic's GEMM1 makes it
+            mode, group = tile_mode(scheme)
+            codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
+            fill = heuristic(tokens * top_k, experts, inter, hidden, dtype, gated=is_gated(activation),
+                             num_sms=_num_sms(x.device), quant=mode, group=group, codes=codes, block_m=tile.block_m)
+            _gemms(*args, fill)[1](0, tile)
+        elif kind == "direct gemm1":
+            _direct_gemms(*args, tile)
+        elif kind == "direct gemm2":
+            problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, is_gated(activation), dtype)
+            _direct_gemms(*args, direct_heuristic(problem, scheme, _num_sms(x.device))[0])[1](0, tile)
+        else:
+            return f"unknown kind {kind!r}"
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # the tuner meets the same failure and skips the tile
+        return f"{type(exc).__name__}: {exc}"
 
 
 def write_table(entries: list[dict], folder: str | Path) -> Path:

@@ -10,7 +10,7 @@
     torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2 [--dispatch allgather [--graph]]   (or without torchrun)
     fusedmoe bench --ep 2 --device cpu --scale 32 --tokens 4                     (gloo smoke test)
     fusedmoe tune --model qwen3-30b-a3b [--tokens 1,16,256] [--out DIR] [--quant fp8_w8a8_block]
-                  [--search descent|grid] [--min-gain 0.03]
+                  [--search descent|grid] [--min-gain 0.03] [--jobs 14]   (processes compiling each step's tiles)
     fusedmoe fuzz [--cases 200] [--seed 0] [--profile ci|cpu|cpu-triton|gpu] [--device cpu|cuda]
                   [--backends triton,emulation] [--json out.json]     (exit 1 on any failure)
                   [--jobs 16] [--time-limit 540]      (worker processes; no case starts after 540 s)

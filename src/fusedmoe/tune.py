@@ -640,7 +640,7 @@ class CompilePool:
         else:  # CPU tensors: the kernels run under the Triton interpreter (the tests' case)
             index = None
         self.spec = (experts, hidden, inter, top_k, activation, dtype, quant, bias, device.type)
-        self.errors: list[str] = []  # (kind, tile): why, for each tile a worker could not run
+        self.errors: list[str] = []  # "kind tile: why" for each tile a worker could not run
         context = multiprocessing.get_context("spawn")
         # one worker at a time builds its weight copy: quantizing gpt-oss-size weights holds
         # several GB of full-precision temporaries, which N workers at once could run out of

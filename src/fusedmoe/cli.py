@@ -721,9 +721,13 @@ def _tune_count(args, shape: dict, count: int, progress, folder, pool) -> Path |
     """`fusedmoe tune` at one token count: the table file its entry went to (None: no entry)."""
     from fusedmoe.tune import tune_shape, write_table
 
+    failed = len(pool.errors) if pool is not None else 0
     entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
                          progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool)
     print(file=sys.stderr)
+    if pool is not None and len(pool.errors) > failed:  # those the tuner compiled (or failed) itself
+        print(f"M={count:>5}: {len(pool.errors) - failed} tiles did not run in the --jobs workers "
+              f"(the first: {pool.errors[failed]})", file=sys.stderr)
     if not entries:
         print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
               f"is within {args.min_gain:.1%} of the best config found; nothing written")

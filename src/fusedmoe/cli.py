@@ -725,9 +725,9 @@ def _tune_count(args, shape: dict, count: int, progress, folder, pool) -> Path |
     entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
                          progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool)
     print(file=sys.stderr)
-    if pool is not None and len(pool.errors) > failed:  # those the tuner compiled (or failed) itself
-        print(f"M={count:>5}: {len(pool.errors) - failed} tiles did not run in the --jobs workers "
-              f"(the first: {pool.errors[failed]})", file=sys.stderr)
+    if pool is not None and len(pool.errors) > failed:  # a tile out of resources fails there and here alike
+        print(f"M={count:>5}: {len(pool.errors) - failed} tiles did not run in the --jobs workers; the tuner "
+              f"compiled each itself or skipped it (the first: {pool.errors[failed]})", file=sys.stderr)
     if not entries:
         print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
               f"is within {args.min_gain:.1%} of the best config found; nothing written")

@@ -443,8 +443,8 @@ class _RecordingPool:
     """A CompilePool stand-in: records each warm batch (tokens, kind, tiles) and, where a timer
     is handed the same list, when it came relative to the timings."""
 
-    def __init__(self, events: list):
-        self.events = events
+    def __init__(self, events: list, spec: tuple = (E, H, I, K, "silu", torch.float32, None, False, "cpu")):
+        self.events, self.spec = events, spec
 
     def warm(self, tokens, kind, tiles):
         assert len(tiles) == len(set(tiles)), tiles
@@ -514,11 +514,16 @@ def test_compile_pool_runs_each_tile_in_its_spawned_workers():
     assert set(warmed) == {"gemm1", "gemm2", "direct gemm1", "direct gemm2"}
 
 
-def test_compile_pool_needs_two_jobs():
-    from fusedmoe.tune import CompilePool
+def test_compile_pool_needs_two_jobs_and_the_search_s_shape():
+    from fusedmoe.tune import CompilePool, tune_shape
 
     with pytest.raises(ValueError, match=r"jobs=1: a CompilePool needs at least 2 worker processes"):
         CompilePool(1, experts=E, hidden=H, inter=I, top_k=K)
+    pool = _RecordingPool([])
+    pool.spec = (E, H, 2 * I, K, "silu", torch.float32, None, False, "cpu")
+    with pytest.raises(ValueError, match=r"compile_pool was made for \(4, 128, 128, .*not this search's \(4, 128, 64,"):
+        tune_shape(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=torch.device("cpu"),
+                   tokens_list=[1], timer=lambda kind, tile, fn: 1.0, compile_pool=pool)
 
 
 def test_descent_from_a_start_that_does_not_compile():

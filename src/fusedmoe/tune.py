@@ -256,6 +256,10 @@ def tune_shape(
     scheme = get_scheme(quant)
     mode, group = tile_mode(scheme)
     device = device or torch.device("cuda")
+    if compile_pool is not None:
+        want = (experts, hidden, inter, top_k, activation, dtype, quant, bias, device.type)
+        if compile_pool.spec != want:
+            raise ValueError(f"compile_pool was made for {compile_pool.spec}, not this search's {want}")
     timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -787,6 +787,8 @@ def test_meta_device_is_refused_with_the_reason() -> None:
     ({"use_grouped_topk": True, "num_expert_group": 4, "topk_group": 2, "group_score": "mean"},
      r"group_score='mean'; expected one of \('max', 'top2_sum'\) or None"),
     ({"group_score": "max"}, r"group_score='max' ranks expert groups: it is only used with use_grouped_topk=True"),
+    ({"group_score": "max", "custom_routing_function": dbrx_routing},
+     r"group_score ranks expert groups of the grouped top-k; a custom_routing_function routes on its own"),
 ])
 def test_routing_arguments_are_checked_at_construction(kwargs, match) -> None:
     """Routing arguments fail when the layer is built, naming the argument (a bad scoring_func

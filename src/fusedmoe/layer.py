@@ -167,11 +167,8 @@ class FusedMoE(nn.Module):
             activation_format = "batched" if parallel.use_batched_activation_format else "standard"
         if scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func={scoring_func!r}; expected 'softmax' or 'sigmoid'")
-        if custom_routing_function is None:
-            check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score)
-        elif group_score is not None:
-            raise ValueError("group_score ranks expert groups of the grouped top-k; a custom_routing_function "
-                             "routes on its own")
+        check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score,
+                       custom=custom_routing_function is not None)
         if use_grouped_topk:
             routing_method = "grouped_topk"
         elif custom_routing_function is not None:

@@ -61,11 +61,8 @@ def select_experts(
             )
     if not is_finite_real(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number")
-    if custom_routing_function is None:
-        check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score)
-    elif group_score is not None:
-        raise ValueError("group_score ranks expert groups of the grouped top-k; a custom_routing_function "
-                         "routes on its own")
+    check_grouping(num_experts, top_k, use_grouped_topk, num_expert_group, topk_group, group_score,
+                   custom=custom_routing_function is not None)
     checking = should_validate(validate, router_logits)
     if checking and not bool(torch.isfinite(router_logits).all()):
         bad = (~torch.isfinite(router_logits)).nonzero()[0].tolist()
@@ -174,8 +171,15 @@ def resolve_group_score(group_score: str | None, has_bias: bool) -> str:
 
 
 def check_grouping(num_experts: int, top_k: int, use_grouped_topk: bool, num_expert_group: int | None,
-                   topk_group: int | None, group_score: str | None = None) -> None:
-    """The grouped top-k arguments' errors (select_experts, and FusedMoE at construction)."""
+                   topk_group: int | None, group_score: str | None = None, *, custom: bool = False) -> None:
+    """The grouped top-k arguments' errors (select_experts, and FusedMoE at construction). custom:
+    a custom routing function routes instead (the grouping arguments unused: only group_score,
+    which nothing would apply, is refused)."""
+    if custom:
+        if group_score is not None:
+            raise ValueError("group_score ranks expert groups of the grouped top-k; a custom_routing_function "
+                             "routes on its own")
+        return
     for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
         if value is not None and not is_integer(value):
             raise TypeError(f"{name}={value!r} must be an int")

@@ -151,12 +151,8 @@ def _find_collector():
 _COLLECTOR = _find_collector()
 
 
-def _collector():
-    return _COLLECTOR
-
-
 def _collecting_router_logits() -> bool:
-    collector = _collector()
+    collector = _COLLECTOR
     collected = collector.get() if collector is not None else None
     return collected is not None and "router_logits" in collected
 
@@ -386,7 +382,7 @@ def _record_router_logits(router: nn.Module, logits_TE: torch.Tensor) -> None:
     Only where such a hook sits on the router: a model that records them from a module around
     the block (Ernie-4.5-VL: the modality block around the patched text and vision blocks, whose
     own hook still runs) would count them twice."""
-    collector = _collector()
+    collector = _COLLECTOR
     if collector is None:  # a transformers without output capturing: nothing collects
         return
     if torch.compiler.is_compiling() and not getattr(collector, "compiling", False):
@@ -402,7 +398,7 @@ def _record_router_logits(router: nn.Module, logits_TE: torch.Tensor) -> None:
 def _captured(module: nn.Module) -> bool:
     """Whether transformers' output capturing hooked `module` (its hooks are functions of the
     collector's module)."""
-    capturing = type(_collector()).__module__
+    capturing = type(_COLLECTOR).__module__
     return any(getattr(hook, "__module__", None) == capturing for hook in module._forward_hooks.values())
 
 

@@ -446,8 +446,9 @@ class _RecordingPool:
     def __init__(self, events: list, spec: tuple = (E, H, I, K, "silu", torch.float32, None, False, "cpu")):
         self.events, self.spec = events, spec
 
-    def warm(self, tokens, kind, tiles):
+    def warm(self, tokens, kind, fill, tiles):
         assert len(tiles) == len(set(tiles)), tiles
+        assert fill.block_m == tiles[0].block_m or kind.startswith("direct"), (fill, tiles)
         self.events.append(("warm", kind, tuple(tiles)))
 
 
@@ -507,7 +508,7 @@ def test_compile_pool_runs_each_tile_in_its_spawned_workers():
     with CompilePool(2, **shape, device=cpu) as pool:
         warmed = []
         warm = pool.warm
-        pool.warm = lambda tokens, kind, tiles: (warmed.append(kind), warm(tokens, kind, tiles))
+        pool.warm = lambda tokens, kind, fill, tiles: (warmed.append(kind), warm(tokens, kind, fill, tiles))
         assert tune_shape(**shape, copies=2, device=cpu, tokens_list=[1], timer=_model_timer(costs, []),
                           compile_pool=pool) == plain
     assert pool.errors == []

@@ -276,8 +276,8 @@ def tune_shape(
     label = f"{scheme or str(dtype).replace('torch.', '')} E={experts} H={hidden} I={inter} k={top_k}"
     entries = []
     for tokens in tokens_list:
-        def warm(kind: str, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
-            return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind)
+        def warm(kind: str, fill: TileConfig, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
+            return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind, fill)
 
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
@@ -332,8 +332,9 @@ def tune_shape(
                 continue
             # each tile timed once per block size, though the descents from two starts (and a
             # descent's second round) meet tiles already timed
-            time1, time2 = (_once(f, warm(kind)) for f, kind in
-                            zip(heuristic_timers if same else timers(starts1[0]), ("gemm1", "gemm2"), strict=True))
+            fill = h1 if same else starts1[0]  # the GEMM1 tile that makes GEMM2's input at this block size
+            time1, time2 = (_once(f, warm(kind, fill)) for f, kind in
+                            zip(heuristic_timers if same else timers(fill), ("gemm1", "gemm2"), strict=True))
             if same:
                 time1.known[starts1[0]], time2.known[starts2[0]] = h_us[0], h_us[1]
             time1.prepare(starts1)  # every start's kernel at once (the descents then time them one by one)
@@ -528,7 +529,7 @@ def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) 
 
 def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
                    timer: Timer, xq_us: float = 0.0, one_dot: bool = False,
-                   warm: Callable[[str], Callable[[list[TileConfig]], None] | None] = lambda kind: None,
+                   warm: Callable[[str, TileConfig], Callable[[list[TileConfig]], None] | None] = lambda kind, fill: None,
                    ) -> tuple[float, tuple]:
     """(us of `experts.direct_heuristic`'s pair, (best us, "direct", gemm1 tile, gemm2 tile)):
     each GEMM descends from the heuristic's tile over the pairs `tiles.check_plan` accepts as
@@ -556,7 +557,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
 
     us1, us2 = time1(d1), time2(d2)
     d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
-    time1, time2 = _once(time1, warm("direct gemm1")), _once(time2, warm("direct gemm2"))
+    time1, time2 = _once(time1, warm("direct gemm1", d1)), _once(time2, warm("direct gemm2", d1))
     time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme, direct=True)
     b1, u1 = _descend(time1, d1, lambda tile: check_plan(tile, d2, **plan), allow_split=True,
@@ -651,10 +652,11 @@ class CompilePool:
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=jobs, mp_context=context, initializer=_worker_init, initargs=(index, context.Lock()))
 
-    def warm(self, tokens: int, kind: str, tiles: list[TileConfig]) -> None:
+    def warm(self, tokens: int, kind: str, fill: TileConfig, tiles: list[TileConfig]) -> None:
         """Run each tile's `kind` GEMM ("gemm1", "gemm2", "direct gemm1", "direct gemm2") once in
-        the workers, all at once; returns when every one has finished."""
-        futures = [self._pool.submit(_worker_warm, self.spec, tokens, kind, tile) for tile in tiles]
+        the workers, all at once; returns when every one has finished. fill: the GEMM1 tile whose
+        launch makes GEMM2's input (its row block size), as the tuner's own timers run it."""
+        futures = [self._pool.submit(_worker_warm, self.spec, tokens, kind, fill, tile) for tile in tiles]
         for tile, future in zip(tiles, futures, strict=True):
             try:
                 error = future.result()
@@ -710,33 +712,21 @@ def _worker_tokens(spec: tuple, tokens: int) -> tuple:
     return x, topk_w, topk_ids
 
 
-def _worker_warm(spec: tuple, tokens: int, kind: str, tile: TileConfig) -> str | None:
+def _worker_warm(spec: tuple, tokens: int, kind: str, fill: TileConfig, tile: TileConfig) -> str | None:
     """One tile's GEMM run once in a CompilePool worker (compiling its kernel into Triton's
     cache); None, or why it failed."""
     try:
-        from fusedmoe.activations import is_gated
-        from fusedmoe.backends.triton.experts import GemmProblem, _num_sms, direct_heuristic
-        from fusedmoe.backends.triton.tiles import heuristic, tile_mode
-
-        experts, hidden, inter, top_k, activation, dtype, _, _, _ = spec
+        experts, _, inter, _, activation, _, _, _, _ = spec
         scheme, weights = _worker_weights(spec)
         x, topk_w, topk_ids = _worker_tokens(spec, tokens)
         args = (scheme, weights, x, topk_w, topk_ids, experts, inter, activation)
-        if kind == "gemm1":
-            _gemms(*args, tile)  # runs GEMM1 with its fill tile: this one
-        elif kind == "gemm2":  # GEMM2 reads an intermediate at its block size: the heuristic's GEMM1 makes it
-            mode, group = tile_mode(scheme)
-            codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
-            fill = heuristic(tokens * top_k, experts, inter, hidden, dtype, gated=is_gated(activation),
-                             num_sms=_num_sms(x.device), quant=mode, group=group, codes=codes, block_m=tile.block_m)
-            _gemms(*args, fill)[1](0, tile)
-        elif kind == "direct gemm1":
-            _direct_gemms(*args, tile)
-        elif kind == "direct gemm2":
-            problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, is_gated(activation), dtype)
-            _direct_gemms(*args, direct_heuristic(problem, scheme, _num_sms(x.device))[0])[1](0, tile)
-        else:
+        gemms = {"gemm1": _gemms, "gemm2": _gemms, "direct gemm1": _direct_gemms, "direct gemm2": _direct_gemms}
+        if kind not in gemms:
             return f"unknown kind {kind!r}"
+        if kind.endswith("gemm1"):
+            gemms[kind](*args, tile)  # runs GEMM1 with its fill tile: this one
+        else:
+            gemms[kind](*args, fill)[1](0, tile)
         if x.is_cuda:
             torch.cuda.synchronize()
         return None

@@ -102,13 +102,53 @@ def test_tuner_direct_gemms_match_the_direct_path(quant, bias):
     assert torch.equal(out, ref)
 
 
-def _model_timer(costs: dict, seen: list):
+@pytest.mark.parametrize("quant", [None, "int4_w4a16_g32", "fp8_w8a8_block", "nvfp4_w4a16"], ids=str)
+def test_tuner_whole_calls_are_the_experts_op(quant):
+    """The whole calls the tuner confirms an entry with run the experts op with the plan's path
+    and tiles on the weight copy asked for: bitwise its output (nvfp4: the global scales passed)."""
+    from fusedmoe.tune import WholePlan, _whole_calls
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, H, generator=gen)
+    weights, ids = select_experts(x, torch.randn(3, E, generator=gen), K)
+    scheme = get_scheme(quant)
+    copies = _copies(scheme, gen, bias=True)
+    call, out = _whole_calls(scheme, copies, x, weights, ids, E, "silu")
+    for direct in (False, True):
+        if quant == "fp8_w8a8_block" and not direct:  # GEMM1's 1x128 epilogue
+            tiles = (TileConfig(16, 128, 64, 4, 1), TileConfig(16, 64, 128, 4, 1))
+        else:
+            tiles = (TileConfig(16, 64, 32, 4, 1), TileConfig(16, 64, 64, 4, 1))
+        out.fill_(float("nan"))
+        call(WholePlan(direct, *tiles))(1)
+        q13, q2, params, b13, b2 = copies[1]
+        if scheme is None:
+            ref = triton_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702, None,
+                                 tiles=tiles, direct=direct)
+        else:
+            ref = triton_quant_experts(x, q13, q2, weights, ids, b13, b2, None, E, "silu", False, 1.702,
+                                       None, scheme, params.w13_scale, params.w2_scale, params.a13_scale,
+                                       params.a2_scale, tiles=tiles, w13_global_scale=params.w13_global_scale,
+                                       w2_global_scale=params.w2_global_scale, direct=direct)
+        assert torch.equal(out, ref), (quant, direct)
+        call(WholePlan(direct, *tiles))(0)  # another copy's weights, another output
+        assert not torch.equal(out, ref)
+
+
+def _model_timer(costs: dict, seen: list, calls: list | None = None):
     """A timer for tune_shape: costs[kind](tile) in us; runs each kind's launch once (it must
-    run) and records every (kind, tile) timed."""
+    run) and records every (kind, tile) timed. Whole calls (kind "call", tile a WholePlan) go to
+    `calls` instead, at costs["call"](plan), or 0 where not modelled (so they confirm the search)."""
+    ran = set()
 
     def timer(kind, tile, fn):
-        if all(k != kind for k, _ in seen):
+        if kind not in ran:
+            ran.add(kind)
             fn(1)
+        if kind == "call":
+            if calls is not None:
+                calls.append(tile)
+            return costs["call"](tile) if "call" in costs else 0.0
         seen.append((kind, tile))
         return costs[kind](tile)
 
@@ -221,12 +261,12 @@ def test_tune_shape_counts_x_quantization_on_both_paths(monkeypatch):
     monkeypatch.setattr(tq, "FUSE_XQ_MAX_H", 0)
     seen, quantizes = [], {}
 
-    def timer(kind, tile, fn):  # which timed launches quantize x
+    def timer(kind, tile, fn):  # which timed launches quantize x (whole calls confirm: 0 us)
         before = len(calls)
         fn(1)
         quantizes[kind] = quantizes.get(kind, False) or len(calls) > before
         seen.append((kind, tile))
-        return base[kind](tile)
+        return base[kind](tile) if kind != "call" else 0.0
 
     [entry] = tune_shape(**shape, timer=timer)
     assert [kind for kind, _ in seen].count("quantize x") == 1
@@ -261,6 +301,50 @@ def test_tune_shape_measures_against_the_tables_plan(monkeypatch):
     costs = dict(costs, gemm1=lambda tile: 50.0 if tile == entry1 else 10.0 if tile.block_m == 64 else 30.0)
     [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
     assert (entry["us"], entry["heuristic_us"], entry["table_us"]) == (45.0, 65.0, 85.0)
+
+
+def test_tune_shape_confirms_entries_with_whole_calls(monkeypatch):
+    """A search result that beats the rule's plan as GEMMs timed apart is timed again as whole
+    calls of the experts op, next to the rule's plan (and the table's, where an entry serves the
+    shape): written only if it wins there by min_gain too, with those times; else log hears why."""
+    import dataclasses
+
+    from fusedmoe.backends.triton import experts
+    from fusedmoe.backends.triton.experts import GemmProblem, direct_heuristic
+    from fusedmoe.tune import WholePlan, tune_shape
+
+    cpu = torch.device("cpu")
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2, device=cpu)
+    d1, d2 = direct_heuristic(GemmProblem(K, E, H, I, K, True, torch.float32), None, 132)
+    faster2 = dataclasses.replace(d2, num_stages=d2.num_stages - 1)
+    flat = lambda us: lambda tile: us  # noqa: E731
+    costs = {"gemm1": flat(100.0), "gemm2": flat(100.0), "direct gemm1": flat(40.0), "align": flat(5.0),
+             "direct gemm2": lambda tile: 30.0 if tile == faster2 else 40.0}
+    best, rule = WholePlan(True, d1, faster2), WholePlan(True, d1, d2)
+
+    def whole(**us):  # the whole calls' costs by plan
+        return lambda plan: us[next(name for name, p in (("best", best), ("rule", rule), ("table", table)) if p == plan)]
+
+    table = None
+    calls = []
+    [entry] = tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=75.0)), [], calls))
+    assert calls == [best, rule]
+    assert (entry["us"], entry["call_us"], entry["heuristic_call_us"]) == (70.0, 60.0, 75.0)
+    assert "table_call_us" not in entry
+    # slower as a whole call (the nvfp4 Mixtral M=1 pair on an H200), or within min_gain: not written
+    lines = []
+    assert tune_shape(**shape, log=lines.append, timer=_model_timer(dict(costs, call=whole(best=90.0, rule=75.0)), [])) == []
+    assert len(lines) == 1 and "direct at 70.0 us" in lines[0] and "90.0 us against 75.0" in lines[0], lines
+    assert tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=73.5, rule=75.0)), [])) == []
+    # a tuned entry serving the shape (slower GEMMs, so the search passes): its whole call is a bar too
+    table = WholePlan(True, dataclasses.replace(d1, num_warps=8), d2)
+    monkeypatch.setattr(experts, "choose_plan", lambda problem, scheme, device: tuple(table))
+    costs["direct gemm1"] = lambda tile: 45.0 if tile == table.gemm1 else 40.0
+    calls = []
+    [entry] = tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=75.0, table=70.0)), [],
+                                                     calls))
+    assert calls == [best, rule, table] and (entry["table_us"], entry["table_call_us"]) == (85.0, 70.0)
+    assert tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=75.0, table=61.0)), [])) == []
 
 
 def test_search_tries_swap_ab_for_w8a8_codes():
@@ -483,7 +567,7 @@ def test_compile_pool_warms_every_searched_tile_before_it_is_timed():
             for tile in event[2]:
                 assert (event[1], tile) not in warmed, ("warmed twice", event)
                 warmed.add((event[1], tile))
-        elif event[1] != "align" and (event[1], event[2]) not in warmed:
+        elif event[1] not in ("align", "call") and (event[1], event[2]) not in warmed:
             unwarmed.setdefault(event[1], set()).add(event[2])
     # timed without a batch first: per kind only the heuristic's tile (the aligned GEMMs' at
     # each of the three row blocks, whose timers the stage then reuses: one block size's pair)

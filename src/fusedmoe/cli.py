@@ -722,20 +722,25 @@ def _tune_count(args, shape: dict, count: int, progress, folder, pool) -> Path |
     from fusedmoe.tune import tune_shape, write_table
 
     failed = len(pool.errors) if pool is not None else 0
+    turned_down = []  # a search result the whole calls did not confirm
     entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
-                         progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool)
+                         progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool,
+                         log=turned_down.append)
     print(file=sys.stderr)
     if pool is not None and len(pool.errors) > failed:  # a tile out of resources fails there and here alike
         print(f"M={count:>5}: {len(pool.errors) - failed} tiles did not run in the --jobs workers; the tuner "
               f"compiled each itself or skipped it (the first: {pool.errors[failed]})", file=sys.stderr)
     if not entries:
-        print(f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
+        print(turned_down[0] if turned_down else
+              f"M={count:>5}: the plan that runs now (the heuristic, or the tuned entry serving this shape) "
               f"is within {args.min_gain:.1%} of the best config found; nothing written")
         return None
     e = entries[0]
     table = f", tuned table {e['table_us']:8.1f} us" if "table_us" in e else ""
+    calls = f", table {e['table_call_us']:.1f}" if "table_call_us" in e else ""
     print(f"M={count:>5}: {e['path']:>7} {e['us']:8.1f} us (heuristic {e['heuristic_path']} "
-          f"{e['heuristic_us']:8.1f} us{table})  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}", flush=True)
+          f"{e['heuristic_us']:8.1f} us{table})  gemm1 {e['gemm1']}  gemm2 {e['gemm2']}; whole call "
+          f"{e['call_us']:.1f} us (heuristic {e['heuristic_call_us']:.1f}{calls})", flush=True)
     return write_table(entries, folder)
 
 

@@ -37,6 +37,16 @@ tens of milliseconds), and the tiles a descent step times are known before it ti
 `CompilePool` (`fusedmoe tune --jobs N`) runs each such batch once in N worker processes, on their
 own copy of the problem, so the one-by-one timing here finds every kernel in Triton's cache. The
 timings, and so the entries, are the same with or without it.
+
+The search sums GEMMs timed apart, each in its own graph of back-to-back launches; the layer runs
+them as a chain, GEMM2 waiting on GEMM1. The two can disagree: on an H200 the nvfp4 Mixtral M=1
+direct pair the search timed at 107.8 us (heuristic 124.8) ran the whole call in 153.4 us
+against 123.2 (benchmarks/results/2026-11-29_h200_71b8cf5_w4_padding_bisect_and_tune.txt), and
+an earlier Mixtral M=1 entry was dropped for the same reason. So before an entry is written its
+plan runs as whole calls of the experts op (`_whole_calls`: the alignment, both GEMMs and the
+top-k sum as the layer launches them), next to the rule's heuristic plan and the plan the tables
+give now, and it is written only if it beats both there by `min_gain` too; the entry records
+those times (`call_us`, `heuristic_call_us`, `table_call_us`).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -83,9 +94,18 @@ W4_PERSISTENT_START = TileConfig(16, 128, 128, 4, 3, persistent=True)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
 SEARCHES = ("descent", "grid")
 # timer(kind, tile, fn) -> us: one launch fn(i) on weight copy i, timed; kind is "gemm1", "gemm2",
-# "direct gemm1", "direct gemm2" or "align" (the aligned path's alignment at tile.block_m and its
-# top-k sum); the default ignores kind and tile, tests model them
-Timer = Callable[[str, TileConfig, Callable[[int], None]], float]
+# "direct gemm1", "direct gemm2", "align" (the aligned path's alignment at tile.block_m and its
+# top-k sum), "quantize x", or "call" (the whole experts op; tile is then its WholePlan); the
+# default ignores kind and tile, tests model them
+Timer = Callable[[str, "TileConfig | WholePlan", Callable[[int], None]], float]
+
+
+class WholePlan(NamedTuple):
+    """A plan as the experts op takes it: the path (direct or aligned) and the two GEMMs' tiles."""
+
+    direct: bool
+    gemm1: TileConfig
+    gemm2: TileConfig
 
 
 def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float:
@@ -209,7 +229,7 @@ def tune_shape(
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
     copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
     timer: Timer | None = None, bias: bool = False, search: str = "descent", min_gain: float = 0.03,
-    compile_pool: CompilePool | None = None,
+    compile_pool: CompilePool | None = None, log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
@@ -232,6 +252,9 @@ def tune_shape(
     block_m first, then the descent from the best of them too); the direct path descends either way.
     compile_pool: compiles each batch of tiles about to be timed in its worker processes first
     (`CompilePool`, made for this shape); None: each tile compiles when it is first timed.
+    A search result that passes is then timed as whole calls of the experts op against the rule's
+    plan and the table's (module docstring), and written only if it beats them there by
+    `min_gain` as well; log(line) hears of a result the whole calls turned down.
     """
     if search not in SEARCHES:
         raise ValueError(f"search={search!r} must be one of {', '.join(SEARCHES)}")
@@ -242,7 +265,9 @@ def tune_shape(
         DIRECT_MAX_SLOTS,
         GemmProblem,
         _num_sms,
+        choose_plan,
         direct_auto,
+        direct_heuristic,
         direct_reason,
         direct_scheme_reason,
         tma_planned,
@@ -368,9 +393,25 @@ def tune_shape(
         best = min(found, key=lambda f: f[0])
         # the plan the library runs today (a tuned entry, when one serves this shape) is the bar
         # too: an entry no better than the table's is not written again
-        table_us = _table_plan_us(problem, scheme, device, sms, default[0], (h1, h2), timers, align_us,
-                                  weights, x, topk_w, topk_ids, activation, timer, direct_xq_us)
+        rule = (WholePlan(True, *direct_heuristic(problem, scheme, sms)) if default[0] == "direct"
+                else WholePlan(False, h1, h2))
+        now = WholePlan(*choose_plan(problem, scheme, device))
+        table_us = None if now == rule else _table_plan_us(
+            problem, now, timers, align_us, scheme, weights, x, topk_w, topk_ids, activation, timer, direct_xq_us)
         if best[0] > (1 - min_gain) * min(default[1], table_us or default[1]):
+            continue
+        # and so are they as whole calls, where GEMM2 waits on GEMM1 (module docstring)
+        plans = {"call_us": WholePlan(best[1] == "direct", best[2], best[3]), "heuristic_call_us": rule}
+        if table_us is not None:
+            plans["table_call_us"] = now
+        call, _ = _whole_calls(scheme, weights, x, topk_w, topk_ids, experts, activation)
+        calls = {name: timer("call", plan, call(plan)) for name, plan in plans.items()}
+        bar = min(us for name, us in calls.items() if name != "call_us")
+        if calls["call_us"] > (1 - min_gain) * bar:
+            if log:
+                log(f"M={tokens:>5}: the search's best, {best[1]} at {best[0]:.1f} us as GEMMs timed apart, ran "
+                    f"the whole call in {calls['call_us']:.1f} us against {bar:.1f} for the plan that runs now "
+                    f"or the heuristic's; nothing written")
             continue
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
@@ -381,6 +422,7 @@ def tune_shape(
             "gemm2": best[3].as_list(), "us": round(best[0], 2),
             "heuristic_path": default[0], "heuristic_us": round(default[1], 2),
             **({} if table_us is None else {"table_us": round(table_us, 2)}),
+            **{name: round(us, 2) for name, us in calls.items()},
         })
     return entries
 
@@ -395,17 +437,11 @@ def _grid_best(time_tile: Callable[[TileConfig], float], block_m: int,
     return _fastest(time_tile, grid, reason)[0]
 
 
-def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic, timers, align_us,
-                   weights, x, topk_w, topk_ids, activation, timer, direct_xq_us: float = 0.0) -> float | None:
-    """us of the plan `experts.choose_plan` runs for this shape (path and tiles, the tuned tables'
-    entry where one serves it), timed as the search times its candidates; None when that plan is
-    the rule's heuristic one (timed already as the default)."""
-    from fusedmoe.backends.triton.experts import choose_plan, direct_heuristic
-
-    direct, t1, t2 = choose_plan(problem, scheme, device)
-    rule = (True, *direct_heuristic(problem, scheme, sms)) if default_path == "direct" else (False, *aligned_heuristic)
-    if (direct, t1, t2) == rule:
-        return None
+def _table_plan_us(problem, plan: WholePlan, timers, align_us, scheme, weights, x, topk_w, topk_ids,
+                   activation, timer, direct_xq_us: float = 0.0) -> float:
+    """us of `plan` (the one `experts.choose_plan` runs for this shape: a tuned table's entry),
+    timed as the search times its candidates."""
+    direct, t1, t2 = plan
     if direct:
         gemm1, gemm2, _, _ = _direct_gemms(scheme, weights, x, topk_w, topk_ids, problem.num_local_experts,
                                            problem.inter, activation, t1)
@@ -413,6 +449,33 @@ def _table_plan_us(problem, scheme, device, sms, default_path, aligned_heuristic
                 + direct_xq_us)
     time1, time2 = timers(t1)
     return time1(t1) + time2(t2) + align_us(t1.block_m)
+
+
+def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation: str
+                 ) -> tuple[Callable[[WholePlan], Callable[[int], None]], torch.Tensor]:
+    """(call, out): call(plan) -> fn(i) runs the experts op (`triton_experts`, or
+    `triton_quant_experts` with the scheme's scales) on weight copy i with the plan's path and
+    tiles, every launch the layer makes for it (routing apart), writing `out`."""
+    from fusedmoe.backends.triton.experts import triton_experts
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+
+    out = torch.empty_like(x)
+
+    def call(plan: WholePlan) -> Callable[[int], None]:
+        def run(i: int) -> None:
+            w13, w2, params, b13, b2 = weights[i]
+            args = (x, w13, w2, topk_w, topk_ids, b13, b2, None, experts, activation, False, 1.702, None)
+            if params is None:
+                triton_experts(*args, tiles=(plan.gemm1, plan.gemm2), out=out, direct=plan.direct)
+            else:
+                triton_quant_experts(*args, scheme, params.w13_scale, params.w2_scale, params.a13_scale,
+                                     params.a2_scale, tiles=(plan.gemm1, plan.gemm2), out=out,
+                                     w13_global_scale=params.w13_global_scale,
+                                     w2_global_scale=params.w2_global_scale, direct=plan.direct)
+
+        return run
+
+    return call, out
 
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:

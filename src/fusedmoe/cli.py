@@ -283,6 +283,7 @@ def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | 
     """Per token count, the Triton experts path `describe_plan` gives for the chosen backend on
     this machine's device (CUDA if there is one, else the CPU, whose tile rules assume 132 SMs and
     read no tuned table); a dict with the reason when no Triton path runs this config."""
+    from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
     from fusedmoe.backends.triton.marlin import weight_only_twin
 
@@ -292,11 +293,12 @@ def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | 
     if chosen == "marlin":
         scheme = weight_only_twin(scheme)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    invariant = chosen == "triton" and (config.batch_invariant or knobs.get("BATCH_INVARIANT") is True)
     plans = []
     for t in tokens:
         problem = GemmProblem(t * config.top_k, config.num_local_experts, config.hidden_size,
                               config.intermediate_size_per_partition, config.top_k, config.gated, config.dtype)
-        plan = describe_plan(problem, scheme, device)
+        plan = describe_plan(problem, scheme, device, invariant)
         plans.append({"tokens": t, "device": str(device), **{
             k: ({**v, "tile": v["tile"].as_list()} if isinstance(v, dict) else v)
             for k, v in plan.items()}})

@@ -101,7 +101,8 @@ KNOBS: dict[str, Knob] = {
              "Let auto-selection consider the cutlass grouped-GEMM backends (default: only when "
              "the config sets allow_cutlass)."),
         Knob("BATCH_INVARIANT", _tristate, None,
-             "Only select backends whose output does not depend on the batch composition."),
+             "Only select backends whose output does not depend on the batch composition "
+             "(triton: one aligned tile plan at every token count, docs/reliability.md)."),
         Knob("VALIDATE", _tristate, None,
              "Run input checks that need a device-to-host sync (id ranges, NaN logits) on GPU tensors."),
         Knob("TUNED_DIR", _text, None,

@@ -51,6 +51,18 @@ def _fi_cutlass_scheme_capability(config: MoEConfig, platform: Platform) -> str 
     return None
 
 
+W8A8_NOT_BATCH_INVARIANT = ("its W8A8 paths pick x's quantization launch (quant.fuse_x_quantization) and "
+                            "GEMM2's kernel (quant.gemm2_rows) by the token count")
+
+
+def _batch_invariant_weights(config: MoEConfig, platform: Platform) -> str | None:
+    # triton's unquantized and weight-only paths run one aligned plan at every token count when
+    # asked (experts.batch_invariant_tiles); its W8A8 paths decide launches by the token count
+    if config.batch_invariant and config.quant is not None and not config.quant.weight_only:
+        return f"{config.quant.name} is not batch-invariant here: {W8A8_NOT_BATCH_INVARIANT} (batch_invariant requested)"
+    return None
+
+
 def _linear_ep_only(config: MoEConfig, platform: Platform) -> str | None:
     # Kernels that place experts from (ep_rank, ep_size) cannot follow an arbitrary expert_map.
     if config.has_expert_map:
@@ -152,7 +164,8 @@ BUILTIN: tuple[Backend, ...] = (
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8 | {"fp8_w8a16"}))
         + (("int8_w8a8", (7, 5)),),
         features=ALL_FEATURES - {"routed_scaling"}, dtypes=ALL_DTYPES, needs_triton=True,
-        twin="batched_triton", deterministic=True,
+        twin="batched_triton", deterministic=True, batch_invariant=True,
+        extra_checks=(_batch_invariant_weights,),
         impl="fusedmoe.backends.triton.experts:TritonExperts",
     ),
     Backend(

@@ -513,9 +513,41 @@ def fit_k(t1: TileConfig, t2: TileConfig, problem: GemmProblem) -> tuple[TileCon
     return fit(t1, problem.hidden), fit(t2, problem.inter)
 
 
+BATCH_INVARIANT_TOKENS = 1024  # the token count whose heuristic tiles a batch-invariant call runs at every M
+
+
+@memoized_tiles
+def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """The aligned path's (gemm1, gemm2) tiles a batch-invariant call runs whatever its token
+    count (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT): the heuristic's for
+    BATCH_INVARIANT_TOKENS tokens of this shape, in one K pass (split_k 1), not persistent, gate
+    and up as two dots. No tuned table (its entries are per token count) and never the direct
+    path. Every row then takes the same instructions in both GEMMs whatever the other rows are
+    (the alignment only moves rows between tiles; the top-k sum adds each token's slots in one
+    order), so a token's output does not depend on the batch. Decode pays for it in rows of the
+    tile computed for nothing (a 64-row tile for one token): the weights read are the same."""
+    p = dataclasses.replace(problem, num_slots=BATCH_INVARIANT_TOKENS * problem.top_k)
+    sms, (quant, group) = _num_sms(device), tile_mode(scheme)
+    codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
+    tma1, tma2 = tma_planned(p, device) if scheme is None else (None, None)
+    fixed = dict(split_k=1, persistent=False, one_dot=False)
+    t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
+                   quant=quant, group=group, tma=tma1, codes=codes)
+    t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
+                   quant=quant, group=group, tma=tma2, codes=codes)
+    return dataclasses.replace(t1, **fixed), dataclasses.replace(t2, **fixed)
+
+
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
-               tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None) -> tuple[bool, TileConfig, TileConfig]:
-    """`_plan_tiles`, its block_k fitted to the K dimensions (`fit_k`)."""
+               tiles: tuple[TileConfig, TileConfig] | None, direct: bool | None,
+               batch_invariant: bool = False) -> tuple[bool, TileConfig, TileConfig]:
+    """`_plan_tiles`, its block_k fitted to the K dimensions (`fit_k`). batch_invariant (no
+    tiles given): `batch_invariant_tiles` on the aligned path; with direct=True a ValueError."""
+    if batch_invariant and tiles is None:
+        if direct:
+            raise ValueError("batch_invariant: the direct decode path is not batch-invariant (its plan "
+                             "depends on the token count); run the aligned path (direct=None or False)")
+        return (False, *fit_k(*batch_invariant_tiles(problem, scheme, device), problem))
     is_direct, t1, t2 = _plan_tiles(problem, scheme, device, tiles, direct)
     return (is_direct, *fit_k(t1, t2, problem))
 
@@ -559,24 +591,27 @@ def _scale_runs(problem: GemmProblem, scheme) -> str:
     return f"; scale runs per 16 rows, w13 / w2: {words} (FUSEDMOE_TRITON_W4_SCALE_PAD)"
 
 
-def describe_plan(problem: GemmProblem, scheme, device: torch.device) -> dict:
+def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_invariant: bool = False) -> dict:
     """What the contiguous-layout `triton` path runs for this problem on `device`, and why:
     {path, why, launches, gemm1, gemm2 (tile, source, tma, swap_ab: W8A8's SWAP_AB; gemm2's rows:
     the row-stationary W8A8 kernel's description where quant.gemm2_rows picks it)}, and
     fp8_accumulate for fp8 W8A8 with per-tensor / per-channel weight scales (quant.fp8_accumulation),
     w4_layout for the 4-bit formats (the fragment layout and the tiles it runs: tiles.fragment_tile),
     for `fusedmoe explain --tokens`.
-    `scheme`: a QuantScheme or None (unquantized)."""
+    `scheme`: a QuantScheme or None (unquantized); batch_invariant: the call asks for it
+    (`batch_invariant_tiles`)."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.tuning import entry
 
     mode = knobs.get("TRITON_DIRECT")
     aligned, plan = entry(problem, device, scheme), None  # the aligned path's entry
     src1 = src2 = aligned.source if aligned is not None else "heuristic"
-    is_direct, t1, t2 = choose_plan(problem, scheme, device)
-    t1, t2 = fit_k(t1, t2, problem)  # as plan_tiles runs them
+    is_direct, t1, t2 = plan_tiles(problem, scheme, device, None, None, batch_invariant)  # as the call runs them
     why = direct_scheme_reason(scheme)
-    if why is None:
+    if batch_invariant:
+        src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
+        why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"
+    elif why is None:
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:
             why = f"{plan.source}: fusedmoe tune timed both paths at M={plan.tokens}, {plan.path} was faster"
@@ -1143,12 +1178,15 @@ def triton_experts(
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
     direct: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]) with Triton kernels.
 
     `out` may be x itself: x is read only by gemm1, out written only by the last kernel.
     direct: the decode path without alignment (None: FUSEDMOE_TRITON_DIRECT and the auto rule
     when no tiles are given; True: with `tiles` as (gemm1, direct gemm2) tiles when given).
+    batch_invariant: each token's output bitwise independent of the other tokens in the call
+    (`batch_invariant_tiles`: one aligned plan at every token count).
     Eager calls of a signature seen twice replay the recorded launches (`replay.replayable`).
     """
     num_tokens, hidden = x_TH.shape
@@ -1158,7 +1196,7 @@ def triton_experts(
         return out
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1],
                           is_gated(activation), x_TH.dtype)
-    is_direct, t1, t2 = plan_tiles(problem, None, x_TH.device, tiles, direct)
+    is_direct, t1, t2 = plan_tiles(problem, None, x_TH.device, tiles, direct, batch_invariant)
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
@@ -1206,11 +1244,13 @@ def _triton_experts_op_impl(
     apply_router_weight_on_input: bool,
     swiglu_alpha: float,
     swiglu_limit: float | None,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, out=out,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -1225,6 +1265,13 @@ class TritonExperts(Experts):
     codes and scales into wgmma fragment order where the shapes allow (`fusedmoe.quant.fragments`),
     else int4's and nvfp4's group scales group-major (`weight_only.kernel_scale_layout`)."""
 
+    def __init__(self, config):
+        from fusedmoe import knobs
+
+        super().__init__(config)
+        # as the oracle chose: the config's request or FUSEDMOE_BATCH_INVARIANT=1 (`batch_invariant_tiles`)
+        self.batch_invariant = config.batch_invariant or knobs.get("BATCH_INVARIANT") is True
+
     def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
         from fusedmoe.backends.triton.weight_only import prepare_weights
 
@@ -1236,14 +1283,16 @@ class TritonExperts(Experts):
         if weights.quant is not None:
             from fusedmoe.backends.triton.quant import apply_quant
 
-            return apply_quant(c, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH)
+            return apply_quant(c, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH,
+                               batch_invariant=self.batch_invariant)
         args = (x_TH, weights.w13, weights.w2, topk_weights_TK, topk_ids_TK, weights.w13_bias,
                 weights.w2_bias, expert_map_E, c.num_experts, c.activation,
                 c.apply_router_weight_on_input, c.swiglu_alpha, c.swiglu_limit)
         if out_TH is not None:
-            call_op(triton_experts_out_op, _triton_experts_op_impl, *args, out=out_TH)
+            call_op(triton_experts_out_op, _triton_experts_op_impl, *args, out=out_TH,
+                    batch_invariant=self.batch_invariant)
             return out_TH
-        return call_op(triton_experts_op, _triton_experts_op_impl, *args)
+        return call_op(triton_experts_op, _triton_experts_op_impl, *args, batch_invariant=self.batch_invariant)
 
 
 # Batched layout ---------------------------------------------------------------------------------

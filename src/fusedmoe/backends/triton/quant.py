@@ -299,6 +299,7 @@ def triton_quant_experts(
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
     direct: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2q[e] @ fq(act(w13q[e] @ fq(x) + b13[e])) + b2[e]) on 8-bit GEMMs.
 
@@ -309,9 +310,15 @@ def triton_quant_experts(
     and block scales; per-tensor scales are per expert over its aligned rows, so it aligns):
     x quantized per token, GEMM1 by slot, the intermediate quantized per slot, GEMM2 with the
     top-k sum. Eager calls of a signature seen twice replay the recorded launches
-    (`replay.replayable`).
+    (`replay.replayable`). batch_invariant: weight-only schemes only (`experts.triton_experts`);
+    the W8A8 paths pick x's quantization launch and GEMM2's kernel by the token count.
     """
     scheme = _triton_scheme(scheme)
+    if batch_invariant and not scheme.weight_only:
+        from fusedmoe.backends.table import W8A8_NOT_BATCH_INVARIANT
+
+        raise ValueError(f"batch_invariant: the triton backend's {scheme.name} path is not batch-invariant "
+                         f"({W8A8_NOT_BATCH_INVARIANT})")
     if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
     # payloads and scales against the scheme (metadata): here rather than in apply_quant, so a
@@ -325,7 +332,7 @@ def triton_quant_experts(
             x_TH, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, expert_map,
             num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
-            tiles=tiles, out=out, direct=direct,
+            tiles=tiles, out=out, direct=direct, batch_invariant=batch_invariant,
         )
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
@@ -801,13 +808,14 @@ def _triton_quant_experts_op_impl(
     a2_scale: torch.Tensor | None,
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_quant_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
         w2_scale, a13_scale, a2_scale, out=out, w13_global_scale=w13_global_scale,
-        w2_global_scale=w2_global_scale,
+        w2_global_scale=w2_global_scale, batch_invariant=batch_invariant,
     )
 
 
@@ -816,7 +824,8 @@ triton_quant_experts_op, triton_quant_experts_out_op = experts_ops("triton_quant
                                                                    _triton_quant_experts_op_impl)
 
 
-def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH):
+def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_E, out_TH,
+                batch_invariant: bool = False):
     """`TritonExperts.apply` for quantized weights: the scheme checked, then the custom op (whose
     body, `triton_quant_experts`, checks the tensors against it)."""
     quant: QuantParams = weights.quant
@@ -831,7 +840,8 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
-    global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale)
+    global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale,
+                         batch_invariant=batch_invariant)
     if out_TH is not None:
         call_op(triton_quant_experts_out_op, _triton_quant_experts_op_impl, *args, **global_scales, out=out_TH)
         return out_TH

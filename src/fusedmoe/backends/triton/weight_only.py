@@ -237,12 +237,14 @@ def triton_weight_only_experts(
     tiles: tuple[TileConfig, TileConfig] | None = None,
     out: torch.Tensor | None = None,
     direct: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (deq(w2)[e] @ act(deq(w13)[e] @ x + b13[e]) + b2[e]), x unquantized.
 
     deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
-    computed in registers. `out` may be x itself. direct: as `experts.triton_experts` (the
-    decode path without alignment: GEMM1 by slot, GEMM2 with the top-k sum).
+    computed in registers. `out` may be x itself. direct, batch_invariant: as
+    `experts.triton_experts` (direct: the decode path without alignment, GEMM1 by slot, GEMM2 with
+    the top-k sum; batch_invariant: one aligned plan at every token count).
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)
@@ -255,7 +257,7 @@ def triton_weight_only_experts(
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype)
-    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct)  # given tiles: checked
+    is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct, batch_invariant)  # given tiles: checked
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,

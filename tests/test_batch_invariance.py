@@ -1,0 +1,172 @@
+"""Batch invariance (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT=1): a token's output
+does not depend on the other tokens of the call, bitwise.
+
+The `triton` record claims it for the unquantized and weight-only schemes
+(`experts.batch_invariant_tiles`: one aligned plan at every token count); the oracle keeps every
+other record, and triton's W8A8 schemes, out with the reason. The kernels' logic runs here under
+the Triton interpreter; on a GPU the `gpu`-marked test runs the same check in bf16.
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fusedmoe import MoEConfig
+from fusedmoe.backends import REGISTRY
+from fusedmoe.oracle import explain
+from fusedmoe.platform import Platform
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HOPPER = Platform(kind="cuda", capability=(9, 0), packages=("triton",), has_triton=True)
+T, E, K, H, I = 24, 5, 2, 64, 96  # noqa: E741  (E and I not powers of two; I a multiple of 32 for the 4-bit groups)
+# sub-batches of the T tokens: one token, a few from the middle, a reordered half, all of them
+SUBSETS = ([7], [3, 4, 5], list(range(T - 1, -1, -2)), list(range(T)))
+
+
+def _problem(dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(device, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(device)
+    w2 = (torch.randn(E, I, H, generator=gen).transpose(1, 2).contiguous() / I**0.5).to(device)
+    b13, b2 = torch.randn(E, 2 * I, generator=gen).to(device, dtype), torch.randn(E, H, generator=gen).to(device, dtype)
+    logits = torch.randn(T, E, generator=gen)
+    weights, ids = torch.topk(logits.softmax(-1), K)
+    ids[0] = ids[1]  # two tokens on the same experts
+    return x, w13, w2, b13, b2, weights.to(device, dtype), ids.to(device)
+
+
+def _rows_agree(run, x, weights, ids) -> bool:
+    """run(x, weights, ids) on each subset of the tokens gives bitwise the full call's rows."""
+    full = run(x, weights, ids)
+    return all(torch.equal(run(x[rows], weights[rows], ids[rows]), full[rows]) for rows in SUBSETS)
+
+
+def test_the_oracle_serves_batch_invariance_with_triton_only():
+    claimed = sorted(name for name, b in REGISTRY.items() if b.batch_invariant)
+    assert claimed == ["triton"]
+    for quant in (None, "int4_w4a16_g32", "mxfp4_w4a16", "nvfp4_w4a16"):
+        config = MoEConfig(E, K, H, I, quant=quant, batch_invariant=True)
+        assert explain(config, HOPPER).chosen == "triton", quant
+        assert explain(config.replace(batch_invariant=False), HOPPER).chosen is not None
+    e = explain(MoEConfig(E, K, H, I, quant="fp8_w8a8_block", batch_invariant=True), HOPPER)
+    assert e.chosen is None
+    reason = {v.name: v.reason for v in e.verdicts}["triton"]
+    assert "fp8_w8a8_block is not batch-invariant here" in reason and "by the token count" in reason
+    assert {v.name: v.reason for v in e.verdicts}["batched_triton"] is not None
+    # on the CPU nothing claims it: a clear error rather than a silently batch-dependent result
+    cpu = explain(MoEConfig(E, K, H, I, batch_invariant=True), Platform(kind="cpu"))
+    assert cpu.chosen is None
+    assert {v.name: v.reason for v in cpu.verdicts}["cpu"] == "it is not batch-invariant (batch_invariant requested)"
+
+
+def test_the_environment_knob_asks_the_oracle_and_the_experts(monkeypatch):
+    from fusedmoe.backends.triton.experts import TritonExperts
+
+    monkeypatch.setenv("FUSEDMOE_BATCH_INVARIANT", "1")
+    config = MoEConfig(E, K, H, I, quant="fp8_w8a8_channel")
+    assert explain(config, HOPPER).chosen is None
+    assert explain(config.replace(quant=None), HOPPER).chosen == "triton"
+    assert TritonExperts(config.replace(quant=None)).batch_invariant
+    monkeypatch.delenv("FUSEDMOE_BATCH_INVARIANT")
+    assert not TritonExperts(config.replace(quant=None)).batch_invariant
+    assert TritonExperts(config.replace(quant=None, batch_invariant=True)).batch_invariant
+
+
+def _interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test (CPU); the GPU runs test_batch_invariant_rows_on_the_gpu")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_unquantized_rows_do_not_depend_on_the_batch(dtype):
+    """Every subset of the tokens gives bitwise the rows of the whole call with batch_invariant;
+    the default plan (the direct path for a few tokens, tiles by token count) does not, which is
+    what makes the check able to fail here."""
+    _interpreter()
+    from fusedmoe.backends.triton.experts import triton_experts
+
+    x, w13, w2, b13, b2, weights, ids = _problem(dtype, torch.device("cpu"))
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+
+    def run(invariant):
+        return lambda x, weights, ids: triton_experts(x, w13, w2, weights, ids, b13, b2, None, E, "silu", False,
+                                                      1.702, None, batch_invariant=invariant)
+
+    assert _rows_agree(run(True), x, weights, ids)
+    assert not _rows_agree(run(False), x, weights, ids)
+
+
+@pytest.mark.parametrize("quant", ["int4_w4a16_g32", "mxfp4_w4a16"])
+def test_weight_only_rows_do_not_depend_on_the_batch(quant):
+    _interpreter()
+    from fusedmoe.backends.triton.experts import TritonExperts
+    from fusedmoe.modular import ExpertWeights
+    from fusedmoe.quant.weights import quantize_weights
+
+    x, w13, w2, b13, b2, weights, ids = _problem(torch.float32, torch.device("cpu"), seed=1)
+    q13, q2, params = quantize_weights(w13, w2, quant)
+    config = MoEConfig(E, K, H, I, dtype=torch.float32, quant=quant, has_bias=True, batch_invariant=True)
+    experts = TritonExperts(config)
+    w = experts.process_weights(ExpertWeights(q13, q2, b13, b2, quant=params))
+
+    def run(x, weights, ids):
+        return experts.apply(x, w, weights, ids, expert_map_E=None)
+
+    assert _rows_agree(run, x, weights, ids)
+    experts.batch_invariant = False
+    assert not _rows_agree(run, x, weights, ids)
+
+
+def test_batch_invariance_refuses_what_it_cannot_keep():
+    _interpreter()
+    from fusedmoe.backends.triton.experts import triton_experts
+    from fusedmoe.backends.triton.quant import triton_quant_experts
+    from fusedmoe.quant.weights import quantize_weights
+
+    x, w13, w2, b13, b2, weights, ids = _problem(torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="the direct decode path is not batch-invariant"):
+        triton_experts(x, w13, w2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
+                       direct=True, batch_invariant=True)
+    q13, q2, p = quantize_weights(w13, w2, "int8_w8a8")
+    with pytest.raises(ValueError, match="int8_w8a8 path is not batch-invariant .*by the token count"):
+        triton_quant_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
+                             "int8_w8a8", p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale, batch_invariant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "nvfp4_w4a16"], ids=str)
+def test_batch_invariant_rows_on_the_gpu(quant):
+    """bf16 on the GPU (its tensor cores, TMA where planned), at a preset-like shape: each token's
+    row of a batch of 1-512 tokens bitwise equals its row in the batch of 512."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from fusedmoe.backends.triton.experts import TritonExperts
+    from fusedmoe.modular import ExpertWeights
+    from fusedmoe.quant.weights import quantize_weights
+
+    device, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    tokens, experts, top_k, hidden, inter = 512, 64, 8, 2048, 768
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5
+    weights, ids = torch.topk(torch.randn(tokens, experts, device=device, generator=gen).softmax(-1), top_k)
+    weights = weights.to(torch.bfloat16)
+    config = MoEConfig(experts, top_k, hidden, inter, quant=quant, batch_invariant=True)
+    impl = TritonExperts(config)
+    if quant is None:
+        w = ExpertWeights(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+    else:
+        q13, q2, params = quantize_weights(w13.to(torch.bfloat16), w2.to(torch.bfloat16), quant)
+        w = impl.process_weights(ExpertWeights(q13, q2, quant=params))
+    full = impl.apply(x, w, weights, ids, expert_map_E=None)
+    for rows in ([0], [5, 6, 7, 8], list(range(1, 64, 3)), list(range(tokens - 1, 255, -1))):
+        rows = torch.tensor(rows, device=device)
+        part = impl.apply(x[rows], w, weights[rows], ids[rows], expert_map_E=None)
+        assert torch.equal(part, full[rows]), (quant, rows.numel())

@@ -840,12 +840,12 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             weights.w2_bias, expert_map_E, config.num_experts, config.activation,
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
-    global_scales = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale,
-                         batch_invariant=batch_invariant)
+    keywords = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale,
+                    batch_invariant=batch_invariant)
     if out_TH is not None:
-        call_op(triton_quant_experts_out_op, _triton_quant_experts_op_impl, *args, **global_scales, out=out_TH)
+        call_op(triton_quant_experts_out_op, _triton_quant_experts_op_impl, *args, **keywords, out=out_TH)
         return out_TH
-    return call_op(triton_quant_experts_op, _triton_quant_experts_op_impl, *args, **global_scales)
+    return call_op(triton_quant_experts_op, _triton_quant_experts_op_impl, *args, **keywords)
 
 
 def _triton_batched_quant_experts_op_impl(

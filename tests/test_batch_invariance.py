@@ -103,6 +103,34 @@ def test_unquantized_rows_do_not_depend_on_the_batch(dtype):
     assert not _rows_agree(run(False), x, weights, ids)
 
 
+@pytest.mark.parametrize("case", ["clamped_swigluoai_expert_map", "weight_on_input_top1", "top_k_all_no_mul"])
+def test_rows_do_not_depend_on_the_batch_with_every_feature(case):
+    """The features the triton record applies keep the rows batch-invariant: the clamped
+    swigluoai activation with an expert_map that leaves some experts to other ranks, the router
+    weight on the input at top_k 1, and every expert for every token with a non-gated activation."""
+    _interpreter()
+    from fusedmoe.backends.triton.experts import triton_experts
+
+    x, w13, w2, b13, b2, weights, ids = _problem(torch.float32, torch.device("cpu"), seed=2)
+    activation, limit, on_input, expert_map = "swigluoai", 7.0, False, None
+    if case == "clamped_swigluoai_expert_map":
+        expert_map = torch.tensor([0, -1, 1, 2, -1], dtype=torch.int32)  # experts 1 and 4 on other ranks
+        w13, w2, b13, b2 = w13[:3], w2[:3], b13[:3], b2[:3]
+    elif case == "weight_on_input_top1":
+        activation, limit, on_input = "silu", None, True
+        weights, ids = weights[:, :1], ids[:, :1]
+    else:  # every expert for every token; relu2_no_mul takes w13's first I rows
+        activation, limit = "relu2_no_mul", None
+        weights, ids = torch.topk(torch.randn(T, E, generator=torch.Generator().manual_seed(3)).softmax(-1), E)
+        w13, b13 = w13[:, :I].contiguous(), b13[:, :I].contiguous()
+
+    def run(x, weights, ids):
+        return triton_experts(x, w13, w2, weights, ids, b13, b2, expert_map, E, activation, on_input, 1.702, limit,
+                              batch_invariant=True)
+
+    assert _rows_agree(run, x, weights, ids)
+
+
 @pytest.mark.parametrize("quant", ["int4_w4a16_g32", "mxfp4_w4a16"])
 def test_weight_only_rows_do_not_depend_on_the_batch(quant):
     _interpreter()

@@ -1,9 +1,9 @@
 """Batch invariance (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT=1): a token's output
 does not depend on the other tokens of the call, bitwise.
 
-The `triton` record claims it for the unquantized and weight-only schemes
+The `triton` and `batched_triton` records claim it for the unquantized and weight-only schemes
 (`experts.batch_invariant_tiles`: one aligned plan at every token count); the oracle keeps every
-other record, and triton's W8A8 schemes, out with the reason. The kernels' logic runs here under
+other record, and their W8A8 schemes, out with the reason. The kernels' logic runs here under
 the Triton interpreter; on a GPU the `gpu`-marked test runs the same check in bf16.
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 """
@@ -25,17 +25,21 @@ if not torch.cuda.is_available():
 
 HOPPER = Platform(kind="cuda", capability=(9, 0), packages=("triton",), has_triton=True)
 T, E, K, H, I = 24, 5, 2, 64, 96  # noqa: E741  (E and I not powers of two; I a multiple of 32 for the 4-bit groups)
-# sub-batches of the T tokens: one token, a few from the middle, a reordered half, all of them
-SUBSETS = ([7], [3, 4, 5], list(range(T - 1, -1, -2)), list(range(T)))
 
 
-def _problem(dtype, device, seed=0):
+def _subsets(tokens: int) -> tuple[list[int], ...]:
+    """Sub-batches of the tokens: one token, a few from the middle, a reordered half, all of them."""
+    return [7], [3, 4, 5], list(range(tokens - 1, -1, -2)), list(range(tokens))
+
+
+def _problem(dtype, device, seed=0, tokens=T, hidden=H):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen).to(device, dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(device)
-    w2 = (torch.randn(E, I, H, generator=gen).transpose(1, 2).contiguous() / I**0.5).to(device)
-    b13, b2 = torch.randn(E, 2 * I, generator=gen).to(device, dtype), torch.randn(E, H, generator=gen).to(device, dtype)
-    logits = torch.randn(T, E, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    w13 = (torch.randn(E, 2 * I, hidden, generator=gen) / hidden**0.5).to(device)
+    w2 = (torch.randn(E, I, hidden, generator=gen).transpose(1, 2).contiguous() / I**0.5).to(device)
+    b13 = torch.randn(E, 2 * I, generator=gen).to(device, dtype)
+    b2 = torch.randn(E, hidden, generator=gen).to(device, dtype)
+    logits = torch.randn(tokens, E, generator=gen)
     weights, ids = torch.topk(logits.softmax(-1), K)
     ids[0] = ids[1]  # two tokens on the same experts
     return x, w13, w2, b13, b2, weights.to(device, dtype), ids.to(device)
@@ -44,21 +48,25 @@ def _problem(dtype, device, seed=0):
 def _rows_agree(run, x, weights, ids) -> bool:
     """run(x, weights, ids) on each subset of the tokens gives bitwise the full call's rows."""
     full = run(x, weights, ids)
-    return all(torch.equal(run(x[rows], weights[rows], ids[rows]), full[rows]) for rows in SUBSETS)
+    return all(torch.equal(run(x[rows], weights[rows], ids[rows]), full[rows]) for rows in _subsets(x.shape[0]))
 
 
 def test_the_oracle_serves_batch_invariance_with_triton_only():
     claimed = sorted(name for name, b in REGISTRY.items() if b.batch_invariant)
-    assert claimed == ["triton"]
+    assert claimed == ["batched_triton", "triton"]
     for quant in (None, "int4_w4a16_g32", "mxfp4_w4a16", "nvfp4_w4a16"):
         config = MoEConfig(E, K, H, I, quant=quant, batch_invariant=True)
         assert explain(config, HOPPER).chosen == "triton", quant
         assert explain(config.replace(batch_invariant=False), HOPPER).chosen is not None
+        assert explain(config.replace(activation_format="batched"), HOPPER).chosen == "batched_triton", quant
     e = explain(MoEConfig(E, K, H, I, quant="fp8_w8a8_block", batch_invariant=True), HOPPER)
     assert e.chosen is None
     reason = {v.name: v.reason for v in e.verdicts}["triton"]
     assert "fp8_w8a8_block is not batch-invariant here" in reason and "by the token count" in reason
-    assert {v.name: v.reason for v in e.verdicts}["batched_triton"] is not None
+    batched = explain(MoEConfig(E, K, H, I, quant="int8_w8a8", activation_format="batched", batch_invariant=True),
+                      HOPPER)
+    assert batched.chosen is None
+    assert "int8_w8a8 is not batch-invariant here" in {v.name: v.reason for v in batched.verdicts}["batched_triton"]
     # on the CPU nothing claims it: a clear error rather than a silently batch-dependent result
     cpu = explain(MoEConfig(E, K, H, I, batch_invariant=True), Platform(kind="cpu"))
     assert cpu.chosen is None
@@ -152,6 +160,36 @@ def test_weight_only_rows_do_not_depend_on_the_batch(quant):
     assert not _rows_agree(run, x, weights, ids)
 
 
+@pytest.mark.parametrize("quant", [None, "int4_w4a16_g32"], ids=str)
+def test_batched_layout_rows_do_not_depend_on_the_batch(quant):
+    """The batched layout (per-expert buffers, the expert-parallel dispatch's) through its
+    one-rank dispatch and combine: a token's output is the whole call's, bitwise, whatever else
+    is dispatched with it (the buffers' sizes and the rows' places in them change); without
+    batch_invariant the plan follows the counts and the same check fails."""
+    _interpreter()
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts
+    from fusedmoe.modular import ExpertWeights, make_modular
+    from fusedmoe.quant.weights import quantize_weights
+
+    # enough tokens (and K) that the plan by counts changes between one token and all of them
+    x, w13, w2, b13, b2, weights, ids = _problem(torch.float32, torch.device("cpu"), seed=4, tokens=160, hidden=512)
+    params = None
+    if quant is not None:
+        w13, w2, params = quantize_weights(w13, w2, quant)
+    config = MoEConfig(E, K, 512, I, dtype=torch.float32, quant=quant, has_bias=True, activation_format="batched",
+                       batch_invariant=True)
+    experts = BatchedTritonExperts(config)
+    w = experts.process_weights(ExpertWeights(w13, w2, b13, b2, quant=params))
+    kernel = make_modular(config, experts)
+
+    def run(x, weights, ids):
+        return kernel(x, w, weights, ids)
+
+    assert experts.batch_invariant and _rows_agree(run, x, weights, ids)
+    experts.batch_invariant = False
+    assert not _rows_agree(run, x, weights, ids)
+
+
 def test_batch_invariance_refuses_what_it_cannot_keep():
     _interpreter()
     from fusedmoe.backends.triton.experts import triton_experts
@@ -166,17 +204,24 @@ def test_batch_invariance_refuses_what_it_cannot_keep():
     with pytest.raises(ValueError, match="int8_w8a8 path is not batch-invariant .*by the token count"):
         triton_quant_experts(x, q13, q2, weights, ids, None, None, None, E, "silu", False, 1.702, None,
                              "int8_w8a8", p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale, batch_invariant=True)
+    from fusedmoe.backends.triton.quant import triton_batched_quant_experts
+
+    buffers, counts = x.view(4, 6, H), torch.tensor([6, 0, 3, 1])
+    with pytest.raises(ValueError, match="int8_w8a8 path is not batch-invariant"):
+        triton_batched_quant_experts(buffers, counts, q13[:4], q2[:4], None, None, "silu", 1.702, None, "int8_w8a8",
+                                     p.w13_scale[:4], p.w2_scale[:4], p.a13_scale, p.a2_scale, batch_invariant=True)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["standard", "batched"])
 @pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "nvfp4_w4a16"], ids=str)
-def test_batch_invariant_rows_on_the_gpu(quant):
+def test_batch_invariant_rows_on_the_gpu(quant, layout):
     """bf16 on the GPU (its tensor cores, TMA where planned), at a preset-like shape: each token's
-    row of a batch of 1-512 tokens bitwise equals its row in the batch of 512."""
+    row of a batch of 1-512 tokens bitwise equals its row in the batch of 512, in both layouts."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from fusedmoe.backends.triton.experts import TritonExperts
-    from fusedmoe.modular import ExpertWeights
+    from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts
+    from fusedmoe.modular import ExpertWeights, make_modular
     from fusedmoe.quant.weights import quantize_weights
 
     device, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
@@ -186,15 +231,16 @@ def test_batch_invariant_rows_on_the_gpu(quant):
     w2 = torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5
     weights, ids = torch.topk(torch.randn(tokens, experts, device=device, generator=gen).softmax(-1), top_k)
     weights = weights.to(torch.bfloat16)
-    config = MoEConfig(experts, top_k, hidden, inter, quant=quant, batch_invariant=True)
-    impl = TritonExperts(config)
+    config = MoEConfig(experts, top_k, hidden, inter, quant=quant, activation_format=layout, batch_invariant=True)
+    impl = (TritonExperts if layout == "standard" else BatchedTritonExperts)(config)
     if quant is None:
         w = ExpertWeights(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
     else:
         q13, q2, params = quantize_weights(w13.to(torch.bfloat16), w2.to(torch.bfloat16), quant)
         w = impl.process_weights(ExpertWeights(q13, q2, quant=params))
-    full = impl.apply(x, w, weights, ids, expert_map_E=None)
+    kernel = make_modular(config, impl)
+    full = kernel(x, w, weights, ids)
     for rows in ([0], [5, 6, 7, 8], list(range(1, 64, 3)), list(range(tokens - 1, 255, -1))):
         rows = torch.tensor(rows, device=device)
-        part = impl.apply(x[rows], w, weights[rows], ids[rows], expert_map_E=None)
-        assert torch.equal(part, full[rows]), (quant, rows.numel())
+        part = kernel(x[rows], w, weights[rows], ids[rows])
+        assert torch.equal(part, full[rows]), (quant, layout, rows.numel())

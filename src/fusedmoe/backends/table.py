@@ -176,7 +176,8 @@ BUILTIN: tuple[Backend, ...] = (
         scheme_capability=tuple((s, (8, 9)) for s in sorted(FP8_W8A8 | {"fp8_w8a16"}))
         + (("int8_w8a8", (7, 5)),),
         features=frozenset(("bias", "clamp", "weight_on_input", "eplb")), dtypes=ALL_DTYPES,
-        needs_triton=True, twin="triton", deterministic=True,
+        needs_triton=True, twin="triton", deterministic=True, batch_invariant=True,
+        extra_checks=(_batch_invariant_weights,),
         impl="fusedmoe.backends.triton.experts:BatchedTritonExperts",
     ),
     Backend(

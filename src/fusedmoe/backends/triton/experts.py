@@ -1258,6 +1258,14 @@ def _triton_experts_op_impl(
 triton_experts_op, triton_experts_out_op = experts_ops("triton_experts", _triton_experts_op_impl)
 
 
+def wants_batch_invariance(config) -> bool:
+    """Whether the experts run batch-invariant plans (`batch_invariant_tiles`): as the oracle chose
+    them, for the config's request or FUSEDMOE_BATCH_INVARIANT=1."""
+    from fusedmoe import knobs
+
+    return config.batch_invariant or knobs.get("BATCH_INVARIANT") is True
+
+
 class TritonExperts(Experts):
     """Experts on fusedmoe's Triton kernels (contiguous layout): unquantized, and the W8A8 and
     weight-only schemes through quant.py. Payloads are read as stored (the 4-bit kernels take the
@@ -1266,11 +1274,8 @@ class TritonExperts(Experts):
     else int4's and nvfp4's group scales group-major (`weight_only.kernel_scale_layout`)."""
 
     def __init__(self, config):
-        from fusedmoe import knobs
-
         super().__init__(config)
-        # as the oracle chose: the config's request or FUSEDMOE_BATCH_INVARIANT=1 (`batch_invariant_tiles`)
-        self.batch_invariant = config.batch_invariant or knobs.get("BATCH_INVARIANT") is True
+        self.batch_invariant = wants_batch_invariance(config)
 
     def process_weights(self, weights: ExpertWeights) -> ExpertWeights:
         from fusedmoe.backends.triton.weight_only import prepare_weights
@@ -1309,6 +1314,7 @@ def triton_batched_experts(
     swiglu_limit: float | None,
     num_slots: int = 0,
     top_k: int = 1,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """y[e, j] = w2[e] @ act(w13[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e]; rows past
     the count are not computed (zero). No routed weight: the combine applies it.
@@ -1316,14 +1322,27 @@ def triton_batched_experts(
     The same kernels as the contiguous layout: buffer rows are the "slots" (top_k = 1), each
     expert's max_tokens rows are padded to whole BLOCK_M blocks, rows past the count masked.
     num_slots / top_k: the dispatch's slot count and top-k, for the tiles (`batched_problem`).
+    batch_invariant: one plan whatever the counts (`batched_invariant_tiles`).
     Eager calls of a signature seen twice replay the recorded launches (`replay.replayable`).
     """
     def gemms(launch: Launch, t1: TileConfig, t2: TileConfig) -> None:
         launch_gemm1(launch, w13, w13_bias, t1)
         launch_gemm2(launch, w2, w2_bias, t2)
 
-    return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit,
-                       lambda problem: choose_tiles(problem, x_LMH.device), gemms, num_slots=num_slots, top_k=top_k)
+    if batch_invariant:
+        tiles = functools.partial(batched_invariant_tiles, scheme=None, device=x_LMH.device, top_k=top_k)
+    else:
+        tiles = lambda problem: choose_tiles(problem, x_LMH.device)  # noqa: E731
+    return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, tiles, gemms,
+                       num_slots=num_slots, top_k=top_k)
+
+
+def batched_invariant_tiles(problem: GemmProblem, *, scheme, device: torch.device,
+                            top_k: int) -> tuple[TileConfig, TileConfig]:
+    """`batch_invariant_tiles` for the batched layout's problem, at the routing's top_k
+    (`batched_problem` counts buffer rows as slots of top_k 1 when the dispatch's count is
+    unknown or covers every row, which depends on the batch)."""
+    return batch_invariant_tiles(dataclasses.replace(problem, top_k=max(1, top_k)), scheme, device)
 
 
 def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int = 0, top_k: int = 1) -> GemmProblem:
@@ -1449,9 +1468,10 @@ def _triton_batched_experts_op_impl(
     swiglu_limit: float | None,
     num_slots: int = 0,
     top_k: int = 1,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     return triton_batched_experts(x, num_tokens, w13, w2, w13_bias, w2_bias, activation,
-                                  swiglu_alpha, swiglu_limit, num_slots, top_k).contiguous()
+                                  swiglu_alpha, swiglu_limit, num_slots, top_k, batch_invariant).contiguous()
 
 
 # Custom op (torch.compile(fullgraph=True), CUDA graphs); plain eager calls run the impl (call_op).
@@ -1460,13 +1480,18 @@ triton_batched_experts_op = torch.library.custom_op("fusedmoe::triton_batched_ex
 
 
 @triton_batched_experts_op.register_fake
-def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, num_slots=0, top_k=1):
+def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, num_slots=0, top_k=1,
+      batch_invariant=False):
     return torch.empty_like(x)
 
 
 class BatchedTritonExperts(BatchedExperts):
     """Experts on per-expert buffers [L, max_tokens, H] (expert-parallel dispatch): unquantized,
     and the quantized schemes (W8A8 and weight-only) through quant.py."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.batch_invariant = wants_batch_invariance(config)
 
     process_weights = TritonExperts.process_weights  # the same weights as the contiguous layout
 
@@ -1476,10 +1501,10 @@ class BatchedTritonExperts(BatchedExperts):
         if weights.quant is not None:
             from fusedmoe.backends.triton.quant import apply_batched_quant
 
-            return apply_batched_quant(c, x_LMH, num_tokens_L, weights, num_slots, top_k)
+            return apply_batched_quant(c, x_LMH, num_tokens_L, weights, num_slots, top_k, self.batch_invariant)
         return call_op(triton_batched_experts_op, _triton_batched_experts_op_impl, x_LMH, num_tokens_L,
                        weights.w13, weights.w2, weights.w13_bias, weights.w2_bias, c.activation,
-                       c.swiglu_alpha, c.swiglu_limit, num_slots, top_k)
+                       c.swiglu_alpha, c.swiglu_limit, num_slots, top_k, self.batch_invariant)
 
 
 # The W8A8 path (TritonExperts.apply with weights.quant) registers its custom ops on import,

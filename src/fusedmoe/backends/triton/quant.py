@@ -314,11 +314,7 @@ def triton_quant_experts(
     the W8A8 paths pick x's quantization launch and GEMM2's kernel by the token count.
     """
     scheme = _triton_scheme(scheme)
-    if batch_invariant and not scheme.weight_only:
-        from fusedmoe.backends.table import W8A8_NOT_BATCH_INVARIANT
-
-        raise ValueError(f"batch_invariant: the triton backend's {scheme.name} path is not batch-invariant "
-                         f"({W8A8_NOT_BATCH_INVARIANT})")
+    _check_batch_invariance(scheme, batch_invariant)
     if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
     # payloads and scales against the scheme (metadata): here rather than in apply_quant, so a
@@ -677,10 +673,12 @@ def triton_batched_quant_experts(
     w2_global_scale: torch.Tensor | None = None,
     num_slots: int = 0,
     top_k: int = 1,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
     zero past the count. Weight-only schemes (fq = identity) run
-    `weight_only.triton_batched_weight_only_experts`, with NVFP4's global scales.
+    `weight_only.triton_batched_weight_only_experts`, with NVFP4's global scales (batch_invariant:
+    weight-only schemes only, as `triton_quant_experts`).
 
     The contiguous path's stages on the batched rows (experts.prepare_batched_launch), so fq is
     the same: a dynamic per-tensor scale is the amax of expert e's first num_tokens[e] rows (the
@@ -692,6 +690,7 @@ def triton_batched_quant_experts(
     from fusedmoe.backends.triton.experts import run_batched
 
     scheme = _triton_scheme(scheme)
+    _check_batch_invariance(scheme, batch_invariant)
     if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
     check_quant_tensors(w13, w2, scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
@@ -702,7 +701,7 @@ def triton_batched_quant_experts(
         return triton_batched_weight_only_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
-            num_slots=num_slots, top_k=top_k,
+            num_slots=num_slots, top_k=top_k, batch_invariant=batch_invariant,
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
@@ -720,6 +719,14 @@ def triton_batched_quant_experts(
 
     return run_batched(x_LMH, num_tokens_L, w2.shape[2], activation, swiglu_alpha, swiglu_limit, choose, gemms,
                        num_slots=num_slots, top_k=top_k)
+
+
+def _check_batch_invariance(scheme: QuantScheme, batch_invariant: bool) -> None:
+    if batch_invariant and not scheme.weight_only:
+        from fusedmoe.backends.table import W8A8_NOT_BATCH_INVARIANT
+
+        raise ValueError(f"batch_invariant: the triton backend's {scheme.name} path is not batch-invariant "
+                         f"({W8A8_NOT_BATCH_INVARIANT})")
 
 
 def _triton_scheme(scheme: str | QuantScheme) -> QuantScheme:
@@ -867,11 +874,12 @@ def _triton_batched_quant_experts_op_impl(
     w2_global_scale: torch.Tensor | None = None,
     num_slots: int = 0,
     top_k: int = 1,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     return triton_batched_quant_experts(
         x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
         w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
-        w2_global_scale=w2_global_scale, num_slots=num_slots, top_k=top_k,
+        w2_global_scale=w2_global_scale, num_slots=num_slots, top_k=top_k, batch_invariant=batch_invariant,
     ).contiguous()
 
 
@@ -882,11 +890,13 @@ triton_batched_quant_experts_op = torch.library.custom_op(
 
 @triton_batched_quant_experts_op.register_fake
 def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
-      w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None, num_slots=0, top_k=1):
+      w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None, num_slots=0, top_k=1,
+      batch_invariant=False):
     return torch.empty_like(x)
 
 
-def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0, top_k: int = 1):
+def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0, top_k: int = 1,
+                        batch_invariant: bool = False):
     """`BatchedTritonExperts.apply_batched` for quantized weights: the scheme checked, then the
     custom op (whose body, `triton_batched_quant_experts`, checks the tensors against it)."""
     quant: QuantParams = weights.quant
@@ -902,5 +912,5 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
         config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
         quant.w2_scale, quant.a13_scale, quant.a2_scale, quant.w13_global_scale, quant.w2_global_scale,
-        num_slots, top_k,
+        num_slots, top_k, batch_invariant,
     )

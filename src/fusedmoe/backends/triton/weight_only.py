@@ -21,6 +21,7 @@ Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -292,10 +293,12 @@ def triton_batched_weight_only_experts(
     tiles: tuple[TileConfig, TileConfig] | None = None,
     num_slots: int = 0,
     top_k: int = 1,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """y[e, j] = deq(w2)[e] @ act(deq(w13)[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e],
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
-    weight), through the same kernels as `triton_weight_only_experts`."""
+    weight), through the same kernels as `triton_weight_only_experts` (batch_invariant, no tiles
+    given: `experts.batched_invariant_tiles`)."""
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
     _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
@@ -304,9 +307,14 @@ def triton_batched_weight_only_experts(
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
                       w13_global_scale, w2_global_scale)
 
+    if batch_invariant and tiles is None:
+        from fusedmoe.backends.triton.experts import batched_invariant_tiles
+
+        choose = functools.partial(batched_invariant_tiles, scheme=scheme, device=x_LMH.device, top_k=top_k)
+    else:
+        choose = lambda problem: _tiles(problem, scheme, tiles, x_LMH.device)  # noqa: E731
     return run_batched(x_LMH, num_tokens_L, _inter(w2, scheme), activation, swiglu_alpha, swiglu_limit,
-                       lambda problem: _tiles(problem, scheme, tiles, x_LMH.device), gemms,
-                       num_slots=num_slots, top_k=top_k)
+                       choose, gemms, num_slots=num_slots, top_k=top_k)
 
 
 def _require_weight_only(scheme: QuantScheme) -> None:

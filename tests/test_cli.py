@@ -157,6 +157,22 @@ def test_explain_tokens_shows_the_triton_path_tiles_and_why(capsys, monkeypatch)
     assert "--tokens '1,x': expected comma-separated integers" in capsys.readouterr().err
 
 
+def test_explain_batch_invariant(capsys):
+    """--batch-invariant: the triton rows serve it with one plan at every token count; a W8A8
+    scheme has no backend, and the triton row says why."""
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--packages", "triton",
+               "--batch-invariant", "--tokens", "1,4096"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "chosen triton" in out
+    plans = [line for line in out.splitlines() if line.strip().startswith("M=")]
+    assert len(plans) == 2 and all("aligned" in line and "batch-invariant" in line for line in plans)
+    assert plans[0].split("aligned")[1] == plans[1].split("aligned")[1]  # the same tiles at M=1 and 4096
+    rc = main(["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--packages", "triton",
+               "--quant", "fp8_w8a8_block", "--batch-invariant", "--json"])
+    verdicts = {v["name"]: v for v in json.loads(capsys.readouterr().out)["verdicts"]}
+    assert rc == 1 and "not batch-invariant here" in verdicts["triton"]["reason"]
+
+
 def test_explain_ep_not_dividing_experts(capsys):
     rc = main(["explain", "--model", "mixtral-8x7b", "--ep", "3"])
     assert rc == 2

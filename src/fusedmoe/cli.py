@@ -155,6 +155,8 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, choices=["none", *sorted(SCHEMES)])
     p.add_argument("--bias", action="store_true", default=None)
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's output independent of the rest of the batch (as FUSEDMOE_BATCH_INVARIANT=1)")
     p.add_argument("--swiglu-limit", type=float, default=None)
     p.add_argument("--format", choices=("standard", "batched"), default=None,
                    help="activation format (batched = per-expert buffers, e.g. DeepEP low-latency); "
@@ -209,6 +211,7 @@ def _config_from_args(args):
     common = dict(
         dtype=DTYPES[args.dtype], quant=args.quant, lora=args.lora, swiglu_limit=args.swiglu_limit,
         activation_format=fmt, backend=args.backend, max_num_tokens=args.max_num_tokens,
+        batch_invariant=args.batch_invariant,
     )
     if args.activation:
         common["activation"] = args.activation

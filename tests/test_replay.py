@@ -322,6 +322,47 @@ def test_scratch_allocations_share_one_buffer(fake):
     assert len({a_ptr, b_ptr, out_ptr, amax_ptr}) == 4 and not a_ptr <= out_ptr < a_ptr + 1024
 
 
+def test_scratch_allocations_pool_on_their_device_and_the_rest_stand_alone():
+    """One allocation on another device (the CPU scalar a host-side check once made inside a CUDA
+    call) no longer keeps the others from sharing one buffer: it is made alone."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    allocations = (replay.Allocation((4, 8), torch.float32, cpu), replay.Allocation((), torch.float32, meta),
+                   replay.Allocation((16,), torch.int32, cpu), replay.Allocation((3,), torch.float32, cpu, 0.0))
+    assert replay._pool(allocations, set()) == (1024, (0, -1, 512, -1))
+    assert replay._pool(allocations, {0}) == (0, (-1, -1, -1, -1))  # one left to share: no pool
+
+
+def test_tile_choice_and_checks_make_no_torch_allocations():
+    """The host-side tile logic runs no torch operation: inside a recorded call each one would be
+    an allocation a replay makes again (a CPU scalar per check_tile, made for its element size)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusedmoe.backends.triton.experts import (
+        GemmProblem,
+        batch_invariant_tiles,
+        direct_heuristic,
+    )
+    from fusedmoe.backends.triton.tiles import check_plan, heuristic
+    from fusedmoe.quant.scheme import get_scheme
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        for quant, group in ((None, None), ("w4", 32), ("w8", None), ("block", None)):
+            t1 = heuristic(64, 8, 768, 2048, torch.bfloat16, gated=True, quant=quant, group=group)
+            t2 = heuristic(64, 8, 2048, 768, torch.bfloat16, gated=False, quant=quant, group=group)
+            assert check_plan(t1, t2, direct=False, dtype=torch.bfloat16, gated=True, quant=quant, group=group) is None
+        problem = GemmProblem(8, 8, 2048, 768, 8, True, torch.bfloat16)
+        direct_heuristic(problem, get_scheme("int4_w4a16_g32"), 132)
+        batch_invariant_tiles(problem, get_scheme("mxfp4_w4a16"), torch.device("cpu"))
+    assert seen == []
+
+
 def test_a_refusal_under_other_knob_values_records_again(fake):
     """A call with validation on reads a tensor on the host (a sync the replay cannot keep): the
     signature is refused while the knob holds that value, and recorded again once it changes."""

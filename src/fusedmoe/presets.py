@@ -60,7 +60,7 @@ class Preset:
 
     def weight_bytes(self, dtype=torch.bfloat16, tp: int = 1) -> int:
         rows = 3 if self.activation in ("silu", "gelu", "gelu_tanh", "swigluoai") else 2
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         return self.num_experts * rows * self.hidden_size * (self.intermediate_size // tp) * size
 
 

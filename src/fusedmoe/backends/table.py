@@ -109,7 +109,7 @@ def _grouped_mm_requirements(config: MoEConfig, platform: Platform) -> str | Non
             return f"torch's CUDA grouped_mm needs device capability >= 9.0, got {platform.capability_str}"
         if config.dtype != torch.bfloat16:
             return f"torch's CUDA grouped_mm takes bfloat16, not {config.dtype}"
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    itemsize = config.dtype.itemsize
     sizes = (config.hidden_size, config.intermediate_size_per_partition)
     if any(n * itemsize % 16 for n in sizes):
         return (

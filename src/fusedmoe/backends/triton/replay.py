@@ -45,6 +45,7 @@ evicted. Only the thread that records is recorded.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -247,10 +248,14 @@ def _result(out, sources: list, extents: list) -> tuple[int, tuple | None] | Non
 
 
 def _pool(allocations: tuple[Allocation, ...], out: set[int]) -> tuple[int, tuple[int, ...]]:
-    """(bytes, offsets) of the scratch buffer (Plan.pool): unfilled allocations other than the
-    results' sources, all on one device; none where fewer than two would share it."""
+    """(bytes, offsets) of the scratch buffer (Plan.pool): the unfilled allocations other than the
+    results' sources on the device most of them are on (the others are made one by one); none
+    where fewer than two would share it."""
     scratch = [i for i, a in enumerate(allocations) if a.fill is None and i not in out]
-    if len(scratch) < 2 or len({allocations[i].device for i in scratch}) > 1:
+    if scratch:
+        device = collections.Counter(allocations[i].device for i in scratch).most_common(1)[0][0]
+        scratch = [i for i in scratch if allocations[i].device == device]
+    if len(scratch) < 2:
         return 0, (-1,) * len(allocations)
     offsets, end = [-1] * len(allocations), 0
     for i in scratch:

@@ -205,7 +205,7 @@ def check_tile(tile: TileConfig, *, dtype: torch.dtype, operands: int = 1, allow
                 f"block_k={tile.block_k}, block_n={tile.block_n}: 128x128 block scales need both "
                 "to divide 128"
             )
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     a_size, b_size = size, size
     if quant in WEIGHT_ONLY_MODES:
         b_size = 1 if quant == "w8" else 0.5

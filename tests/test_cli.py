@@ -521,5 +521,13 @@ def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
     assert main(["bench", "--presets", "deepseek-v3,qwen3-30b-a3b", "--tokens", "1", "--backends", "triton",
                  "--routing", "--commit", "x", "--json", str(out)]) == 0
     assert seen == [("deepseek-v3", True), ("qwen3-30b-a3b", True)]
-    assert "routing included" in capsys.readouterr().out
-    assert json.loads(out.read_text())["meta"]["routing"] == "included"
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "routing included" in header and "batch-invariant" not in header
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["routing"] == "included" and meta["batch_invariant"] is False
+    # FUSEDMOE_BATCH_INVARIANT=1 times the fixed plans: the header and the metadata say so
+    monkeypatch.setenv("FUSEDMOE_BATCH_INVARIANT", "1")
+    assert main(["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1", "--backends", "triton", "--commit", "x",
+                 "--json", str(out)]) == 0
+    assert "; batch-invariant plans (FUSEDMOE_BATCH_INVARIANT=1)" in capsys.readouterr().out.splitlines()[0]
+    assert json.loads(out.read_text())["meta"]["batch_invariant"] is True

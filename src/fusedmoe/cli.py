@@ -459,7 +459,7 @@ def _sync(device: torch.device) -> None:
 
 # bench -------------------------------------------------------------------------------------------
 def cmd_bench(args) -> int:
-    from fusedmoe import bench
+    from fusedmoe import bench, knobs
     from fusedmoe.presets import get_preset
 
     if args.routing and args.ep > 1:
@@ -489,6 +489,7 @@ def cmd_bench(args) -> int:
     meta = _bench_meta(ceilings, args.commit)
     meta["quant"] = args.quant
     meta["routing"] = "included" if args.routing else "excluded"
+    meta["batch_invariant"] = knobs.get("BATCH_INVARIANT") is True  # one plan at every M (docs/reliability.md)
     eight = ""
     if operand is not None:
         rate = ceilings.peak(operand)
@@ -497,7 +498,8 @@ def cmd_bench(args) -> int:
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
           f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, source {meta['source']}"
           + (f"; {quant_backend} runs {args.quant}" if args.quant else "")
-          + f"; routing {meta['routing']}", flush=True)
+          + f"; routing {meta['routing']}"
+          + ("; batch-invariant plans (FUSEDMOE_BATCH_INVARIANT=1)" if meta["batch_invariant"] else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
     started = itertools.count(1)

@@ -73,6 +73,22 @@ def test_the_oracle_serves_batch_invariance_with_triton_only():
     assert {v.name: v.reason for v in cpu.verdicts}["cpu"] == "it is not batch-invariant (batch_invariant requested)"
 
 
+def test_a_layer_asks_for_it():
+    """FusedMoE(batch_invariant=True) carries the request to the oracle: on the CPU no backend
+    claims it, and processing says so (naming the reason per backend)."""
+    from fusedmoe import FusedMoE
+    from fusedmoe.errors import NoBackendError
+
+    layer = FusedMoE(E, K, H, I, batch_invariant=True)
+    assert layer.config.batch_invariant
+    with torch.no_grad():
+        layer.w13_weight.normal_()
+        layer.w2_weight.normal_()
+    with pytest.raises(NoBackendError, match="not batch-invariant"):
+        layer.process_weights_after_loading()
+    assert not FusedMoE(E, K, H, I).config.batch_invariant
+
+
 def test_the_environment_knob_asks_the_oracle_and_the_experts(monkeypatch):
     from fusedmoe.backends.triton.experts import TritonExperts
 

@@ -148,6 +148,7 @@ class FusedMoE(nn.Module):
         enable_eplb: bool = False,
         num_redundant_experts: int = 0,
         inplace: bool = False,
+        batch_invariant: bool = False,
     ):
         super().__init__()
         if device is not None and torch.device(device).type == "meta":
@@ -156,6 +157,9 @@ class FusedMoE(nn.Module):
                 "computed at construction and `to_empty()` would leave them uninitialized. Build it "
                 "on the device it runs on (or on the CPU and move it before loading)."
             )
+        # batch_invariant (as FUSEDMOE_BATCH_INVARIANT=1): the experts' output for a token does not
+        # depend on the rest of the batch (docs/reliability.md#batch-invariance); shared experts and
+        # the router projection are the caller's matmuls.
         # inplace (the seeds' use_inplace): forward overwrites hidden_states with the output and
         # returns it; the backend writes there directly when it allows it (`supports_inplace`),
         # else the output is copied in. Calls that cannot (shared experts reading the input on a
@@ -199,7 +203,7 @@ class FusedMoE(nn.Module):
             activation_format=activation_format, backend=backend,
             apply_router_weight_on_input=apply_router_weight_on_input,
             routing_method=routing_method, routed_scaling_factor=routed_scaling_factor,
-            max_num_tokens=max_num_tokens,
+            max_num_tokens=max_num_tokens, batch_invariant=batch_invariant,
         )
         # With a group, forward communicates and returns the full output on every rank; without
         # one it returns this rank's partial sum (the caller reduces).

@@ -286,8 +286,7 @@ def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | 
     """Per token count, the Triton experts path `describe_plan` gives for the chosen backend on
     this machine's device (CUDA if there is one, else the CPU, whose tile rules assume 132 SMs and
     read no tuned table); a dict with the reason when no Triton path runs this config."""
-    from fusedmoe import knobs
-    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan
+    from fusedmoe.backends.triton.experts import GemmProblem, describe_plan, wants_batch_invariance
     from fusedmoe.backends.triton.marlin import weight_only_twin
 
     if chosen not in _TRITON_PLAN_BACKENDS:
@@ -296,7 +295,7 @@ def triton_plans(config, chosen: str | None, tokens: list[int]) -> list[dict] | 
     if chosen == "marlin":
         scheme = weight_only_twin(scheme)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    invariant = chosen == "triton" and (config.batch_invariant or knobs.get("BATCH_INVARIANT") is True)
+    invariant = chosen == "triton" and wants_batch_invariance(config)  # as TritonExperts decides
     plans = []
     for t in tokens:
         problem = GemmProblem(t * config.top_k, config.num_local_experts, config.hidden_size,

@@ -531,3 +531,9 @@ def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
                  "--json", str(out)]) == 0
     assert "; batch-invariant plans (FUSEDMOE_BATCH_INVARIANT=1)" in capsys.readouterr().out.splitlines()[0]
     assert json.loads(out.read_text())["meta"]["batch_invariant"] is True
+    # --quant none is the unquantized bench, as explain reads it (it once reached get_scheme(None).name)
+    seen.clear()
+    assert main(["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1", "--backends", "triton", "--commit", "x",
+                 "--quant", "none", "--json", str(out)]) == 0
+    assert seen == [("qwen3-30b-a3b", False)] and json.loads(out.read_text())["meta"]["quant"] is None
+    assert "runs none" not in capsys.readouterr().out

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="start no case after SECONDS; the report counts the cases that ran and lists "
                            "the seeds that did not")
     args = parser.parse_args(argv)
+    if getattr(args, "quant", None) in ("none", "unquantized", ""):
+        args.quant = None  # as get_scheme reads it: every command takes "none" for unquantized
     try:
         return {"explain": cmd_explain, "demo": cmd_demo, "env": cmd_env,
                 "bench": cmd_bench, "tune": cmd_tune, "fuzz": cmd_fuzz}[args.command](args)

@@ -28,7 +28,9 @@ from fusedmoe.backends.triton.experts import (
     GemmProblem,
     TritonExperts,
     batch_invariant_tiles,
+    direct_reason,
     fit_k,
+    plan_tiles,
     triton_experts,
 )
 from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--quant", default=None)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--entry", type=int, default=None, help="token count whose plan to take apart")
+    ap.add_argument("--only-plans", action="store_true", help="whole plans and block_m only, no one-parameter sweep")
     args = ap.parse_args()
     p = get_preset(args.preset)
     dev = torch.device("cuda")
@@ -75,21 +79,21 @@ def main() -> None:
     weights = weights.to(torch.bfloat16)
     scheme = get_scheme(args.quant)
     if scheme is None:
-        def run(tiles, rows=None):
+        def run(tiles, rows=None, direct=False):
             xs, ws, ii = (x, weights, ids) if rows is None else (x[rows], weights[rows], ids[rows])
             return triton_experts(xs, w13, w2, ws, ii, None, None, None, E, "silu", False, 1.702, None,
-                                  tiles=tiles, direct=False)
+                                  tiles=tiles, direct=direct)
     else:
         config = MoEConfig(E, K, H, I, quant=scheme.name)
         q13, q2, params = quantize_weights(w13, w2, scheme.name)
         w = TritonExperts(config).process_weights(ExpertWeights(q13, q2, quant=params))
         qp = w.quant
 
-        def run(tiles, rows=None):
+        def run(tiles, rows=None, direct=False):
             xs, ws, ii = (x, weights, ids) if rows is None else (x[rows], weights[rows], ids[rows])
             return triton_weight_only_experts(xs, w.w13, w.w2, ws, ii, None, None, None, E, "silu", False, 1.702,
                                               None, qp.scheme, qp.w13_scale, qp.w2_scale, qp.w13_global_scale,
-                                              qp.w2_global_scale, tiles=tiles, direct=False)
+                                              qp.w2_global_scale, tiles=tiles, direct=direct)
 
     problem = GemmProblem(ids.numel(), E, H, I, K, True, torch.bfloat16)
     t1, t2 = fit_k(*batch_invariant_tiles(problem, scheme, dev), problem)
@@ -99,6 +103,89 @@ def main() -> None:
     ref = run((t1, t2))
     sub = torch.tensor([0, 3, 100, 101, 255, 256, args.tokens - 1], device=dev)
     assert torch.equal(run((t1, t2), sub), ref[sub]), "the fixed plan itself is not batch-invariant"
+    if args.entry:
+        take_apart(run, ref, t1, t2, scheme, dev, E, K, H, I, args.entry)
+        return
+    whole_plans(run, ref, sub, scheme, dev, E, K, H, I)
+    both_block_m(run, ref, t1, t2)
+    if not args.only_plans:
+        one_at_a_time(run, ref, sub, t1, t2, args.tokens)
+
+
+def whole_plans(run, ref, sub, scheme, dev, E, K, H, I):  # noqa: E741
+    """The default plan of each token count (the aligned path's tiles, block_m included, on both
+    GEMMs; and the direct path where it runs), GEMM1 in one K pass."""
+    for m in (1, 4, 16, 64, 256, 1024, 4096):
+        pm = GemmProblem(m * K, E, H, I, K, True, torch.bfloat16)
+        plans = [("aligned", False)] + ([("direct", True)] if direct_reason(pm) is None else [])
+        for path, direct in plans:
+            try:
+                _, a1, a2 = plan_tiles(pm, scheme, dev, None, direct)
+            except ValueError as exc:
+                print(f"  M={m:<5d} {path:8s} plan refused: {exc}")
+                continue
+            for split in sorted({a1.split_k, 1}):
+                tiles = (dataclasses.replace(a1, split_k=split), a2)
+                rows = sub if direct else None  # the direct path: a decode batch (its rows against the full batch's)
+                try:
+                    got = run(tiles, rows, direct)
+                    torch.cuda.synchronize()
+                except (ValueError, NotImplementedError) as exc:
+                    print(f"  M={m:<5d} {path:8s} split_k {split} invalid: {str(exc)[:100]}")
+                    continue
+                want = ref if rows is None else ref[rows]
+                bad = (got != want).any(dim=1)
+                print(f"  M={m:<5d} {path:8s} split_k {split} block_m {a1.block_m:3d} "
+                      f"gemm1 {a1.block_n}x{a1.block_k} w{a1.num_warps} gemm2 {a2.block_m}x{a2.block_n}x{a2.block_k} "
+                      f"w{a2.num_warps}{' persistent' if a2.persistent else ''}: "
+                      + ("same" if not bad.any() else f"DIFF rows {int(bad.sum())}/{got.shape[0]}"), flush=True)
+
+
+def take_apart(run, ref, t1, t2, scheme, dev, E, K, H, I, m):  # noqa: E741
+    """The plan of m tokens, one of its parameters at a time set to the fixed plan's."""
+    pm = GemmProblem(m * K, E, H, I, K, True, torch.bfloat16)
+    _, a1, a2 = plan_tiles(pm, scheme, dev, None, False)
+    a1 = dataclasses.replace(a1, split_k=1)
+    print(f"plan of M={m}: gemm1 {a1}\n  gemm2 {a2}")
+    for which in ("gemm1", "gemm2"):
+        base, fixed = (a1, t1) if which == "gemm1" else (a2, t2)
+        for f in dataclasses.fields(base):
+            if f.name in ("block_m", "split_k") or getattr(base, f.name) == getattr(fixed, f.name):
+                continue
+            tile = dataclasses.replace(base, **{f.name: getattr(fixed, f.name)})
+            tiles = (tile, a2) if which == "gemm1" else (a1, tile)
+            try:
+                got = run(tiles)
+                torch.cuda.synchronize()
+            except (ValueError, NotImplementedError) as exc:
+                print(f"  entry {which} {f.name} -> {getattr(fixed, f.name)} invalid: {str(exc)[:90]}")
+                continue
+            bad = (got != ref).any(dim=1)
+            print(f"  entry {which} {f.name} {getattr(base, f.name)} -> {getattr(fixed, f.name)}: "
+                  + ("same" if not bad.any() else f"DIFF rows {int(bad.sum())}/{got.shape[0]}"), flush=True)
+    got = run((a1, a2))
+    print("  entry as is: " + ("same" if torch.equal(got, ref) else "DIFF"))
+
+
+def both_block_m(run, ref, t1, t2):
+    """block_m changed on both GEMMs together (the alignment's row blocks are theirs)."""
+    r = dataclasses.replace
+    for label, kw in (("block_m 16", dict(block_m=16)), ("block_m 32", dict(block_m=32)),
+                      ("block_m 128", dict(block_m=128)), ("block_m 128 warps 8", dict(block_m=128, num_warps=8)),
+                      ("block_m 64 warps 8", dict(block_m=64, num_warps=8))):
+        try:
+            got = run((r(t1, **kw), r(t2, **kw)))
+            torch.cuda.synchronize()
+        except (ValueError, NotImplementedError) as exc:
+            print(f"  both  {label:34s} invalid: {str(exc)[:100]}")
+            continue
+        bad = (got != ref).any(dim=1)
+        print(f"  both  {label:34s} " + ("same" if not bad.any() else f"DIFF rows {int(bad.sum())}/{got.shape[0]}"),
+              flush=True)
+
+
+def one_at_a_time(run, ref, sub, t1, t2, tokens):
+    """One parameter of one GEMM changed."""
     for which in ("gemm1", "gemm2"):
         base = t1 if which == "gemm1" else t2
         for label, tile in variants(base, which == "gemm1"):
@@ -116,7 +203,7 @@ def main() -> None:
                 continue
             rows = (got != ref).any(dim=1)
             verdict = "same" if not rows.any() and torch.equal(part, ref[sub]) else (
-                f"DIFF rows {int(rows.sum())}/{args.tokens}, sub-batch "
+                f"DIFF rows {int(rows.sum())}/{tokens}, sub-batch "
                 f"{'same' if torch.equal(part, ref[sub]) else 'diff'}, "
                 f"max |d| {float((got.float() - ref.float()).abs().max()):.3g}")
             print(f"  {which} {label:34s} {verdict}  ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -10,6 +10,7 @@ Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -228,12 +229,55 @@ def test_batch_invariance_refuses_what_it_cannot_keep():
                                      p.w13_scale[:4], p.w2_scale[:4], p.a13_scale, p.a2_scale, batch_invariant=True)
 
 
+def test_batch_invariant_plans_by_token_count(monkeypatch):
+    """Which plan a batch-invariant call runs (nothing launches): bf16 unquantized on a CUDA
+    device the aligned plan of its own token count with GEMM1 unsplit (the direct path never);
+    fp16, the CPU, the weight-only schemes and the batched layout one plan at every count."""
+    from fusedmoe.backends.triton import experts as ex
+    from fusedmoe.backends.triton import quant as quant_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton import weight_only as wo_mod
+    from fusedmoe.quant.scheme import get_scheme
+
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "NVIDIA H200")  # its packaged table's entries
+    for mod in (ex, quant_mod, wo_mod):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ex, "_sm90", lambda index: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # tables are read for CUDA devices only
+    ex.clear_tile_caches()
+
+    def problem(tokens, dtype=torch.bfloat16):
+        return ex.GemmProblem(tokens * 8, 128, 2048, 768, 8, True, dtype)
+
+    for tokens in (1, 16, 1024, 4096):
+        direct, t1, t2 = ex.plan_tiles(problem(tokens), None, cuda, None, None, True)
+        a1, a2 = ex.fit_k(*ex._aligned_tiles(problem(tokens), None, cuda), problem(tokens))
+        assert not direct and (t1, t2) == (dataclasses.replace(a1, split_k=1), a2), tokens
+    assert ex.plan_tiles(problem(1), None, cuda, None, None, False)[0]  # the default plan at one token: direct
+    assert ex.plan_tiles(problem(1), None, cuda, None, None, True)[1].block_m == 16  # not the 1024-token tile
+    assert ex.plan_tiles(problem(1), None, cuda, None, None, True)[1:] != \
+        ex.plan_tiles(problem(4096), None, cuda, None, None, True)[1:]
+    fixed = [(torch.float16, None, cuda), (torch.bfloat16, None, cpu), (torch.bfloat16, "mxfp4_w4a16", cuda),
+             (torch.bfloat16, "int4_w4a16_g32", cuda)]
+    for dtype, quant, device in fixed:
+        plans = {ex.plan_tiles(problem(t, dtype), get_scheme(quant), device, None, None, True) for t in (1, 16, 4096)}
+        assert len(plans) == 1 and not ex.per_count_invariant(problem(1, dtype), get_scheme(quant), device), \
+            (dtype, quant, device)
+    batched = {ex.batched_invariant_tiles(problem(t), scheme=None, device=cuda, top_k=8) for t in (1, 16, 4096)}
+    assert len(batched) == 1
+    ex.clear_tile_caches()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["standard", "batched"])
-@pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "nvfp4_w4a16"], ids=str)
+@pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"], ids=str)
 def test_batch_invariant_rows_on_the_gpu(quant, layout):
-    """bf16 on the GPU (its tensor cores, TMA where planned), at a preset-like shape: each token's
-    row of a batch of 1-512 tokens bitwise equals its row in the batch of 512, in both layouts."""
+    """bf16 on the GPU (its tensor cores, TMA where planned) at Qwen3-30B's shape, whose token
+    counts have tuned entries: each token's row of a batch of 1-1024 tokens bitwise equals its
+    row in the batch of 4096. Unquantized in the standard layout each count runs its own aligned
+    plan (`per_count_invariant`), so this checks that those plans agree; the rest run one plan.
+    Without batch_invariant the standard layout's one-token call (the direct path) differs: the
+    check can fail."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from fusedmoe.backends.triton.experts import BatchedTritonExperts, TritonExperts
@@ -241,7 +285,7 @@ def test_batch_invariant_rows_on_the_gpu(quant, layout):
     from fusedmoe.quant.weights import quantize_weights
 
     device, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
-    tokens, experts, top_k, hidden, inter = 512, 64, 8, 2048, 768
+    tokens, experts, top_k, hidden, inter = 4096, 128, 8, 2048, 768
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5
@@ -255,8 +299,19 @@ def test_batch_invariant_rows_on_the_gpu(quant, layout):
         q13, q2, params = quantize_weights(w13.to(torch.bfloat16), w2.to(torch.bfloat16), quant)
         w = impl.process_weights(ExpertWeights(q13, q2, quant=params))
     kernel = make_modular(config, impl)
-    full = kernel(x, w, weights, ids)
-    for rows in ([0], [5, 6, 7, 8], list(range(1, 64, 3)), list(range(tokens - 1, 255, -1))):
-        rows = torch.tensor(rows, device=device)
-        part = kernel(x[rows], w, weights[rows], ids[rows])
-        assert torch.equal(part, full[rows]), (quant, layout, rows.numel())
+    subsets = [[0], [5, 6, 7, 8], list(range(1, 64, 3)), list(range(tokens - 1, 3839, -1)),
+               list(range(1000, 2024))]
+
+    def agree() -> list[int]:
+        full = kernel(x, w, weights, ids)
+        bad = []
+        for rows in subsets:
+            rows = torch.tensor(rows, device=device)
+            if not torch.equal(kernel(x[rows], w, weights[rows], ids[rows]), full[rows]):
+                bad.append(rows.numel())
+        return bad
+
+    assert agree() == [], (quant, layout)
+    if layout == "standard":
+        impl.batch_invariant = False
+        assert 1 in agree(), quant

@@ -517,15 +517,32 @@ BATCH_INVARIANT_TOKENS = 1024  # the token count whose heuristic tiles a batch-i
 
 
 @memoized_tiles
-def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
-    """The aligned path's (gemm1, gemm2) tiles a batch-invariant call runs whatever its token
-    count (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT): the heuristic's for
-    BATCH_INVARIANT_TOKENS tokens of this shape, in one K pass (split_k 1), not persistent, gate
-    and up as two dots. No tuned table (its entries are per token count) and never the direct
-    path. Every row then takes the same instructions in both GEMMs whatever the other rows are
-    (the alignment only moves rows between tiles; the top-k sum adds each token's slots in one
-    order), so a token's output does not depend on the batch. Decode pays for it in rows of the
-    tile computed for nothing (a 64-row tile for one token): the weights read are the same."""
+def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
+                          per_count: bool = True) -> tuple[TileConfig, TileConfig]:
+    """The aligned path's (gemm1, gemm2) tiles of a batch-invariant call
+    (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT); never the direct path, whose GEMM2
+    sums a token's slots in another order.
+
+    bf16 unquantized on a GPU (`per_count_invariant`): the aligned plan of this token count
+    (tuned entry or heuristic) with GEMM1 in one K pass (split_k 1). Whatever its block sizes,
+    warps, stages, program order, persistence or one-dot gate/up, each output element takes the
+    same chain of k16 tensor-core steps into one fp32 accumulator (`tl.dot(a, b, acc)`), so its
+    bits do not depend on the tile: H200, Triton 3.6, every such plan of Qwen3-30B and DeepSeek-V3
+    at M = 1-4096 gave bitwise the rows of the fixed plan below, as did one-parameter sweeps of
+    each GEMM's tile, while split_k 2 and the direct path did not
+    (benchmarks/probe_batch_invariance.py, results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt).
+
+    Otherwise (per_count False: the batched layout's, `batched_invariant_tiles`; fp16 / fp32, the interpreter, whose dot adds each K block's numpy
+    product, and the weight-only schemes: on the same GPU int4's 16- and 32-row tiles and one
+    mxfp4 GEMM2 tile, 128 x 256 x 64 at 8 warps, changed rows' bits) one fixed plan at every token
+    count: the heuristic's tiles for BATCH_INVARIANT_TOKENS tokens of this shape, split_k 1, not
+    persistent, gate and up as two dots, no tuned table. Every row then takes the same
+    instructions in both GEMMs whatever the other rows are (the alignment only moves rows between
+    tiles; the top-k sum adds each token's slots in one order). Decode pays for it in rows of the
+    tile computed for nothing (a 64-row tile for one token) over few programs."""
+    if per_count and per_count_invariant(problem, scheme, device):
+        t1, t2 = _aligned_tiles(problem, scheme, device)
+        return dataclasses.replace(t1, split_k=1), t2
     p = dataclasses.replace(problem, num_slots=BATCH_INVARIANT_TOKENS * problem.top_k)
     sms, (quant, group) = _num_sms(device), tile_mode(scheme)
     codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
@@ -536,6 +553,12 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) ->
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
                    quant=quant, group=group, tma=tma2, codes=codes)
     return dataclasses.replace(t1, **fixed), dataclasses.replace(t2, **fixed)
+
+
+def per_count_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
+    """Whether a batch-invariant call may run the aligned plan of its own token count
+    (`batch_invariant_tiles`): unquantized bf16 on a CUDA device, the case measured."""
+    return scheme is None and problem.dtype == torch.bfloat16 and device.type == "cuda"
 
 
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
@@ -608,7 +631,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     src1 = src2 = aligned.source if aligned is not None else "heuristic"
     is_direct, t1, t2 = plan_tiles(problem, scheme, device, None, None, batch_invariant)  # as the call runs them
     why = direct_scheme_reason(scheme)
-    if batch_invariant:
+    if batch_invariant and per_count_invariant(problem, scheme, device):
+        src1 = src2 = f"batch-invariant: the aligned path's ({src1}), GEMM1 in one K pass"
+        why = ("batch_invariant: the aligned plan of this token count, GEMM1 unsplit: a row's bits do not "
+               "depend on the tile here (experts.batch_invariant_tiles)")
+    elif batch_invariant:
         src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"
     elif why is None:
@@ -1339,10 +1366,11 @@ def triton_batched_experts(
 
 def batched_invariant_tiles(problem: GemmProblem, *, scheme, device: torch.device,
                             top_k: int) -> tuple[TileConfig, TileConfig]:
-    """`batch_invariant_tiles` for the batched layout's problem, at the routing's top_k
-    (`batched_problem` counts buffer rows as slots of top_k 1 when the dispatch's count is
-    unknown or covers every row, which depends on the batch)."""
-    return batch_invariant_tiles(dataclasses.replace(problem, top_k=max(1, top_k)), scheme, device)
+    """`batch_invariant_tiles`' fixed plan for the batched layout's problem, at the routing's
+    top_k (`batched_problem` counts buffer rows as slots of top_k 1 when the dispatch's count is
+    unknown or covers every row, which depends on the batch; per-count plans are not measured in
+    this layout)."""
+    return batch_invariant_tiles(dataclasses.replace(problem, top_k=max(1, top_k)), scheme, device, False)
 
 
 def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int = 0, top_k: int = 1) -> GemmProblem:

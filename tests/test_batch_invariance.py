@@ -265,6 +265,11 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
             (dtype, quant, device)
     batched = {ex.batched_invariant_tiles(problem(t), scheme=None, device=cuda, top_k=8) for t in (1, 16, 4096)}
     assert len(batched) == 1
+    plan = ex.describe_plan(problem(1), None, cuda, True)  # explain --batch-invariant --tokens 1
+    assert plan["path"] == "aligned" and "the aligned plan of this token count" in plan["why"]
+    assert plan["gemm1"]["source"].endswith("in one K pass") and "K pass" not in plan["gemm2"]["source"]
+    assert "one aligned plan at every token count" in ex.describe_plan(problem(1, torch.float16), None, cuda,
+                                                                      True)["why"]
     ex.clear_tile_caches()
 
 

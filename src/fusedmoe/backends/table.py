@@ -56,8 +56,8 @@ W8A8_NOT_BATCH_INVARIANT = ("its W8A8 paths pick x's quantization launch (quant.
 
 
 def _batch_invariant_weights(config: MoEConfig, platform: Platform) -> str | None:
-    # triton's unquantized and weight-only paths run one aligned plan at every token count when
-    # asked (experts.batch_invariant_tiles); its W8A8 paths decide launches by the token count
+    # triton's unquantized and weight-only paths run aligned plans whose rows do not depend on the
+    # batch when asked (experts.batch_invariant_tiles); its W8A8 paths decide launches by the token count
     if config.batch_invariant and config.quant is not None and not config.quant.weight_only:
         return f"{config.quant.name} is not batch-invariant here: {W8A8_NOT_BATCH_INVARIANT} (batch_invariant requested)"
     return None

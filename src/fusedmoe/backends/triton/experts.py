@@ -632,7 +632,8 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     is_direct, t1, t2 = plan_tiles(problem, scheme, device, None, None, batch_invariant)  # as the call runs them
     why = direct_scheme_reason(scheme)
     if batch_invariant and per_count_invariant(problem, scheme, device):
-        src1 = src2 = f"batch-invariant: the aligned path's ({src1}), GEMM1 in one K pass"
+        src1, src2 = (f"batch-invariant: the aligned path's ({src1}), in one K pass",
+                      f"batch-invariant: the aligned path's ({src2})")
         why = ("batch_invariant: the aligned plan of this token count, GEMM1 unsplit: a row's bits do not "
                "depend on the tile here (experts.batch_invariant_tiles)")
     elif batch_invariant:
@@ -1213,7 +1214,7 @@ def triton_experts(
     direct: the decode path without alignment (None: FUSEDMOE_TRITON_DIRECT and the auto rule
     when no tiles are given; True: with `tiles` as (gemm1, direct gemm2) tiles when given).
     batch_invariant: each token's output bitwise independent of the other tokens in the call
-    (`batch_invariant_tiles`: one aligned plan at every token count).
+    (`batch_invariant_tiles`: the aligned path, GEMM1 unsplit, with tiles that keep a row's bits).
     Eager calls of a signature seen twice replay the recorded launches (`replay.replayable`).
     """
     num_tokens, hidden = x_TH.shape

@@ -232,7 +232,8 @@ def test_batch_invariance_refuses_what_it_cannot_keep():
 def test_batch_invariant_plans_by_token_count(monkeypatch):
     """Which plan a batch-invariant call runs (nothing launches): bf16 unquantized on a CUDA
     device the aligned plan of its own token count with GEMM1 unsplit (the direct path never);
-    fp16, the CPU, the weight-only schemes and the batched layout one plan at every count."""
+    4-bit weight-only in bf16 on a GPU one plan with N tiles narrowed at decode; fp16, the CPU,
+    8-bit weight-only and the batched layout one plan at every count."""
     from fusedmoe.backends.triton import experts as ex
     from fusedmoe.backends.triton import quant as quant_mod
     from fusedmoe.backends.triton import tuning
@@ -257,12 +258,21 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
     assert ex.plan_tiles(problem(1), None, cuda, None, None, True)[1].block_m == 16  # not the 1024-token tile
     assert ex.plan_tiles(problem(1), None, cuda, None, None, True)[1:] != \
         ex.plan_tiles(problem(4096), None, cuda, None, None, True)[1:]
-    fixed = [(torch.float16, None, cuda), (torch.bfloat16, None, cpu), (torch.bfloat16, "mxfp4_w4a16", cuda),
-             (torch.bfloat16, "int4_w4a16_g32", cuda)]
+    fixed = [(torch.float16, None, cuda), (torch.bfloat16, None, cpu), (torch.bfloat16, "mxfp4_w4a16", cpu),
+             (torch.bfloat16, "fp8_w8a16", cuda), (torch.float16, "int4_w4a16_g32", cuda)]
     for dtype, quant, device in fixed:
         plans = {ex.plan_tiles(problem(t, dtype), get_scheme(quant), device, None, None, True) for t in (1, 16, 4096)}
         assert len(plans) == 1 and not ex.per_count_invariant(problem(1, dtype), get_scheme(quant), device), \
             (dtype, quant, device)
+    # 4-bit weight-only in bf16 on a GPU: the fixed plan's rows, K steps and warps at every count,
+    # its N tiles narrowed at decode until two programs per SM (or 64 wide)
+    for quant in ("mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"):
+        one, many = (ex.plan_tiles(problem(t), get_scheme(quant), cuda, None, None, True)[1:] for t in (1, 4096))
+        for a, b in zip(one, many, strict=True):
+            assert dataclasses.replace(a, block_n=b.block_n) == b and a.split_k == 1, quant
+        assert one[0].block_n == 64 < many[0].block_n, quant  # GEMM1 at one token: 8 x 768 / 64 = 96 programs
+        assert ex.narrow_invariant(problem(1), get_scheme(quant), cuda) and \
+            not ex.narrow_invariant(problem(1), get_scheme(quant), cpu)
     batched = {ex.batched_invariant_tiles(problem(t), scheme=None, device=cuda, top_k=8) for t in (1, 16, 4096)}
     assert len(batched) == 1
     plan = ex.describe_plan(problem(1), None, cuda, True)  # explain --batch-invariant --tokens 1

@@ -532,17 +532,29 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
     each GEMM's tile, while split_k 2 and the direct path did not
     (benchmarks/probe_batch_invariance.py, results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt).
 
-    Otherwise (per_count False: the batched layout's, `batched_invariant_tiles`; fp16 / fp32, the interpreter, whose dot adds each K block's numpy
-    product, and the weight-only schemes: on the same GPU int4's 16- and 32-row tiles and one
-    mxfp4 GEMM2 tile, 128 x 256 x 64 at 8 warps, changed rows' bits) one fixed plan at every token
-    count: the heuristic's tiles for BATCH_INVARIANT_TOKENS tokens of this shape, split_k 1, not
-    persistent, gate and up as two dots, no tuned table. Every row then takes the same
-    instructions in both GEMMs whatever the other rows are (the alignment only moves rows between
-    tiles; the top-k sum adds each token's slots in one order). Decode pays for it in rows of the
-    tile computed for nothing (a 64-row tile for one token) over few programs."""
+    Otherwise one fixed plan's rows and K steps at every token count: the heuristic's tiles for
+    BATCH_INVARIANT_TOKENS tokens of this shape, split_k 1, not persistent, gate and up as two
+    dots, no tuned table. Every row then takes the same instructions in both GEMMs whatever the
+    other rows are (the alignment only moves rows between tiles; the top-k sum adds each token's
+    slots in one order). 4-bit weight-only in bf16 on a GPU (`narrow_invariant`) narrows its N
+    tiles at few tokens (`_narrowed`), as the heuristic does at decode: the weight-only schemes'
+    own per-count plans do not keep the bits (int4's 16- and 32-row tiles and one mxfp4 GEMM2
+    tile, 128 x 256 x 64 at 8 warps, changed rows on the same GPU), narrower N tiles did. fp16 /
+    fp32, the interpreter (whose dot adds each K block's numpy product), the 8-bit weight-only
+    schemes and the batched layout (per_count False, `batched_invariant_tiles`) keep the fixed
+    plan as it is. Decode pays in rows of the tile computed for nothing (a 64-row tile for one
+    token)."""
     if per_count and per_count_invariant(problem, scheme, device):
         t1, t2 = _aligned_tiles(problem, scheme, device)
         return dataclasses.replace(t1, split_k=1), t2
+    fixed = _fixed_invariant_tiles(problem, scheme, device)
+    if per_count and narrow_invariant(problem, scheme, device):
+        return _narrowed(fixed[0], problem, problem.inter, device), _narrowed(fixed[1], problem, problem.hidden, device)
+    return fixed
+
+
+def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """`batch_invariant_tiles`' one plan for every token count of the shape."""
     p = dataclasses.replace(problem, num_slots=BATCH_INVARIANT_TOKENS * problem.top_k)
     sms, (quant, group) = _num_sms(device), tile_mode(scheme)
     codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
@@ -553,6 +565,31 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
                    quant=quant, group=group, tma=tma2, codes=codes)
     return dataclasses.replace(t1, **fixed), dataclasses.replace(t2, **fixed)
+
+
+NARROW_MIN_BLOCK_N = 64  # the narrowest N tile `_narrowed` takes (the fragment layout's narrowest, tiles.fragment_tile)
+
+
+def narrow_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
+    """Whether a batch-invariant call of a 4-bit weight-only scheme may narrow the fixed plan's N
+    tiles for its token count (`_narrowed`): bf16 on a CUDA device, the case measured."""
+    return (scheme is not None and scheme.weight_only and scheme.weight.dtype in ("int4", "mxfp4", "nvfp4")
+            and problem.dtype == torch.bfloat16 and device.type == "cuda")
+
+
+def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.device) -> TileConfig:
+    """tile with block_n halved (down to NARROW_MIN_BLOCK_N) until the GEMM over n columns has
+    two programs per SM at this token count, as the heuristic sizes decode tiles. block_m, block_k
+    and warps stay the fixed plan's: narrower N tiles of the same rows, K steps and warps gave
+    bitwise the fixed plan's rows on an H200 (mxfp4 and bf16, block_n 16-256, either GEMM;
+    results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt), while changing block_m (int4) or
+    block_n with block_k and warps together (one mxfp4 tile) did not."""
+    sms = _num_sms(device)
+    blocks = min(problem.num_local_experts, problem.num_slots) + problem.num_slots // tile.block_m
+    block_n = tile.block_n
+    while block_n > NARROW_MIN_BLOCK_N and blocks * triton_cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    return dataclasses.replace(tile, block_n=block_n)
 
 
 def per_count_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:

@@ -1400,10 +1400,10 @@ def test_pdl_launch_keywords(monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["auto", "aligned"])
-@pytest.mark.parametrize("knob", ["TRITON_TMA", "TRITON_DIRECT", "TUNED_SIBLINGS"])
+@pytest.mark.parametrize("knob", ["TRITON_TMA", "TRITON_DIRECT", "TUNED_SIBLINGS", "TUNED_PACKAGED"])
 def test_bad_knob_raises_before_any_launch_unquantized(direct, knob, monkeypatch):
     """The unquantized path reads its plan's knobs (memoized_tiles: TRITON_TMA, TRITON_DIRECT with
-    TUNED_DIR and TUNED_SIBLINGS) before the alignment launches, so a bad value raises with nothing launched (W8A8
+    TUNED_DIR, TUNED_PACKAGED and TUNED_SIBLINGS) before the alignment launches, so a bad value raises with nothing launched (W8A8
     reads its own in quant._call_knobs: test_triton_quant.py)."""
     def launched(*args, **kwargs):
         raise AssertionError("a kernel launched before the knob was read")
@@ -1455,6 +1455,45 @@ def test_tuned_tables_of_a_sibling_gpu_serve_missing_shapes(tmp_path, monkeypatc
         # a shape with an entry of its own on any path borrows nothing: the sibling's timed plan
         # (path "aligned") does not override this GPU's path-less entry
         assert tuning.lookup_plan(at16, cuda) is None and tuning.lookup_plan(at256, cuda).borrowed == "Fake GPU B"
+
+
+def test_tuned_packaged_off_reads_the_tuned_dir_only(tmp_path, monkeypatch):
+    """FUSEDMOE_TUNED_PACKAGED=0 leaves the packaged tables out: a shape they cover runs the
+    heuristic unless FUSEDMOE_TUNED_DIR has an entry (an A/B of the heuristic where the packaged
+    tables have entries); the memoized plans follow the knob."""
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_tiles, describe_plan, heuristic
+
+    packaged_dir, user_dir = tmp_path / "packaged", tmp_path / "user"
+    packaged_dir.mkdir(), user_dir.mkdir()
+    theirs = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 32, 128, 4, 3))
+    own = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4))
+    (packaged_dir / "Fake_GPU.json").write_text(json.dumps(_table([
+        _entry(m, g1=tuple(theirs[0].as_list()), g2=tuple(theirs[1].as_list())) for m in (16, 256)])))
+    (user_dir / "Fake_GPU.json").write_text(json.dumps(_table([
+        _entry(16, g1=tuple(own[0].as_list()), g2=tuple(own[1].as_list()))])))
+    monkeypatch.setattr(tuning, "PACKAGED", packaged_dir)
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    experts_mod.clear_tile_caches()
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    at16, at256 = (GemmProblem(m * 8, 128, 2048, 768, 8, True, torch.bfloat16) for m in (16, 256))
+    with knobs.override(TUNED_DIR=str(user_dir), TRITON_TMA=False):
+        assert choose_tiles(at16, cuda) == own and choose_tiles(at256, cuda) == theirs  # folder first, then packaged
+        with knobs.override(TUNED_PACKAGED=False):
+            assert choose_tiles(at16, cuda) == own  # the folder's entry still serves
+            assert tuning.lookup(at256, cuda) is None
+            t1 = heuristic(at256.num_slots, 128, 768, 2048, torch.bfloat16, gated=True, num_sms=132)
+            assert choose_tiles(at256, cuda)[0] == t1 != theirs[0]
+            assert describe_plan(at256, None, cuda)["gemm1"]["source"] == "heuristic"
+        assert choose_tiles(at256, cuda) == theirs  # memoized per knob value
+    monkeypatch.setenv("FUSEDMOE_TUNED_PACKAGED", "0")
+    assert tuning.table_paths("Fake GPU") == []
+    experts_mod.clear_tile_caches()
 
 
 def test_per_tensor_fp8_takes_per_channel_entries(tmp_path, monkeypatch):

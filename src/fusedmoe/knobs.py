@@ -102,11 +102,15 @@ KNOBS: dict[str, Knob] = {
              "the config sets allow_cutlass)."),
         Knob("BATCH_INVARIANT", _tristate, None,
              "Only select backends whose output does not depend on the batch composition "
-             "(triton: one aligned tile plan at every token count, docs/reliability.md)."),
+             "(triton: aligned tile plans that keep each row's bits, docs/reliability.md)."),
         Knob("VALIDATE", _tristate, None,
              "Run input checks that need a device-to-host sync (id ranges, NaN logits) on GPU tensors."),
         Knob("TUNED_DIR", _text, None,
              "Folder searched for tuned tile tables before the packaged ones."),
+        Knob("TUNED_PACKAGED", _tristate, None,
+             "Read the tuned tables packaged with fusedmoe: unset/1 = yes (after FUSEDMOE_TUNED_DIR's), "
+             "0 = only FUSEDMOE_TUNED_DIR's, so the heuristic runs where that folder has no entry "
+             "(an A/B of the heuristic on shapes the packaged tables cover)."),
         Knob("TUNED_SIBLINGS", _tristate, None,
              "Where this GPU's tuned tables have no entry for a shape and scheme, use a sibling's: "
              "the aligned entries of a scheme whose GEMMs are the same kernels (per-tensor fp8 takes "

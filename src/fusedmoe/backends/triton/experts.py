@@ -278,23 +278,23 @@ class GemmProblem:
 
 def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
     """`choose(problem, [scheme,] device)` remembered per arguments and the knobs it reads
-    (TUNED_DIR, TUNED_SIBLINGS, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
+    (TUNED_DIR, TUNED_PACKAGED, TUNED_SIBLINGS, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
     of host time per eager call otherwise. Tables written by `fusedmoe tune` in this process
     clear it (`clear_tile_caches`); a table file rewritten by another process is read by the next
     process, as tuned configs are read once at startup elsewhere (vLLM)."""
     from fusedmoe import knobs
 
     @functools.lru_cache(maxsize=4096)
-    def cached(args: tuple, tuned_dir, siblings, tma, direct):
-        del tuned_dir, siblings, tma, direct  # part of the key only
+    def cached(args: tuple, tuned_dir, packaged, siblings, tma, direct):
+        del tuned_dir, packaged, siblings, tma, direct  # part of the key only
         return choose(*args)
 
     @functools.wraps(choose)
     def wrapper(*args):
         if torch.compiler.is_compiling():
             return choose(*args)
-        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TUNED_SIBLINGS"), knobs.get("TRITON_TMA"),
-                      knobs.get("TRITON_DIRECT"))
+        return cached(args, knobs.get("TUNED_DIR"), knobs.get("TUNED_PACKAGED"), knobs.get("TUNED_SIBLINGS"),
+                      knobs.get("TRITON_TMA"), knobs.get("TRITON_DIRECT"))
 
     _TILE_CACHES.append(cached)
     return wrapper

@@ -4,7 +4,8 @@
     lookup_plan(problem, device, scheme) -> Tuned | None                  (the timed path's entry)
 
 Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first) and in the packaged
-`tuned/` folder. They are data only (json.load, never executed). An entry names its shape, its
+`tuned/` folder (FUSEDMOE_TUNED_PACKAGED=0: not read, so the heuristic can be A/B'd where the
+packaged tables have entries). They are data only (json.load, never executed). An entry names its shape, its
 activation dtype and its quantization scheme ("quant", absent = unquantized; format 1 tables
 have none), and serves that scheme only. An entry's "path" (format 3) says which path its tiles
 run and that the tuner timed both there: "aligned" (align + gemm1 + gemm2 + reduce) or "direct"
@@ -191,8 +192,9 @@ def _load(path: str, mtime: float) -> dict:
 
 def table_paths(device_name: str) -> list[Path]:
     """The tuned tables of `device_name` that exist, first served first: FUSEDMOE_TUNED_DIR's,
-    then the packaged one."""
-    folders = ([Path(knobs.get("TUNED_DIR"))] if knobs.get("TUNED_DIR") else []) + [PACKAGED]
+    then the packaged one (FUSEDMOE_TUNED_PACKAGED=0: not)."""
+    folders = ([Path(knobs.get("TUNED_DIR"))] if knobs.get("TUNED_DIR") else []) \
+        + ([] if knobs.get("TUNED_PACKAGED") is False else [PACKAGED])
     return [path for path in (folder / device_file_name(device_name) for folder in folders) if path.is_file()]
 
 

@@ -230,10 +230,10 @@ def test_batch_invariance_refuses_what_it_cannot_keep():
 
 
 def test_batch_invariant_plans_by_token_count(monkeypatch):
-    """Which plan a batch-invariant call runs (nothing launches): bf16 unquantized on a CUDA
-    device the aligned plan of its own token count with GEMM1 unsplit (the direct path never);
-    4-bit weight-only in bf16 on a GPU one plan with N tiles narrowed at decode; fp16, the CPU,
-    8-bit weight-only and the batched layout one plan at every count."""
+    """Which plan a batch-invariant call runs (nothing launches): bf16 unquantized on a Hopper
+    GPU the aligned plan of its own token count with GEMM1 unsplit (the direct path never);
+    4-bit weight-only in bf16 there one plan with N tiles narrowed at decode; other GPUs, fp16,
+    the CPU, 8-bit weight-only and the batched layout one plan at every count."""
     from fusedmoe.backends.triton import experts as ex
     from fusedmoe.backends.triton import quant as quant_mod
     from fusedmoe.backends.triton import tuning
@@ -244,6 +244,7 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
     for mod in (ex, quant_mod, wo_mod):
         monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
     monkeypatch.setattr(ex, "_sm90", lambda index: True)
+    monkeypatch.setattr(ex, "device_capability", lambda index: (9, 0))  # a Hopper GPU, where it was measured
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # tables are read for CUDA devices only
     ex.clear_tile_caches()
 
@@ -273,6 +274,12 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
         assert one[0].block_n == 64 < many[0].block_n, quant  # GEMM1 at one token: 8 x 768 / 64 = 96 programs
         assert ex.narrow_invariant(problem(1), get_scheme(quant), cuda) and \
             not ex.narrow_invariant(problem(1), get_scheme(quant), cpu)
+    monkeypatch.setattr(ex, "device_capability", lambda index: (10, 0))  # not measured there: one plan
+    ex.clear_tile_caches()
+    for quant in (None, "mxfp4_w4a16"):
+        assert len({ex.plan_tiles(problem(t), get_scheme(quant), cuda, None, None, True) for t in (1, 4096)}) == 1
+    monkeypatch.setattr(ex, "device_capability", lambda index: (9, 0))
+    ex.clear_tile_caches()
     batched = {ex.batched_invariant_tiles(problem(t), scheme=None, device=cuda, top_k=8) for t in (1, 16, 4096)}
     assert len(batched) == 1
     plan = ex.describe_plan(problem(1), None, cuda, True)  # explain --batch-invariant --tokens 1

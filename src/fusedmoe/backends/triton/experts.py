@@ -523,7 +523,7 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
     (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT); never the direct path, whose GEMM2
     sums a token's slots in another order.
 
-    bf16 unquantized on a GPU (`per_count_invariant`): the aligned plan of this token count
+    bf16 unquantized on a Hopper GPU (`per_count_invariant`): the aligned plan of this token count
     (tuned entry or heuristic) with GEMM1 in one K pass (split_k 1). Whatever its block sizes,
     warps, stages, program order, persistence or one-dot gate/up, each output element takes the
     same chain of k16 tensor-core steps into one fp32 accumulator (`tl.dot(a, b, acc)`), so its
@@ -536,11 +536,11 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
     BATCH_INVARIANT_TOKENS tokens of this shape, split_k 1, not persistent, gate and up as two
     dots, no tuned table. Every row then takes the same instructions in both GEMMs whatever the
     other rows are (the alignment only moves rows between tiles; the top-k sum adds each token's
-    slots in one order). 4-bit weight-only in bf16 on a GPU (`narrow_invariant`) narrows its N
+    slots in one order). 4-bit weight-only in bf16 on a Hopper GPU (`narrow_invariant`) narrows its N
     tiles at few tokens (`_narrowed`), as the heuristic does at decode: the weight-only schemes'
     own per-count plans do not keep the bits (int4's 16- and 32-row tiles and one mxfp4 GEMM2
-    tile, 128 x 256 x 64 at 8 warps, changed rows on the same GPU), narrower N tiles did. fp16 /
-    fp32, the interpreter (whose dot adds each K block's numpy product), the 8-bit weight-only
+    tile, 128 x 256 x 64 at 8 warps, changed rows on the same GPU), narrower N tiles did. Other
+    GPUs (not measured), fp16 / fp32, the interpreter (whose dot adds each K block's numpy product), the 8-bit weight-only
     schemes and the batched layout (per_count False, `batched_invariant_tiles`) keep the fixed
     plan as it is. Decode pays in rows of the tile computed for nothing (a 64-row tile for one
     token)."""
@@ -570,11 +570,19 @@ def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -
 NARROW_MIN_BLOCK_N = 64  # the narrowest N tile `_narrowed` takes (the fragment layout's narrowest, tiles.fragment_tile)
 
 
+def _hopper(device: torch.device) -> bool:
+    """An NVIDIA Hopper GPU (sm90; not ROCm): where the batch-invariant plans by token count were
+    measured (`batch_invariant_tiles`)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
 def narrow_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
     """Whether a batch-invariant call of a 4-bit weight-only scheme may narrow the fixed plan's N
-    tiles for its token count (`_narrowed`): bf16 on a CUDA device, the case measured."""
+    tiles for its token count (`_narrowed`): bf16 on a Hopper GPU, the case measured."""
     return (scheme is not None and scheme.weight_only and scheme.weight.dtype in ("int4", "mxfp4", "nvfp4")
-            and problem.dtype == torch.bfloat16 and device.type == "cuda")
+            and problem.dtype == torch.bfloat16 and _hopper(device))
 
 
 def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.device) -> TileConfig:
@@ -594,8 +602,8 @@ def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.devi
 
 def per_count_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
     """Whether a batch-invariant call may run the aligned plan of its own token count
-    (`batch_invariant_tiles`): unquantized bf16 on a CUDA device, the case measured."""
-    return scheme is None and problem.dtype == torch.bfloat16 and device.type == "cuda"
+    (`batch_invariant_tiles`): unquantized bf16 on a Hopper GPU, the case measured."""
+    return scheme is None and problem.dtype == torch.bfloat16 and _hopper(device)
 
 
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,

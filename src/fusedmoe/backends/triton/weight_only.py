@@ -245,7 +245,7 @@ def triton_weight_only_experts(
     deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
     computed in registers. `out` may be x itself. direct, batch_invariant: as
     `experts.triton_experts` (direct: the decode path without alignment, GEMM1 by slot, GEMM2 with
-    the top-k sum; batch_invariant: `batch_invariant_tiles`' fixed plan at every token count).
+    the top-k sum; batch_invariant: `batch_invariant_tiles`, one plan's rows and K steps at every count).
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)

@@ -13,6 +13,7 @@ import torch
 
 from fusedmoe import fuzz, knobs
 from fusedmoe.activations import ACTIVATIONS
+from fusedmoe.backends.triton.tiles import TileConfig
 from fusedmoe.cli import main
 from fusedmoe.quant.scheme import SCHEMES
 
@@ -68,6 +69,44 @@ def test_ci_fuzz_subset_with_the_direct_decode_path_forced():
         report = fuzz.fuzz(24, 7100, profile="ci", backends=[fuzz.INTERPRETER_TRITON])
     assert not report.failures, report.failures[:3]
     assert report.per_backend[fuzz.INTERPRETER_TRITON].cases >= 6, report.table()
+
+
+def test_batch_invariant_runners_check_sub_batches(monkeypatch, capsys):
+    """With invariance on, every record serving batch invariance also runs as NAME[batch-invariant]
+    (on the CPU its interpreted kernels): the whole call against the reference, and sub-batches
+    bitwise against the whole call's rows. Off by default on the CPU (CI's subset is unchanged).
+    A plan that follows the token count (here: GEMM1's K step) fails the check with the rows."""
+    if not fuzz._interpreter_active():
+        pytest.skip("needs the Triton interpreter")
+    from fusedmoe.backends.triton import experts as experts_mod
+
+    case = fuzz.FuzzCase(seed=0, profile="ci", num_tokens=24, num_experts=5, top_k=2, hidden=64, inter=96,
+                         dtype="float32", activation="silu", routing="uniform", bias=True, local_experts=None,
+                         weight_on_input=False, quant=None, swiglu_limit=None, ids_dtype="int64")
+    name = fuzz.INTERPRETER_TRITON + fuzz.INVARIANT
+    assert fuzz.record_name(name) == "triton"
+    assert name not in fuzz.candidates(case, torch.device("cpu"))  # CPU default: off
+    assert fuzz.invariance_subsets(24) == [[0], [21, 22, 23], list(range(23, -1, -2))]
+    assert fuzz.invariance_subsets(1) == [] and fuzz.invariance_subsets(2) == [[0], [1]]
+    result = fuzz.run_case(case, backends=[name, "batched_triton" + fuzz.INTERPRETER + fuzz.INVARIANT],
+                           invariance=True)
+    assert {o.backend for o in result.outcomes} == {name, "batched_triton" + fuzz.INTERPRETER + fuzz.INVARIANT}
+    assert not result.failures, result.failures
+    seed = next(s for s in range(7000, 7100) if name in fuzz.candidates(fuzz.draw_case(s, "ci"), torch.device("cpu"),
+                                                                        invariance=True))
+    assert main(["fuzz", "--replay", str(seed), "--profile", "ci", "--batch-invariance", "--backends", name]) == 0
+    assert f"  {name} " in capsys.readouterr().out and \
+        fuzz.replay_command(case, "cpu", True).endswith("--device cpu --batch-invariance")
+
+    def by_count(problem, scheme, device, per_count=True):
+        k = 32 if problem.num_slots > 8 else 64  # a K step that follows the batch
+        return TileConfig(16, 32, k, 4, 2), TileConfig(16, 32, 32, 4, 2)
+
+    monkeypatch.setattr(experts_mod, "batch_invariant_tiles", by_count)
+    result = fuzz.run_case(case, backends=[name], invariance=True)
+    [failure] = result.failures
+    assert failure.status == "error" and failure.detail.startswith("BatchInvarianceError: ")
+    assert "of sub-batch 0 differ bitwise from the same tokens' rows in the whole call of 24" in failure.detail
 
 
 @pytest.mark.parametrize("profile,seed", REGRESSIONS)

@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="size limits: ci, cpu, cpu-triton, gpu (default: gpu on cuda, else cpu)")
     fuzz.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     fuzz.add_argument("--backends", default=None, help="comma-separated backends (default: every one accepted)")
+    fuzz.add_argument("--batch-invariance", action=argparse.BooleanOptionalAction, default=None,
+                      help="also run each backend that serves batch invariance with it, checking that sub-batches "
+                           "give bitwise the whole call's rows (NAME[batch-invariant]; default: on for cuda)")
     fuzz.add_argument("--no-interpreter", action="store_true",
                       help="on cpu: skip the Triton kernels under the Triton interpreter")
     fuzz.add_argument("--json", default=None, help="write the per-backend counts and failures as JSON")
@@ -808,7 +811,8 @@ def cmd_fuzz(args) -> int:
     if args.replay is not None:
         case = fuzz.draw_case(args.replay, profile)
         print(f"seed {case.seed} ({profile}): {case.describe()}")
-        result = fuzz.run_case(case, args.device, backends=backends, interpreter=interpreter)
+        result = fuzz.run_case(case, args.device, backends=backends, interpreter=interpreter,
+                               invariance=args.batch_invariance)
         if not result.outcomes:
             print("  no backend accepts this case here")
         for o in result.outcomes:
@@ -818,12 +822,13 @@ def cmd_fuzz(args) -> int:
     def on_failure(result) -> None:
         for o in result.failures:
             print(f"FAIL seed {result.case.seed} {o.backend} {o.status}: {o.detail}\n"
-                  f"     {result.case.describe()}\n     replay: {fuzz.replay_command(result.case, args.device)}",
+                  f"     {result.case.describe()}\n     replay: "
+                  f"{fuzz.replay_command(result.case, args.device, args.batch_invariance)}",
                   flush=True)
 
     report = fuzz.fuzz(args.cases, args.seed, profile=profile, device=args.device, backends=backends,
                        interpreter=interpreter, on_failure=on_failure, jobs=args.jobs,
-                       time_limit=args.time_limit, progress=sys.stderr)
+                       time_limit=args.time_limit, progress=sys.stderr, invariance=args.batch_invariance)
     print(report.table())
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,7 @@ ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INTERPRETER = "[interpreter]"
 INTERPRETER_TRITON = "triton" + INTERPRETER
+INVARIANT = "[batch-invariant]"  # a runner that also checks sub-batches bitwise (`_invariant`)
 
 
 @dataclass(frozen=True)
@@ -459,8 +460,14 @@ def _interpreter_active() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True) -> dict[str, Runner]:
-    """{backend name: runner} for every backend whose record accepts the case on this device."""
+def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True,
+               invariance: bool | None = None) -> dict[str, Runner]:
+    """{backend name: runner} for every backend whose record accepts the case on this device.
+    invariance (None: on CUDA devices): also `name[batch-invariant]` for every record that serves
+    `MoEConfig.batch_invariant` and accepts the case with it (and, on the CPU, its interpreted
+    Triton kernels as `name[interpreter][batch-invariant]`)."""
+    if invariance is None:
+        invariance = device.type == "cuda"
     load_plugins()
     platform = Platform.for_device(device)
     prof = PROFILES[case.profile]
@@ -473,6 +480,9 @@ def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True
         for name, record in REGISTRY.items():
             if record.layout == layout and record.check(config, platform) is None:
                 out[name] = _api_runner(name, layout)
+            if (invariance and device.type != "cpu" and record.layout == layout and record.batch_invariant
+                    and record.check(config.replace(batch_invariant=True), platform) is None):
+                out[name + INVARIANT] = _invariant(name, layout)
     if (interpreter and device.type == "cpu" and _interpreter_active() and case.dtype != "bfloat16"
             and case.num_tokens * case.top_k <= prof.interpreter_max_slots
             and max(case.hidden, case.inter) <= prof.interpreter_max_dim):
@@ -486,6 +496,9 @@ def candidates(case: FuzzCase, device: torch.device, *, interpreter: bool = True
                 continue
             if record.check(case.config(record.layout), hopper) is None:
                 out[f"{name}{INTERPRETER}"] = _interpreted(name, record.layout)
+            if invariance and record.batch_invariant and \
+                    record.check(case.config(record.layout).replace(batch_invariant=True), hopper) is None:
+                out[f"{name}{INTERPRETER}{INVARIANT}"] = _invariant(name, record.layout)
     return out
 
 
@@ -494,8 +507,8 @@ def _num_local(case: FuzzCase) -> int:
 
 
 def record_name(runner: str) -> str:
-    """The backend record a runner name stands for ("triton[interpreter]" -> "triton")."""
-    return runner.removesuffix(INTERPRETER)
+    """The backend record a runner name stands for ("triton[interpreter][batch-invariant]" -> "triton")."""
+    return runner.split("[", 1)[0]
 
 
 def _api_runner(name: str, layout: str) -> Runner:
@@ -531,6 +544,53 @@ def _interpreted(name: str, layout: str) -> Runner:
     return run
 
 
+class BatchInvarianceError(AssertionError):
+    """A sub-batch's rows differ bitwise from the same tokens' rows in the whole call."""
+
+
+def invariance_subsets(num_tokens: int) -> list[list[int]]:
+    """The sub-batches `_invariant` checks: the first token alone, the last three, every other
+    token in reverse order (distinct sets only)."""
+    subsets = [[0], list(range(max(0, num_tokens - 3), num_tokens)), list(range(num_tokens - 1, -1, -2))]
+    seen, out = set(), []
+    for rows in subsets:
+        if rows and tuple(rows) not in seen and len(rows) < num_tokens:
+            seen.add(tuple(rows))
+            out.append(rows)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)  # NaNs compare by their bits
+
+
+def _invariant(name: str, layout: str) -> Runner:
+    """The backend's experts with `MoEConfig.batch_invariant` (behind the modular kernel, on its
+    `process_weights` layout, as `_interpreted`): the whole call's output, checked against the
+    reference by run_case, after each of `invariance_subsets` gave bitwise its tokens' rows of
+    it (a BatchInvarianceError otherwise)."""
+
+    def run(case: FuzzCase, p: Problem) -> torch.Tensor:
+        config = case.config(layout).replace(batch_invariant=True)
+        if case.num_tokens == 0:
+            return p.x_TH.new_empty(0, case.hidden)
+        experts = REGISTRY[name].load_impl()(config)
+        kernel, weights = make_modular(config, experts), experts.process_weights(p.weights)
+        full = kernel(p.x_TH, weights, p.topk_weights_TK, p.topk_ids_TK, expert_map_E=p.expert_map_E)
+        for rows in invariance_subsets(case.num_tokens):
+            index = torch.tensor(rows, device=p.x_TH.device)
+            part = kernel(p.x_TH[index], weights, p.topk_weights_TK[index], p.topk_ids_TK[index],
+                          expert_map_E=p.expert_map_E)
+            if not torch.equal(_bits(part), _bits(full[index])):
+                bad = int((_bits(part).view(len(rows), -1) != _bits(full[index]).view(len(rows), -1)).any(1).sum())
+                raise BatchInvarianceError(
+                    f"{bad} of the {len(rows)} rows of sub-batch {_span(sorted(rows), 4)} differ bitwise from the same "
+                    f"tokens' rows in the whole call of {case.num_tokens} (batch_invariant=True)")
+        return full
+
+    return run
+
+
 # Running ------------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -551,13 +611,14 @@ class CaseResult:
 
 
 def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Sequence[str] | None = None,
-             interpreter: bool = True) -> CaseResult:
+             interpreter: bool = True, invariance: bool | None = None) -> CaseResult:
     """Run every accepted backend (or those named) on `case` and compare with the reference.
 
-    A backend raising on a problem its record accepts is a failure ("error"), as is a mismatch.
+    A backend raising on a problem its record accepts is a failure ("error"), as is a mismatch;
+    so is a batch-invariant runner whose sub-batches' rows differ (`candidates`' invariance).
     """
     device = torch.device(device)
-    runners = candidates(case, device, interpreter=interpreter)
+    runners = candidates(case, device, interpreter=interpreter, invariance=invariance)
     if backends is not None:
         runners = {n: r for n, r in runners.items() if n in backends or record_name(n) in backends}
     if not runners:  # nothing to compare: skip building the problem and the reference
@@ -701,9 +762,10 @@ class Report:
                  f"{_span(self.seeds)}{jobs}) in {self.seconds:.1f} s"]
         if not_run:
             lines.append(f"cut short ({self.stopped or 'stopped'}): {len(not_run)} seeds not run: {_span(not_run)}")
-        lines.append(f"{'backend':<28} {'cases':>7} {'mismatch':>8} {'error':>6} {'seconds':>8}")
+        width = max([28, *map(len, self.per_backend)])
+        lines.append(f"{'backend':<{width}} {'cases':>7} {'mismatch':>8} {'error':>6} {'seconds':>8}")
         for name, t in sorted(self.per_backend.items()):
-            lines.append(f"{name:<28} {t.cases:>7} {t.mismatches:>8} {t.errors:>6} {t.seconds:>8.1f}")
+            lines.append(f"{name:<{width}} {t.cases:>7} {t.mismatches:>8} {t.errors:>6} {t.seconds:>8.1f}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -761,7 +823,7 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
          backends: Sequence[str] | None = None, interpreter: bool = True,
          on_failure: Callable[[CaseResult], None] | None = None, jobs: int = 1,
          time_limit: float | None = None, progress: TextIO | None = None, progress_every: float = 30.0,
-         worker_setup: Callable[[], None] | None = None) -> Report:
+         worker_setup: Callable[[], None] | None = None, invariance: bool | None = None) -> Report:
     """Run seeds first_seed .. first_seed + cases - 1; tally per backend.
 
     jobs > 1: that many spawned worker processes, the next free one taking the next seed; results
@@ -775,7 +837,8 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
     time_limit: no case starts after that many seconds; report.stopped says so, report.seeds lists
     the seeds that ran (cases under way finish; in parallel those still running STOP_GRACE_S later
     are stopped and count as not run). progress: a stream (stderr) that gets a line every
-    `progress_every` seconds. on_failure is called as each failing case completes.
+    `progress_every` seconds. on_failure is called as each failing case completes. invariance:
+    the batch-invariant runners (`candidates`; None: on CUDA devices).
     """
     if cases < 0 or jobs < 1:
         raise ValueError(f"cases={cases}, jobs={jobs}: expected cases >= 0 and jobs >= 1")
@@ -792,7 +855,8 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
             if deadline is not None and time.perf_counter() >= deadline:
                 report.stopped = stop_reason
                 break
-            result = run_case(draw_case(seed, profile), device, backends=backends, interpreter=interpreter)
+            result = run_case(draw_case(seed, profile), device, backends=backends, interpreter=interpreter,
+                              invariance=invariance)
             report.add(result)
             meter.failures += len(result.failures)
             if result.failures and on_failure is not None:
@@ -805,7 +869,7 @@ def fuzz(cases: int, first_seed: int = 0, *, profile: str = "ci", device: str = 
     else:
         job = _Job(profile, str(device), None if backends is None else tuple(backends), interpreter,
                    _interpreter_active(), tuple(knobs.overrides().items()),
-                   max(1, torch.get_num_threads() // jobs), worker_setup)
+                   max(1, torch.get_num_threads() // jobs), worker_setup, invariance)
         _run_parallel(report, seeds, job, jobs, deadline, stop_reason, on_failure, meter)
     report.seconds = time.perf_counter() - start
     return report
@@ -828,6 +892,7 @@ class _Job:
     knob_overrides: tuple[tuple[str, object], ...]
     threads: int  # torch CPU threads per worker: the parent's / jobs, so N workers do not oversubscribe
     setup: Callable[[], None] | None
+    invariance: bool | None = None
 
 
 def _worker(conn: Connection, job: _Job) -> None:
@@ -856,7 +921,8 @@ def _worker(conn: Connection, job: _Job) -> None:
                 return
             case = draw_case(seed, job.profile)
             try:
-                result = run_case(case, job.device, backends=job.backends, interpreter=job.interpreter)
+                result = run_case(case, job.device, backends=job.backends, interpreter=job.interpreter,
+                                  invariance=job.invariance)
             except Exception as exc:  # noqa: BLE001 - recorded under the seed; the other seeds go on
                 result = CaseResult(case, [Outcome(WORKER, "error", f"outside the backends: {type(exc).__name__}: {exc}")])
                 lost = context_lost(torch.device(job.device))  # the fault may have been outside the backends
@@ -977,5 +1043,6 @@ def _run_parallel(report: Report, seeds: range, job: _Job, jobs: int, deadline: 
         report.add(results[seed])
 
 
-def replay_command(case: FuzzCase, device: str = "cpu") -> str:
-    return f"fusedmoe fuzz --replay {case.seed} --profile {case.profile} --device {device}"
+def replay_command(case: FuzzCase, device: str = "cpu", invariance: bool | None = None) -> str:
+    flag = "" if invariance is None else " --batch-invariance" if invariance else " --no-batch-invariance"
+    return f"fusedmoe fuzz --replay {case.seed} --profile {case.profile} --device {device}{flag}"

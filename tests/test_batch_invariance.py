@@ -287,6 +287,8 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
     assert plan["gemm1"]["source"].endswith("in one K pass") and "K pass" not in plan["gemm2"]["source"]
     assert "one aligned plan at every token count" in ex.describe_plan(problem(1, torch.float16), None, cuda,
                                                                       True)["why"]
+    narrowed = ex.describe_plan(problem(1), get_scheme("mxfp4_w4a16"), cuda, True)
+    assert "its N tiles narrowed at decode" in narrowed["why"] and narrowed["gemm1"]["source"].endswith("for this M")
     ex.clear_tile_caches()
 
 

@@ -681,6 +681,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                       f"batch-invariant: the aligned path's ({src2})")
         why = ("batch_invariant: the aligned plan of this token count, GEMM1 unsplit: a row's bits do not "
                "depend on the tile here (experts.batch_invariant_tiles)")
+    elif batch_invariant and narrow_invariant(problem, scheme, device):
+        src1 = src2 = (f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, its N tiles "
+                       "narrowed for this M")
+        why = ("batch_invariant: one aligned plan's rows, K steps and warps at every token count, its N tiles "
+               "narrowed at decode (experts.batch_invariant_tiles)")
     elif batch_invariant:
         src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"

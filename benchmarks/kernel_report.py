@@ -4,7 +4,8 @@ compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kern
     python benchmarks/kernel_report.py --presets mixtral-8x7b --tokens 1,4096 [--quant fp8_w8a8_block]
         [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3] [--json out.json]
     python benchmarks/kernel_report.py --diff old.json new.json     # e.g. two trees' reports
-    python benchmarks/kernel_report.py ... --loop     # + each GEMM's K loop: instructions per step, mix
+    python benchmarks/kernel_report.py ... --loop     # + each GEMM's K loop: instructions per step, mix,
+                                                      #   and its hazards (spills, serialized wgmma)
 
 The plan (path, tiles) is the one the library would pick for the preset's problem on an sm90 GPU
 of 132 SMs with --device-name's packaged tuned table (default NVIDIA H200; 'none': the tile
@@ -197,6 +198,8 @@ def main(argv=None) -> int:
             loop = r["loop"]
             mix = " ".join(f"{k}={v}" for k, v in list(loop["opcodes"].items())[:16])
             print(f"{'':16} {'':>5} {'':7} {'  its longest loop (the K step)':47} {loop['instructions']:>27}  {mix}")
+            for hazard in kernel_report.loop_hazards(loop):
+                print(f"{'':16} {'':>5} {'':7}   ! {hazard}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "quant": args.quant, "dtype": args.dtype, "rows": rows}, f,

@@ -107,6 +107,19 @@ def test_loop_mix_finds_the_longest_backward_branch():
         "instructions": 0, "opcodes": {}}
 
 
+def test_loop_hazards_name_spills_and_serialized_wgmma():
+    """kernel_report.loop_hazards: local loads / stores in the K loop, and WARPGROUP arrive / wait
+    twice per MMA or more (each wgmma waited on alone); a pipelined loop has none."""
+    from fusedmoe.backends.triton.kernel_report import loop_hazards
+
+    assert loop_hazards({"instructions": 425, "opcodes": {"LOP3": 97, "HGMMA": 16, "WARPGROUP": 9}}) == []
+    assert loop_hazards({"instructions": 0, "opcodes": {}}) == []
+    assert loop_hazards({"opcodes": {"HGMMA": 32, "WARPGROUP": 64, "LDL": 11}}) == [
+        "spills in the loop (LDL 11)", "wgmma serialized (64 WARPGROUP for 32 MMA)"]
+    assert loop_hazards({"opcodes": {"QGMMA": 4, "WARPGROUP": 9, "STL": 2}}) == ["spills in the loop (STL 2)"]
+    assert loop_hazards({"opcodes": {"QGMMA": 8, "WARPGROUP": 16}}) == ["wgmma serialized (16 WARPGROUP for 8 MMA)"]
+
+
 def test_plans_come_from_the_named_gpus_table_whatever_triton_compiles(tmp_path, monkeypatch):
     """--device-name's tuned table decides the plan as it would on that GPU, which runs the Triton
     the table was tuned with: tables load only under their own Triton (major.minor), and this

@@ -187,6 +187,23 @@ def loop_mix(sass: str) -> dict:
     return {"instructions": end - start + 1, "opcodes": dict(body.most_common())}
 
 
+def loop_hazards(loop: dict) -> list[str]:
+    """What in a K loop's mix (`loop_mix`) is known to cost time: register spills in the loop
+    (local loads / stores: LDL, STL), and wgmma waited on one instruction at a time (WARPGROUP
+    arrive / wait at least twice per MMA and 16 or more: a pipelined K step has ~4-9 per step
+    whatever its MMA count; ptxas serializes the wgmma where the operands in registers outgrow the
+    file, as the 4-bit fragment GEMM1's 64 x 128 x 128 tile at 4 warps did: 64 for 32 HGMMA)."""
+    ops = loop.get("opcodes", {})
+    out = []
+    spills = {k: ops[k] for k in ("LDL", "STL") if ops.get(k)}
+    if spills:
+        out.append("spills in the loop (" + ", ".join(f"{k} {v}" for k, v in spills.items()) + ")")
+    hgmma, waits = ops.get("HGMMA", 0) + ops.get("QGMMA", 0) + ops.get("IGMMA", 0), ops.get("WARPGROUP", 0)
+    if hgmma and waits >= max(16, 2 * hgmma):
+        out.append(f"wgmma serialized ({waits} WARPGROUP for {hgmma} MMA)")
+    return out
+
+
 def unavailable() -> str | None:
     """Why this machine cannot compile for sm90 (no CUDA backend, no ptxas, the interpreter on),
     or None."""

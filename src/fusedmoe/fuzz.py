@@ -533,15 +533,19 @@ def _interpreted(name: str, layout: str) -> Runner:
     runners pass them as stored."""
 
     def run(case: FuzzCase, p: Problem) -> torch.Tensor:
-        config = case.config(layout)
         if case.num_tokens == 0:
             return p.x_TH.new_empty(0, case.hidden)
-        experts = REGISTRY[name].load_impl()(config)
-        return make_modular(config, experts)(
-            p.x_TH, experts.process_weights(p.weights), p.topk_weights_TK, p.topk_ids_TK,
-            expert_map_E=p.expert_map_E)
+        kernel, weights = _layer_kernel(name, case.config(layout), p)
+        return kernel(p.x_TH, weights, p.topk_weights_TK, p.topk_ids_TK, expert_map_E=p.expert_map_E)
 
     return run
+
+
+def _layer_kernel(name: str, config: MoEConfig, p: Problem):
+    """(the modular kernel fused_experts builds around `name`'s experts for `config`, the
+    problem's weights as its `process_weights` lays them for a layer)."""
+    experts = REGISTRY[name].load_impl()(config)
+    return make_modular(config, experts), experts.process_weights(p.weights)
 
 
 class BatchInvarianceError(AssertionError):
@@ -571,11 +575,9 @@ def _invariant(name: str, layout: str) -> Runner:
     it (a BatchInvarianceError otherwise)."""
 
     def run(case: FuzzCase, p: Problem) -> torch.Tensor:
-        config = case.config(layout).replace(batch_invariant=True)
         if case.num_tokens == 0:
             return p.x_TH.new_empty(0, case.hidden)
-        experts = REGISTRY[name].load_impl()(config)
-        kernel, weights = make_modular(config, experts), experts.process_weights(p.weights)
+        kernel, weights = _layer_kernel(name, case.config(layout).replace(batch_invariant=True), p)
         full = kernel(p.x_TH, weights, p.topk_weights_TK, p.topk_ids_TK, expert_map_E=p.expert_map_E)
         for rows in invariance_subsets(case.num_tokens):
             index = torch.tensor(rows, device=p.x_TH.device)

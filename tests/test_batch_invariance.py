@@ -287,6 +287,12 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
     assert plan["gemm1"]["source"].endswith("in one K pass") and "K pass" not in plan["gemm2"]["source"]
     assert "one aligned plan at every token count" in ex.describe_plan(problem(1, torch.float16), None, cuda,
                                                                       True)["why"]
+    # explain on a machine without the GPU says what a Hopper GPU runs instead
+    assert ex.describe_plan(problem(1), None, cpu, True)["why"].endswith(
+        "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit")
+    assert ex.describe_plan(problem(1), get_scheme("nvfp4_w4a16"), cpu, True)["why"].endswith(
+        "; on a Hopper GPU: its N tiles narrowed at decode")
+    assert "Hopper" not in ex.describe_plan(problem(1, torch.float16), None, cpu, True)["why"]
     narrowed = ex.describe_plan(problem(1), get_scheme("mxfp4_w4a16"), cuda, True)
     assert "its N tiles narrowed at decode" in narrowed["why"] and narrowed["gemm1"]["source"].endswith("for this M")
     ex.clear_tile_caches()

@@ -689,6 +689,11 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     elif batch_invariant:
         src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"
+        if problem.dtype == torch.bfloat16 and device.type != "cuda":  # explain without the GPU
+            if scheme is None:
+                why += "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit"
+            elif scheme.weight_only and scheme.weight.dtype in ("int4", "mxfp4", "nvfp4"):
+                why += "; on a Hopper GPU: its N tiles narrowed at decode"
     elif why is None:
         plan = tuned_plan(problem, scheme, device)
         if plan is not None:

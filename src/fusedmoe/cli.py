@@ -493,7 +493,7 @@ def cmd_bench(args) -> int:
     meta = _bench_meta(ceilings, args.commit)
     meta["quant"] = args.quant
     meta["routing"] = "included" if args.routing else "excluded"
-    meta["batch_invariant"] = knobs.get("BATCH_INVARIANT") is True  # one plan at every M (docs/reliability.md)
+    meta["batch_invariant"] = knobs.get("BATCH_INVARIANT") is True  # plans that keep rows' bits (docs/reliability.md)
     eight = ""
     if operand is not None:
         rate = ceilings.peak(operand)

@@ -578,11 +578,16 @@ def _hopper(device: torch.device) -> bool:
     return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
+def _narrow_scheme(problem: GemmProblem, scheme) -> bool:
+    """A 4-bit weight-only scheme on bf16 activations: what `narrow_invariant` asks of the call."""
+    return (scheme is not None and scheme.weight_only and scheme.weight.dtype in W4_FRAG_FORMATS
+            and problem.dtype == torch.bfloat16)
+
+
 def narrow_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
     """Whether a batch-invariant call of a 4-bit weight-only scheme may narrow the fixed plan's N
     tiles for its token count (`_narrowed`): bf16 on a Hopper GPU, the case measured."""
-    return (scheme is not None and scheme.weight_only and scheme.weight.dtype in ("int4", "mxfp4", "nvfp4")
-            and problem.dtype == torch.bfloat16 and _hopper(device))
+    return _narrow_scheme(problem, scheme) and _hopper(device)
 
 
 def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.device) -> TileConfig:
@@ -600,10 +605,15 @@ def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.devi
     return dataclasses.replace(tile, block_n=block_n)
 
 
+def _per_count_scheme(problem: GemmProblem, scheme) -> bool:
+    """Unquantized bf16: what `per_count_invariant` asks of the call."""
+    return scheme is None and problem.dtype == torch.bfloat16
+
+
 def per_count_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
     """Whether a batch-invariant call may run the aligned plan of its own token count
     (`batch_invariant_tiles`): unquantized bf16 on a Hopper GPU, the case measured."""
-    return scheme is None and problem.dtype == torch.bfloat16 and _hopper(device)
+    return _per_count_scheme(problem, scheme) and _hopper(device)
 
 
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
@@ -689,10 +699,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     elif batch_invariant:
         src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"
-        if problem.dtype == torch.bfloat16 and device.type != "cuda":  # explain without the GPU
-            if scheme is None:
+        if device.type != "cuda":  # explain without the GPU: what a Hopper GPU runs instead
+            if _per_count_scheme(problem, scheme):
                 why += "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit"
-            elif scheme.weight_only and scheme.weight.dtype in ("int4", "mxfp4", "nvfp4"):
+            elif _narrow_scheme(problem, scheme):
                 why += "; on a Hopper GPU: its N tiles narrowed at decode"
     elif why is None:
         plan = tuned_plan(problem, scheme, device)

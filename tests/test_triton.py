@@ -218,6 +218,39 @@ def test_heuristic_for_a_given_block_m():
             heuristic(128, 8, 14336, 4096, torch.bfloat16, gated=True, block_m=bad)
 
 
+def test_w4_heuristic_k_steps():
+    """4-bit weight-only tiles past 16 rows (H200 A/B, tiles.heuristic): 64-deep K steps at 4 warps
+    for GEMM2, for GEMM1 over fragments at 64 rows, over the checkpoint layout at 32, and where K
+    is not a multiple of 128; 128 otherwise, and at 8 warps (128-row blocks)."""
+    def k_step(block_m, k, gated, fragments):
+        tile = heuristic(4096, 128, 1536, k, torch.bfloat16, gated=gated, quant="w4", group=32, block_m=block_m,
+                         fragments=fragments)
+        assert check_tile(tile, dtype=torch.bfloat16, operands=2 if gated else 1, allow_split=gated, quant="w4",
+                          group=32) is None, tile
+        return tile.block_k
+
+    assert [k_step(m, 2048, True, True) for m in (32, 64, 128)] == [128, 64, 128]
+    assert [k_step(m, 2048, True, False) for m in (32, 64, 128)] == [64, 128, 128]
+    assert [k_step(m, 2880, True, f) for m in (32, 64) for f in (True, False)] == [64] * 4  # gpt-oss H
+    assert [k_step(m, 768, False, f) for m in (32, 64, 128) for f in (True, False)] == [64] * 4 + [128] * 2
+
+
+def test_w4_fragments_planned(monkeypatch):
+    from fusedmoe.backends.triton.weight_only import w4_fragments_planned
+    from fusedmoe.quant.scheme import get_scheme
+
+    mxfp4, nvfp4, int4 = (get_scheme(q) for q in ("mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"))
+    assert w4_fragments_planned(mxfp4, 2048, 768) and w4_fragments_planned(nvfp4, 2880, 2880)
+    assert not w4_fragments_planned(int4, 2048, 768)  # the checkpoint layout by default
+    assert not w4_fragments_planned(mxfp4, 2048, 776) and not w4_fragments_planned(mxfp4, 2056, 768)
+    assert not w4_fragments_planned(mxfp4, 64, 40, gated=False)  # w2 [64, 40]: K not whole 64-wide fragments
+    assert w4_fragments_planned(mxfp4, 64, 640, gated=False)
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):
+        assert w4_fragments_planned(int4, 2048, 768)
+    with knobs.override(TRITON_W4_FRAGMENTS=False):
+        assert not w4_fragments_planned(mxfp4, 2048, 768)
+
+
 def test_check_tile_reasons():
     assert "power of two" in check_tile(TileConfig(24, 64, 64), dtype=torch.float16)
     assert ">= 16" in check_tile(TileConfig(8, 64, 64), dtype=torch.float16)

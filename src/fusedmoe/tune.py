@@ -274,6 +274,7 @@ def tune_shape(
     )
     from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
+    from fusedmoe.backends.triton.weight_only import w4_fragments_planned
     from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
@@ -309,10 +310,11 @@ def tune_shape(
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
+        frag = mode == "w4" and w4_fragments_planned(scheme, hidden, inter, gated)
         h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
-                       quant=mode, group=group, tma=tma1, codes=codes)
+                       quant=mode, group=group, tma=tma1, codes=codes, fragments=frag)
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
-                       quant=mode, group=group, tma=tma2, codes=codes)
+                       quant=mode, group=group, tma=tma2, codes=codes, fragments=frag)
 
         def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
             gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)

@@ -267,7 +267,7 @@ def block_m_for(num_slots: int, num_local_experts: int, dtype: torch.dtype) -> i
 def heuristic(
     num_slots: int, num_local_experts: int, n: int, k: int, dtype: torch.dtype, *, gated: bool,
     num_sms: int = 132, quant: str | None = None, group: int | None = None, tma: str | None = None,
-    codes: str | None = None, block_m: int | None = None,
+    codes: str | None = None, block_m: int | None = None, fragments: bool = False,
 ) -> TileConfig:
     """A valid tile for one grouped GEMM with N output columns and K reduction.
 
@@ -280,7 +280,8 @@ def heuristic(
     tma: the operands the GEMM will load through TMA descriptors (experts.tma_reasons): None,
     "w" (the weights; gemm1, whose rows are gathered by token) or "a+w" (gemm2's sorted rows too).
     block_m: the rows per block to pick the rest for (`fusedmoe tune` starts its other block sizes
-    there); None: the heuristic's own.
+    there); None: the heuristic's own. fragments ("w4"): the weights will be in the fragment
+    layout (weight_only.w4_fragments_planned), not the checkpoint's.
     """
     if tma is not None and tma not in TMA_LOADS:
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
@@ -371,6 +372,19 @@ def heuristic(
         else:
             block_n, block_k, num_stages = 128, 128, 3
             num_warps = 8 if block_m >= 128 else 4
+            # 64-deep K steps at 4 warps. A 128 x 128 tile at 4 warps compiled (sm90) with wgmma
+            # serialized one MMA at a time over fragments and with spills in the K loop over int4's
+            # checkpoint layout (kernel_report --loop, results/2026-11-29_cpu_sm90_triton3.9_w4_kernel_hazards.txt);
+            # timed on an H200 (packaged tables off, 5 presets x M=256-2048, 128 -> 64 per GEMM,
+            # results/2026-11-29_h200_efb440d_w4_block_k_ab.txt): GEMM2 64 deep won at 32- and
+            # 64-row blocks in all three formats (-2 to -8%); GEMM1 won over fragments at 64 rows
+            # (mxfp4 Qwen3-30B M=1024 461 -> 336 us, Mixtral M=256 898 -> 688, DeepSeek-V3 M=2048
+            # 1168 -> 929) but lost at 32 (+8-9%); over int4's checkpoint layout the other way round
+            # (32 rows -5 to -22%, 64 rows +6-10%); and where K is not a multiple of 128 (gpt-oss,
+            # H = 2880: M=2048 mxfp4 2146 -> 1502, int4 -14%). 8 warps (128-row blocks) kept 128:
+            # GEMM2 64 deep lost 6-23% there.
+            if num_warps == 4 and (not gated or k % 128 or block_m == (64 if fragments else 32)):
+                block_k = 64
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split)

@@ -47,7 +47,14 @@ from fusedmoe.backends.triton.tiles import (
     tile_mode,
 )
 from fusedmoe.modular import ExpertWeights
-from fusedmoe.quant.fragments import SCALE_LINE, fragments_reason, is_fragments, to_fragments
+from fusedmoe.quant.fragments import (
+    FRAG_K,
+    FRAG_N,
+    SCALE_LINE,
+    fragments_reason,
+    is_fragments,
+    to_fragments,
+)
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
 
@@ -173,6 +180,17 @@ def fragment_formats() -> tuple[str, ...]:
     return tuple(W4_FRAG_FORMATS) if mode == "all" else DEFAULT_FRAGMENT_FORMATS
 
 
+def w4_fragments_planned(scheme: QuantScheme, hidden: int, inter: int, gated: bool = True) -> bool:
+    """Whether `process_weights` will lay this 4-bit scheme's weights of this shape as fragments
+    (`_w4_fragments`), as far as the shape tells: the format is one of `fragment_formats()` and
+    both weights are whole fragments. The heuristic sizes its K steps by it; the scales' values
+    (an mxfp4 scale above 2) can still keep the checkpoint layout."""
+    if scheme.weight.dtype not in fragment_formats():
+        return False
+    n13 = 2 * inter if gated else inter
+    return all(n % FRAG_N == 0 and k % FRAG_K == 0 for n, k in ((n13, hidden), (hidden, inter)))
+
+
 def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     """4-bit payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where the
     format is one of `fragment_formats()` and both weights allow it; else as given. H200, one
@@ -209,10 +227,11 @@ def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
         return tuned
     p, sms = problem, _num_sms(device)
     mode, group = weight_only_mode(scheme)
+    frag = mode == "w4" and w4_fragments_planned(scheme, p.hidden, p.inter, p.gated)
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
-                   num_sms=sms, quant=mode, group=group)
+                   num_sms=sms, quant=mode, group=group, fragments=frag)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
-                   num_sms=sms, quant=mode, group=group)
+                   num_sms=sms, quant=mode, group=group, fragments=frag)
     return t1, t2
 
 

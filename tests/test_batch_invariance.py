@@ -274,6 +274,12 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
         assert one[0].block_n == 64 < many[0].block_n, quant  # GEMM1 at one token: 8 x 768 / 64 = 96 programs
         assert ex.narrow_invariant(problem(1), get_scheme(quant), cuda) and \
             not ex.narrow_invariant(problem(1), get_scheme(quant), cpu)
+    # 8-warp tiles (128-row blocks) are not narrowed: a narrower N tile changed rows there (GPU fuzz
+    # seed 500199's shape: mxfp4, not gated, 46 experts, 7 per token)
+    few = ex.GemmProblem(7, 46, 64, 640, 7, False, torch.bfloat16)
+    one, many = (ex.plan_tiles(dataclasses.replace(few, num_slots=7 * t), get_scheme("mxfp4_w4a16"), cuda, None,
+                               None, True)[1:] for t in (1, 2295))
+    assert one == many and one[0].num_warps == 8 and one[0].block_n == 128
     monkeypatch.setattr(ex, "device_capability", lambda index: (10, 0))  # not measured there: one plan
     ex.clear_tile_caches()
     for quant in (None, "mxfp4_w4a16"):

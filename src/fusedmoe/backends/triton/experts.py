@@ -576,6 +576,9 @@ def _w4_fragments(problem: GemmProblem, scheme) -> bool:
 
 
 NARROW_MIN_BLOCK_N = 64  # the narrowest N tile `_narrowed` takes (the fragment layout's narrowest, tiles.fragment_tile)
+# the warps of the tiles `_narrowed` narrows: at 8 warps (128-row blocks) narrower N tiles changed rows
+# (H200, GPU fuzz seed 500199: mxfp4, gelu_no_mul, E=46 H=64 I=640, GEMM1 128 x 128 -> 128 x 64 at 8 warps)
+NARROW_WARPS = 4
 
 
 def _hopper(device: torch.device) -> bool:
@@ -602,9 +605,13 @@ def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.devi
     """tile with block_n halved (down to NARROW_MIN_BLOCK_N) until the GEMM over n columns has
     two programs per SM at this token count, as the heuristic sizes decode tiles. block_m, block_k
     and warps stay the fixed plan's: narrower N tiles of the same rows, K steps and warps gave
-    bitwise the fixed plan's rows on an H200 (mxfp4 and bf16, block_n 16-256, either GEMM;
+    bitwise the fixed plan's rows on an H200 (mxfp4 and bf16, block_n 16-256, either GEMM, 4 warps;
     results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt), while changing block_m (int4) or
-    block_n with block_k and warps together (one mxfp4 tile) did not."""
+    block_n with block_k and warps together (one mxfp4 tile) did not. Tiles at other than
+    NARROW_WARPS warps stay as they are: at 8 warps a narrower N tile alone changed rows (the GPU
+    fuzz, docs/reliability.md#batch-invariance)."""
+    if tile.num_warps != NARROW_WARPS:
+        return tile
     sms = _num_sms(device)
     blocks = min(problem.num_local_experts, problem.num_slots) + problem.num_slots // tile.block_m
     block_n = tile.block_n

@@ -235,7 +235,7 @@ def test_w4_heuristic_k_steps():
     assert [k_step(m, 768, False, f) for m in (32, 64, 128) for f in (True, False)] == [64] * 4 + [128] * 2
 
 
-def test_w4_fragments_planned(monkeypatch):
+def test_w4_fragments_planned():
     from fusedmoe.backends.triton.weight_only import w4_fragments_planned
     from fusedmoe.quant.scheme import get_scheme
 

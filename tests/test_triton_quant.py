@@ -977,18 +977,22 @@ def test_decode_gemm1_rule_for_narrow_weights():
 
 
 def test_four_bit_tiles_past_16_row_blocks():
-    """4-bit GEMMs over 32-row and larger blocks take 128-wide, 128-deep tiles in 3 stages, 8
-    warps from 128 rows (H200 grid and old / new A/B in tiles.heuristic); 16-row blocks keep the
-    narrow decode rule."""
-    for tokens, experts, top_k, hidden, inter, block_m, warps in (
-            (256, 8, 2, 4096, 14336, 64, 4),     # Mixtral M=256: 64 rows per expert
-            (1024, 128, 8, 2048, 768, 64, 4),    # Qwen3-30B M=1024
-            (1024, 128, 4, 2880, 2880, 32, 4),   # gpt-oss M=1024
-            (4096, 128, 8, 2048, 768, 128, 8)):  # Qwen3-30B M=4096
-        for n, k, gated in ((inter, hidden, True), (hidden, inter, False)):
-            t = heuristic(tokens * top_k, experts, n, k, torch.bfloat16, gated=gated, quant="w4", group=32)
-            assert (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k) == \
-                (block_m, 128, 128, warps, 3, 1), (tokens, experts, gated, t)
+    """4-bit GEMMs over 32-row and larger blocks take 128-wide tiles in 3 stages, 8 warps from 128
+    rows (H200 grid and old / new A/B in tiles.heuristic), 128 deep but where the K-step rule takes
+    64 (4 warps: GEMM2; GEMM1 over fragments at 64 rows, over the checkpoint layout at 32, K not a
+    multiple of 128); 16-row blocks keep the narrow decode rule."""
+    for tokens, experts, top_k, hidden, inter, block_m, warps, k_steps in (
+            (256, 8, 2, 4096, 14336, 64, 4, {False: (128, 64), True: (64, 64)}),  # Mixtral M=256: 64 rows per expert
+            (1024, 128, 8, 2048, 768, 64, 4, {False: (128, 64), True: (64, 64)}),  # Qwen3-30B M=1024
+            (1024, 128, 4, 2880, 2880, 32, 4, {False: (64, 64), True: (64, 64)}),  # gpt-oss M=1024 (H % 128)
+            (512, 128, 8, 2048, 768, 32, 4, {False: (64, 64), True: (128, 64)}),   # Qwen3-30B M=512
+            (4096, 128, 8, 2048, 768, 128, 8, {False: (128, 128), True: (128, 128)})):  # Qwen3-30B M=4096
+        for fragments, (k1, k2) in k_steps.items():
+            for n, k, gated, block_k in ((inter, hidden, True, k1), (hidden, inter, False, k2)):
+                t = heuristic(tokens * top_k, experts, n, k, torch.bfloat16, gated=gated, quant="w4", group=32,
+                              fragments=fragments)
+                assert (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k) == \
+                    (block_m, 128, block_k, warps, 3, 1), (tokens, experts, gated, fragments, t)
     assert heuristic(256 * 8, 128, 768, 2048, torch.bfloat16, gated=True, quant="w4", group=32).block_n == 64
 
 

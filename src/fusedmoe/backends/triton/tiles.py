@@ -377,7 +377,7 @@ def heuristic(
             # checkpoint layout (kernel_report --loop, results/2026-11-29_cpu_sm90_triton3.9_w4_kernel_hazards.txt);
             # timed on an H200 (packaged tables off, 5 presets x M=256-2048, 128 -> 64 per GEMM,
             # results/2026-11-29_h200_efb440d_w4_block_k_ab.txt): GEMM2 64 deep won at 32- and
-            # 64-row blocks in all three formats (-2 to -8%); GEMM1 won over fragments at 64 rows
+            # 64-row blocks (-2 to -8%; mxfp4 at 32 rows +2.6% once); GEMM1 won over fragments at 64 rows
             # (mxfp4 Qwen3-30B M=1024 461 -> 336 us, Mixtral M=256 898 -> 688, DeepSeek-V3 M=2048
             # 1168 -> 929) but lost at 32 (+8-9%); over int4's checkpoint layout the other way round
             # (32 rows -5 to -22%, 64 rows +6-10%); and where K is not a multiple of 128 (gpt-oss,

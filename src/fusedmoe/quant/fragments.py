@@ -162,6 +162,12 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"the fragment layout holds {FORMATS} weights, not {fmt!r}")
 
 
+def whole_fragments(n: int, k: int) -> bool:
+    """Whether an [n, k] weight is made of whole FRAG_N x FRAG_K fragments (the shape half of
+    `fragments_reason`)."""
+    return n % FRAG_N == 0 and k % FRAG_K == 0
+
+
 def fragments_reason(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp4") -> str | None:
     """Why one 4-bit weight (codes [E, N, K/2], scales [E, N, K/group]) cannot take the fragment
     layout, or None. mxfp4 reads the scales' max: one device-to-host sync (load time)."""
@@ -169,7 +175,7 @@ def fragments_reason(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp
     if codes.dim() != 3 or scales.dim() != 3 or codes.dtype != torch.uint8 or scales.dtype not in _SCALE_DTYPES[fmt]:
         return f"codes {tuple(codes.shape)} {codes.dtype} / scales {tuple(scales.shape)} {scales.dtype}"
     n, k = codes.shape[1], 2 * codes.shape[2]
-    if n % FRAG_N or k % FRAG_K:
+    if not whole_fragments(n, k):
         return f"[{n}, {k}] is not made of whole {FRAG_N} x {FRAG_K} fragments"
     groups = scales.shape[2]
     group = k // groups if groups and k % groups == 0 else 0

@@ -48,12 +48,11 @@ from fusedmoe.backends.triton.tiles import (
 )
 from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.fragments import (
-    FRAG_K,
-    FRAG_N,
     SCALE_LINE,
     fragments_reason,
     is_fragments,
     to_fragments,
+    whole_fragments,
 )
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
@@ -188,7 +187,7 @@ def w4_fragments_planned(scheme: QuantScheme, hidden: int, inter: int, gated: bo
     if scheme.weight.dtype not in fragment_formats():
         return False
     n13 = 2 * inter if gated else inter
-    return all(n % FRAG_N == 0 and k % FRAG_K == 0 for n, k in ((n13, hidden), (hidden, inter)))
+    return whole_fragments(n13, hidden) and whole_fragments(hidden, inter)
 
 
 def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:

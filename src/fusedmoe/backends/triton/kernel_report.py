@@ -192,7 +192,11 @@ def loop_hazards(loop: dict) -> list[str]:
     (local loads / stores: LDL, STL), and wgmma waited on one instruction at a time (WARPGROUP
     arrive / wait at least twice per MMA and 16 or more: a pipelined K step has ~4-9 per step
     whatever its MMA count; ptxas serializes the wgmma where the operands in registers outgrow the
-    file, as the 4-bit fragment GEMM1's 64 x 128 x 128 tile at 4 warps did: 64 for 32 HGMMA)."""
+    file, as the 4-bit fragment GEMM1's 64 x 128 x 128 tile at 4 warps did: 64 for 32 HGMMA).
+    Read against the compiling Triton: under Triton 3.9 (the CPU machine) the serialized pattern
+    marked those tiles alone, while under 3.6 (the H200's) every 4-bit K loop, 16-row tiles too,
+    shows two WARPGROUP per HGMMA, so there only the spills tell tiles apart
+    (results/2026-11-29_h200_efb440d_w4_block_k_ab.txt)."""
     ops = loop.get("opcodes", {})
     out = []
     spills = {k: ops[k] for k in ("LDL", "STL") if ops.get(k)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -305,6 +306,100 @@ def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "fusedmoe", "explain", "--model", "qwen3-30b-a3b",
                           "--platform", "cpu"], capture_output=True, text=True, check=True).stdout
     assert "chosen cpu" in out
+
+
+def test_bench_check_cell_holds_outputs_to_their_schemes_bound():
+    """`fusedmoe bench --check` (bench.check_cell): the relative error against the cell's reference
+    and the fuzz's bound for the scheme; the table marks a mismatch and lists its reason, and
+    `mismatched` (the exit status) counts it but not a row left unchecked."""
+    import torch
+
+    from fusedmoe import bench
+    from fusedmoe.bench import Row, check_cell, format_table, mismatched
+
+    cpu = torch.device("cpu")
+    ref = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    close = (ref * (1 + 2**-9)).to(torch.bfloat16)  # ~1u of bf16: within the unquantized bound (4u)
+    err, why = check_cell(close, ref, None, cpu)
+    assert why is None and 1e-4 < err < 2**-8
+    dropped = close.clone()
+    dropped[5] = 0  # one token's row left unwritten
+    err, why = check_cell(dropped, ref, None, cpu)
+    assert err > 0.1 and why.startswith("relative error") and "tol 1.6e-02" in why
+    # 1.8%: beyond bf16's unquantized bound (4u = 1.6e-2), within an activation-quantized scheme's (2e-2)
+    three = (ref * 1.018).to(torch.bfloat16)
+    assert check_cell(three, ref, None, cpu)[1] is not None
+    assert check_cell(three, ref, "fp8_w8a8_block", cpu)[1] is None
+    assert check_cell(three, ref, "mxfp4_w4a16", cpu)[1] is not None  # weight-only: bf16 activations' bound
+    rows = [Row("p", "triton", 16, 8, 10.0, 1.0, 100.0, 50.0, "memory", rel_err=err, mismatch=why),
+            Row("p", "marlin", 16, 8, 12.0, 1.0, 100.0, 40.0, "memory", mismatch="not checked: no reference"),
+            Row("p", "torch", 16, 8, 90.0, 0.1, 10.0, 5.0, "memory", rel_err=1e-3)]
+    table = format_table(rows, ())
+    assert table.splitlines()[0].endswith("check")
+    assert f"{err:.1e}!" in table and "1.0e-03" in table and "p triton M=16: relative error" in table
+    assert mismatched(rows) == rows[:1]
+    assert "check" not in format_table([dataclasses.replace(rows[2], rel_err=None)], ())
+    assert bench.mismatched([rows[2]]) == []
+
+
+@pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "fp8_w8a8_block"], ids=str)
+def test_bench_check_reference_is_the_float32_reference_or_emulation(quant):
+    """bench._cell_reference on small CPU tensors: the float32 reference of the bf16 weights, or the
+    emulation backend on the checkpoint-layout codes, each with the preset's activation and router
+    weight placement (gpt-oss: swigluoai and biases); a backend's output holds to its bound."""
+    import torch
+
+    from fusedmoe.api import fused_experts
+    from fusedmoe.bench import _cell_reference, _quantized_copy, check_cell, random_expert_weights
+    from fusedmoe.presets import get_preset
+    from fusedmoe.routing import select_experts
+
+    preset, gen, cpu = get_preset("gpt-oss-120b"), torch.Generator().manual_seed(3), torch.device("cpu")
+    w13, w2, b13, b2 = random_expert_weights(8, 128, 128, preset.activation, device=cpu, dtype=torch.bfloat16,
+                                             generator=gen, bias=True)
+    x = torch.randn(16, 128, generator=gen).to(torch.bfloat16)
+    topk_w, topk_ids = select_experts(x, torch.randn(16, 8, generator=gen), 4)
+    copy = (w13, w2, b13, b2) if quant is None else _quantized_copy(w13, w2, b13, b2, quant, prepare=False)
+    ref = _cell_reference(preset, x, topk_w, topk_ids, copy)
+    kw = dict(activation=preset.activation, w13_bias=b13, w2_bias=b2)
+    if quant is None:
+        assert ref.dtype == torch.float32
+        err, why = check_cell(fused_experts(x, w13, w2, topk_w, topk_ids, backend="torch", **kw), ref, None, cpu)
+        assert why is None and err < 2e-2, (err, why)
+    else:  # emulation itself, on codes near the float weights (quantization error, not garbage)
+        assert torch.equal(ref, fused_experts(x, copy[0], copy[1], topk_w, topk_ids, quant=copy[4],
+                                              backend="emulation", **kw))
+        float_ref = _cell_reference(preset, x, topk_w, topk_ids, (w13, w2, b13, b2))
+        assert 1e-3 < check_cell(ref, float_ref, quant, cpu)[0] < 0.2
+    assert ref.abs().max() > 0.1  # not a test on zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant,backends", [(None, "triton,batched_triton,torch"), ("mxfp4_w4a16", "triton"),
+                                            ("fp8_w8a8_block", "triton"), ("nvfp4", "marlin")], ids=str)
+def test_bench_check_on_the_gpu(tmp_path, quant, backends):
+    """`fusedmoe bench --check` on a GPU: every timed output is checked against its reference and
+    within its bound (rc 0); marlin's weight-only NVFP4 W4A4 is reported unchecked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    path = tmp_path / "rows.json"
+    argv = ["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1,64", "--backends", backends, "--check",
+            "--json", str(path)] + (["--quant", quant] if quant else [])
+    assert main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2 * len(backends.split(",")) and not any(r["error"] for r in rows), rows
+    for r in rows:
+        if backends == "marlin":
+            assert r["rel_err"] is None and r["mismatch"].startswith("not checked"), r
+        else:
+            assert r["mismatch"] is None and 0 < r["rel_err"] < 2e-2, r
+
+
+def test_bench_check_is_for_one_device(capsys):
+    assert main(["bench", "--check", "--ep", "2"]) == 2
+    assert "--check is for the one-device benchmark" in capsys.readouterr().err
 
 
 def test_bench_check_and_time_reports_error_and_repeatability():

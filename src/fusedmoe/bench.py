@@ -61,6 +61,8 @@ class Row:
     bound: str
     speedup_vs: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
+    rel_err: float | None = None  # --check: relative Frobenius error against the cell's reference
+    mismatch: str | None = None  # --check: why the output is beyond its scheme's bound, or why it was not checked
 
 
 def _events_median(fn: Callable[[], None], iters: int) -> float:
@@ -491,6 +493,20 @@ def random_expert_weights(experts: int, hidden: int, inter: int, activation: str
             randn(experts, rows) if bias else None, randn(experts, hidden) if bias else None)
 
 
+def check_cell(out: torch.Tensor, ref: torch.Tensor, scheme: str | None, device: torch.device) -> tuple[float, str | None]:
+    """`fusedmoe bench --check`: (relative Frobenius error of a backend's output against its
+    cell's reference, why that is beyond the fuzz's bound for the scheme or None). The bounds are
+    `fuzz.scheme_tolerance`'s (chained fp8 accumulators where the device runs them)."""
+    from fusedmoe import fuzz
+    from fusedmoe.quant.scheme import get_scheme
+
+    s = get_scheme(scheme)
+    tol = fuzz.scheme_tolerance(s, out.dtype, chained_fp8=fuzz.scheme_chains_fp8(s, device))
+    o, r = out.double(), ref.double()
+    err = ((o - r).norm() / r.norm()).item() if r.norm() > 0 else float((o - r).norm() > 0)
+    return err, fuzz.compare(out, r, tol)
+
+
 def bench_preset(
     preset: Preset,
     backends: Sequence[str],
@@ -503,6 +519,7 @@ def bench_preset(
     progress: Callable[[str], None] | None = None,
     quant: str | None = None,
     routing: bool = False,
+    check: bool = False,
 ) -> list[Row]:
     """Time each backend on one preset (its benchmark TP split) at each token count.
 
@@ -510,10 +527,15 @@ def bench_preset(
     other backends keep bf16 weights: the baseline). routing: every timed call runs
     `select_experts` first (the preset's routing, with its correction bias where it has one, on
     the cell's fixed logits), as a layer's forward does; bytes, FLOPs and the roofline stay the
-    experts'.
+    experts'. check: after timing, each backend's output on the first weight copy is compared
+    with a reference on the same weights (`check_cell`; Row.rel_err, Row.mismatch): the float32
+    `fused_experts_ref` for the bf16 baseline, the `emulation` backend for a quantized scheme (its
+    numerical definition); a weight-only execution of an activation-quantized scheme (`marlin`'s
+    NVFP4 / MXFP4-W4A8) has no such reference and is not checked (Row.mismatch says so).
     """
     from fusedmoe.api import fused_experts
     from fusedmoe.backends import REGISTRY
+    from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
 
     device = torch.device("cuda")
@@ -522,12 +544,14 @@ def bench_preset(
     h = preset.hidden_size
     w_bytes, a_bytes = quant_bytes(quant)
     keep_float = any(bench_scheme(b, quant) == "unquantized" for b in backends)
-    weights, quantized = [], []
-    for _ in range(copies):
+    weights, quantized, checked_copy = [], [], None
+    for i in range(copies):
         w13, w2, b13, b2 = random_expert_weights(preset.num_experts, h, inter, preset.activation, device=device,
                                                  dtype=dtype, generator=gen, bias=preset.has_bias)
         if quant is not None:
             quantized.append(_quantized_copy(w13, w2, b13, b2, quant))
+            if check and i == 0:  # emulation's copy of the same codes, in the checkpoint layout
+                checked_copy = _quantized_copy(w13, w2, b13, b2, quant, prepare=False)
         weights.append((w13, w2, b13, b2) if keep_float else None)
     route_kw = dict(preset.routing)
     if routing and preset.has_correction_bias:  # its own generator: the cells' draws stay those of runs without
@@ -546,6 +570,7 @@ def bench_preset(
         nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes,
                                                 quant_operand(quant))
         results: dict[str, float] = {}
+        refs: dict[str, torch.Tensor] = {}  # check: the cell's reference output per scheme
         for backend in backends:
             if progress:
                 progress(f"{preset.name} M={tokens} {backend}")
@@ -579,14 +604,48 @@ def bench_preset(
                 out.append(_failed(preset, backend, tokens, touched, bound, f"{type(exc).__name__}: {exc}"))
                 continue
             results[backend] = t
-            out.append(Row(preset.name, backend, tokens, touched, t * 1e6, flops / t / 1e12,
-                           nbytes / t / 1e9, 100 * t_roof / t, bound))
+            row = Row(preset.name, backend, tokens, touched, t * 1e6, flops / t / 1e12, nbytes / t / 1e9,
+                      100 * t_roof / t, bound)
+            if check:
+                scheme = bench_scheme(backend, quant)
+                name = None if scheme == "unquantized" else scheme
+                if name is not None and get_scheme(name).activation is not None and \
+                        REGISTRY[backend].weight_only_execution:
+                    row.mismatch = f"not checked: {backend} runs {scheme} weight-only (no reference)"
+                else:
+                    try:
+                        if scheme not in refs:
+                            ids = select_experts(x, logits, preset.top_k, **route_kw) if routing else (topk_w, topk_ids)
+                            refs[scheme] = _cell_reference(preset, x, *ids, weights[0] if name is None else checked_copy)
+                        row.rel_err, row.mismatch = check_cell(calls[0](), refs[scheme], name, device)
+                    except Exception as exc:
+                        row.mismatch = f"check failed: {type(exc).__name__}: {exc}"
+            out.append(row)
         for row in out[-len(backends):]:
             if row.tokens == tokens and row.backend in results:
                 row.speedup_vs = {b: results[b] / results[row.backend] for b in results if b != row.backend}
-    del weights, quantized
+    del weights, quantized, checked_copy
     torch.cuda.empty_cache()
     return out
+
+
+def _cell_reference(preset: Preset, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+                    copy: tuple) -> torch.Tensor:
+    """`bench_preset(check=True)`'s reference on one weight copy: (w13, w2, b13, b2) in bf16, the
+    float32 `fused_experts_ref`; (w13, w2, b13, b2, QuantParams) in the checkpoint layout
+    (`_quantized_copy(prepare=False)`: emulation does not read the triton layer's fragments), the
+    `emulation` backend."""
+    from fusedmoe.api import fused_experts
+    from fusedmoe.reference import fused_experts_ref
+
+    kw = dict(activation=preset.activation, apply_router_weight_on_input=preset.apply_router_weight_on_input)
+    if len(copy) == 4:
+        w13, w2, b13, b2 = copy
+        return fused_experts_ref(x, w13, w2, topk_w, topk_ids, w13_bias_LG=b13, w2_bias_LH=b2,
+                                 out_dtype=torch.float32, **kw)
+    w13, w2, b13, b2, params = copy
+    return fused_experts(x, w13, w2, topk_w, topk_ids, w13_bias=b13, w2_bias=b2, quant=params,
+                         backend="emulation", **kw)
 
 
 def _failed(preset: Preset, backend: str, tokens: int, touched: int, bound: str, reason: str) -> Row:
@@ -629,9 +688,12 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
 
 
 def format_table(rows: Sequence[Row], baselines: Sequence[str] = ("torch", "grouped_mm")) -> str:
+    """The rows as a table; with a `check` column where any row was checked (its relative error,
+    `!` where beyond the bound), and the mismatches' reasons below."""
+    checked = any(r.rel_err is not None or r.mismatch for r in rows)
     head = f"{'preset':18} {'backend':11} {'M':>5} {'E_act':>5} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'%roof':>6} {'bound':7}"
-    head += "".join(f" {'vs ' + b:>14}" for b in baselines)
-    lines = [head, "-" * len(head)]
+    head += "".join(f" {'vs ' + b:>14}" for b in baselines) + (f" {'check':>9}" if checked else "")
+    lines, notes = [head, "-" * len(head)], []
     for r in rows:
         if r.error:
             lines.append(f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5}  error: {r.error}")
@@ -641,5 +703,15 @@ def format_table(rows: Sequence[Row], baselines: Sequence[str] = ("torch", "grou
         for b in baselines:
             s = r.speedup_vs.get(b)
             line += f" {f'{s:.2f}x' if s else '-':>14}"
+        if checked:
+            mark = "-" if r.rel_err is None else f"{r.rel_err:.1e}" + ("!" if r.mismatch else "")
+            line += f" {mark:>9}"
+            if r.mismatch:
+                notes.append(f"{r.preset} {r.backend} M={r.tokens}: {r.mismatch}")
         lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
+
+
+def mismatched(rows: Sequence[Row]) -> list[Row]:
+    """The rows whose checked output was beyond its bound (`check_cell`), or whose check failed."""
+    return [r for r in rows if r.mismatch and not r.mismatch.startswith("not checked")]

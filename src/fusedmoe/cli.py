@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shared", action="store_true",
                        help="with --ep: add a shared expert (a routed expert's size) and also time it "
                             "in sequence instead of overlapped with the dispatch / combine")
+    bench.add_argument("--check", action="store_true",
+                       help="after timing, compare each output with a reference on the same weights (the float32 "
+                            "reference; emulation for a quantized scheme) under the fuzz's bounds; exit 1 on a mismatch")
     bench.add_argument("--routing", action="store_true",
                        help="time each call with its routing (select_experts with the preset's routing "
                             "on fixed logits, then the experts), as a layer's forward runs it; the "
@@ -466,6 +469,8 @@ def cmd_bench(args) -> int:
     from fusedmoe import bench, knobs
     from fusedmoe.presets import get_preset
 
+    if args.check and args.ep > 1:
+        raise ValueError("--check is for the one-device benchmark (the expert-parallel tests check --ep's outputs)")
     if args.routing and args.ep > 1:
         raise ValueError("--routing is for the one-device benchmark (--ep times the layer, routing included)")
     if args.ep > 1:
@@ -513,7 +518,7 @@ def cmd_bench(args) -> int:
 
     for preset in presets:
         rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress,
-                                   quant=args.quant, routing=args.routing)
+                                   quant=args.quant, routing=args.routing, check=args.check)
     print(file=sys.stderr)
     print(bench.format_table(rows, [b for b in ("torch", "grouped_mm") if b in backends]))
     if args.csv:
@@ -523,7 +528,10 @@ def cmd_bench(args) -> int:
             json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=1)
     if args.plot:
         _plot(args.plot, rows, meta)
-    return 0
+    bad = bench.mismatched(rows)
+    if bad:
+        print(f"--check: {len(bad)} of {len(rows)} outputs beyond their bound (above)", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_bench_ep(args) -> int:
@@ -640,12 +648,14 @@ def _write_csv(path: str, rows, meta: dict) -> None:
         f.write("# " + " ".join(f"{k}={v}" for k, v in meta.items()) + "\n")
         writer = csv.writer(f)
         writer.writerow(["preset", "backend", "tokens", "experts_touched", "us", "tflops", "gbps",
-                         "roof_pct", "bound", "speedup_vs_torch", "speedup_vs_grouped_mm", "error"])
+                         "roof_pct", "bound", "speedup_vs_torch", "speedup_vs_grouped_mm", "error", "rel_err",
+                         "mismatch"])
         for r in rows:
             writer.writerow([r.preset, r.backend, r.tokens, r.experts_touched, f"{r.us:.2f}",
                              f"{r.tflops:.2f}", f"{r.gbps:.1f}", f"{r.roof_pct:.1f}", r.bound,
                              f"{r.speedup_vs.get('torch', float('nan')):.2f}",
-                             f"{r.speedup_vs.get('grouped_mm', float('nan')):.2f}", r.error or ""])
+                             f"{r.speedup_vs.get('grouped_mm', float('nan')):.2f}", r.error or "",
+                             "" if r.rel_err is None else f"{r.rel_err:.3e}", r.mismatch or ""])
 
 
 def _plot(path: str, rows, meta: dict) -> None:

@@ -383,9 +383,14 @@ SMALL_OUTPUT = 64
 def tolerance(case: FuzzCase, *, chained_fp8: bool = False) -> Tolerance:
     """The bounds `case` is held to; chained_fp8: its fp8 GEMMs chain one accumulator across K on
     this device (`chains_fp8`)."""
-    scheme = get_scheme(case.quant)
+    return scheme_tolerance(get_scheme(case.quant), case.torch_dtype, chained_fp8=chained_fp8)
+
+
+def scheme_tolerance(scheme, dtype: torch.dtype, *, chained_fp8: bool = False) -> Tolerance:
+    """The bounds an output of `scheme` (a QuantScheme or None) in `dtype` is held to against its
+    reference (`tolerance`; `fusedmoe bench --check`)."""
     table = UNQUANTIZED if scheme is None or scheme.activation is None else ACTIVATION_QUANTIZED
-    tol = table[case.torch_dtype]
+    tol = table[dtype]
     if chained_fp8 and _chained_fp8_scheme(scheme):
         tol = Tolerance(max(tol.rel_fro, CHAINED_FP8.rel_fro), max(tol.rel_max, CHAINED_FP8.rel_max))
     return tol
@@ -402,7 +407,11 @@ def chains_fp8(case: FuzzCase, device: torch.device) -> bool:
     """Whether the case's Triton fp8 GEMMs run with one chained accumulator on `device`: an sm90
     GPU (Triton lets wgmma accumulate fp8 products imprecisely there), an fp8 per-tensor /
     per-channel W8A8 scheme, and FUSEDMOE_FP8_ACCUMULATE not promoted."""
-    scheme = get_scheme(case.quant)
+    return scheme_chains_fp8(get_scheme(case.quant), device)
+
+
+def scheme_chains_fp8(scheme, device: torch.device) -> bool:
+    """`chains_fp8` for a QuantScheme (or None)."""
     if device.type != "cuda" or not _chained_fp8_scheme(scheme):
         return False
     from fusedmoe.backends.triton.quant import fp8_accumulation

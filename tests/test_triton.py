@@ -245,6 +245,7 @@ def test_w4_fragments_planned():
     assert not w4_fragments_planned(mxfp4, 2048, 776) and not w4_fragments_planned(mxfp4, 2056, 768)
     assert not w4_fragments_planned(mxfp4, 64, 40, gated=False)  # w2 [64, 40]: K not whole 64-wide fragments
     assert w4_fragments_planned(mxfp4, 64, 640, gated=False)
+    assert not w4_fragments_planned(None, 2048, 768) and not w4_fragments_planned(get_scheme("fp8_w8a16"), 2048, 768)
     with knobs.override(TRITON_W4_FRAGMENTS="all"):
         assert w4_fragments_planned(int4, 2048, 768)
     with knobs.override(TRITON_W4_FRAGMENTS=False):

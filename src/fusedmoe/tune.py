@@ -310,7 +310,7 @@ def tune_shape(
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
-        frag = mode == "w4" and w4_fragments_planned(scheme, hidden, inter, gated)
+        frag = w4_fragments_planned(scheme, hidden, inter, gated)
         h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
                        quant=mode, group=group, tma=tma1, codes=codes, fragments=frag)
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,

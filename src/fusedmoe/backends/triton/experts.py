@@ -560,7 +560,7 @@ def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -
     codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
     tma1, tma2 = tma_planned(p, device) if scheme is None else (None, None)
     fixed = dict(split_k=1, persistent=False, one_dot=False)
-    frag = quant == "w4" and _w4_fragments(problem, scheme)
+    frag = _fragments_planned(problem, scheme)
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
                    quant=quant, group=group, tma=tma1, codes=codes, fragments=frag)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
@@ -568,7 +568,7 @@ def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -
     return dataclasses.replace(t1, **fixed), dataclasses.replace(t2, **fixed)
 
 
-def _w4_fragments(problem: GemmProblem, scheme) -> bool:
+def _fragments_planned(problem: GemmProblem, scheme) -> bool:
     """weight_only.w4_fragments_planned for the problem (imported here: weight_only imports this module)."""
     from fusedmoe.backends.triton.weight_only import w4_fragments_planned
 

@@ -179,12 +179,12 @@ def fragment_formats() -> tuple[str, ...]:
     return tuple(W4_FRAG_FORMATS) if mode == "all" else DEFAULT_FRAGMENT_FORMATS
 
 
-def w4_fragments_planned(scheme: QuantScheme, hidden: int, inter: int, gated: bool = True) -> bool:
-    """Whether `process_weights` will lay this 4-bit scheme's weights of this shape as fragments
-    (`_w4_fragments`), as far as the shape tells: the format is one of `fragment_formats()` and
-    both weights are whole fragments. The heuristic sizes its K steps by it; the scales' values
-    (an mxfp4 scale above 2) can still keep the checkpoint layout."""
-    if scheme.weight.dtype not in fragment_formats():
+def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
+    """Whether `process_weights` will lay this scheme's weights of this shape as fragments
+    (`_w4_fragments`), as far as the shape tells: a 4-bit format of `fragment_formats()` (False
+    for None and every other scheme) and both weights whole fragments. The heuristic sizes its K
+    steps by it; the scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
+    if scheme is None or scheme.weight.dtype not in fragment_formats():
         return False
     n13 = 2 * inter if gated else inter
     return whole_fragments(n13, hidden) and whole_fragments(hidden, inter)
@@ -226,7 +226,7 @@ def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
         return tuned
     p, sms = problem, _num_sms(device)
     mode, group = weight_only_mode(scheme)
-    frag = mode == "w4" and w4_fragments_planned(scheme, p.hidden, p.inter, p.gated)
+    frag = w4_fragments_planned(scheme, p.hidden, p.inter, p.gated)
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
                    num_sms=sms, quant=mode, group=group, fragments=frag)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,

@@ -710,7 +710,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         src1 = src2 = (f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, its N tiles "
                        "narrowed for this M")
         why = ("batch_invariant: one aligned plan's rows, K steps and warps at every token count, its N tiles "
-               "narrowed at decode (experts.batch_invariant_tiles)")
+               f"narrowed at decode where they run {NARROW_WARPS} warps (experts.batch_invariant_tiles)")
     elif batch_invariant:
         src1 = src2 = f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, at every M"
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"

@@ -394,7 +394,11 @@ def test_bench_check_on_the_gpu(tmp_path, quant, backends):
         if backends == "marlin":
             assert r["rel_err"] is None and r["mismatch"].startswith("not checked"), r
         else:
-            assert r["mismatch"] is None and 0 < r["rel_err"] < 2e-2, r
+            # 0 is a pass: fp8 block's one-token output has matched its emulation bit for bit (H200)
+            assert r["mismatch"] is None and 0 <= r["rel_err"] < 2e-2, r
+    if backends != "marlin":  # the reference is not the timed kernel itself: some row differs
+        for b in backends.split(","):
+            assert any(r["rel_err"] > 0 for r in rows if r["backend"] == b), rows
 
 
 def test_bench_check_is_for_one_device(capsys):

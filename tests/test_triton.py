@@ -643,6 +643,75 @@ def _entry(tokens, g1=(16, 32, 128, 4, 4), g2=(16, 64, 64, 4, 4), **kw):
     return e
 
 
+def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypatch):
+    """A 4-bit entry serves weights in its "layout" only (absent: the scheme's default for the
+    shape): the problem's `fragments` where the caller holds the weights, else the layout
+    process_weights would give them now (FUSEDMOE_TRITON_W4_FRAGMENTS, part of the memo key).
+    Elsewhere the heuristic plans for the weights' own layout. `write_table` keeps one entry per
+    layout."""
+    import json
+
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton import weight_only as wo_mod
+    from fusedmoe.backends.triton.experts import GemmProblem
+    from fusedmoe.backends.triton.weight_only import (
+        choose_weight_only_tiles,
+        default_w4_layout,
+        w4_layout,
+    )
+    from fusedmoe.quant.scheme import get_scheme
+    from fusedmoe.tune import write_table
+
+    int4, mxfp4 = get_scheme("int4_w4a16_g32"), get_scheme("mxfp4_w4a16")
+    checkpoint = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 128, 128, 4, 3))
+    fragments = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 64, 4, 3))
+    as_entry = lambda tiles, **kw: _entry(16, g1=tuple(tiles[0].as_list()), g2=tuple(tiles[1].as_list()), **kw)  # noqa: E731
+    entries = [as_entry(checkpoint, quant="int4_w4a16_g32"),  # no layout: int4's default, the checkpoint's
+               as_entry(fragments, quant="int4_w4a16_g32", layout="fragments"),
+               as_entry(fragments, quant="mxfp4_w4a16")]  # no layout: mxfp4's default here, fragments
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    path = write_table(entries, tmp_path)  # same shape and tokens, two layouts: both kept
+    assert [e.get("layout") for e in json.loads(path.read_text())["entries"]] == [None, "fragments", None]
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    for mod in (experts_mod, wo_mod):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    problem = GemmProblem(16 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+    held = lambda frag: replace(problem, fragments=frag)  # noqa: E731
+    assert default_w4_layout(int4, 2048, 768) == "checkpoint" and default_w4_layout(mxfp4, 2048, 768) == "fragments"
+    assert default_w4_layout(mxfp4, 2048, 776) == "checkpoint"  # not whole fragments
+    assert w4_layout(problem, None) is None and w4_layout(problem, get_scheme("fp8_w8a16")) is None
+    with knobs.override(TUNED_DIR=str(tmp_path), TUNED_PACKAGED=False):
+        assert choose_weight_only_tiles(held(False), int4, cuda) == checkpoint
+        assert choose_weight_only_tiles(held(True), int4, cuda) == fragments
+        assert choose_weight_only_tiles(problem, int4, cuda) == checkpoint  # planned: int4 stays as stored
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # planned: int4 laid as fragments
+            assert w4_layout(problem, int4) == "fragments"
+            assert choose_weight_only_tiles(problem, int4, cuda) == fragments
+        assert choose_weight_only_tiles(held(True), mxfp4, cuda) == fragments
+        # mxfp4 weights kept in the checkpoint layout (a scale above 2): not the fragments' entry,
+        # the heuristic for the checkpoint layout
+        own = choose_weight_only_tiles(held(False), mxfp4, cuda)
+        with knobs.override(TUNED_DIR=None):
+            assert own == choose_weight_only_tiles(held(False), mxfp4, cuda) != fragments
+            at64 = GemmProblem(1024 * 8, 128, 2048, 768, 8, True, torch.bfloat16)  # 64-row blocks (M=1024)
+            k_steps = [choose_weight_only_tiles(replace(at64, fragments=f), mxfp4, cuda)[0].block_k for f in (True, False)]
+            assert k_steps == [64, 128], k_steps  # the heuristic's K step follows the layout held
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_entry(1, layout="fragments"), "layout='fragments', which only 4-bit weight-only entries name"),
+    (_entry(1, quant="fp8_w8a16", layout="checkpoint"), "only 4-bit weight-only entries"),
+    (_entry(1, quant="int4_w4a16_g32", layout="rows"), "layout='rows' .*fragments, checkpoint"),
+], ids=["bf16", "fp8-weight-only", "unknown"])
+def test_tuned_entry_layout_is_checked(bad, match):
+    from fusedmoe.backends.triton.tuning import parse_table
+
+    with pytest.raises(ValueError, match=match):
+        parse_table(_table([bad]), "t.json")
+
+
 def test_tuned_table_parse_and_nearest():
     from fusedmoe.backends.triton.tuning import nearest, parse_table
 

@@ -489,6 +489,7 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     assert W4_PERSISTENT_START.persistent and any(start(tile) for kind, tile in seen if kind == "gemm2")
     assert not any(tile.persistent for kind, tile in seen if kind != "gemm2")
     assert not any(tile.one_dot for _, tile in seen)  # int4 runs the checkpoint layout: no one-dot form
+    assert entry["layout"] == "checkpoint"  # the layout the copies were timed on, named
 
 
 @pytest.mark.parametrize("fragments", [True, False], ids=["fragments", "checkpoint-layout"])
@@ -519,6 +520,7 @@ def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch)
             [entry] = entries
             assert entry["path"] == ("direct" if tokens == 1 else "aligned")
             assert entry["gemm1"][9] is True and len(entry["gemm2"]) <= 9, entry
+            assert entry["layout"] == "fragments"
         else:
             assert entries == [] and not any(tile.one_dot for _, tile in seen)
 

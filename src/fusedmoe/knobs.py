@@ -141,7 +141,8 @@ KNOBS: dict[str, Knob] = {
         Knob("TRITON_W4_FRAGMENTS", _on_off_all, None,
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "
-             "(int4 measured slower at M <= 64 there), all = int4 too, 0 = keep the checkpoint layout."),
+             "(int4 measured slower at M <= 64 there, faster at M = 4096), all = int4 too, 0 = keep "
+             "the checkpoint layout. Tuned entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
              "the run is a power of two bytes >= 1 KB (fusedmoe.quant.fragments."

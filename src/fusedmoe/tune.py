@@ -274,7 +274,7 @@ def tune_shape(
     )
     from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
-    from fusedmoe.backends.triton.weight_only import w4_fragments_planned
+    from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, is_w4_scheme
     from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.routing import select_experts
@@ -294,7 +294,10 @@ def tune_shape(
     # weights, on either path (the checkpoint layout runs it as two tiles: not timed twice). H100,
     # GEMM1 alone, best one-dot tile against the best two-tile one: -7% to +12% by cell
     # (benchmarks/results/2026-11-27_h100_fb2ab66_one_dot_w4.txt), so it is the descent's to decide
-    one_dot = mode is None or mode == "w4" and is_fragments(weights[0][2].w13_scale)
+    # the 4-bit weights' layout as process_weights laid the copies: the heuristic's plans and the
+    # table's entries are those of it, and the entries written name it
+    frag = is_fragments(weights[0][2].w13_scale) if is_w4_scheme(scheme) else None
+    one_dot = mode is None or mode == "w4" and bool(frag)
     sms = _num_sms(device)
     operands = 2 if gated else 1
     ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)
@@ -307,14 +310,13 @@ def tune_shape(
 
         x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
-        problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype)
+        problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype, frag)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
-        frag = w4_fragments_planned(scheme, hidden, inter, gated)
         h1 = heuristic(problem.num_slots, experts, inter, hidden, dtype, gated=gated, num_sms=sms,
-                       quant=mode, group=group, tma=tma1, codes=codes, fragments=frag)
+                       quant=mode, group=group, tma=tma1, codes=codes, fragments=bool(frag))
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
-                       quant=mode, group=group, tma=tma2, codes=codes, fragments=frag)
+                       quant=mode, group=group, tma=tma2, codes=codes, fragments=bool(frag))
 
         def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
             gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)
@@ -419,6 +421,8 @@ def tune_shape(
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:
             entry["quant"] = scheme.name
+        if frag is not None:
+            entry["layout"] = W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
         entries.append({
             **entry, "path": best[1], "gemm1": best[2].as_list(),
             "gemm2": best[3].as_list(), "us": round(best[0], 2),
@@ -799,8 +803,24 @@ def _worker_warm(spec: tuple, tokens: int, kind: str, fill: TileConfig, tile: Ti
         return f"{type(exc).__name__}: {exc}"
 
 
+def _layout_of(e: dict) -> str:
+    """A table entry's 4-bit weight layout as `tuning` reads it ("" for the other schemes): an
+    entry that names none was timed on its scheme's default layout."""
+    from fusedmoe.backends.triton.weight_only import default_w4_layout, is_w4_scheme
+    from fusedmoe.quant.scheme import get_scheme
+
+    try:
+        scheme = get_scheme(e.get("quant"))
+    except ValueError:
+        return e.get("layout") or ""
+    if not is_w4_scheme(scheme):
+        return ""
+    return e.get("layout") or default_w4_layout(scheme, e["hidden"], e["inter"], e["gated"])
+
+
 def write_table(entries: list[dict], folder: str | Path) -> Path:
-    """Merge `entries` into <folder>/<device>.json (same shape and token count: replaced)."""
+    """Merge `entries` into <folder>/<device>.json (same shape, weight layout and token count:
+    replaced)."""
     import triton
 
     folder = Path(folder)
@@ -815,7 +835,7 @@ def write_table(entries: list[dict], folder: str | Path) -> Path:
         except (OSError, ValueError):
             pass
     key = lambda e: (e.get("quant") or "", e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"],  # noqa: E731
-                     e["gated"], e["tokens"])
+                     e["gated"], _layout_of(e), e["tokens"])
     merged = {key(e): e for e in old}
     merged.update({key(e): e for e in entries})
     data = {"format": FORMAT, "device": torch.cuda.get_device_name(), "triton": triton.__version__,

@@ -274,19 +274,23 @@ class GemmProblem:
     top_k: int
     gated: bool
     dtype: torch.dtype
+    # 4-bit weights in the fragment layout (True) or the checkpoint's (False), where the caller
+    # holds the weights; None: as `process_weights` would lay them now (weight_only.w4_layout)
+    fragments: bool | None = None
 
 
 def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
     """`choose(problem, [scheme,] device)` remembered per arguments and the knobs it reads
-    (TUNED_DIR, TUNED_PACKAGED, TUNED_SIBLINGS, TRITON_TMA, TRITON_DIRECT): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
+    (TUNED_DIR, TUNED_PACKAGED, TUNED_SIBLINGS, TRITON_TMA, TRITON_DIRECT, TRITON_W4_FRAGMENTS: the
+    layout a problem without `fragments` plans for): the tuned-table lookup (file stats) and the heuristic cost ~20-40 us
     of host time per eager call otherwise. Tables written by `fusedmoe tune` in this process
     clear it (`clear_tile_caches`); a table file rewritten by another process is read by the next
     process, as tuned configs are read once at startup elsewhere (vLLM)."""
     from fusedmoe import knobs
 
     @functools.lru_cache(maxsize=4096)
-    def cached(args: tuple, tuned_dir, packaged, siblings, tma, direct):
-        del tuned_dir, packaged, siblings, tma, direct  # part of the key only
+    def cached(args: tuple, tuned_dir, packaged, siblings, tma, direct, w4_fragments):
+        del tuned_dir, packaged, siblings, tma, direct, w4_fragments  # part of the key only
         return choose(*args)
 
     @functools.wraps(choose)
@@ -294,7 +298,7 @@ def memoized_tiles(choose: Callable[..., tuple[TileConfig, TileConfig]]):
         if torch.compiler.is_compiling():
             return choose(*args)
         return cached(args, knobs.get("TUNED_DIR"), knobs.get("TUNED_PACKAGED"), knobs.get("TUNED_SIBLINGS"),
-                      knobs.get("TRITON_TMA"), knobs.get("TRITON_DIRECT"))
+                      knobs.get("TRITON_TMA"), knobs.get("TRITON_DIRECT"), knobs.get("TRITON_W4_FRAGMENTS"))
 
     _TILE_CACHES.append(cached)
     return wrapper
@@ -560,7 +564,7 @@ def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -
     codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
     tma1, tma2 = tma_planned(p, device) if scheme is None else (None, None)
     fixed = dict(split_k=1, persistent=False, one_dot=False)
-    frag = _fragments_planned(problem, scheme)
+    frag = _w4_fragments_of(problem, scheme)
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated, num_sms=sms,
                    quant=quant, group=group, tma=tma1, codes=codes, fragments=frag)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False, num_sms=sms,
@@ -568,11 +572,12 @@ def _fixed_invariant_tiles(problem: GemmProblem, scheme, device: torch.device) -
     return dataclasses.replace(t1, **fixed), dataclasses.replace(t2, **fixed)
 
 
-def _fragments_planned(problem: GemmProblem, scheme) -> bool:
-    """weight_only.w4_fragments_planned for the problem (imported here: weight_only imports this module)."""
-    from fusedmoe.backends.triton.weight_only import w4_fragments_planned
+def _w4_fragments_of(problem: GemmProblem, scheme) -> bool:
+    """Whether the problem's 4-bit weights are fragments (weight_only.w4_layout; imported here:
+    weight_only imports this module)."""
+    from fusedmoe.backends.triton.weight_only import w4_layout
 
-    return w4_fragments_planned(scheme, problem.hidden, problem.inter, problem.gated)
+    return w4_layout(problem, scheme) == "fragments"
 
 
 NARROW_MIN_BLOCK_N = 64  # the narrowest N tile `_narrowed` takes (the fragment layout's narrowest, tiles.fragment_tile)

@@ -18,6 +18,12 @@ the entries for a shape the one with the nearest token count (in log2) wins, if 
 factor of two. Where this GPU's tables have none for the shape, a sibling scheme's aligned entries
 (SCHEME_SIBLINGS: per-tensor fp8 runs per-channel fp8's kernels) and a sibling GPU's (SIBLINGS:
 the same architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
+A 4-bit weight-only entry's "layout" ("fragments" / "checkpoint"; absent: the scheme's default
+for the shape, `weight_only.default_w4_layout`) says which weight layout it was timed on, and it
+serves only weights in that layout (`weight_only.w4_layout`): H200, int4 g32 laid as fragments
+(FUSEDMOE_TRITON_W4_FRAGMENTS=all) ran Mixtral M=256 in 825 us on the checkpoint layout's entry
+and 652 on the heuristic's plan for fragments
+(results/2026-11-29_h200_69f18ef_check_int4_layout_fuzz.txt).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Tuned(NamedTuple):
     path: str | None = None
     borrowed: str | None = None  # where it came from if not this GPU's entries for this scheme: a sibling
     # GPU's table (SIBLINGS), or "<device> (<scheme>)" for a sibling scheme's entry (SCHEME_SIBLINGS)
+    layout: str | None = None  # 4-bit weight-only entries: the weights' layout it was timed on
 
     @property
     def direct(self) -> bool:
@@ -166,11 +173,29 @@ def _parse_entry(e: object) -> tuple[tuple, Tuned]:
     except ValueError as exc:
         raise ValueError(f"has quant={quant!r}: {exc}") from None
     key += (None if scheme is None else scheme.name,)
+    layout = _entry_layout(e.get("layout"), scheme, *key[2:4], key[5])
     reason = check_plan(t1, t2, direct=path == "direct", dtype=dtype, gated=key[5], quant=mode, group=group,
                         running=None if scheme is None else scheme.name)
     if reason:
         raise ValueError(f"is invalid: {reason}")
-    return key, Tuned(tokens, t1, t2, path)
+    return key, Tuned(tokens, t1, t2, path, layout=layout)
+
+
+def _entry_layout(given: object, scheme, hidden: int, inter: int, gated: bool) -> str | None:
+    """An entry's 4-bit weight layout: its "layout" ("fragments" / "checkpoint"), or where it
+    names none (tables before it did) the scheme's default for the shape (`default_w4_layout`).
+    None for every other scheme, which may not name one."""
+    from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, default_w4_layout, is_w4_scheme
+
+    if not is_w4_scheme(scheme):
+        if given is not None:
+            raise ValueError(f"has layout={given!r}, which only 4-bit weight-only entries name")
+        return None
+    if given is None:
+        return default_w4_layout(scheme, hidden, inter, gated)
+    if given not in W4_LAYOUTS:
+        raise ValueError(f"has layout={given!r} (one of {', '.join(W4_LAYOUTS)}, or absent)")
+    return given
 
 
 @functools.cache
@@ -238,16 +263,18 @@ SCHEME_SIBLINGS = {
 def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
-    key, tokens = _key(problem, scheme), _tokens(problem)
+    from fusedmoe.backends.triton.weight_only import w4_layout
+
+    key, tokens, layout = _key(problem, scheme), _tokens(problem), w4_layout(problem, scheme)
     name = _device_name(device)
     own = _tables(name)
     for table in own:
-        found = nearest_entry(table, key, tokens, paths)
+        found = nearest_entry(table, key, tokens, paths, layout)
         if found is not None:
             return found
     # siblings' entries only for shapes this GPU / scheme has no entry of any path for: where it
     # has one (a path-less aligned entry, say), its own table and the rule decide, as without them
-    if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS) for t in own):
+    if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS, layout) for t in own):
         return None
     # this GPU's entries of a sibling scheme, then each sibling GPU's of this scheme and its sibling
     kin = (key[:-1] + (SCHEME_SIBLINGS[scheme.name],)) if scheme is not None and scheme.name in SCHEME_SIBLINGS else None
@@ -257,7 +284,7 @@ def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
         sources += [(sibling, key, paths)] + ([(sibling, kin, aligned)] if kin else [])
     for source, k, p in sources:
         for table in _tables(source):
-            found = nearest_entry(table, k, tokens, p)
+            found = nearest_entry(table, k, tokens, p, layout)
             if found is not None and (k == key or _fits(found, problem, scheme)):
                 return found._replace(borrowed=source if k == key else f"{source} ({k[-1]})")
     return None
@@ -295,10 +322,11 @@ def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:
 MAX_OCTAVES = 1.0  # an entry tuned at M serves M/2 .. 2M; farther off, the heuristic knows better
 
 
-def nearest_entry(table: dict, key: tuple, tokens: int, paths: tuple = ALL_PATHS) -> Tuned | None:
-    """The entry for `key` on one of `paths` nearest to `tokens` in log2 (ties: the smaller),
-    within one octave."""
-    entries = [e for e in table.get(key, ()) if e.path in paths]
+def nearest_entry(table: dict, key: tuple, tokens: int, paths: tuple = ALL_PATHS,
+                  layout: str | None = None) -> Tuned | None:
+    """The entry for `key` on one of `paths` (and, given one, timed on the 4-bit weight `layout`)
+    nearest to `tokens` in log2 (ties: the smaller), within one octave."""
+    entries = [e for e in table.get(key, ()) if e.path in paths and (layout is None or e.layout == layout)]
     if not entries:
         return None
     distance = lambda e: abs(math.log2(e.tokens) - math.log2(tokens))  # noqa: E731

@@ -21,7 +21,6 @@ Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -190,6 +189,38 @@ def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, ga
     return whole_fragments(n13, hidden) and whole_fragments(hidden, inter)
 
 
+W4_LAYOUTS = ("fragments", "checkpoint")  # the two layouts of 4-bit weights (`fusedmoe.quant.fragments`)
+
+
+def is_w4_scheme(scheme: QuantScheme | None) -> bool:
+    """A 4-bit weight-only scheme (mxfp4, nvfp4, int4 W4A16): its weights have a layout."""
+    return scheme is not None and scheme.weight_only and scheme.weight.dtype in W4_FRAG_FORMATS
+
+
+def w4_layout(problem: GemmProblem, scheme: QuantScheme | None) -> str | None:
+    """The layout of the problem's 4-bit weights, "fragments" or "checkpoint" (None: not a 4-bit
+    weight-only scheme): `problem.fragments` where the caller holds the weights, else as
+    `process_weights` would lay them now (`w4_fragments_planned`). Tiles are planned for it (the
+    heuristic's K steps) and tuned entries serve only the layout they were timed on
+    (`tuning`'s entries' "layout")."""
+    if not is_w4_scheme(scheme):
+        return None
+    frag = problem.fragments
+    if frag is None:
+        frag = w4_fragments_planned(scheme, problem.hidden, problem.inter, problem.gated)
+    return W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
+
+
+def default_w4_layout(scheme: QuantScheme, hidden: int, inter: int, gated: bool = True) -> str:
+    """The layout `process_weights` gives this 4-bit scheme's weights of this shape with
+    FUSEDMOE_TRITON_W4_FRAGMENTS unset (DEFAULT_FRAGMENT_FORMATS, whole fragments): what a tuned
+    entry that names no layout was timed on."""
+    n13 = 2 * inter if gated else inter
+    frag = (scheme.weight.dtype in DEFAULT_FRAGMENT_FORMATS and whole_fragments(n13, hidden)
+            and whole_fragments(hidden, inter))
+    return W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
+
+
 def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     """4-bit payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where the
     format is one of `fragment_formats()` and both weights allow it; else as given. H200, one
@@ -226,7 +257,7 @@ def choose_weight_only_tiles(problem: GemmProblem, scheme: QuantScheme,
         return tuned
     p, sms = problem, _num_sms(device)
     mode, group = weight_only_mode(scheme)
-    frag = w4_fragments_planned(scheme, p.hidden, p.inter, p.gated)
+    frag = w4_layout(p, scheme) == "fragments"
     t1 = heuristic(p.num_slots, p.num_local_experts, p.inter, p.hidden, p.dtype, gated=p.gated,
                    num_sms=sms, quant=mode, group=group, fragments=frag)
     t2 = heuristic(p.num_slots, p.num_local_experts, p.hidden, p.inter, p.dtype, gated=False,
@@ -275,7 +306,7 @@ def triton_weight_only_experts(
         return out
     gated = is_gated(activation)
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
-                          x_TH.dtype)
+                          x_TH.dtype, _fragments_flag(scheme, w13_scale))
     is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct, batch_invariant)  # given tiles: checked
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
@@ -325,14 +356,23 @@ def triton_batched_weight_only_experts(
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
                       w13_global_scale, w2_global_scale)
 
+    frag = _fragments_flag(scheme, w13_scale)
     if batch_invariant and tiles is None:
         from fusedmoe.backends.triton.experts import batched_invariant_tiles
 
-        choose = functools.partial(batched_invariant_tiles, scheme=scheme, device=x_LMH.device, top_k=top_k)
+        def choose(problem):
+            return batched_invariant_tiles(dataclasses.replace(problem, fragments=frag), scheme=scheme,
+                                           device=x_LMH.device, top_k=top_k)
     else:
-        choose = lambda problem: _tiles(problem, scheme, tiles, x_LMH.device)  # noqa: E731
+        def choose(problem):
+            return _tiles(dataclasses.replace(problem, fragments=frag), scheme, tiles, x_LMH.device)
     return run_batched(x_LMH, num_tokens_L, _inter(w2, scheme), activation, swiglu_alpha, swiglu_limit,
                        choose, gemms, num_slots=num_slots, top_k=top_k)
+
+
+def _fragments_flag(scheme: QuantScheme, w13_scale: torch.Tensor) -> bool | None:
+    """`GemmProblem.fragments` of a call on these weights: their layout, for a 4-bit scheme."""
+    return is_fragments(w13_scale) if is_w4_scheme(scheme) else None
 
 
 def _require_weight_only(scheme: QuantScheme) -> None:

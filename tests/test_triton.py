@@ -698,6 +698,13 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
             at64 = GemmProblem(1024 * 8, 128, 2048, 768, 8, True, torch.bfloat16)  # 64-row blocks (M=1024)
             k_steps = [choose_weight_only_tiles(replace(at64, fragments=f), mxfp4, cuda)[0].block_k for f in (True, False)]
             assert k_steps == [64, 128], k_steps  # the heuristic's K step follows the layout held
+        # explain says why the table's entry does not serve mxfp4 kept in the checkpoint layout
+        monkeypatch.setattr(experts_mod, "device_capability", lambda index: (9, 0))
+        plan = experts_mod.describe_plan(held(False), mxfp4, cuda)
+        assert plan["gemm1"]["source"] == "heuristic", plan
+        assert "has an entry for this shape timed on the fragment layout" in plan["w4_layout"], plan
+        plan = experts_mod.describe_plan(problem, int4, cuda)  # int4 as stored: its entry, no note
+        assert plan["gemm1"]["source"] == "tuned table" and "timed on the" not in plan["w4_layout"], plan
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -351,15 +351,25 @@ FRAG_SCHEMES = ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128
 
 @pytest.mark.parametrize("scheme", FRAG_SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fragment_layout_kernels_match_emulation(dtype, scheme):
+def test_fragment_layout_kernels_match_emulation(dtype, scheme, monkeypatch):
     """The GEMMs over fragment-layout 4-bit weights (kernels._w4_frag_tile, the interpreter's integer
     decode) against emulation on the checkpoint layout: the aligned path with a bias and a K
     tail under the tile (H = 192, BLOCK_K 128), the direct path (one token, slot shares), a
     non-gated activation, an expert_map with ids routed elsewhere, narrow tiles (widened to 64 by
-    tiles.fragment_tile), and the batched layout."""
+    tiles.fragment_tile), and the batched layout. Both layouts' tiles are planned for the weights
+    held (`GemmProblem.fragments`), whatever FUSEDMOE_TRITON_W4_FRAGMENTS says at the call."""
     from fusedmoe import knobs
+    from fusedmoe.backends.triton import weight_only as wo
     from fusedmoe.backends.triton.experts import BatchedTritonExperts
     from fusedmoe.modular import BatchedLocalPrepareFinalize, make_modular
+
+    held = []  # the layout each call's tile choice was told
+
+    def told(choose):
+        return lambda problem, *a: held.append(problem.fragments) or choose(problem, *a)
+
+    for name in ("plan_tiles", "_tiles"):
+        monkeypatch.setattr(wo, name, told(getattr(wo, name)))
 
     tol = TOL.get(dtype, 2e-3)
     cases = [Case("frag-aligned", T=9, H=192, I=64, bias=True, tiles=((16, 64, 128, 4, 1), (16, 64, 64, 4, 1))),
@@ -384,6 +394,7 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme):
         laid = TritonExperts(config).process_weights(w)
     want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert rel_err(batched(x, laid, weights, ids), want) < tol
+    assert len(held) == len(cases) + 1 and all(f is True for f in held), held  # the knob is unset here
 
 
 def _padded(scale: torch.Tensor, extra: int) -> torch.Tensor:

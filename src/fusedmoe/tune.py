@@ -804,18 +804,15 @@ def _worker_warm(spec: tuple, tokens: int, kind: str, fill: TileConfig, tile: Ti
 
 
 def _layout_of(e: dict) -> str:
-    """A table entry's 4-bit weight layout as `tuning` reads it ("" for the other schemes): an
-    entry that names none was timed on its scheme's default layout."""
-    from fusedmoe.backends.triton.weight_only import default_w4_layout, is_w4_scheme
+    """A table entry's 4-bit weight layout as `tuning` reads it (`tuning.entry_layout`; "" for
+    the other schemes and for entries it would reject)."""
+    from fusedmoe.backends.triton.tuning import entry_layout
     from fusedmoe.quant.scheme import get_scheme
 
     try:
-        scheme = get_scheme(e.get("quant"))
+        return entry_layout(e.get("layout"), get_scheme(e.get("quant")), e["hidden"], e["inter"], e["gated"]) or ""
     except ValueError:
-        return e.get("layout") or ""
-    if not is_w4_scheme(scheme):
         return ""
-    return e.get("layout") or default_w4_layout(scheme, e["hidden"], e["inter"], e["gated"])
 
 
 def write_table(entries: list[dict], folder: str | Path) -> Path:

@@ -1464,7 +1464,8 @@ def batched_invariant_tiles(problem: GemmProblem, *, scheme, device: torch.devic
     return batch_invariant_tiles(dataclasses.replace(problem, top_k=max(1, top_k)), scheme, device, False)
 
 
-def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int = 0, top_k: int = 1) -> GemmProblem:
+def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int = 0, top_k: int = 1,
+                    fragments: bool | None = None) -> GemmProblem:
     """What the batched layout's tiles are chosen for: the live rows, not the buffer.
 
     A buffer sized for the worst case (the local dispatch's max_tokens = T, an expert-parallel
@@ -1472,7 +1473,8 @@ def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int
     (token, k) slots, or the rows an all-to-all received). Tiles picked for every buffer row are
     prefill tiles at decode (Qwen3-30B T=1024: 131072 rows for 8192 slots). With the count, the
     problem is the standard layout's for the same slots and `top_k`, so its tuned entries and
-    heuristic serve; num_slots = 0 (unknown) keeps every buffer row.
+    heuristic serve; num_slots = 0 (unknown) keeps every buffer row. `fragments`: as
+    `GemmProblem.fragments` (the 4-bit weights' layout).
     """
     num_local, max_tokens, hidden = x_LMH.shape
     rows = num_local * max_tokens
@@ -1480,17 +1482,19 @@ def batched_problem(x_LMH: torch.Tensor, inter: int, gated: bool, num_slots: int
         num_slots, top_k = rows, 1
     elif top_k < 1 or num_slots % top_k:
         top_k = 1
-    return GemmProblem(max(1, num_slots), num_local, hidden, inter, top_k, gated, x_LMH.dtype)
+    return GemmProblem(max(1, num_slots), num_local, hidden, inter, top_k, gated, x_LMH.dtype, fragments)
 
 
 def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_limit,
                 tiles: Callable[[GemmProblem], tuple[TileConfig, TileConfig]],
                 gemms: Callable[[Launch, TileConfig, TileConfig], None],
-                a_dtype: torch.dtype | None = None, num_slots: int = 0, top_k: int = 1) -> torch.Tensor:
+                a_dtype: torch.dtype | None = None, num_slots: int = 0, top_k: int = 1,
+                fragments: bool | None = None) -> torch.Tensor:
     """The batched layout on the contiguous path's kernels, for every scheme: the buffers as
     aligned rows (`prepare_batched_launch`), `gemms(launch, t1, t2)` with the tiles that
     `tiles(problem)` picks for the live rows (`batched_problem`), then y [L, max_tokens, H] (zero
-    past each count). `a_dtype`: the intermediate's dtype (default x's)."""
+    past each count). `a_dtype`: the intermediate's dtype (default x's); `fragments`: the 4-bit
+    weights' layout (`GemmProblem.fragments`)."""
     num_local, max_tokens, hidden = x_LMH.shape
     if tuple(num_tokens_L.shape) != (num_local,) or num_tokens_L.dtype.is_floating_point \
             or num_tokens_L.dtype == torch.bool or num_tokens_L.device != x_LMH.device:
@@ -1505,7 +1509,7 @@ def run_batched(x_LMH, num_tokens_L, inter, activation, swiglu_alpha, swiglu_lim
             raise ValueError(f"num_slots={num_slots} must bound the live rows, but num_tokens counts {live}")
     if num_local == 0 or max_tokens == 0:
         return torch.zeros_like(x_LMH)
-    problem = batched_problem(x_LMH, inter, is_gated(activation), num_slots, top_k)
+    problem = batched_problem(x_LMH, inter, is_gated(activation), num_slots, top_k, fragments)
     t1, t2 = fit_k(*tiles(problem), problem)
     launch = prepare_batched_launch(x_LMH, num_tokens_L, inter, a_dtype or x_LMH.dtype, activation,
                                     swiglu_alpha, swiglu_limit, t1.block_m, num_slots)

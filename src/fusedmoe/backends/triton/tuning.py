@@ -173,7 +173,7 @@ def _parse_entry(e: object) -> tuple[tuple, Tuned]:
     except ValueError as exc:
         raise ValueError(f"has quant={quant!r}: {exc}") from None
     key += (None if scheme is None else scheme.name,)
-    layout = _entry_layout(e.get("layout"), scheme, *key[2:4], key[5])
+    layout = entry_layout(e.get("layout"), scheme, *key[2:4], key[5])
     reason = check_plan(t1, t2, direct=path == "direct", dtype=dtype, gated=key[5], quant=mode, group=group,
                         running=None if scheme is None else scheme.name)
     if reason:
@@ -181,7 +181,7 @@ def _parse_entry(e: object) -> tuple[tuple, Tuned]:
     return key, Tuned(tokens, t1, t2, path, layout=layout)
 
 
-def _entry_layout(given: object, scheme, hidden: int, inter: int, gated: bool) -> str | None:
+def entry_layout(given: object, scheme, hidden: int, inter: int, gated: bool) -> str | None:
     """An entry's 4-bit weight layout: its "layout" ("fragments" / "checkpoint"), or where it
     names none (tables before it did) the scheme's default for the shape (`default_w4_layout`).
     None for every other scheme, which may not name one."""

@@ -21,6 +21,7 @@ Legend: T tokens, H hidden, I intermediate, G = 2I (gated) or I, L local experts
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -183,10 +184,12 @@ def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, ga
     (`_w4_fragments`), as far as the shape tells: a 4-bit format of `fragment_formats()` (False
     for None and every other scheme) and both weights whole fragments. The heuristic sizes its K
     steps by it; the scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
-    if scheme is None or scheme.weight.dtype not in fragment_formats():
-        return False
-    n13 = 2 * inter if gated else inter
-    return whole_fragments(n13, hidden) and whole_fragments(hidden, inter)
+    return scheme is not None and scheme.weight.dtype in fragment_formats() and _whole(hidden, inter, gated)
+
+
+def _whole(hidden: int, inter: int, gated: bool) -> bool:
+    """Both weights of the shape made of whole fragments (w13 [2I or I, H], w2 [H, I])."""
+    return whole_fragments(2 * inter if gated else inter, hidden) and whole_fragments(hidden, inter)
 
 
 W4_LAYOUTS = ("fragments", "checkpoint")  # the two layouts of 4-bit weights (`fusedmoe.quant.fragments`)
@@ -215,9 +218,7 @@ def default_w4_layout(scheme: QuantScheme, hidden: int, inter: int, gated: bool 
     """The layout `process_weights` gives this 4-bit scheme's weights of this shape with
     FUSEDMOE_TRITON_W4_FRAGMENTS unset (DEFAULT_FRAGMENT_FORMATS, whole fragments): what a tuned
     entry that names no layout was timed on."""
-    n13 = 2 * inter if gated else inter
-    frag = (scheme.weight.dtype in DEFAULT_FRAGMENT_FORMATS and whole_fragments(n13, hidden)
-            and whole_fragments(hidden, inter))
+    frag = scheme.weight.dtype in DEFAULT_FRAGMENT_FORMATS and _whole(hidden, inter, gated)
     return W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
 
 
@@ -356,18 +357,14 @@ def triton_batched_weight_only_experts(
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
                       w13_global_scale, w2_global_scale)
 
-    frag = _fragments_flag(scheme, w13_scale)
     if batch_invariant and tiles is None:
         from fusedmoe.backends.triton.experts import batched_invariant_tiles
 
-        def choose(problem):
-            return batched_invariant_tiles(dataclasses.replace(problem, fragments=frag), scheme=scheme,
-                                           device=x_LMH.device, top_k=top_k)
+        choose = functools.partial(batched_invariant_tiles, scheme=scheme, device=x_LMH.device, top_k=top_k)
     else:
-        def choose(problem):
-            return _tiles(dataclasses.replace(problem, fragments=frag), scheme, tiles, x_LMH.device)
+        choose = lambda problem: _tiles(problem, scheme, tiles, x_LMH.device)  # noqa: E731
     return run_batched(x_LMH, num_tokens_L, _inter(w2, scheme), activation, swiglu_alpha, swiglu_limit,
-                       choose, gemms, num_slots=num_slots, top_k=top_k)
+                       choose, gemms, num_slots=num_slots, top_k=top_k, fragments=_fragments_flag(scheme, w13_scale))
 
 
 def _fragments_flag(scheme: QuantScheme, w13_scale: torch.Tensor) -> bool | None:

@@ -297,7 +297,7 @@ def tune_shape(
     # the 4-bit weights' layout as process_weights laid the copies: the heuristic's plans and the
     # table's entries are those of it, and the entries written name it
     frag = is_fragments(weights[0][2].w13_scale) if is_w4_scheme(scheme) else None
-    one_dot = mode is None or mode == "w4" and bool(frag)
+    one_dot = mode is None or bool(frag)
     sms = _num_sms(device)
     operands = 2 if gated else 1
     ok1 = functools.partial(check_tile, dtype=dtype, operands=operands, allow_split=True, quant=mode, group=group)

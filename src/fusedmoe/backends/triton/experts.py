@@ -762,11 +762,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         else:
             extra["w4_layout"] = ("checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 as fragments: faster "
                                   "at M >= 1024, slower at M <= 64 on an H200)")
-        frag = _w4_fragments_of(problem, scheme)
-        other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)
-        if aligned is None and other is not None:
-            extra["w4_layout"] += (f"; the {other.source} has an entry for this shape timed on the "
-                                   f"{'checkpoint' if frag else 'fragment'} layout, which serves that layout only")
+        if aligned is None:  # an entry on the other layout would not serve: say so
+            frag = _w4_fragments_of(problem, scheme)
+            other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)
+            if other is not None:
+                extra["w4_layout"] += (f"; the {other.source} has an entry for this shape timed on the "
+                                       f"{'checkpoint' if frag else 'fragment'} layout, which serves that layout only")
     if scheme is not None and not scheme.weight_only:  # W8A8: the activations' quantizers, SWAP_AB
         from fusedmoe.backends.triton.quant import fp8_accumulation, swap_ab
 

@@ -71,7 +71,7 @@ def main() -> None:
     p = get_preset(args.preset)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    E, K, H, I = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size  # noqa: E741
+    E, K, H, I = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size // p.bench_tp  # noqa: E741  (bench's TP split)
     x = torch.randn(args.tokens, H, device=dev, generator=gen).to(torch.bfloat16)
     w13 = (torch.randn(E, 2 * I, H, device=dev, generator=gen) / H**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=dev, generator=gen) / I**0.5).to(torch.bfloat16)

@@ -8,7 +8,9 @@ construction, but pays at decode (a 64-row tile streaming weights over few progr
 asks which of a tile's parameters change a row's bits on this GPU and Triton: it runs the aligned
 path with the fixed plan and with variants that change one parameter of one GEMM, on the same
 random batch, and says whether every output row is bitwise the fixed plan's (`same`) or not
-(`DIFF`, with the count of rows that differ and the largest difference). Each variant also runs
+(`DIFF`, with the count of rows that differ and the largest difference). The rule's own plans
+(`batch_invariant_tiles` at M = 1-4096, as FUSEDMOE_BATCH_INVARIANT=1 runs them) are checked the
+same way. Each variant also runs
 on a 7-token sub-batch (its rows against the full batch's under the fixed plan). Changing block_k
 or split_k changes the order of the K sum, so those variants must read DIFF: they are the check
 that the probe can tell.
@@ -66,7 +68,8 @@ def main() -> None:
     ap.add_argument("--quant", default=None)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--entry", type=int, default=None, help="token count whose plan to take apart")
-    ap.add_argument("--only-plans", action="store_true", help="whole plans and block_m only, no one-parameter sweep")
+    ap.add_argument("--only-plans", action="store_true",
+                    help="whole plans, the rule's plans and block_m only, no one-parameter sweep")
     args = ap.parse_args()
     p = get_preset(args.preset)
     dev = torch.device("cuda")
@@ -107,6 +110,7 @@ def main() -> None:
         take_apart(run, ref, t1, t2, scheme, dev, E, K, H, I, args.entry)
         return
     whole_plans(run, ref, sub, scheme, dev, E, K, H, I)
+    rule_plans(run, ref, scheme, dev, E, K, H, I)
     both_block_m(run, ref, t1, t2)
     if not args.only_plans:
         one_at_a_time(run, ref, sub, t1, t2, args.tokens)
@@ -139,6 +143,20 @@ def whole_plans(run, ref, sub, scheme, dev, E, K, H, I):  # noqa: E741
                       f"gemm1 {a1.block_n}x{a1.block_k} w{a1.num_warps} gemm2 {a2.block_m}x{a2.block_n}x{a2.block_k} "
                       f"w{a2.num_warps}{' persistent' if a2.persistent else ''}: "
                       + ("same" if not bad.any() else f"DIFF rows {int(bad.sum())}/{got.shape[0]}"), flush=True)
+
+
+def rule_plans(run, ref, scheme, dev, E, K, H, I):  # noqa: E741
+    """The plan `batch_invariant_tiles` gives each token count (what FUSEDMOE_BATCH_INVARIANT=1
+    runs there, fitted as the call fits it), on this batch: the rule itself, checked."""
+    for m in (1, 4, 16, 64, 256, 1024, 4096):
+        pm = GemmProblem(m * K, E, H, I, K, True, torch.bfloat16)
+        _, a1, a2 = plan_tiles(pm, scheme, dev, None, None, batch_invariant=True)
+        got = run((a1, a2))
+        torch.cuda.synchronize()
+        bad = (got != ref).any(dim=1)
+        print(f"  M={m:<5d} rule     block_m {a1.block_m:3d} gemm1 {a1.block_n}x{a1.block_k} w{a1.num_warps} "
+              f"gemm2 {a2.block_m}x{a2.block_n}x{a2.block_k} w{a2.num_warps}{' persistent' if a2.persistent else ''}: "
+              + ("same" if not bad.any() else f"DIFF rows {int(bad.sum())}/{got.shape[0]}"), flush=True)
 
 
 def take_apart(run, ref, t1, t2, scheme, dev, E, K, H, I, m):  # noqa: E741

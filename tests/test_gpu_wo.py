@@ -50,7 +50,7 @@ def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
     q13, q2, params = quantize_weights(w13, w2, scheme.removesuffix(":fragments"))
     del w13, w2
     if scheme.endswith(":fragments"):
-        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 too, at every group and size
             laid = prepare_weights(ExpertWeights(q13, q2, quant=params))
         assert is_fragments(laid.quant.w13_scale) and is_fragments(laid.quant.w2_scale), (E, H, I)
         q13, q2, params = laid.w13, laid.w2, laid.quant

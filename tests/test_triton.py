@@ -644,8 +644,8 @@ def _entry(tokens, g1=(16, 32, 128, 4, 4), g2=(16, 64, 64, 4, 4), **kw):
 
 
 def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypatch):
-    """A 4-bit entry serves weights in its "layout" only (absent: the scheme's default for the
-    shape): the problem's `fragments` where the caller holds the weights, else the layout
+    """A 4-bit entry serves weights in its "layout" only (absent: the layout tables were tuned on
+    before entries named one, int4's checkpoint layout at every shape): the problem's `fragments` where the caller holds the weights, else the layout
     process_weights would give them now (FUSEDMOE_TRITON_W4_FRAGMENTS, part of the memo key).
     Elsewhere the heuristic plans for the weights' own layout. `write_table` keeps one entry per
     layout."""
@@ -657,7 +657,7 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
     from fusedmoe.backends.triton.experts import GemmProblem
     from fusedmoe.backends.triton.weight_only import (
         choose_weight_only_tiles,
-        default_w4_layout,
+        unnamed_entry_layout,
         w4_layout,
     )
     from fusedmoe.quant.scheme import get_scheme
@@ -667,20 +667,24 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
     checkpoint = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 128, 128, 4, 3))
     fragments = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 64, 4, 3))
     as_entry = lambda tiles, **kw: _entry(16, g1=tuple(tiles[0].as_list()), g2=tuple(tiles[1].as_list()), **kw)  # noqa: E731
-    entries = [as_entry(checkpoint, quant="int4_w4a16_g32"),  # no layout: int4's default, the checkpoint's
+    entries = [as_entry(checkpoint, quant="int4_w4a16_g32"),  # no layout: int4's checkpoint layout
                as_entry(fragments, quant="int4_w4a16_g32", layout="fragments"),
-               as_entry(fragments, quant="mxfp4_w4a16")]  # no layout: mxfp4's default here, fragments
+               as_entry(fragments, quant="mxfp4_w4a16"),  # no layout: mxfp4's fragments here
+               # I = 2048: int4 g32 is laid as fragments by default, but an entry naming no layout
+               # was timed on the checkpoint layout all the same
+               as_entry(checkpoint, quant="int4_w4a16_g32", inter=2048)]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     path = write_table(entries, tmp_path)  # same shape and tokens, two layouts: both kept
-    assert [e.get("layout") for e in json.loads(path.read_text())["entries"]] == [None, "fragments", None]
+    assert [e.get("layout") for e in json.loads(path.read_text())["entries"]] == [None, "fragments", None, None]
     monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
     for mod in (experts_mod, wo_mod):
         monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
     problem = GemmProblem(16 * 8, 128, 2048, 768, 8, True, torch.bfloat16)
     held = lambda frag: replace(problem, fragments=frag)  # noqa: E731
-    assert default_w4_layout(int4, 2048, 768) == "checkpoint" and default_w4_layout(mxfp4, 2048, 768) == "fragments"
-    assert default_w4_layout(mxfp4, 2048, 776) == "checkpoint"  # not whole fragments
+    assert unnamed_entry_layout(int4, 2048, 768) == "checkpoint" and unnamed_entry_layout(mxfp4, 2048, 768) == "fragments"
+    assert unnamed_entry_layout(mxfp4, 2048, 776) == "checkpoint"  # not whole fragments
+    assert unnamed_entry_layout(int4, 2048, 2048) == "checkpoint"  # whatever int4's default is now
     assert w4_layout(problem, None) is None and w4_layout(problem, get_scheme("fp8_w8a16")) is None
     with knobs.override(TUNED_DIR=str(tmp_path), TUNED_PACKAGED=False):
         assert choose_weight_only_tiles(held(False), int4, cuda) == checkpoint
@@ -705,6 +709,14 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
         assert "has an entry for this shape timed on the fragment layout" in plan["w4_layout"], plan
         plan = experts_mod.describe_plan(problem, int4, cuda)  # int4 as stored: its entry, no note
         assert plan["gemm1"]["source"] == "tuned table" and "timed on the" not in plan["w4_layout"], plan
+        # I = 2048: int4 g32 planned as fragments, so its unnamed (checkpoint) entry serves only
+        # weights held in the checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0, or not whole)
+        wide = replace(problem, inter=2048)
+        assert w4_layout(wide, int4) == "fragments" and w4_layout(wide, get_scheme("int4_w4a16_g128")) == "checkpoint"
+        assert choose_weight_only_tiles(replace(wide, fragments=False), int4, cuda) == checkpoint
+        assert choose_weight_only_tiles(wide, int4, cuda) != checkpoint
+        with knobs.override(TRITON_W4_FRAGMENTS=False):
+            assert w4_layout(wide, int4) == "checkpoint" and choose_weight_only_tiles(wide, int4, cuda) == checkpoint
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -318,7 +318,7 @@ def test_fragment_layout_conditions():
                           ("int4_w4a16_g64", (4, 8, 2, 16)), ("int4_w4a16_g128", (4, 16, 1, 16))):
         inter = 128 if scheme.endswith("g128") else 64
         config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
-        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 at every group and size
             laid = TritonExperts(config).process_weights(w)
         assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == scheme.startswith("nvfp4")
         assert laid.quant.w13_scale.shape == shape and is_fragments(laid.quant.w2_scale), scheme
@@ -380,7 +380,7 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme, monkeypatch):
         cases = [dataclasses.replace(c, H=128 * -(-c.H // 128), I=128) for c in cases]
     for case in cases:
         config, x, w, weights, ids, emap = problem(case, scheme, dtype)
-        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 is laid on request only
+        with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 at every group and size
             laid = TritonExperts(config).process_weights(w)
         assert laid.w13 is not w.w13, case.id
         out = run(config, x, laid, weights, ids, emap, tiles=case.tiles)
@@ -567,18 +567,53 @@ def test_fragment_layout_edge_cases():
 
 
 def test_fragment_formats_knob(monkeypatch):
-    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, all = int4 too, 0 = none; other
-    values are refused, naming the choices."""
+    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, and int4 g32 where the per-GPU
+    intermediate is >= 2048; all = int4 at every group and size too; 0 = none; other values are
+    refused, naming the choices."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.weight_only import fragment_formats
+    from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
-    assert fragment_formats() == ("mxfp4", "nvfp4")
-    for raw, want in (("1", ("mxfp4", "nvfp4")), ("all", ("mxfp4", "nvfp4", "int4")), ("0", ())):
+    def laid():
+        return {(fmt, group, inter) for fmt, group in (("mxfp4", 32), ("nvfp4", 16), ("int4", 32), ("int4", 128))
+                for inter in (768, INT4_FRAGMENTS_MIN_INTER - 64, INT4_FRAGMENTS_MIN_INTER, 14336)
+                if lays_fragments(fmt, group, inter)}
+
+    every = {(fmt, group, inter) for fmt, group in (("mxfp4", 32), ("nvfp4", 16), ("int4", 32), ("int4", 128))
+             for inter in (768, 1984, 2048, 14336)}
+    default = {c for c in every if c[0] != "int4" or (c[1] == 32 and c[2] >= 2048)}
+    assert INT4_FRAGMENTS_MIN_INTER == 2048 and laid() == default
+    assert ("int4", 32, 1984) not in default and ("int4", 128, 14336) not in default
+    for raw, want in (("1", default), ("all", every), ("0", set())):
         monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", raw)
-        assert fragment_formats() == want, raw
+        assert laid() == want, raw
+    assert not lays_fragments("fp8", None, 4096)
     monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", "int4")
     with pytest.raises(ValueError, match=r"FUSEDMOE_TRITON_W4_FRAGMENTS='int4': expected one of .*'all'"):
         knobs.get("TRITON_W4_FRAGMENTS")
+
+
+def test_int4_g32_laid_as_fragments_from_an_intermediate_of_2048():
+    """process_weights lays int4 g32 as fragments by default where the per-GPU intermediate is >=
+    2048 (weight_only.INT4_FRAGMENTS_MIN_INTER), and keeps the checkpoint layout below it and for
+    the groups not measured; the planned layout is the one held (the heuristic's K steps follow
+    it), and the laid call matches emulation."""
+    from fusedmoe.backends.triton.experts import GemmProblem
+    from fusedmoe.backends.triton.weight_only import w4_layout
+    from fusedmoe.quant.fragments import is_fragments
+    from fusedmoe.quant.scheme import get_scheme
+
+    for scheme, inter, want in (("int4_w4a16_g32", 1984, False), ("int4_w4a16_g32", 2048, True),
+                                ("int4_w4a16_g128", 2048, False)):
+        case = Case(f"i4-{inter}", T=3, E=2, K=1, H=128, I=inter, tiles=None)
+        config, x, w, weights, ids, _ = problem(case, scheme, torch.float32)
+        laid = TritonExperts(config).process_weights(w)
+        assert is_fragments(laid.quant.w13_scale) == is_fragments(laid.quant.w2_scale) == want, (scheme, inter)
+        planned = w4_layout(GemmProblem(3, 2, 128, inter, 1, True, torch.float32), get_scheme(scheme))
+        assert planned == ("fragments" if want else "checkpoint"), (scheme, inter)
+        if want:  # the new default's path, end to end
+            out = run(config, x, laid, weights, ids, None)
+            want_out = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+            assert rel_err(out, want_out) < TOL[torch.float32], (scheme, inter)
 
 
 def test_fragment_scale_pad_knob(monkeypatch):
@@ -629,7 +664,13 @@ def test_fragment_tile_widens_narrow_tiles():
     from fusedmoe import knobs
 
     assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
-        "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all")
+        "checkpoint layout (int4 g32 is laid as fragments by default where I >= 2048")
+    assert describe_plan(problem, get_scheme("int4_w4a16_g128"), torch.device("cpu"))["w4_layout"] == (
+        "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g128 as fragments too: not measured for "
+        "this group)")
+    big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4 g32's default: fragments, and why
+    assert "int4 g32 by default where I >= 2048" in describe_plan(big_i, get_scheme("int4_w4a16_g32"),
+                                                                  torch.device("cpu"))["w4_layout"]
     with knobs.override(TRITON_W4_FRAGMENTS="all"):
         assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
             "fragments")

@@ -140,8 +140,9 @@ KNOBS: dict[str, Knob] = {
              "run there), nor for a custom routing function; `fusedmoe explain` names the path."),
         Knob("TRITON_W4_FRAGMENTS", _on_off_all, None,
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
-             "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow "
-             "(int4 measured slower at M <= 64 there, faster at M = 4096), all = int4 too, 0 = keep "
+             "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow, "
+             "and int4 g32 where the per-GPU intermediate is >= 2048 (at smaller I int4's fragments "
+             "measured slower at M <= 256, faster at M >= 1024), all = every int4 too, 0 = keep "
              "the checkpoint layout. Tuned entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "

@@ -750,18 +750,30 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     if scheme is not None and scheme.weight.dtype in W4_FRAG_FORMATS:  # process_weights' fragment layout
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
-        from fusedmoe.backends.triton.weight_only import fragment_formats
+        from fusedmoe.backends.triton.weight_only import (
+            INT4_FRAGMENT_GROUPS,
+            INT4_FRAGMENTS_MIN_INTER,
+            lays_fragments,
+        )
 
-        bound = ", e8m0 scales <= 2" if scheme.weight.dtype == "mxfp4" else ""
-        if scheme.weight.dtype in fragment_formats():
+        fmt, group = scheme.weight.dtype, scheme.weight.group
+        bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
+        int4 = (f"; int4 g32 by default where I >= {INT4_FRAGMENTS_MIN_INTER}: at smaller I its checkpoint layout "
+                "is faster at M <= 256 on an H200" if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") is None
+                else "")
+        if lays_fragments(fmt, group, problem.inter):
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
-                                  f"multiples of 64{bound}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
+                                  f"multiples of 64{bound}{int4}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
                                   f"layout){widened}{_scale_runs(problem, scheme)}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
+        elif group in INT4_FRAGMENT_GROUPS:
+            extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
+                                  f"{INT4_FRAGMENTS_MIN_INTER}; at smaller I its checkpoint layout is faster at "
+                                  "M <= 256, fragments at M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
         else:
-            extra["w4_layout"] = ("checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 as fragments: faster "
-                                  "at M >= 1024, slower at M <= 64 on an H200)")
+            extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
+                                  "too: not measured for this group)")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

@@ -18,8 +18,8 @@ the entries for a shape the one with the nearest token count (in log2) wins, if 
 factor of two. Where this GPU's tables have none for the shape, a sibling scheme's aligned entries
 (SCHEME_SIBLINGS: per-tensor fp8 runs per-channel fp8's kernels) and a sibling GPU's (SIBLINGS:
 the same architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
-A 4-bit weight-only entry's "layout" ("fragments" / "checkpoint"; absent: the scheme's default
-for the shape, `weight_only.default_w4_layout`) says which weight layout it was timed on, and it
+A 4-bit weight-only entry's "layout" ("fragments" / "checkpoint"; absent: the layout tables
+before the field were tuned on, `weight_only.unnamed_entry_layout`) says which weight layout it was timed on, and it
 serves only weights in that layout (`weight_only.w4_layout`): H200, int4 g32 laid as fragments
 (FUSEDMOE_TRITON_W4_FRAGMENTS=all) ran Mixtral M=256 in 825 us on the checkpoint layout's entry
 and 652 on the heuristic's plan for fragments
@@ -183,16 +183,16 @@ def _parse_entry(e: object) -> tuple[tuple, Tuned]:
 
 def entry_layout(given: object, scheme, hidden: int, inter: int, gated: bool) -> str | None:
     """An entry's 4-bit weight layout: its "layout" ("fragments" / "checkpoint"), or where it
-    names none (tables before it did) the scheme's default for the shape (`default_w4_layout`).
+    names none (tables before it did) the layout such entries were timed on (`unnamed_entry_layout`).
     None for every other scheme, which may not name one."""
-    from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, default_w4_layout, is_w4_scheme
+    from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, is_w4_scheme, unnamed_entry_layout
 
     if not is_w4_scheme(scheme):
         if given is not None:
             raise ValueError(f"has layout={given!r}, which only 4-bit weight-only entries name")
         return None
     if given is None:
-        return default_w4_layout(scheme, hidden, inter, gated)
+        return unnamed_entry_layout(scheme, hidden, inter, gated)
     if given not in W4_LAYOUTS:
         raise ValueError(f"has layout={given!r} (one of {', '.join(W4_LAYOUTS)}, or absent)")
     return given

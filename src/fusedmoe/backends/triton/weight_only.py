@@ -153,12 +153,24 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 
 
 # 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset
-# or 1; "all" adds int4). H200, fusedmoe bench, each layout with plans tuned for it: mxfp4 level
-# to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned entries); nvfp4
-# level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1; int4 g32 1.1-1.5x faster at M = 4096 but
-# 0.75-1.0x at M <= 64, where its checkpoint-layout decode (group-major scales) is the better one
-# (results/2026-11-27_h200_d2fdb76_fragments_nvfp4_int4.txt).
+# or 1; "all" adds int4 at every shape). H200, fusedmoe bench, each layout with plans tuned for it:
+# mxfp4 level to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned
+# entries); nvfp4 level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1.
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
+# int4 by shape (INT4_FRAGMENTS_MIN_INTER, INT4_FRAGMENT_GROUPS). Its checkpoint-layout decode
+# (group-major scales, mma.sync at 16-row blocks) wins at decode and its fragments at prefill; how
+# far each reaches follows the per-GPU intermediate size. H200, int4 g32 on nine presets, each
+# layout with its own plans, M = 1-4096 (results/2026-11-29_h200_69f18ef_check_int4_layout_fuzz.txt,
+# 2026-11-29_h200_8372f17_layouts_invariance.txt; checkpoint time / fragments time):
+#   I >= 2048 (Mixtral 14336, gpt-oss-120b and -20b 2880): M=1 0.86-0.91, M=16 0.91-1.04,
+#     M=64 0.98-1.01, M=256 0.99-1.12 (Mixtral 733-803 -> 652-656 us, bf16 703-738), M=1024
+#     1.03-1.52, M=4096 1.30-1.51; geometric mean over the seven M 1.07-1.10;
+#   I < 2048 (GLM-4.5-Air 1408, Qwen3-235B TP4 384, Llama-4 TP8 1024, Qwen3-30B 768, Kimi-K2 TP8
+#     256, DeepSeek-V3 TP8 256): M <= 256 0.66-0.99, M >= 1024 0.83-1.31; geometric mean
+#     0.82-0.99.
+# g64 and g128 were not measured and keep the checkpoint layout.
+INT4_FRAGMENTS_MIN_INTER = 2048
+INT4_FRAGMENT_GROUPS = (32,)
 
 
 def scale_pad() -> int:
@@ -169,22 +181,31 @@ def scale_pad() -> int:
     return SCALE_LINE if pad is None else pad
 
 
-def fragment_formats() -> tuple[str, ...]:
-    """The 4-bit formats `process_weights` lays as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS)."""
+def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
+    """Whether `process_weights` lays 4-bit weights of format `fmt` with scale `group` and a
+    per-GPU intermediate size `inter` as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS): unset / 1
+    mxfp4 and nvfp4, and int4 of INT4_FRAGMENT_GROUPS where inter >= INT4_FRAGMENTS_MIN_INTER;
+    all every 4-bit format; 0 none. The shape must still be whole fragments (`_whole`)."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_W4_FRAGMENTS")
-    if mode is False:
-        return ()
-    return tuple(W4_FRAG_FORMATS) if mode == "all" else DEFAULT_FRAGMENT_FORMATS
+    if mode is False or fmt not in W4_FRAG_FORMATS:
+        return False
+    return mode == "all" or _default_fragments(fmt, group, inter)
+
+
+def _default_fragments(fmt: str, group: int | None, inter: int) -> bool:
+    return fmt in DEFAULT_FRAGMENT_FORMATS or (
+        fmt == "int4" and group in INT4_FRAGMENT_GROUPS and inter >= INT4_FRAGMENTS_MIN_INTER)
 
 
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
     """Whether `process_weights` will lay this scheme's weights of this shape as fragments
-    (`_w4_fragments`), as far as the shape tells: a 4-bit format of `fragment_formats()` (False
-    for None and every other scheme) and both weights whole fragments. The heuristic sizes its K
-    steps by it; the scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
-    return scheme is not None and scheme.weight.dtype in fragment_formats() and _whole(hidden, inter, gated)
+    (`_w4_fragments`), as far as the shape tells: `lays_fragments` (False for None and every
+    other scheme) and both weights whole fragments. The heuristic sizes its K steps by it; the
+    scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
+    return (scheme is not None and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter)
+            and _whole(hidden, inter, gated))
 
 
 def _whole(hidden: int, inter: int, gated: bool) -> bool:
@@ -214,24 +235,24 @@ def w4_layout(problem: GemmProblem, scheme: QuantScheme | None) -> str | None:
     return W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
 
 
-def default_w4_layout(scheme: QuantScheme, hidden: int, inter: int, gated: bool = True) -> str:
-    """The layout `process_weights` gives this 4-bit scheme's weights of this shape with
-    FUSEDMOE_TRITON_W4_FRAGMENTS unset (DEFAULT_FRAGMENT_FORMATS, whole fragments): what a tuned
-    entry that names no layout was timed on."""
+def unnamed_entry_layout(scheme: QuantScheme, hidden: int, inter: int, gated: bool = True) -> str:
+    """The layout a tuned entry that names none was timed on: tables before entries named their
+    layout (8d334ef) were tuned with mxfp4 and nvfp4 as fragments where whole and int4 in the
+    checkpoint layout, whatever int4's default is now (`tuning.entry_layout`)."""
     frag = scheme.weight.dtype in DEFAULT_FRAGMENT_FORMATS and _whole(hidden, inter, gated)
     return W4_LAYOUTS[0] if frag else W4_LAYOUTS[1]
 
 
 def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     """4-bit payloads and scales in the fragment layout (`fusedmoe.quant.fragments`) where the
-    format is one of `fragment_formats()` and both weights allow it; else as given. H200, one
+    format and shape are laid so now (`lays_fragments`) and both weights allow it; else as given. H200, one
     grouped GEMM at 16 rows per expert (benchmarks/bench_w4_fragments.py,
     results/2026-11-27_h200_02ae7ec_w4_fragments*.txt): mxfp4 2.1-2.7 TB/s of 4-bit weights
     against 1.3-1.6 in the checkpoint layout (gpt-oss down 112 -> 57 us, Mixtral gate-up 157 ->
     94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
-    if fmt not in fragment_formats() or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
+    if not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)) or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights

@@ -406,6 +406,27 @@ def test_bench_check_is_for_one_device(capsys):
     assert "--check is for the one-device benchmark" in capsys.readouterr().err
 
 
+def test_bench_tp_splits_the_presets(capsys):
+    """--tp N: each preset at that split of its intermediate size, renamed PRESET/tpN where the
+    split is not its benchmark one; refused (before any GPU check) where N does not divide I, is
+    below 1, or comes with --ep."""
+    from fusedmoe.cli import _split_presets
+    from fusedmoe.presets import get_preset
+
+    ds, mix = get_preset("deepseek-v3"), get_preset("mixtral-8x7b")
+    one, same = _split_presets([ds, mix], 1)
+    assert (one.name, one.bench_tp, one.intermediate_size // one.bench_tp) == ("deepseek-v3/tp1", 1, 2048)
+    assert same is mix  # already its benchmark split
+    assert _split_presets([ds], 8)[0] is ds
+    assert main(["bench", "--presets", "mixtral-8x7b,deepseek-v3", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the intermediate size of mixtral-8x7b (I = 14336), deepseek-v3 (I = 2048)" \
+        in capsys.readouterr().err
+    assert main(["bench", "--tp", "0"]) == 2
+    assert "--tp 0 must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--tp", "2", "--ep", "2"]) == 2
+    assert "--tp is for the one-device benchmark" in capsys.readouterr().err
+
+
 def test_bench_check_and_time_reports_error_and_repeatability():
     import torch
 

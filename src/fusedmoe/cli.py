@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform as pyplatform
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shared", action="store_true",
                        help="with --ep: add a shared expert (a routed expert's size) and also time it "
                             "in sequence instead of overlapped with the dispatch / combine")
+    bench.add_argument("--tp", type=int, default=None,
+                       help="time every preset at this tensor-parallel split of its intermediate size instead "
+                            "of its benchmark split (DeepSeek-V3 8, Llama-4 8, Qwen3-235B 4, ...); a changed "
+                            "split names the rows PRESET/tpN")
     bench.add_argument("--check", action="store_true",
                        help="after timing, compare each output with a reference on the same weights (the float32 "
                             "reference; emulation for a quantized scheme) under the fuzz's bounds; exit 1 on a mismatch")
@@ -473,10 +478,15 @@ def cmd_bench(args) -> int:
         raise ValueError("--check is for the one-device benchmark (the expert-parallel tests check --ep's outputs)")
     if args.routing and args.ep > 1:
         raise ValueError("--routing is for the one-device benchmark (--ep times the layer, routing included)")
+    if args.tp is not None and args.ep > 1:
+        raise ValueError("--tp is for the one-device benchmark (--ep splits the experts, not their sizes)")
     if args.ep > 1:
         return cmd_bench_ep(args)
     if args.ep < 1:
         raise ValueError(f"--ep {args.ep} must be >= 1")
+    presets = [get_preset(p) for p in (args.presets.split(",") if args.presets else bench.TARGET_PRESETS)]
+    if args.tp is not None:
+        presets = _split_presets(presets, args.tp)
     if args.shared:
         raise ValueError("--shared times shared experts against expert-parallel communication: give --ep N > 1")
     if args.graph:
@@ -490,7 +500,6 @@ def cmd_bench(args) -> int:
         raise ValueError("fusedmoe bench times GPU kernels and needs a CUDA device")
     if args.copies < 4:
         raise ValueError(f"--copies {args.copies}: rotate at least 4 weight copies so decode does not time L2")
-    presets = [get_preset(p) for p in (args.presets.split(",") if args.presets else bench.TARGET_PRESETS)]
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(bench.DEFAULT_TOKENS)
     backends = _bench_backends(args.backends, args.quant)
     operand = bench.quant_operand(args.quant)
@@ -532,6 +541,18 @@ def cmd_bench(args) -> int:
     if bad:
         print(f"--check: {len(bad)} of {len(rows)} outputs beyond their bound (above)", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _split_presets(presets: list, tp: int) -> list:
+    """`fusedmoe bench --tp`: each preset at tensor-parallel split `tp` (its intermediate size over
+    tp ranks), renamed PRESET/tpN where that is not its benchmark split; a ValueError naming the
+    presets whose intermediate size tp does not divide."""
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be >= 1")
+    bad = [f"{p.name} (I = {p.intermediate_size})" for p in presets if p.intermediate_size % tp]
+    if bad:
+        raise ValueError(f"--tp {tp} does not divide the intermediate size of {', '.join(bad)}")
+    return [p if p.bench_tp == tp else dataclasses.replace(p, bench_tp=tp, name=f"{p.name}/tp{tp}") for p in presets]
 
 
 def cmd_bench_ep(args) -> int:

@@ -164,7 +164,7 @@ DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 # 2026-11-29_h200_8372f17_layouts_invariance.txt; checkpoint time / fragments time):
 #   I >= 2048 (Mixtral 14336, gpt-oss-120b and -20b 2880): M=1 0.86-0.91, M=16 0.91-1.04,
 #     M=64 0.98-1.01, M=256 0.99-1.12 (Mixtral 733-803 -> 652-656 us, bf16 703-738), M=1024
-#     1.03-1.52, M=4096 1.30-1.51; geometric mean over the seven M 1.07-1.10;
+#     1.03-1.52, M=4096 1.30-1.51; geometric mean over those six M 1.07-1.10;
 #   I < 2048 (GLM-4.5-Air 1408, Qwen3-235B TP4 384, Llama-4 TP8 1024, Qwen3-30B 768, Kimi-K2 TP8
 #     256, DeepSeek-V3 TP8 256): M <= 256 0.66-0.99, M >= 1024 0.83-1.31; geometric mean
 #     0.82-0.99.

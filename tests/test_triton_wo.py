@@ -669,8 +669,12 @@ def test_fragment_tile_widens_narrow_tiles():
         "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g128 as fragments too: not measured for "
         "this group)")
     big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4 g32's default: fragments, and why
-    assert "int4 g32 by default where I >= 2048" in describe_plan(big_i, get_scheme("int4_w4a16_g32"),
-                                                                  torch.device("cpu"))["w4_layout"]
+    for mode in (None, True):  # unset or 1: the default, said as such
+        with knobs.override(TRITON_W4_FRAGMENTS=mode):
+            assert "int4 g32 by default where I >= 2048" in describe_plan(big_i, get_scheme("int4_w4a16_g32"),
+                                                                          torch.device("cpu"))["w4_layout"]
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):
+        assert "by default" not in describe_plan(big_i, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"]
     with knobs.override(TRITON_W4_FRAGMENTS="all"):
         assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
             "fragments")

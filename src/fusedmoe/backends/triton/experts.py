@@ -761,7 +761,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         int4 = (f"; int4 g32 by default where I >= {INT4_FRAGMENTS_MIN_INTER}, on an H200 10-16% slower than the "
                 "checkpoint layout at M=1, within 10% at M=16-256 and up to 1.5x faster from M=1024 (at smaller I "
                 "the checkpoint layout is faster at M <= 256)"
-                if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") is None else "")
+                if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
                                   f"multiples of 64{bound}{int4}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "

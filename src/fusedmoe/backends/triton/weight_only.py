@@ -191,12 +191,8 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
     mode = knobs.get("TRITON_W4_FRAGMENTS")
     if mode is False or fmt not in W4_FRAG_FORMATS:
         return False
-    return mode == "all" or _default_fragments(fmt, group, inter)
-
-
-def _default_fragments(fmt: str, group: int | None, inter: int) -> bool:
-    return fmt in DEFAULT_FRAGMENT_FORMATS or (
-        fmt == "int4" and group in INT4_FRAGMENT_GROUPS and inter >= INT4_FRAGMENTS_MIN_INTER)
+    return (mode == "all" or fmt in DEFAULT_FRAGMENT_FORMATS
+            or fmt == "int4" and group in INT4_FRAGMENT_GROUPS and inter >= INT4_FRAGMENTS_MIN_INTER)
 
 
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
@@ -252,7 +248,8 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
-    if not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)) or is_fragments(q.w13_scale) or is_fragments(q.w2_scale):
+    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) \
+            or not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)):
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
         return weights

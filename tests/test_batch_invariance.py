@@ -265,21 +265,58 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
         plans = {ex.plan_tiles(problem(t, dtype), get_scheme(quant), device, None, None, True) for t in (1, 16, 4096)}
         assert len(plans) == 1 and not ex.per_count_invariant(problem(1, dtype), get_scheme(quant), device), \
             (dtype, quant, device)
-    # 4-bit weight-only in bf16 on a GPU: the fixed plan's rows, K steps and warps at every count,
-    # its N tiles narrowed at decode until two programs per SM (or 64 wide)
-    for quant in ("mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"):
-        one, many = (ex.plan_tiles(problem(t), get_scheme(quant), cuda, None, None, True)[1:] for t in (1, 4096))
-        for a, b in zip(one, many, strict=True):
-            assert dataclasses.replace(a, block_n=b.block_n) == b and a.split_k == 1, quant
-        assert one[0].block_n == 64 < many[0].block_n, quant  # GEMM1 at one token: 8 x 768 / 64 = 96 programs
-        assert ex.narrow_invariant(problem(1), get_scheme(quant), cuda) and \
-            not ex.narrow_invariant(problem(1), get_scheme(quant), cpu)
+    # int4 (either layout), and mxfp4 / nvfp4 in the checkpoint layout, in bf16 on a GPU: the fixed
+    # plan's rows, K steps and warps at every count, its N tiles narrowed at decode until two
+    # programs per SM (or 64 wide)
+    from fusedmoe import knobs
+
+    def narrowed_fixed(quant, **env):
+        with knobs.override(**env):
+            ex.clear_tile_caches()
+            one, many = (ex.plan_tiles(problem(t), get_scheme(quant), cuda, None, None, True)[1:] for t in (1, 4096))
+            for a, b in zip(one, many, strict=True):
+                assert dataclasses.replace(a, block_n=b.block_n) == b and a.split_k == 1, (quant, env)
+            assert one[0].block_n == 64 < many[0].block_n, quant  # GEMM1 at one token: 8 x 768 / 64 = 96 programs
+            assert ex.narrow_invariant(problem(1), get_scheme(quant), cuda) and \
+                not ex.narrow_invariant(problem(1), get_scheme(quant), cpu)
+            assert ex.per_count_tiles(problem(1), get_scheme(quant), cuda) is None, (quant, env)
+
+    for fragments in (True, "all", False):
+        narrowed_fixed("int4_w4a16_g32", TRITON_W4_FRAGMENTS=fragments)
+    for quant in ("mxfp4_w4a16", "nvfp4_w4a16"):
+        narrowed_fixed(quant, TRITON_W4_FRAGMENTS=False)
+    ex.clear_tile_caches()
+    # mxfp4 / nvfp4 as fragments: the aligned plan of each count, GEMM1 unsplit and both N tiles
+    # narrowed, where both tiles run 4 warps; an 8-warp plan (here M=4096's) falls back to the
+    # narrowed fixed plan
+    for quant in ("mxfp4_w4a16", "nvfp4_w4a16"):
+        scheme, runs = get_scheme(quant), {}
+        for t in (1, 16, 256, 4096):
+            a1, a2 = ex._aligned_tiles(problem(t), scheme, cuda)
+            plan = ex.plan_tiles(problem(t), scheme, cuda, None, None, True)
+            by_count = ex.per_count_tiles(problem(t), scheme, cuda)
+            if a1.num_warps == a2.num_warps == ex.NARROW_WARPS:
+                want = ex.fit_k(ex._narrowed(dataclasses.replace(a1, split_k=1), problem(t), 768, cuda),
+                                ex._narrowed(a2, problem(t), 2048, cuda), problem(t))
+                assert by_count is not None and plan == (False, *want), (quant, t)
+            else:
+                fixed = ex._fixed_invariant_tiles(problem(t), scheme, cuda)
+                assert by_count is None and plan[1].block_m == fixed[0].block_m, (quant, t)
+            runs[t] = plan
+        assert runs[1][1].block_m == 16 and runs[1][1].split_k == 1, quant  # its own rows, one K pass
+        # the packaged M=4096 entry runs 8 warps: the fixed plan, as the other layouts'
+        assert ex._aligned_tiles(problem(4096), scheme, cuda)[0].num_warps == 8, quant
+        assert runs[4096][1:] == ex.fit_k(*ex._fixed_invariant_tiles(problem(4096), scheme, cuda), problem(4096))
+        assert runs[1][1].block_m < ex._fixed_invariant_tiles(problem(1), scheme, cuda)[0].block_m, quant
     # 8-warp tiles (128-row blocks) are not narrowed: a narrower N tile changed rows there (GPU fuzz
     # seed 500199's shape: mxfp4, not gated, 46 experts, 7 per token)
     few = ex.GemmProblem(7, 46, 64, 640, 7, False, torch.bfloat16)
     one, many = (ex.plan_tiles(dataclasses.replace(few, num_slots=7 * t), get_scheme("mxfp4_w4a16"), cuda, None,
                                None, True)[1:] for t in (1, 2295))
-    assert one == many and one[0].num_warps == 8 and one[0].block_n == 128
+    assert many[0].num_warps == 8 and many[0].block_n == 128  # 2295 tokens: the fixed plan, not narrowed
+    few1 = dataclasses.replace(few, num_slots=7)  # one token: its own plan, at 4 warps
+    assert one == ex.fit_k(*ex.per_count_tiles(few1, get_scheme("mxfp4_w4a16"), cuda), few1)
+    assert one[0].num_warps == one[1].num_warps == 4
     monkeypatch.setattr(ex, "device_capability", lambda index: (10, 0))  # not measured there: one plan
     ex.clear_tile_caches()
     for quant in (None, "mxfp4_w4a16"):
@@ -297,10 +334,17 @@ def test_batch_invariant_plans_by_token_count(monkeypatch):
     assert ex.describe_plan(problem(1), None, cpu, True)["why"].endswith(
         "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit")
     assert ex.describe_plan(problem(1), get_scheme("nvfp4_w4a16"), cpu, True)["why"].endswith(
+        "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit (where both tiles run 4 warps; "
+        "else its N tiles narrowed at decode)")
+    assert ex.describe_plan(problem(1), get_scheme("int4_w4a16_g32"), cpu, True)["why"].endswith(
         "; on a Hopper GPU: its N tiles narrowed at decode")
     assert "Hopper" not in ex.describe_plan(problem(1, torch.float16), None, cpu, True)["why"]
-    narrowed = ex.describe_plan(problem(1), get_scheme("mxfp4_w4a16"), cuda, True)
+    narrowed = ex.describe_plan(problem(1), get_scheme("int4_w4a16_g32"), cuda, True)
     assert "its N tiles narrowed at decode" in narrowed["why"] and narrowed["gemm1"]["source"].endswith("for this M")
+    by_count = ex.describe_plan(problem(1), get_scheme("mxfp4_w4a16"), cuda, True)
+    assert "the aligned plan of this token count" in by_count["why"] and "(at 4 warps)" in by_count["why"]
+    assert by_count["gemm1"]["source"].endswith("in one K pass, N narrowed for this M")
+    assert "its N tiles narrowed" in ex.describe_plan(problem(4096), get_scheme("mxfp4_w4a16"), cuda, True)["why"]
     ex.clear_tile_caches()
 
 

@@ -527,30 +527,38 @@ def batch_invariant_tiles(problem: GemmProblem, scheme, device: torch.device,
     (`MoEConfig.batch_invariant`, FUSEDMOE_BATCH_INVARIANT); never the direct path, whose GEMM2
     sums a token's slots in another order.
 
-    bf16 unquantized on a Hopper GPU (`per_count_invariant`): the aligned plan of this token count
-    (tuned entry or heuristic) with GEMM1 in one K pass (split_k 1). Whatever its block sizes,
-    warps, stages, program order, persistence or one-dot gate/up, each output element takes the
-    same chain of k16 tensor-core steps into one fp32 accumulator (`tl.dot(a, b, acc)`), so its
-    bits do not depend on the tile: H200, Triton 3.6, every such plan of Qwen3-30B and DeepSeek-V3
-    at M = 1-4096 gave bitwise the rows of the fixed plan below, as did one-parameter sweeps of
-    each GEMM's tile, while split_k 2 and the direct path did not
-    (benchmarks/probe_batch_invariance.py, results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt).
+    bf16 on a Hopper GPU, unquantized or mxfp4 / nvfp4 weight-only held as fragments
+    (`per_count_tiles`): the aligned plan of this token count (tuned entry or heuristic) with
+    GEMM1 in one K pass (split_k 1). Whatever its block sizes, warps, stages, program order,
+    persistence or one-dot gate/up, each output element takes the same chain of k16 tensor-core
+    steps into one fp32 accumulator (`tl.dot(a, b, acc)`), so its bits do not depend on the tile:
+    H200, Triton 3.6, every such plan of Qwen3-30B and DeepSeek-V3 at M = 1-4096 gave bitwise the
+    rows of the fixed plan below, as did one-parameter sweeps of each GEMM's tile, while split_k 2
+    and the direct path did not (benchmarks/probe_batch_invariance.py,
+    results/2026-11-29_h200_53c34c2_batch_invariance_probe.txt). The two 4-bit formats as
+    fragments: every count's plan of Qwen3-30B, DeepSeek-V3, gpt-oss-120b and Mixtral agreed
+    too, but for one 8-warp mxfp4 GEMM2 (128 x 256 x 64 at Qwen3-30B M=4096), and at 8 warps a
+    narrower N tile alone changed rows (GPU fuzz seed 500199); so a 4-bit plan by count runs only
+    where both its tiles are 4-warp, its N tiles narrowed at decode (`_narrowed`: the split GEMM1
+    it gives up was its programs), and otherwise the narrowed fixed plan below
+    (results/2026-11-29_h200_8372f17_layouts_invariance.txt).
 
     Otherwise one fixed plan's rows and K steps at every token count: the heuristic's tiles for
     BATCH_INVARIANT_TOKENS tokens of this shape, split_k 1, not persistent, gate and up as two
     dots, no tuned table. Every row then takes the same instructions in both GEMMs whatever the
     other rows are (the alignment only moves rows between tiles; the top-k sum adds each token's
     slots in one order). 4-bit weight-only in bf16 on a Hopper GPU (`narrow_invariant`) narrows its N
-    tiles at few tokens (`_narrowed`), as the heuristic does at decode: the weight-only schemes'
-    own per-count plans do not keep the bits (int4's 16- and 32-row tiles and one mxfp4 GEMM2
-    tile, 128 x 256 x 64 at 8 warps, changed rows on the same GPU), narrower N tiles did. Other
-    GPUs (not measured), fp16 / fp32, the interpreter (whose dot adds each K block's numpy product), the 8-bit weight-only
-    schemes and the batched layout (per_count False, `batched_invariant_tiles`) keep the fixed
+    tiles at few tokens (`_narrowed`), as the heuristic does at decode: int4's own per-count plans
+    do not keep the bits in either layout (checkpoint: 16- and 32-row tiles against 64- and
+    128-row ones; fragments: 128 rows at 4 warps and 64 at 8 against the rest), narrower N tiles
+    did. Other GPUs (not measured), fp16 / fp32, the interpreter (whose dot adds each K block's
+    numpy product), the 8-bit weight-only schemes, mxfp4 / nvfp4 in the checkpoint layout (not
+    measured) and the batched layout (per_count False, `batched_invariant_tiles`) keep the fixed
     plan as it is. Decode pays in rows of the tile computed for nothing (a 64-row tile for one
     token)."""
-    if per_count and per_count_invariant(problem, scheme, device):
-        t1, t2 = _aligned_tiles(problem, scheme, device)
-        return dataclasses.replace(t1, split_k=1), t2
+    by_count = per_count_tiles(problem, scheme, device) if per_count else None
+    if by_count is not None:
+        return by_count
     fixed = _fixed_invariant_tiles(problem, scheme, device)
     if per_count and narrow_invariant(problem, scheme, device):
         return _narrowed(fixed[0], problem, problem.inter, device), _narrowed(fixed[1], problem, problem.hidden, device)
@@ -625,15 +633,38 @@ def _narrowed(tile: TileConfig, problem: GemmProblem, n: int, device: torch.devi
     return dataclasses.replace(tile, block_n=block_n)
 
 
+PER_COUNT_W4 = ("mxfp4", "nvfp4")  # 4-bit formats whose fragment-layout plans by count keep a row's bits
+
+
 def _per_count_scheme(problem: GemmProblem, scheme) -> bool:
-    """Unquantized bf16: what `per_count_invariant` asks of the call."""
-    return scheme is None and problem.dtype == torch.bfloat16
+    """bf16 activations, unquantized or mxfp4 / nvfp4 weight-only held as fragments: what
+    `per_count_invariant` asks of the call."""
+    if problem.dtype != torch.bfloat16:
+        return False
+    return scheme is None or (scheme.weight_only and scheme.weight.dtype in PER_COUNT_W4
+                              and _w4_fragments_of(problem, scheme))
 
 
 def per_count_invariant(problem: GemmProblem, scheme, device: torch.device) -> bool:
     """Whether a batch-invariant call may run the aligned plan of its own token count
-    (`batch_invariant_tiles`): unquantized bf16 on a Hopper GPU, the case measured."""
+    (`batch_invariant_tiles`, where for 4-bit both tiles must be 4-warp too): bf16 on a Hopper GPU,
+    unquantized or mxfp4 / nvfp4 as fragments, the cases measured."""
     return _per_count_scheme(problem, scheme) and _hopper(device)
+
+
+def per_count_tiles(problem: GemmProblem, scheme, device: torch.device) -> tuple[TileConfig, TileConfig] | None:
+    """The batch-invariant plan of this token count (`batch_invariant_tiles`), or None where the
+    fixed plan runs: the aligned plan, GEMM1 unsplit; for the 4-bit formats only where both tiles
+    run NARROW_WARPS warps, their N tiles narrowed at decode."""
+    if not per_count_invariant(problem, scheme, device):
+        return None
+    t1, t2 = _aligned_tiles(problem, scheme, device)
+    t1 = dataclasses.replace(t1, split_k=1)
+    if scheme is None:
+        return t1, t2
+    if t1.num_warps != NARROW_WARPS or t2.num_warps != NARROW_WARPS:
+        return None
+    return _narrowed(t1, problem, problem.inter, device), _narrowed(t2, problem, problem.hidden, device)
 
 
 def plan_tiles(problem: GemmProblem, scheme, device: torch.device,
@@ -706,11 +737,13 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     src1 = src2 = aligned.source if aligned is not None else "heuristic"
     is_direct, t1, t2 = plan_tiles(problem, scheme, device, None, None, batch_invariant)  # as the call runs them
     why = direct_scheme_reason(scheme)
-    if batch_invariant and per_count_invariant(problem, scheme, device):
-        src1, src2 = (f"batch-invariant: the aligned path's ({src1}), in one K pass",
-                      f"batch-invariant: the aligned path's ({src2})")
+    if batch_invariant and per_count_tiles(problem, scheme, device) is not None:
+        narrowed = "" if scheme is None else ", N narrowed for this M"
+        src1, src2 = (f"batch-invariant: the aligned path's ({src1}), in one K pass{narrowed}",
+                      f"batch-invariant: the aligned path's ({src2}){narrowed}")
         why = ("batch_invariant: the aligned plan of this token count, GEMM1 unsplit: a row's bits do not "
-               "depend on the tile here (experts.batch_invariant_tiles)")
+               "depend on the tile here" + ("" if scheme is None else f" (at {NARROW_WARPS} warps)")
+               + " (experts.batch_invariant_tiles)")
     elif batch_invariant and narrow_invariant(problem, scheme, device):
         src1 = src2 = (f"batch-invariant: the heuristic's for {BATCH_INVARIANT_TOKENS} tokens, its N tiles "
                        "narrowed for this M")
@@ -721,7 +754,9 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         why = "batch_invariant: one aligned plan at every token count (experts.batch_invariant_tiles)"
         if device.type != "cuda":  # explain without the GPU: what a Hopper GPU runs instead
             if _per_count_scheme(problem, scheme):
-                why += "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit"
+                why += "; on a Hopper GPU: the aligned plan of each token count, GEMM1 unsplit" + (
+                    "" if scheme is None else f" (where both tiles run {NARROW_WARPS} warps; else its N tiles "
+                    "narrowed at decode)")
             elif _narrow_scheme(problem, scheme):
                 why += "; on a Hopper GPU: its N tiles narrowed at decode"
     elif why is None:

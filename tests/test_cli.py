@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fusedmoe.cli import main, source_digest
 
@@ -425,6 +426,22 @@ def test_bench_tp_splits_the_presets(capsys):
     assert "--tp 0 must be >= 1" in capsys.readouterr().err
     assert main(["bench", "--tp", "2", "--ep", "2"]) == 2
     assert "--tp is for the one-device benchmark" in capsys.readouterr().err
+
+
+def test_bench_cell_inputs_do_not_depend_on_the_cells_before():
+    """Each (seed, tokens) cell draws from its own generator: the same draws alone or after other
+    cells, different draws for another token count or seed."""
+    from fusedmoe.bench import cell_generator
+
+    def draw(seed, tokens):
+        return torch.randn(tokens, 8, generator=cell_generator(seed, tokens, "cpu"))
+
+    alone = draw(0, 256)
+    for before in (1, 16, 1024):
+        draw(0, before)
+        assert torch.equal(draw(0, 256), alone)
+    assert not torch.equal(draw(0, 255)[:255], alone[:255])
+    assert not torch.equal(draw(1, 256), alone)
 
 
 def test_bench_check_and_time_reports_error_and_repeatability():

@@ -6,7 +6,9 @@
     flops  = 2 * T * K * H * (G + I)                                     (G = 2I gated, else I)
     t_roof = max(bytes / BW, flops / PEAK), BW and PEAK measured in the same run
     % roof = t_roof / t
-Routing is excluded: ids and weights are drawn once (uniform random logits) before timing.
+Routing is excluded: ids and weights are drawn once (uniform random logits) before timing. Each
+cell (preset, T) draws its tokens and logits from its own generator (`cell_generator`), so a cell
+times the same inputs and the same routing whichever cells ran before it in the process.
 With `quant` (a W8A8 or weight-only scheme) `triton` runs the rotated copies quantized by
 `quantize_weights` (int4 scales stored in bf16, as Kimi-K2 ships them) and bytes count the
 quantized width plus scales (`quant_bytes`); other backends (`grouped_mm`, `torch`) run the bf16
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fusedmoe.presets import Preset
@@ -507,6 +510,17 @@ def check_cell(out: torch.Tensor, ref: torch.Tensor, scheme: str | None, device:
     return err, fuzz.compare(out, r, tol)
 
 
+def cell_generator(seed: int, tokens: int, device: torch.device | str) -> torch.Generator:
+    """The generator of one cell's tokens and router logits: seeded by (seed, tokens) alone.
+
+    A generator shared across the cells made a cell's inputs, and so its routing, depend on the
+    token counts timed before it: int4 g32 Mixtral M=256 read 654-659 us alone or after M=1024 and
+    732-741 us after M=1, 16 or 64 in one process (H200, 2026-11-29; SM clock 1980 MHz throughout).
+    """
+    state = np.random.SeedSequence([seed, tokens]).generate_state(2, dtype=np.uint32)
+    return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
 def bench_preset(
     preset: Preset,
     backends: Sequence[str],
@@ -559,8 +573,9 @@ def bench_preset(
         route_kw["e_score_correction_bias"] = 0.3 * torch.randn(preset.num_experts, device=device, generator=bias_gen)
     out: list[Row] = []
     for tokens in tokens_list:
-        x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)
-        logits = torch.randn(tokens, preset.num_experts, device=device, generator=gen)
+        cell_gen = cell_generator(seed, tokens, device)
+        x = torch.randn(tokens, h, device=device, generator=cell_gen).to(dtype)
+        logits = torch.randn(tokens, preset.num_experts, device=device, generator=cell_gen)
         renorm = not preset.apply_router_weight_on_input
         topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
                                           scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")

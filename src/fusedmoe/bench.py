@@ -516,6 +516,8 @@ def cell_generator(seed: int, tokens: int, device: torch.device | str) -> torch.
     A generator shared across the cells made a cell's inputs, and so its routing, depend on the
     token counts timed before it: int4 g32 Mixtral M=256 read 654-659 us alone or after M=1024 and
     732-741 us after M=1, 16 or 64 in one process (H200, 2026-11-29; SM clock 1980 MHz throughout).
+    Small draws advance the generator alike, so those three left M=256 one other routing; at ~64
+    slots an expert, how many experts spill into a second 64-row tile moves with the draw.
     """
     state = np.random.SeedSequence([seed, tokens]).generate_state(2, dtype=np.uint32)
     return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))

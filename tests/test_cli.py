@@ -638,7 +638,7 @@ def test_bench_progress_counts_every_cell(monkeypatch, capsys):
 
 
 def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
-    """--routing: bench_preset times routing + experts; the header and the JSON metadata say so."""
+    """--routing and --seed reach bench_preset; the header and the JSON metadata say so."""
     import json
 
     import torch
@@ -649,19 +649,19 @@ def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(bench, "measure_ceilings", lambda eight_bit=False: bench.Ceilings("fake", 4e12, 8e14))
     seen = []
 
-    def fake_preset(preset, backends, tokens_list, ceilings, *, routing=False, **kw):
-        seen.append((preset.name, routing))
+    def fake_preset(preset, backends, tokens_list, ceilings, *, routing=False, seed=0, **kw):
+        seen.append((preset.name, routing, seed))
         return [bench.Row(preset.name, "triton", 1, 1, 1.0, 1.0, 1.0, 50.0, "memory")]
 
     monkeypatch.setattr(bench, "bench_preset", fake_preset)
     out = tmp_path / "rows.json"
     assert main(["bench", "--presets", "deepseek-v3,qwen3-30b-a3b", "--tokens", "1", "--backends", "triton",
-                 "--routing", "--commit", "x", "--json", str(out)]) == 0
-    assert seen == [("deepseek-v3", True), ("qwen3-30b-a3b", True)]
+                 "--routing", "--seed", "7", "--commit", "x", "--json", str(out)]) == 0
+    assert seen == [("deepseek-v3", True, 7), ("qwen3-30b-a3b", True, 7)]
     header = capsys.readouterr().out.splitlines()[0]
-    assert "routing included" in header and "batch-invariant" not in header
+    assert "routing included, seed 7" in header and "batch-invariant" not in header
     meta = json.loads(out.read_text())["meta"]
-    assert meta["routing"] == "included" and meta["batch_invariant"] is False
+    assert meta["routing"] == "included" and meta["batch_invariant"] is False and meta["seed"] == 7
     # FUSEDMOE_BATCH_INVARIANT=1 times the fixed plans: the header and the metadata say so
     monkeypatch.setenv("FUSEDMOE_BATCH_INVARIANT", "1")
     assert main(["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1", "--backends", "triton", "--commit", "x",
@@ -672,5 +672,5 @@ def test_bench_routing_flag_reaches_every_preset(monkeypatch, capsys, tmp_path):
     seen.clear()
     assert main(["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1", "--backends", "triton", "--commit", "x",
                  "--quant", "none", "--json", str(out)]) == 0
-    assert seen == [("qwen3-30b-a3b", False)] and json.loads(out.read_text())["meta"]["quant"] is None
+    assert seen == [("qwen3-30b-a3b", False, 0)] and json.loads(out.read_text())["meta"]["quant"] is None
     assert "runs none" not in capsys.readouterr().out

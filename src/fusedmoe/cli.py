@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="time every preset at this tensor-parallel split of its intermediate size instead "
                             "of its benchmark split (DeepSeek-V3 8, Llama-4 8, Qwen3-235B 4, ...); a changed "
                             "split names the rows PRESET/tpN")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of the weights and of each cell's tokens and routing (a cell's draws depend "
+                            "on (seed, M) alone); another seed times another routing of the same shapes")
     bench.add_argument("--check", action="store_true",
                        help="after timing, compare each output with a reference on the same weights (the float32 "
                             "reference; emulation for a quantized scheme) under the fuzz's bounds; exit 1 on a mismatch")
@@ -507,6 +510,7 @@ def cmd_bench(args) -> int:
     meta = _bench_meta(ceilings, args.commit)
     meta["quant"] = args.quant
     meta["routing"] = "included" if args.routing else "excluded"
+    meta["seed"] = args.seed
     meta["batch_invariant"] = knobs.get("BATCH_INVARIANT") is True  # plans that keep rows' bits (docs/reliability.md)
     eight = ""
     if operand is not None:
@@ -516,7 +520,7 @@ def cmd_bench(args) -> int:
     print(f"{meta['device']}: {ceilings.bandwidth / 1e12:.2f} TB/s, {ceilings.bf16_flops / 1e12:.0f} bf16 TFLOP/s"
           f"{eight} (measured); torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, source {meta['source']}"
           + (f"; {quant_backend} runs {args.quant}" if args.quant else "")
-          + f"; routing {meta['routing']}"
+          + f"; routing {meta['routing']}, seed {args.seed}"
           + ("; batch-invariant plans (FUSEDMOE_BATCH_INVARIANT=1)" if meta["batch_invariant"] else ""), flush=True)
     rows = []
     total = len(presets) * len(tokens) * len(backends)
@@ -527,7 +531,7 @@ def cmd_bench(args) -> int:
 
     for preset in presets:
         rows += bench.bench_preset(preset, backends, tokens, ceilings, copies=args.copies, progress=progress,
-                                   quant=args.quant, routing=args.routing, check=args.check)
+                                   quant=args.quant, routing=args.routing, check=args.check, seed=args.seed)
     print(file=sys.stderr)
     print(bench.format_table(rows, [b for b in ("torch", "grouped_mm") if b in backends]))
     if args.csv:

@@ -290,6 +290,9 @@ def tune_shape(
     gated = is_gated(activation)
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias) for _ in range(copies)]
+    if device.type == "cuda":  # the build's float32 temporaries back to the device, where the --jobs
+        torch.cuda.synchronize(device)  # workers build their copies next: on an H200 the cached 18.8 GiB
+        torch.cuda.empty_cache()  # of gpt-oss-120b's int4 build ran the tuner itself out of memory at --jobs 14
     # one_dot (gate and up as one dot): the unquantized GEMM1 and the 4-bit one over fragment-layout
     # weights, on either path (the checkpoint layout runs it as two tiles: not timed twice). H100,
     # GEMM1 alone, best one-dot tile against the best two-tile one: -7% to +12% by cell

@@ -490,10 +490,22 @@ def random_expert_weights(experts: int, hidden: int, inter: int, activation: str
     rows = 2 * inter if is_gated(activation) else inter
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device, generator=generator) * scale).to(dtype)
+        return scaled_randn(shape, scale, dtype=dtype, generator=generator, device=device)
 
     return (randn(experts, rows, hidden, scale=hidden**-0.5), randn(experts, hidden, inter, scale=inter**-0.5),
             randn(experts, rows) if bias else None, randn(experts, hidden) if bias else None)
+
+
+def scaled_randn(shape: tuple, scale: float, *, dtype: torch.dtype, generator: torch.Generator,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """N(0, scale^2) values drawn in `dtype` itself (on `device`, default the generator's), scaled
+    in place.
+
+    Drawn in float32 and cast, a gpt-oss-120b w13 passed through 17 GB of float32 temporaries;
+    blocks allocated next can sit in those cached segments, which `empty_cache` then cannot
+    return: the likely reason each `fusedmoe tune --jobs` worker held 10.49 GiB for a 1.7 GB int4
+    copy and 14 of them ran an H200 out of memory (2026-11-29)."""
+    return torch.randn(*shape, device=device or generator.device, generator=generator, dtype=dtype).mul_(scale)
 
 
 def check_cell(out: torch.Tensor, ref: torch.Tensor, scheme: str | None, device: torch.device) -> tuple[float, str | None]:

@@ -491,14 +491,13 @@ def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool =
     """(w13, w2, QuantParams or None, b13, b2): random weights, quantized as the bench quantizes
     them and laid out as the layer's process_weights leaves them (on the CPU too); the biases
     None unless `bias`."""
-    from fusedmoe.bench import _quantized_copy
+    from fusedmoe.bench import _quantized_copy, scaled_randn
 
-    device = gen.device
     rows = 2 * inter if gated else inter
-    w13 = (torch.randn(experts, rows, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
-    b13, b2 = ((torch.randn(experts, rows, device=device, generator=gen).to(dtype),
-                torch.randn(experts, hidden, device=device, generator=gen).to(dtype)) if bias else (None, None))
+    w13 = scaled_randn((experts, rows, hidden), hidden**-0.5, dtype=dtype, generator=gen)
+    w2 = scaled_randn((experts, hidden, inter), inter**-0.5, dtype=dtype, generator=gen)
+    b13, b2 = ((scaled_randn((experts, rows), 1.0, dtype=dtype, generator=gen),
+                scaled_randn((experts, hidden), 1.0, dtype=dtype, generator=gen)) if bias else (None, None))
     if scheme is None:
         return w13, w2, None, b13, b2
     q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name, prepare=True)

@@ -793,9 +793,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
 
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
-        int4 = (f"; int4 g32 by default where I >= {INT4_FRAGMENTS_MIN_INTER}, on an H200 10-16% slower than the "
-                "checkpoint layout at M=1, within 10% at M=16-256 and up to 1.5x faster from M=1024 (at smaller I "
-                "the checkpoint layout is faster at M <= 256)"
+        int4 = (f"; int4 g32 by default where I >= {INT4_FRAGMENTS_MIN_INTER}, on an H200 on heuristic tiles "
+                "10-16% slower than the checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), within 10% at "
+                "M=16-256 and up to 1.5x faster from M=1024 (at smaller I the checkpoint layout is faster at "
+                "M <= 256)"
                 if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "

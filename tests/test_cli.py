@@ -430,8 +430,10 @@ def test_bench_tp_splits_the_presets(capsys):
 
 def test_bench_cell_inputs_do_not_depend_on_the_cells_before():
     """Each (seed, tokens) cell draws from its own generator: the same draws alone or after other
-    cells, different draws for another token count or seed."""
-    from fusedmoe.bench import cell_generator
+    cells, different draws for another token count or seed; one draw of tokens and routing per
+    weight copy, each its own."""
+    from fusedmoe.bench import cell_draws, cell_generator
+    from fusedmoe.presets import get_preset
 
     def draw(seed, tokens):
         return torch.randn(tokens, 8, generator=cell_generator(seed, tokens, "cpu"))
@@ -443,6 +445,21 @@ def test_bench_cell_inputs_do_not_depend_on_the_cells_before():
     assert not torch.equal(draw(0, 255)[:255], alone[:255])
     assert not torch.equal(draw(1, 256), alone)
 
+    mix = get_preset("mixtral-8x7b")
+    draws = cell_draws(mix, 64, 4, 0, "cpu", torch.bfloat16)
+    cell_draws(mix, 16, 4, 0, "cpu", torch.bfloat16)
+    again = cell_draws(mix, 64, 4, 0, "cpu", torch.bfloat16)
+    assert len(draws) == 4
+    for (x, logits, w, ids), (x2, logits2, w2, ids2) in zip(draws, again, strict=True):
+        assert torch.equal(logits, logits2) and torch.equal(w, w2)
+        assert x.shape == (64, mix.hidden_size) and x.dtype == torch.bfloat16 and logits.shape == (64, 8)
+        assert ids.shape == w.shape == (64, 2) and torch.equal(x, x2) and torch.equal(ids, ids2)
+        assert torch.allclose(w.sum(-1), torch.ones(64))  # renormalised top-2
+    assert len({tuple(d[3].flatten().tolist()) for d in draws}) == 4  # four routings
+    ds = get_preset("deepseek-v3")  # --routing: the preset's grouped top-k on the same logits
+    plain, routed = cell_draws(ds, 8, 1, 0, "cpu", torch.bfloat16)[0], \
+        cell_draws(ds, 8, 1, 0, "cpu", torch.bfloat16, dict(ds.routing))[0]
+    assert torch.equal(plain[1], routed[1]) and routed[3].shape == (8, ds.top_k)
 
 def test_bench_check_and_time_reports_error_and_repeatability():
     import torch

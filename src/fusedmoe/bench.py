@@ -1,14 +1,17 @@
 """Benchmarks: one timer (CUDA-graph replay, median, weights rotated) and the roofline.
 
     t      = median over replays of a graph that runs the layer once on each of R >= 4 weight
-             copies, divided by R (so decode reads HBM, not the 50-60 MB L2)
-    bytes  = E_touched * (G + I) * H * w_bytes + T * H * 2 * a_bytes     (E_touched from the ids)
+             copies, divided by R (so decode reads HBM, not the 50-60 MB L2); each copy runs its
+             own draw of tokens and routing, so t is a mean over R routings
+    bytes  = E_touched * (G + I) * H * w_bytes + T * H * 2 * a_bytes     (E_touched from the ids,
+             the mean over the R draws)
     flops  = 2 * T * K * H * (G + I)                                     (G = 2I gated, else I)
     t_roof = max(bytes / BW, flops / PEAK), BW and PEAK measured in the same run
     % roof = t_roof / t
-Routing is excluded: ids and weights are drawn once (uniform random logits) before timing. Each
-cell (preset, T) draws its tokens and logits from its own generator (`cell_generator`), so a cell
-times the same inputs and the same routing whichever cells ran before it in the process.
+Routing is excluded: ids and weights are drawn (uniform random logits) before timing. Each cell
+(preset, T) draws its R tokens and logits from its own generator (`cell_generator`), so a cell
+times the same inputs and routings whichever cells ran before it in the process, and every
+backend of the cell the same ones.
 With `quant` (a W8A8 or weight-only scheme) `triton` runs the rotated copies quantized by
 `quantize_weights` (int4 scales stored in bf16, as Kimi-K2 ships them) and bytes count the
 quantized width plus scales (`quant_bytes`); other backends (`grouped_mm`, `torch`) run the bf16
@@ -56,7 +59,7 @@ class Row:
     preset: str
     backend: str
     tokens: int
-    experts_touched: int
+    experts_touched: float  # distinct experts the cell's ids route to (mean over its draws)
     us: float
     tflops: float
     gbps: float
@@ -459,7 +462,7 @@ def quant_operand(scheme: str | None) -> str | None:
     return resolved.weight.dtype if resolved.weight.dtype in ("fp8", "int8") else None
 
 
-def roofline(preset: Preset, tokens: int, experts_touched: int, inter: int, ceilings: Ceilings,
+def roofline(preset: Preset, tokens: int, experts_touched: float, inter: int, ceilings: Ceilings,
              w_bytes: float = 2.0, a_bytes: float = 2, operand: str | None = None) -> tuple[float, float, float, str]:
     """(bytes, flops, t_roof seconds, 'memory'|'compute') for one call; `operand` "fp8"/"int8"
     takes that matmul rate as the compute ceiling (W8A8), None bf16's."""
@@ -535,6 +538,30 @@ def cell_generator(seed: int, tokens: int, device: torch.device | str) -> torch.
     return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
+def cell_draws(preset: Preset, tokens: int, copies: int, seed: int, device: torch.device | str,
+               dtype: torch.dtype, route_kw: dict | None = None) -> list[tuple]:
+    """A cell's inputs: (x [T, H], logits [T, E], topk_weights, topk_ids) for each of its `copies`
+    weight copies, from `cell_generator(seed, tokens)`; so the replay's mean is over `copies`
+    routings (a single draw moved int4 Mixtral M=256 by ~12%). The ids are the preset's plain
+    top-k of the logits (softmax, or sigmoid where the router weight goes on the input); with
+    route_kw (`bench --routing`) the preset's own routing of them, as the timed calls run it."""
+    from fusedmoe.routing import select_experts
+
+    gen = cell_generator(seed, tokens, device)
+    scoring = "sigmoid" if preset.apply_router_weight_on_input else "softmax"
+    draws = []
+    for _ in range(copies):
+        x = torch.randn(tokens, preset.hidden_size, device=device, generator=gen).to(dtype)
+        logits = torch.randn(tokens, preset.num_experts, device=device, generator=gen)
+        if route_kw is None:
+            ids = select_experts(x, logits, preset.top_k, renormalize=not preset.apply_router_weight_on_input,
+                                 scoring_func=scoring)
+        else:  # the experts the timed calls route to (grouped top-k keeps fewer in reach)
+            ids = select_experts(x, logits, preset.top_k, **route_kw)
+        draws.append((x, logits, *ids))
+    return draws
+
+
 def bench_preset(
     preset: Preset,
     backends: Sequence[str],
@@ -587,15 +614,8 @@ def bench_preset(
         route_kw["e_score_correction_bias"] = 0.3 * torch.randn(preset.num_experts, device=device, generator=bias_gen)
     out: list[Row] = []
     for tokens in tokens_list:
-        cell_gen = cell_generator(seed, tokens, device)
-        x = torch.randn(tokens, h, device=device, generator=cell_gen).to(dtype)
-        logits = torch.randn(tokens, preset.num_experts, device=device, generator=cell_gen)
-        renorm = not preset.apply_router_weight_on_input
-        topk_w, topk_ids = select_experts(x, logits, preset.top_k, renormalize=renorm,
-                                          scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
-        if routing:  # the experts the timed calls route to (grouped top-k keeps fewer in reach)
-            topk_w, topk_ids = select_experts(x, logits, preset.top_k, **route_kw)
-        touched = int(torch.unique(topk_ids).numel())
+        draws = cell_draws(preset, tokens, copies, seed, device, dtype, route_kw if routing else None)
+        touched = statistics.fmean(int(torch.unique(d[3]).numel()) for d in draws)
         nbytes, flops, t_roof, bound = roofline(preset, tokens, touched, inter, ceilings, w_bytes, a_bytes,
                                                 quant_operand(quant))
         results: dict[str, float] = {}
@@ -616,16 +636,16 @@ def bench_preset(
             # (w13, w2, b13, b2, QuantParams or None) per rotated copy
             copies_here = quantized if bench_scheme(backend, quant) != "unquantized" else [(*w, None) for w in weights]
             calls = [
-                (lambda c=c, kw=kw, x=x, topk_w=topk_w, topk_ids=topk_ids:
-                 fused_experts(x, c[0], c[1], topk_w, topk_ids, w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
-                for c in copies_here
+                (lambda c=c, kw=kw, d=d:
+                 fused_experts(d[0], c[0], c[1], d[2], d[3], w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
+                for c, d in zip(copies_here, draws, strict=True)
             ]
             if routing:
                 calls = [
-                    (lambda c=c, kw=kw, x=x, logits=logits:
-                     fused_experts(x, c[0], c[1], *select_experts(x, logits, preset.top_k, **route_kw),
+                    (lambda c=c, kw=kw, d=d:
+                     fused_experts(d[0], c[0], c[1], *select_experts(d[0], d[1], preset.top_k, **route_kw),
                                    w13_bias=c[2], w2_bias=c[3], quant=c[4], **kw))
-                    for c in copies_here
+                    for c, d in zip(copies_here, draws, strict=True)
                 ]
             try:
                 t = time_rotated(calls, graph=backend not in EAGER_BACKENDS)
@@ -644,6 +664,7 @@ def bench_preset(
                 else:
                     try:
                         if scheme not in refs:
+                            x, logits, topk_w, topk_ids = draws[0]  # calls[0]'s: weight copy 0, draw 0
                             ids = select_experts(x, logits, preset.top_k, **route_kw) if routing else (topk_w, topk_ids)
                             refs[scheme] = _cell_reference(preset, x, *ids, weights[0] if name is None else checked_copy)
                         row.rel_err, row.mismatch = check_cell(calls[0](), refs[scheme], name, device)
@@ -677,7 +698,7 @@ def _cell_reference(preset: Preset, x: torch.Tensor, topk_w: torch.Tensor, topk_
                          backend="emulation", **kw)
 
 
-def _failed(preset: Preset, backend: str, tokens: int, touched: int, bound: str, reason: str) -> Row:
+def _failed(preset: Preset, backend: str, tokens: int, touched: float, bound: str, reason: str) -> Row:
     """The row of a backend that cannot run a cell here: its reason instead of times."""
     nan = float("nan")
     return Row(preset.name, backend, tokens, touched, nan, nan, nan, nan, bound, error=reason[:200])
@@ -725,9 +746,9 @@ def format_table(rows: Sequence[Row], baselines: Sequence[str] = ("torch", "grou
     lines, notes = [head, "-" * len(head)], []
     for r in rows:
         if r.error:
-            lines.append(f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5}  error: {r.error}")
+            lines.append(f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5g}  error: {r.error}")
             continue
-        line = (f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5} {r.us:>9.1f} "
+        line = (f"{r.preset:18} {r.backend:11} {r.tokens:>5} {r.experts_touched:>5g} {r.us:>9.1f} "
                 f"{r.tflops:>8.1f} {r.gbps:>7.0f} {r.roof_pct:>6.1f} {r.bound:7}")
         for b in baselines:
             s = r.speedup_vs.get(b)

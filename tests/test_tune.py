@@ -237,6 +237,37 @@ def test_tune_shape_keeps_the_faster_path(tmp_path, monkeypatch):
         assert len(parse_table({**json.loads(path.read_text()), "entries": [entry]}, "t.json")) == 1
 
 
+def test_tune_shape_rotates_routings_over_the_weight_copies(monkeypatch):
+    """Each weight copy runs its own routing draw (`tune._rotate`: copy i, draw i mod n), on every
+    path's builders: the aligned GEMMs, the alignment overhead, the direct pair and the whole calls."""
+    import fusedmoe.tune as tune
+
+    order = []
+    rot = tune._rotate([lambda i, t: order.append(("a", i, t)), lambda i, t: order.append(("b", i, t))])
+    for i in range(3):
+        rot(i, "tile")
+    assert order == [("a", 0, "tile"), ("b", 1, "tile"), ("a", 2, "tile")]
+
+    seen = {}
+    for name in ("_gemms", "_direct_gemms", "_aligned_overhead", "_whole_calls"):
+        real = getattr(tune, name)
+
+        def spy(*args, real=real, name=name):
+            ids = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype in (torch.int32, torch.int64))
+            seen.setdefault(name, set()).add(tuple(ids.flatten().tolist()))
+            return real(*args)
+
+        monkeypatch.setattr(tune, name, spy)
+    cpu = torch.device("cpu")
+    stages = lambda tile: 20.0 + 10.0 * tile.num_stages  # noqa: E731 (fewer stages win: an entry, whole calls)
+    costs = {"gemm1": stages, "gemm2": stages, "direct gemm1": stages, "direct gemm2": stages,
+             "align": lambda tile: 5.0}
+    [_] = tune.tune_shape(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[3], dtype=torch.float32, copies=2,
+                    device=cpu, timer=_model_timer(costs, []))
+    assert {name: len(ids) for name, ids in seen.items()} == \
+        {"_gemms": 2, "_direct_gemms": 2, "_aligned_overhead": 2, "_whole_calls": 2}
+
+
 def test_tune_shape_counts_x_quantization_on_both_paths(monkeypatch):
     """W8A8 per token: x's quantization launch is part of the aligned path's overhead ("align"
     runs it) and of the direct path's total when its GEMM1 does not quantize x itself; timed once

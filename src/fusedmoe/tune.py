@@ -24,7 +24,8 @@ its split_k the slot shares), from `experts.direct_heuristic`. The faster path's
 written, naming its path, only when it beats what runs without a table (the rule's path,
 `experts.direct_auto`, on heuristic tiles) by more than `min_gain` (3% by default: tuned tables
 age, and a tie goes to the heuristic). Kernels are timed on >= 4 rotated weight copies from a
-CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for. With a
+CUDA graph (median), so decode shapes read HBM, not L2, and no launch overhead is tuned for;
+each copy runs its own routing draw (`_rotate`), so a time is a mean over as many routings. With a
 quantization scheme the same search runs that scheme's GEMMs on quantized copies, over the tiles
 its predicate accepts, and the entries carry the scheme (W8A8's paths with their quantizers:
 x's launch per token / 1x128 group timed once and added to each path that runs it, the direct
@@ -106,6 +107,29 @@ class WholePlan(NamedTuple):
     direct: bool
     gemm1: TileConfig
     gemm2: TileConfig
+
+
+class Draw(NamedTuple):
+    """One routing of a token count: the tokens x [T, H] and their top-k weights and ids."""
+
+    x: torch.Tensor
+    topk_w: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def _rotate(fns: Sequence[Callable]) -> Callable:
+    """fn(i, *args) running fns[i % len(fns)](i, *args): weight copy i with routing draw i, so a
+    time over the copies is a mean over the draws. At ~64 slots an expert the draw alone moved
+    int4 Mixtral M=256 by ~12% (64-row tiles per expert: 1 or 2), enough to pick another block
+    size on one draw (H200, 2026-11-29; `bench.cell_draws` does the same for the bench)."""
+    return lambda i, *args: fns[i % len(fns)](i, *args)
+
+
+def _direct_pair(scheme, weights, draws: Sequence[Draw], problem, activation, fill: TileConfig):
+    """(gemm1(i, tile), gemm2(i, tile)) of the direct path, weight copy i on draw i (`_direct_gemms`)."""
+    built = [_direct_gemms(scheme, weights, *d, problem.num_local_experts, problem.inter, activation, fill)
+             for d in draws]
+    return _rotate([b[0] for b in built]), _rotate([b[1] for b in built])
 
 
 def _median_us(fn: Callable[[int], None], copies: int, iters: int = 10) -> float:
@@ -311,8 +335,12 @@ def tune_shape(
         def warm(kind: str, fill: TileConfig, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
             return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind, fill)
 
-        x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
-        topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
+        draws = []  # one routing per weight copy: a time is the mean over `copies` routings (_rotate)
+        for _ in range(copies):
+            x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+            draws.append(Draw(x, *select_experts(x, torch.randn(tokens, experts, device=device, generator=gen),
+                                                 top_k)))
+        x = draws[0].x
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype, frag)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
@@ -321,20 +349,22 @@ def tune_shape(
         h2 = heuristic(problem.num_slots, experts, hidden, inter, dtype, gated=False, num_sms=sms,
                        quant=mode, group=group, tma=tma2, codes=codes, fragments=bool(frag))
 
-        def timers(fill: TileConfig, x=x, topk_w=topk_w, topk_ids=topk_ids):
-            gemm1, gemm2, _ = _gemms(scheme, weights, x, topk_w, topk_ids, experts, inter, activation, fill)
+        def timers(fill: TileConfig, draws=draws):
+            built = [_gemms(scheme, weights, *d, experts, inter, activation, fill) for d in draws]
+            gemm1, gemm2 = _rotate([b[0] for b in built]), _rotate([b[1] for b in built])
             return (lambda tile: timer("gemm1", tile, lambda i: gemm1(i, tile)),
                     lambda tile: timer("gemm2", tile, lambda i: gemm2(i, tile)))
 
         # x's quantization where it is its own launch (W8A8 per token / group): a cost of the
         # aligned path, and of the direct one unless its GEMM1 quantizes x itself (timed inside
         # it then), so the two paths compare as the layer runs them
-        xq = _x_quantization(scheme, x)
+        xqs = [_x_quantization(scheme, d.x) for d in draws]
+        xq = None if xqs[0] is None else _rotate(xqs)
 
-        def align_us(block_m: int, x=x, topk_w=topk_w, topk_ids=topk_ids, h1=h1, xq=xq) -> float:
+        def align_us(block_m: int, draws=draws, h1=h1, xqs=xqs) -> float:
             # the aligned path's own launches (alignment, x's codes, top-k sum), which the direct
             # path does without: part of every aligned total, or the path comparison favours aligned
-            run = _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m, xq)
+            run = _rotate([_aligned_overhead(*d, experts, inter, activation, block_m, q) for d, q in zip(draws, xqs, strict=True)])
             return timer("align", dataclasses.replace(h1, block_m=block_m), run)
 
         heuristic_timers = timers(h1)
@@ -389,7 +419,7 @@ def tune_shape(
             if xq is not None and not fuse_x_quantization(scheme.activation, hidden, inter, gated,
                                                           problem.num_slots, experts):
                 direct_xq_us = timer("quantize x", h1, xq)
-            heuristic_us, best = _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids,
+            heuristic_us, best = _search_direct(problem, scheme, sms, weights, draws,
                                                 activation, timer, direct_xq_us, one_dot=one_dot and mode == "w4",
                                                 warm=warm)
             if direct_auto(problem, sms):
@@ -404,15 +434,15 @@ def tune_shape(
                 else WholePlan(False, h1, h2))
         now = WholePlan(*choose_plan(problem, scheme, device))
         table_us = None if now == rule else _table_plan_us(
-            problem, now, timers, align_us, scheme, weights, x, topk_w, topk_ids, activation, timer, direct_xq_us)
+            problem, now, timers, align_us, scheme, weights, draws, activation, timer, direct_xq_us)
         if best[0] > (1 - min_gain) * min(default[1], table_us or default[1]):
             continue
         # and so are they as whole calls, where GEMM2 waits on GEMM1 (module docstring)
         plans = {"call_us": WholePlan(best[1] == "direct", best[2], best[3]), "heuristic_call_us": rule}
         if table_us is not None:
             plans["table_call_us"] = now
-        call, _ = _whole_calls(scheme, weights, x, topk_w, topk_ids, experts, activation)
-        calls = {name: timer("call", plan, call(plan)) for name, plan in plans.items()}
+        by_draw = [_whole_calls(scheme, weights, *d, experts, activation)[0] for d in draws]
+        calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
         bar = min(us for name, us in calls.items() if name != "call_us")
         if calls["call_us"] > (1 - min_gain) * bar:
             if log:
@@ -446,14 +476,13 @@ def _grid_best(time_tile: Callable[[TileConfig], float], block_m: int,
     return _fastest(time_tile, grid, reason)[0]
 
 
-def _table_plan_us(problem, plan: WholePlan, timers, align_us, scheme, weights, x, topk_w, topk_ids,
+def _table_plan_us(problem, plan: WholePlan, timers, align_us, scheme, weights, draws: Sequence[Draw],
                    activation, timer, direct_xq_us: float = 0.0) -> float:
     """us of `plan` (the one `experts.choose_plan` runs for this shape: a tuned table's entry),
     timed as the search times its candidates."""
     direct, t1, t2 = plan
     if direct:
-        gemm1, gemm2, _, _ = _direct_gemms(scheme, weights, x, topk_w, topk_ids, problem.num_local_experts,
-                                           problem.inter, activation, t1)
+        gemm1, gemm2 = _direct_pair(scheme, weights, draws, problem, activation, t1)
         return (timer("direct gemm1", t1, lambda i: gemm1(i, t1)) + timer("direct gemm2", t2, lambda i: gemm2(i, t2))
                 + direct_xq_us)
     time1, time2 = timers(t1)
@@ -598,7 +627,7 @@ def _rule_swap(tile: TileConfig, scheme, device: torch.device, *, direct: bool) 
     return dataclasses.replace(tile, swap_ab=swap_ab(tile, scheme.activation, device, direct=direct))
 
 
-def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activation,
+def _search_direct(problem, scheme, sms, weights, draws: Sequence[Draw], activation,
                    timer: Timer, xq_us: float = 0.0, one_dot: bool = False,
                    warm: Callable[[str, TileConfig], Callable[[list[TileConfig]], None] | None] = lambda kind, fill: None,
                    ) -> tuple[float, tuple]:
@@ -610,8 +639,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
     from fusedmoe.backends.triton.tiles import tile_mode
 
     d1, d2 = direct_heuristic(problem, scheme, sms)
-    gemm1, gemm2, _, _ = _direct_gemms(scheme, weights, x, topk_w, topk_ids, problem.num_local_experts,
-                                       problem.inter, activation, d1)
+    gemm1, gemm2 = _direct_pair(scheme, weights, draws, problem, activation, d1)
     quant, group = tile_mode(scheme)
     plan = dict(direct=True, dtype=problem.dtype, gated=problem.gated, quant=quant, group=group)
 
@@ -627,7 +655,7 @@ def _search_direct(problem, scheme, sms, weights, x, topk_w, topk_ids, activatio
         return check_plan(d1, tile, **plan)
 
     us1, us2 = time1(d1), time2(d2)
-    d1, d2 = (_rule_swap(t, scheme, x.device, direct=True) for t in (d1, d2))
+    d1, d2 = (_rule_swap(t, scheme, draws[0].x.device, direct=True) for t in (d1, d2))
     time1, time2 = _once(time1, warm("direct gemm1", d1)), _once(time2, warm("direct gemm2", d1))
     time1.known[d1], time2.known[d2] = us1, us2
     swap = _swappable(scheme, direct=True)

@@ -545,20 +545,26 @@ def cell_draws(preset: Preset, tokens: int, copies: int, seed: int, device: torc
     routings (a single draw moved int4 Mixtral M=256 by ~12%). The ids are the preset's plain
     top-k of the logits (softmax, or sigmoid where the router weight goes on the input); with
     route_kw (`bench --routing`) the preset's own routing of them, as the timed calls run it."""
+    if route_kw is None:
+        route_kw = dict(renormalize=not preset.apply_router_weight_on_input,
+                        scoring_func="sigmoid" if preset.apply_router_weight_on_input else "softmax")
+    return routing_draws(tokens, preset.hidden_size, preset.num_experts, preset.top_k, copies,
+                         cell_generator(seed, tokens, device), dtype, **route_kw)
+
+
+def routing_draws(tokens: int, hidden: int, experts: int, top_k: int, copies: int, generator: torch.Generator,
+                  dtype: torch.dtype, **route_kw) -> list[tuple]:
+    """`copies` draws of (x [T, H] in dtype, logits [T, E] float32, topk_weights, topk_ids) from
+    `generator`, the ids `select_experts(x, logits, top_k, **route_kw)`: one routing per rotated
+    weight copy, for the bench (`cell_draws`) and the tuner (`tune.tune_shape`)."""
     from fusedmoe.routing import select_experts
 
-    gen = cell_generator(seed, tokens, device)
-    scoring = "sigmoid" if preset.apply_router_weight_on_input else "softmax"
+    device = generator.device
     draws = []
     for _ in range(copies):
-        x = torch.randn(tokens, preset.hidden_size, device=device, generator=gen).to(dtype)
-        logits = torch.randn(tokens, preset.num_experts, device=device, generator=gen)
-        if route_kw is None:
-            ids = select_experts(x, logits, preset.top_k, renormalize=not preset.apply_router_weight_on_input,
-                                 scoring_func=scoring)
-        else:  # the experts the timed calls route to (grouped top-k keeps fewer in reach)
-            ids = select_experts(x, logits, preset.top_k, **route_kw)
-        draws.append((x, logits, *ids))
+        x = torch.randn(tokens, hidden, device=device, generator=generator).to(dtype)
+        logits = torch.randn(tokens, experts, device=device, generator=generator)
+        draws.append((x, logits, *select_experts(x, logits, top_k, **route_kw)))
     return draws
 
 

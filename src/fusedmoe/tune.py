@@ -299,9 +299,9 @@ def tune_shape(
     from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
     from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, is_w4_scheme
+    from fusedmoe.bench import routing_draws
     from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
-    from fusedmoe.routing import select_experts
 
     scheme = get_scheme(quant)
     mode, group = tile_mode(scheme)
@@ -335,12 +335,8 @@ def tune_shape(
         def warm(kind: str, fill: TileConfig, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
             return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind, fill)
 
-        draws = []  # one routing per weight copy: a time is the mean over `copies` routings (_rotate)
-        for _ in range(copies):
-            x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
-            draws.append(Draw(x, *select_experts(x, torch.randn(tokens, experts, device=device, generator=gen),
-                                                 top_k)))
-        x = draws[0].x
+        # one routing per weight copy: a time is the mean over `copies` routings (_rotate)
+        draws = [Draw(x, w, ids) for x, _, w, ids in routing_draws(tokens, hidden, experts, top_k, copies, gen, dtype)]
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype, frag)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
@@ -803,11 +799,10 @@ def _worker_weights(spec: tuple) -> tuple:
 @functools.lru_cache(maxsize=4)
 def _worker_tokens(spec: tuple, tokens: int) -> tuple:
     experts, hidden, _, top_k, _, dtype, _, _, device = spec
-    from fusedmoe.routing import select_experts
+    from fusedmoe.bench import routing_draws
 
-    gen = torch.Generator(device=device).manual_seed(2)
-    x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
-    topk_w, topk_ids = select_experts(x, torch.randn(tokens, experts, device=device, generator=gen), top_k)
+    x, _, topk_w, topk_ids = routing_draws(tokens, hidden, experts, top_k, 1,
+                                           torch.Generator(device=device).manual_seed(2), dtype)[0]
     return x, topk_w, topk_ids
 
 

@@ -120,8 +120,9 @@ class Draw(NamedTuple):
 def _rotate(fns: Sequence[Callable]) -> Callable:
     """fn(i, *args) running fns[i % len(fns)](i, *args): weight copy i with routing draw i, so a
     time over the copies is a mean over the draws. At ~64 slots an expert the draw alone moved
-    int4 Mixtral M=256 by ~12% (64-row tiles per expert: 1 or 2), enough to pick another block
-    size on one draw (H200, 2026-11-29; `bench.cell_draws` does the same for the bench)."""
+    int4 Mixtral M=256 by ~12% (64-row tiles per expert: 1 or 2; H200, 2026-11-29), as much as
+    the gains a search keeps, so one draw could pick a block size for its own routing
+    (`bench.cell_draws` rotates the bench's draws the same way)."""
     return lambda i, *args: fns[i % len(fns)](i, *args)
 
 

@@ -410,7 +410,7 @@ def test_bench_check_is_for_one_device(capsys):
 def test_bench_tp_splits_the_presets(capsys):
     """--tp N: each preset at that split of its intermediate size, renamed PRESET/tpN where the
     split is not its benchmark one; refused (before any GPU check) where N does not divide I, is
-    below 1, or comes with --ep."""
+    below 1, or comes with --ep. --seed is refused likewise below 0 or with --ep."""
     from fusedmoe.cli import _split_presets
     from fusedmoe.presets import get_preset
 
@@ -426,6 +426,10 @@ def test_bench_tp_splits_the_presets(capsys):
     assert "--tp 0 must be >= 1" in capsys.readouterr().err
     assert main(["bench", "--tp", "2", "--ep", "2"]) == 2
     assert "--tp is for the one-device benchmark" in capsys.readouterr().err
+    assert main(["bench", "--seed", "-1"]) == 2
+    assert "--seed -1 must be >= 0" in capsys.readouterr().err
+    assert main(["bench", "--seed", "3", "--ep", "2"]) == 2
+    assert "--seed is for the one-device benchmark" in capsys.readouterr().err
 
 
 def test_bench_cell_inputs_do_not_depend_on_the_cells_before():

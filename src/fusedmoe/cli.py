@@ -483,6 +483,10 @@ def cmd_bench(args) -> int:
         raise ValueError("--routing is for the one-device benchmark (--ep times the layer, routing included)")
     if args.tp is not None and args.ep > 1:
         raise ValueError("--tp is for the one-device benchmark (--ep splits the experts, not their sizes)")
+    if args.seed != 0 and args.ep > 1:
+        raise ValueError("--seed is for the one-device benchmark (--ep draws each rank's tokens from its rank)")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
     if args.ep > 1:
         return cmd_bench_ep(args)
     if args.ep < 1:

@@ -670,9 +670,10 @@ def bench_preset(
                 else:
                     try:
                         if scheme not in refs:
-                            x, logits, topk_w, topk_ids = draws[0]  # calls[0]'s: weight copy 0, draw 0
-                            ids = select_experts(x, logits, preset.top_k, **route_kw) if routing else (topk_w, topk_ids)
-                            refs[scheme] = _cell_reference(preset, x, *ids, weights[0] if name is None else checked_copy)
+                            # calls[0]'s: weight copy 0, draw 0, whose ids are already the ones it routes to
+                            x, _, topk_w, topk_ids = draws[0]
+                            refs[scheme] = _cell_reference(preset, x, topk_w, topk_ids,
+                                                           weights[0] if name is None else checked_copy)
                         row.rel_err, row.mismatch = check_cell(calls[0](), refs[scheme], name, device)
                     except Exception as exc:
                         row.mismatch = f"check failed: {type(exc).__name__}: {exc}"

@@ -142,7 +142,8 @@ KNOBS: dict[str, Knob] = {
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow, "
              "and int4 g32 where the per-GPU intermediate is >= 2048 (at smaller I int4's fragments "
-             "measured slower at M <= 256, faster at M >= 1024), all = every int4 too, 0 = keep "
+             "measured slower at M <= 256, faster at M >= 1024), all = every int4 too but g64 (its "
+             "fragments computed a wrong result on an H200: weight_only.INT4_FRAGMENTS_REFUSED), 0 = keep "
              "the checkpoint layout. Tuned entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "

@@ -786,31 +786,36 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
         from fusedmoe.backends.triton.weight_only import (
-            INT4_FRAGMENT_GROUPS,
             INT4_FRAGMENTS_MIN_INTER,
+            INT4_FRAGMENTS_REFUSED,
             lays_fragments,
         )
 
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
-        int4 = (f"; int4 g32 by default where I >= {INT4_FRAGMENTS_MIN_INTER}, on an H200 on heuristic tiles "
-                "10-16% slower than the checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), within 10% at "
-                "M=16-256 and up to 1.5x faster from M=1024 (at smaller I the checkpoint layout is faster at "
-                "M <= 256)"
-                if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
+        least = INT4_FRAGMENTS_MIN_INTER.get(group)
+        int4 = (f"; int4 g32 by default where I >= {least}, on an H200 on heuristic tiles 10-16% slower than the "
+                "checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), within 10% at M=16-256 and up to "
+                "1.5x faster from M=1024 (at smaller I the checkpoint layout is faster at M <= 256)"
+                if fmt == "int4" and group == 32 and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
                                   f"multiples of 64{bound}{int4}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
                                   f"layout){widened}{_scale_runs(problem, scheme)}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
-        elif group in INT4_FRAGMENT_GROUPS:
+        elif group in INT4_FRAGMENTS_REFUSED:
+            extra["w4_layout"] = (f"checkpoint layout, FUSEDMOE_TRITON_W4_FRAGMENTS=all included: "
+                                  f"{INT4_FRAGMENTS_REFUSED[group]}")
+        elif least is not None:
             extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
-                                  f"{INT4_FRAGMENTS_MIN_INTER}; at smaller I its checkpoint layout is faster at "
-                                  "M <= 256, fragments at M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
+                                  f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
+                                  "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
         else:
             extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
-                                  "too: not measured for this group)")
+                                  "too; g128 on an H200 on heuristic tiles: 1.03-1.5x faster at Mixtral M=1-4096, "
+                                  "10-16% slower at Qwen3-30B M <= 256; not yet checked against the reference at "
+                                  "those shapes)")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

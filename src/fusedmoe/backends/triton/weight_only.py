@@ -157,20 +157,35 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 # mxfp4 level to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned
 # entries); nvfp4 level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1.
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
-# int4 by shape (INT4_FRAGMENTS_MIN_INTER, INT4_FRAGMENT_GROUPS). Its checkpoint-layout decode
-# (group-major scales, mma.sync at 16-row blocks) wins at decode and its fragments at prefill; how
-# far each reaches follows the per-GPU intermediate size. H200, int4 g32 on nine presets, each
-# layout with its own plans, M = 1-4096 (results/2026-11-29_h200_69f18ef_check_int4_layout_fuzz.txt,
-# 2026-11-29_h200_8372f17_layouts_invariance.txt; checkpoint time / fragments time):
-#   I >= 2048 (Mixtral 14336, gpt-oss-120b and -20b 2880): M=1 0.86-0.91, M=16 0.91-1.04,
-#     M=64 0.98-1.01, M=256 0.99-1.12 (Mixtral 733-803 -> 652-656 us, bf16 703-738), M=1024
-#     1.03-1.52, M=4096 1.30-1.51; geometric mean over those six M 1.07-1.10;
-#   I < 2048 (GLM-4.5-Air 1408, Qwen3-235B TP4 384, Llama-4 TP8 1024, Qwen3-30B 768, Kimi-K2 TP8
-#     256, DeepSeek-V3 TP8 256): M <= 256 0.66-0.99, M >= 1024 0.83-1.31; geometric mean
-#     0.82-0.99.
-# g64 and g128 were not measured and keep the checkpoint layout.
-INT4_FRAGMENTS_MIN_INTER = 2048
-INT4_FRAGMENT_GROUPS = (32,)
+# int4 by group and shape: the smallest per-GPU intermediate size at which each group is laid as
+# fragments by default (a group not named keeps the checkpoint layout). The checkpoint layout
+# (group-major scales, mma.sync at 16-row blocks) can win at decode, fragments win at prefill; how
+# far each reaches follows the group and I. H200, fusedmoe bench (checkpoint time / fragments time):
+#   g32, each layout with its own plans, nine presets, M = 1-4096
+#   (results/2026-11-29_h200_69f18ef_check_int4_layout_fuzz.txt, 2026-11-29_h200_8372f17_layouts_invariance.txt):
+#     I >= 2048 (Mixtral 14336, gpt-oss-120b and -20b 2880): M=1 0.86-0.91, M=16 0.91-1.04,
+#       M=64 0.98-1.01, M=256 0.99-1.12 (Mixtral 733-803 -> 652-656 us, bf16 703-738), M=1024
+#       1.03-1.52, M=4096 1.30-1.51; geometric mean over those six M 1.07-1.10;
+#     I < 2048 (GLM-4.5-Air 1408, Qwen3-235B TP4 384, Llama-4 TP8 1024, Qwen3-30B 768, Kimi-K2 TP8
+#       256, DeepSeek-V3 TP8 256): M <= 256 0.66-0.99, M >= 1024 0.83-1.31; geometric mean 0.82-0.99.
+#   g64 and g128, the fragments on heuristic tiles, M = 1, 16, 256, 1024, 4096, timed only
+#   (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt section 3):
+#     g64: Mixtral 1.05-1.62, gpt-oss-120b 1.15-2.12, DeepSeek-V3 TP8 0.94-1.85, Qwen3-30B 0.95-1.43;
+#     g128: Mixtral (I = 14336) 1.03-1.49; Qwen3-30B (I = 768) 0.84-0.90 at M <= 256, 1.25-1.37 from
+#       M = 1024.
+#   Neither is a default yet: g64's fragments gave a wrong result on the GPU (INT4_FRAGMENTS_REFUSED),
+#   and g128's were not checked against the reference at those shapes.
+INT4_FRAGMENTS_MIN_INTER = {32: 2048}
+# int4 groups process_weights keeps in the checkpoint layout even with FUSEDMOE_TRITON_W4_FRAGMENTS=all,
+# and why (explain says it): a layout whose kernels computed a wrong result is not laid until the
+# cause is found. The interpreter's decode of the g64 fragments matches emulation; the GPU's did
+# not at one plan, and which part of that plan (8 warps, 128-row blocks, the PTX decode with one
+# scale group per chunk) is not known.
+INT4_FRAGMENTS_REFUSED = {
+    64: ("int4 g64 in the fragment layout computed a wrong result on an H200 (Mixtral M=256, gemm1 "
+         "128 x 128 x 128 in 8 warps: relative error 10.8 against the reference; 2026-11-29, "
+         "results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt section 8)"),
+}
 
 
 def scale_pad() -> int:
@@ -184,15 +199,16 @@ def scale_pad() -> int:
 def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
     """Whether `process_weights` lays 4-bit weights of format `fmt` with scale `group` and a
     per-GPU intermediate size `inter` as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS): unset / 1
-    mxfp4 and nvfp4, and int4 of INT4_FRAGMENT_GROUPS where inter >= INT4_FRAGMENTS_MIN_INTER;
-    all every 4-bit format; 0 none. The shape must still be whole fragments (`_whole`)."""
+    mxfp4 and nvfp4, and int4 where inter >= INT4_FRAGMENTS_MIN_INTER[group] (a group not there: no);
+    all every 4-bit format but the int4 groups of INT4_FRAGMENTS_REFUSED; 0 none. The shape must
+    still be whole fragments (`_whole`)."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_W4_FRAGMENTS")
-    if mode is False or fmt not in W4_FRAG_FORMATS:
+    if mode is False or fmt not in W4_FRAG_FORMATS or fmt == "int4" and group in INT4_FRAGMENTS_REFUSED:
         return False
     return (mode == "all" or fmt in DEFAULT_FRAGMENT_FORMATS
-            or fmt == "int4" and group in INT4_FRAGMENT_GROUPS and inter >= INT4_FRAGMENTS_MIN_INTER)
+            or fmt == "int4" and inter >= INT4_FRAGMENTS_MIN_INTER.get(group, float("inf")))
 
 
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:

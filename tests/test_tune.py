@@ -523,6 +523,83 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     assert entry["layout"] == "checkpoint"  # the layout the copies were timed on, named
 
 
+def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
+    """The search's best plan is written only if its whole call computes what the heuristic's
+    plan does (`tune._plan_disagreement`: bench.check_cell's bound, the output poisoned first):
+    a plan whose kernels write wrong values, or leave rows unwritten, is logged and dropped."""
+    import dataclasses
+
+    from fusedmoe import tune as tune_mod
+    from fusedmoe.backends.triton.experts import GemmProblem, direct_heuristic
+    from fusedmoe.tune import tune_shape
+
+    problem = GemmProblem(K, E, H, I, K, True, torch.float32)
+    d1, d2 = direct_heuristic(problem, None, 132)
+    faster2 = dataclasses.replace(d2, num_stages=d2.num_stages - 1)
+    flat = lambda us: lambda tile: us  # noqa: E731
+    costs = {"gemm1": flat(100.0), "gemm2": flat(100.0), "direct gemm1": flat(40.0), "align": flat(5.0),
+             "direct gemm2": lambda tile: 30.0 if tile == faster2 else 40.0}
+    shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2,
+                 device=torch.device("cpu"))
+    whole = tune_mod._whole_calls
+    for harm in ("scaled", "unwritten"):
+        def broken(*args, harm=harm):
+            call, out = whole(*args)
+
+            def plan_call(plan):
+                run = call(plan)
+                if plan.gemm2 != faster2:
+                    return run
+                if harm == "unwritten":  # the faster plan's kernel never writes the output
+                    return lambda i: None
+                return lambda i: (run(i), out.mul_(3.0))  # or writes it at a wrong scale
+
+            return plan_call, out
+
+        monkeypatch.setattr(tune_mod, "_whole_calls", broken)
+        logged, seen = [], []
+        assert tune_shape(**shape, timer=_model_timer(costs, seen), log=logged.append) == [], harm
+        assert any("gave another output than the heuristic's plan" in line and "nothing written" in line
+                   for line in logged), (harm, logged)
+        assert any(tile == faster2 for kind, tile in seen if kind == "direct gemm2")  # it was the search's best
+    monkeypatch.setattr(tune_mod, "_whole_calls", whole)  # the same search, kernels intact: written
+    [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
+    assert entry["gemm2"] == faster2.as_list()
+
+
+def test_w4_gemm1_descent_starts_from_the_wide_tile_at_128_row_blocks(monkeypatch):
+    """At row blocks of 128 and more the weight-only 4-bit GEMM1's descent also starts from
+    tune.W4_WIDE_GEMM1_START: from a 4-warp, 64-deep heuristic tile it is three moves away, each
+    slower alone (the model below), so a descent from the heuristic's tiles stops short; with the
+    start the entry's GEMM1 is it. At smaller row blocks it is no start."""
+    import dataclasses
+
+    from fusedmoe.backends.triton import tiles
+    from fusedmoe.tune import W4_WIDE_GEMM1_START, tune_shape
+
+    rule = tiles.heuristic
+    narrow = lambda *a, **kw: dataclasses.replace(rule(*a, **kw), block_k=64, num_warps=4, num_stages=4)  # noqa: E731
+    monkeypatch.setattr(tiles, "heuristic", narrow)
+    wide = lambda tile: tile.as_list()[1:5] == W4_WIDE_GEMM1_START.as_list()[1:5]  # noqa: E731
+
+    def gemm1(tile):
+        if wide(tile):
+            return 5.0 if tile.block_m >= 128 else 40.0
+        return 40.0 if tile.num_warps == 8 or tile.block_k > 64 else 30.0
+
+    flat = lambda us: lambda tile: us  # noqa: E731
+    costs = {"gemm1": gemm1, "gemm2": flat(30.0), "align": flat(5.0), "direct gemm1": flat(100.0),
+             "direct gemm2": flat(100.0)}
+    seen = []
+    # 100 tokens x top-2 over 4 experts: 50 rows an expert, blocks of 64, so 32 / 64 / 128 are searched
+    [entry] = tune_shape(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float16, copies=2,
+                         device=torch.device("cpu"), tokens_list=[100], quant="int4_w4a16_g32",
+                         timer=_model_timer(costs, seen))
+    assert entry["gemm1"][:5] == [128, *W4_WIDE_GEMM1_START.as_list()[1:5]] and entry["gemm2"][0] == 128
+    assert {tile.block_m for kind, tile in seen if kind == "gemm1"} == {32, 64, 128}
+    assert not any(wide(tile) for kind, tile in seen if kind == "gemm1" and tile.block_m < 128)
+
+
 @pytest.mark.parametrize("fragments", [True, False], ids=["fragments", "checkpoint-layout"])
 def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch):
     """Over fragment-layout 4-bit weights (mxfp4 by default) GEMM1's descents, aligned and

@@ -7,7 +7,8 @@ keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also mo
 (their program order, `TileConfig.group_m`) over GROUP_MS; the aligned unquantized GEMMs
 toggle a persistent launch (`TileConfig.persistent`; GEMM1 with K unsplit) and, at 64-128 row
 blocks, GEMM2 also starts from the persistent 128 x 256 x 64 family (WIDE_START_BLOCK_MS); the
-weight-only 4-bit GEMM2 toggles it too and starts from a persistent 128 x 128 tile. The
+weight-only 4-bit GEMM2 toggles it too and starts from a persistent 128 x 128 tile, its GEMM1
+at row blocks of 128 and more also from a 128 x 128 tile in 8 warps. The
 aligned GEMM1's descent toggles one dot over gate and up (`TileConfig.one_dot`, unquantized gated
 only) and, at the same row blocks, also starts from the persistent one-dot 2*128 x 64 tile in 8
 warps and 4 stages.
@@ -90,6 +91,12 @@ WIDE_START_BLOCK_MS = (64, 128)
 # reaches it (H200, mxfp4, DeepSeek-V3 M=16: 16 x 64 x 64 69 us, persistent 110; 16 x 128 x 128 78,
 # persistent 57; tiles.W4_PERSISTENT_PROGRAMS)
 W4_PERSISTENT_START = TileConfig(16, 128, 128, 4, 3, persistent=True)
+# And its GEMM1's from this 8-warp tile at block_m >= 128 (the pair with GEMM2 128 x 128 x 64 in
+# 4 warps, 4 stages, which the descent reaches): on an H200 at Mixtral M=256 (~64 rows an expert)
+# the int4 g64 tune found the pair, 617 us as whole calls on four routings against 670-776 for the
+# heuristic; int4 g32 / nvfp4 / mxfp4's tunes, descending from 4-warp starts, stopped 7-9% short of
+# it (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt sections 5-7)
+W4_WIDE_GEMM1_START = TileConfig(128, 128, 128, 8, 3)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
@@ -383,8 +390,10 @@ def tune_shape(
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)
                 starts2.append(TileConfig(block_m, 256, 64, 8, 3, persistent=True))
                 starts1.append(TileConfig(block_m, 128, 64, 8, 4, persistent=True, one_dot=True))
-            if mode == "w4":  # and the weight-only 4-bit GEMM2's persistent start (W4_PERSISTENT_START)
+            if mode == "w4":  # and the weight-only 4-bit starts (W4_PERSISTENT_START, W4_WIDE_GEMM1_START)
                 starts2.append(dataclasses.replace(W4_PERSISTENT_START, block_m=block_m))
+                if block_m >= W4_WIDE_GEMM1_START.block_m:
+                    starts1.append(dataclasses.replace(W4_WIDE_GEMM1_START, block_m=block_m))
             starts1 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts1 if not ok1(t)))
             starts2 = list(dict.fromkeys(_rule_swap(t, scheme, device, direct=False) for t in starts2 if not ok2(t)))
             if not starts1 or not starts2:
@@ -438,7 +447,17 @@ def tune_shape(
         plans = {"call_us": WholePlan(best[1] == "direct", best[2], best[3]), "heuristic_call_us": rule}
         if table_us is not None:
             plans["table_call_us"] = now
-        by_draw = [_whole_calls(scheme, weights, *d, experts, activation)[0] for d in draws]
+        built = [_whole_calls(scheme, weights, *d, experts, activation) for d in draws]
+        by_draw = [call for call, _ in built]
+        # a plan is written only if it computes what the heuristic's does (a kernel wrong at one
+        # tile must not become the table's plan: the int4 g64 fragment tune of 2026-11-29 wrote one)
+        err, why = _plan_disagreement(*built[0], plans["call_us"], rule, scheme, device)
+        if why is not None:
+            if log:
+                log(f"M={tokens:>5}: the search's best, {best[1]} gemm1 {best[2].as_list()} gemm2 "
+                    f"{best[3].as_list()}, gave another output than the heuristic's plan (relative error "
+                    f"{err:.1e}: {why}); nothing written")
+            continue
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
         bar = min(us for name, us in calls.items() if name != "call_us")
         if calls["call_us"] > (1 - min_gain) * bar:
@@ -511,6 +530,21 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
         return run
 
     return call, out
+
+
+def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: torch.Tensor, plan: WholePlan,
+                       rule: WholePlan, scheme, device: torch.device) -> tuple[float, str | None]:
+    """(relative Frobenius error of `plan`'s output against `rule`'s on weight copy 0 and its
+    draw, why that is beyond the scheme's bound or None): `bench.check_cell` with the rule's plan
+    as the reference. The output is poisoned (NaN) before the plan runs, so rows it leaves
+    unwritten count."""
+    from fusedmoe.bench import check_cell
+
+    call(rule)(0)
+    want = out.clone()
+    out.fill_(float("nan"))
+    call(plan)(0)
+    return check_cell(out, want, None if scheme is None else scheme.name, device)
 
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:

@@ -276,6 +276,21 @@ def test_bench_quant_bytes_and_refusals(capsys):
     assert "marlin runs it weight-only; tuning nvfp4_w4a16" in out and "needs a CUDA device" in err
     assert main(["bench", "--quant", "fp9"]) == 2
     assert "not a known quantization scheme" in capsys.readouterr().err
+    # a preset the scheme cannot quantize (gpt-oss: H = I = 2880 against g128) is left out and said,
+    # before any GPU work; with nothing left, refused
+    from fusedmoe.bench import preset_quant_reason
+    from fusedmoe.presets import get_preset
+
+    assert preset_quant_reason(get_preset("gpt-oss-120b"), "int4_w4a16_g128") == (
+        "int4_w4a16_g128 has one scale per 128 inputs, but w13's K = 2880 is not a multiple of 128 (2880 % 128 = 64)")
+    assert preset_quant_reason(get_preset("gpt-oss-120b"), "int4_w4a16_g32") is None
+    assert preset_quant_reason(get_preset("mixtral-8x7b"), "int4_w4a16_g128") is None
+    assert preset_quant_reason(get_preset("gpt-oss-120b"), None) is None
+    assert main(["bench", "--quant", "int4_w4a16_g128", "--presets", "gpt-oss-120b,mixtral-8x7b"]) == 2
+    err = capsys.readouterr().err
+    assert "skipping gpt-oss-120b: int4_w4a16_g128 has one scale per 128 inputs" in err and "needs a CUDA device" in err
+    assert main(["bench", "--quant", "int4_w4a16_g128", "--presets", "gpt-oss-120b,gpt-oss-20b"]) == 2
+    assert "--quant int4_w4a16_g128 cannot quantize any preset asked for" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "fp8_w8a8_tensor_static",

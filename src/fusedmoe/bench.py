@@ -511,6 +511,23 @@ def scaled_randn(shape: tuple, scale: float, *, dtype: torch.dtype, generator: t
     return torch.randn(*shape, device=device or generator.device, generator=generator, dtype=dtype).mul_(scale)
 
 
+def preset_quant_reason(preset: Preset, quant: str | None) -> str | None:
+    """Why `quant` cannot quantize this preset's weights at its benchmark split (a group scale
+    that does not divide H or the per-GPU I: int4 g128 and gpt-oss's 2880), or None."""
+    from fusedmoe.quant.scheme import get_scheme
+    from fusedmoe.quant.weights import check_group_divides
+
+    scheme = get_scheme(quant)
+    if scheme is None:
+        return None
+    try:
+        check_group_divides(scheme, "w13", preset.hidden_size)
+        check_group_divides(scheme, "w2", preset.intermediate_size // preset.bench_tp)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def check_cell(out: torch.Tensor, ref: torch.Tensor, scheme: str | None, device: torch.device) -> tuple[float, str | None]:
     """`fusedmoe bench --check`: (relative Frobenius error of a backend's output against its
     cell's reference, why that is beyond the fuzz's bound for the scheme or None). The bounds are

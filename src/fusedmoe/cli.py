@@ -500,6 +500,14 @@ def cmd_bench(args) -> int:
         raise ValueError("--graph times the expert-parallel call captured in a CUDA graph: give --ep N > 1 "
                          "--dispatch allgather (`fusedmoe bench` always replays graphs)")
     bench.quant_bytes(args.quant)  # a scheme neither triton nor marlin runs fails before any GPU work
+    # presets the scheme cannot quantize are left out, said, before any GPU work (not stopped at
+    # their weight build with the rows timed so far unprinted)
+    skipped = {p.name: why for p in presets if (why := bench.preset_quant_reason(p, args.quant))}
+    for name, why in skipped.items():
+        print(f"fusedmoe bench: skipping {name}: {why}", file=sys.stderr)
+    presets = [p for p in presets if p.name not in skipped]
+    if not presets:
+        raise ValueError(f"--quant {args.quant} cannot quantize any preset asked for (above)")
     quant_backend = bench.quant_backend(args.quant)
     if args.backends is None:
         args.backends = f"{quant_backend},grouped_mm,torch"

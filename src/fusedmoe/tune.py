@@ -93,9 +93,11 @@ WIDE_START_BLOCK_MS = (64, 128)
 W4_PERSISTENT_START = TileConfig(16, 128, 128, 4, 3, persistent=True)
 # And its GEMM1's from this 8-warp tile at block_m >= 128 (the pair with GEMM2 128 x 128 x 64 in
 # 4 warps, 4 stages, which the descent reaches): on an H200 at Mixtral M=256 (~64 rows an expert)
-# the int4 g64 tune found the pair, 617 us as whole calls on four routings against 670-776 for the
-# heuristic; int4 g32 / nvfp4 / mxfp4's tunes, descending from 4-warp starts, stopped 7-9% short of
-# it (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt sections 5-7)
+# int4 g32 / nvfp4 / mxfp4's tunes, descending from 4-warp starts, stopped 7-9% short of it (bench
+# 702 -> 648 us, 709 -> 674, 683 -> 628 with the pair set by hand); from this start the g32 tune
+# found it itself, 645 us as a whole call against the heuristic's 693
+# (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt sections 7, 8; the pair
+# came from an int4 g64 fragment tune whose kernel computed a wrong result there, section 8)
 W4_WIDE_GEMM1_START = TileConfig(128, 128, 128, 8, 3)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)

@@ -422,3 +422,28 @@ def test_one_dot_fragment_gemm1(scheme):
                                  activation=activation)
         assert rel_err(out, emulated) < TOL
         assert torch.equal(replayed(lambda: run(True)), out)  # noqa: B023
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16:fragments", "nvfp4_w4a16:fragments", "int4_w4a16_g32:fragments",
+                                    "int4_w4a16_g128:fragments"])
+def test_wide_fragment_plan(scheme):
+    """The 128-row plan with an 8-warp GEMM1 over fragment-layout weights (tune.W4_WIDE_GEMM1_START
+    with GEMM2 128 x 128 x 64 in 4 warps, 4 stages: the packaged Mixtral M=256 plan of int4 g32,
+    nvfp4 and mxfp4) at a Mixtral-like shape, ~64 rows an expert and a tail: within tolerance of
+    emulation and of the heuristic's plan, and the same after CUDA-graph replay. int4 g64's
+    fragments computed a wrong result under this plan on an H200 (weight_only.INT4_FRAGMENTS_REFUSED;
+    benchmarks/probe_w4_fragments.py bisects it)."""
+    from fusedmoe.backends.triton.tiles import TileConfig
+    from fusedmoe.tune import W4_WIDE_GEMM1_START
+
+    E, K, H, I, activation, bias = SHAPES["mixtral-like"]
+    weights = q13, q2, params, b13, b2 = make_weights(E, H, I, scheme, seed=41)
+    wide = (W4_WIDE_GEMM1_START, TileConfig(128, 128, 64, 4, 4))
+    for tokens in (256, 300):
+        x, w, ids = make_tokens(tokens, E, K, H, seed=tokens + 90)
+        poison_allocator()
+        out = run_triton(x, w, ids, weights, E, activation, tiles=wide)
+        emulated = fused_experts(x, q13, q2, w, ids, quant=params, backend="emulation", activation=activation)
+        assert rel_err(out, emulated) < TOL, tokens
+        assert rel_err(out, run_triton(x, w, ids, weights, E, activation)) < TOL, tokens
+        assert torch.equal(replayed(lambda: run_triton(x, w, ids, weights, E, activation, tiles=wide)), out)  # noqa: B023

@@ -23,15 +23,22 @@ import dataclasses
 
 import torch
 
+from fusedmoe.activations import apply_activation
 from fusedmoe.api import fused_experts
-from fusedmoe.backends.triton.experts import GemmProblem
+from fusedmoe.backends.triton.experts import GemmProblem, launch_gemm2, prepare_launch
 from fusedmoe.backends.triton.quant import triton_quant_experts
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, fragment_tile, tile_mode
-from fusedmoe.backends.triton.weight_only import choose_weight_only_tiles, scale_pad
+from fusedmoe.backends.triton.weight_only import (
+    _kernel_args,
+    _launch_gemms,
+    choose_weight_only_tiles,
+    scale_pad,
+)
 from fusedmoe.bench import _quantized_copy, check_cell, routing_draws, scaled_randn
 from fusedmoe.presets import get_preset
 from fusedmoe.quant.fragments import to_fragments
 from fusedmoe.quant.scheme import get_scheme
+from fusedmoe.quant.weights import dequantize_weight
 
 FAILED = (TileConfig(128, 128, 128, 8, 3), TileConfig(128, 128, 64, 4, 4))  # the plan of 2026-11-29
 
@@ -57,6 +64,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", help="comma-separated labels (or label prefixes) of the plans to run")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each plan (a race shows as errors that differ)")
+    ap.add_argument("--gemm2-repeat", type=int, default=0, help="--stages: run GEMM2 alone this many times more")
+    ap.add_argument("--stages", action="store_true",
+                    help="check GEMM1's intermediate and GEMM2's rows (on the kernel's own intermediate) apart")
     args = ap.parse_args()
     device = torch.device(args.device)
     scheme = get_scheme(args.quant)
@@ -102,6 +114,61 @@ def main() -> None:
         for i in (0, 1) if which < 0 else (which,):
             plan[i] = dataclasses.replace(plan[i], **change)
         plans.append((label, tuple(plan)))
+    if args.only:
+        wanted = args.only.split(",")
+        plans = [(label, plan) for label, plan in plans if any(label.startswith(w) for w in wanted)]
+    if args.stages:
+        w13f, w2f = (dequantize_weight(q, s, scheme, g) for q, s, g in
+                     ((q13, params.w13_scale, params.w13_global_scale), (q2, params.w2_scale, params.w2_global_scale)))
+    def stages(plan: tuple[TileConfig, TileConfig]) -> str:
+        """GEMM1's intermediate against act(x @ deq(w13)^T) and GEMM2's rows against the kernel's
+        own intermediate @ deq(w2)^T (times the routed weight), float32, over the aligned rows that
+        hold a slot: which GEMM computes a wrong value, and in which rows / columns."""
+        t1, t2 = plan
+        launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False, 1.702, None,
+                                t1.block_m)
+        launch.a.fill_(float("nan"))
+        launch.y.fill_(float("nan"))
+        _launch_gemms(launch, f13, f2, None, None, t1, t2, scheme, s13, s2, params.w13_global_scale,
+                      params.w2_global_scale)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        slots = launch.sorted_slot.long()
+        held = slots < topk_ids.numel()
+        rows = held.nonzero().squeeze(1)
+        slot = slots[rows]
+        expert = launch.block_expert.long()[rows // t1.block_m]
+        a_ref = torch.empty(rows.numel(), inter, device=device)
+        y_ref = torch.empty(rows.numel(), hidden, device=device)
+        a_got = launch.a[rows].float()
+        for e in range(experts):
+            sel = (expert == e).nonzero().squeeze(1)
+            if sel.numel():
+                h = x[slot[sel] // top_k].float() @ w13f[e].T
+                a_ref[sel] = apply_activation(h, activation)
+                y_ref[sel] = a_got[sel] @ w2f[e].T * topk_w.reshape(-1)[slot[sel]].float()[:, None]
+        y_got = launch.y[slot].float()
+        out = []
+        for name, got, want in (("gemm1", a_got, a_ref), ("gemm2", y_got, y_ref)):
+            diff = (got - want).abs().nan_to_num(float("inf"))
+            err = ((got - want).float().norm() / want.norm()).item()
+            badr = (diff > 0.05 * want.abs().amax(1, keepdim=True) + 1e-3).any(1)
+            badc = (diff > 0.05 * want.abs().amax(1, keepdim=True) + 1e-3).any(0)
+            where = ""
+            if badr.any():
+                r = badr.nonzero().squeeze(1)
+                c = badc.nonzero().squeeze(1)
+                where = (f" bad rows {r.numel()}/{rows.numel()} (aligned {rows[r][:6].tolist()}, experts "
+                         f"{sorted(set(expert[r].tolist()))[:8]}), cols {c.numel()}/{got.shape[1]} "
+                         f"(first {c[:6].tolist()}, mod 128 {sorted(set((c % 128).tolist()))[:8]})")
+            out.append(f"{name} {err:.1e}{where}")
+        for _ in range(args.gemm2_repeat):  # GEMM2 alone again on the same intermediate (no GEMM1 before it)
+            launch.y.fill_(float("nan"))
+            launch_gemm2(launch, f2, None, t2, _kernel_args(scheme, s2, params.w2_global_scale, x))
+            got = launch.y[slot].float()
+            err = ((got - y_ref).norm() / y_ref.norm()).item()
+            out.append(f"gemm2 again {err:.1e}")
+        return "; ".join(out)
+
     for label, plan in plans:
         plan = tuple(fragment_tile(t) for t in plan)
         why = ok[0](plan[0]) or ok[1](plan[1])
@@ -109,9 +176,12 @@ def main() -> None:
         if why:
             print(f"  {label:<32} {tiles}: invalid ({why})")
             continue
-        err, bad = run(plan)
-        print(f"  {label:<32} {tiles}: rel err {err:.1e} {'WRONG: ' + bad if bad else 'ok'}")
-
+        for _ in range(args.repeat):
+            if args.stages:
+                print(f"  {label:<32} {tiles}: {stages(plan)}")
+                continue
+            err, bad = run(plan)
+            print(f"  {label:<32} {tiles}: rel err {err:.1e} {'WRONG: ' + bad if bad else 'ok'}")
 
 if __name__ == "__main__":
     main()

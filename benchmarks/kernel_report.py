@@ -35,7 +35,8 @@ from fusedmoe.presets import get_preset  # noqa: E402
 from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
-        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N", "PERSISTENT")
+        "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N", "PERSISTENT",
+        "RS_SYNC")
 # moe_gemm2_rows_kernel names its K extent BLOCK_I (the whole I) and its stages NUM_STAGES (tl.range's)
 TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
@@ -66,6 +67,7 @@ def as_on_gpu(device_name: str | None) -> torch.device:
     quant._sm90_gpu = lambda d: True  # SWAP_AB's rule
     torch.cuda.current_device = lambda: 0
     weight_only.ptx_decode = lambda x: x.dtype == torch.bfloat16
+    weight_only.rs_sync = lambda x: knobs.get("TRITON_RS_SYNC") is not False  # as on a GPU
     return torch.device("cuda")
 
 
@@ -200,6 +202,9 @@ def main(argv=None) -> int:
             print(f"{'':16} {'':>5} {'':7} {'  its longest loop (the K step)':47} {loop['instructions']:>27}  {mix}")
             for hazard in kernel_report.loop_hazards(loop):
                 print(f"{'':16} {'':>5} {'':7}   ! {hazard}")
+        if r["wgmma_rs"] and max(r["wgmma_waits"], default=0) > 0:  # printed with or without --loop: a race
+            print(f"{'':16} {'':>5} {'':7}   ! register-operand wgmma left in flight (waits {r['wgmma_waits']}): "
+                  "the race kernels._rs_sync closes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "quant": args.quant, "dtype": args.dtype, "rows": rows}, f,

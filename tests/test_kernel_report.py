@@ -49,6 +49,26 @@ def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
     assert all(f"{r['regs']:>4} -> {r['regs']:<3}" in line for r, line in zip(rows, lines, strict=True))
 
 
+def test_fragment_gemms_wait_for_each_wgmma(tmp_path, monkeypatch):
+    """The 4-bit fragment GEMMs' dots (the decoded weight tile as the register operand) compile
+    with every warpgroup MMA waited for where it is issued (kernels._rs_sync): no wait leaves an
+    MMA in flight across the next K step's decode, the read-after-write hazard that computed wrong
+    rows on an H200 under Triton 3.6 (triton-lang/triton#9433). FUSEDMOE_TRITON_RS_SYNC=0 gives
+    Triton's in-flight form, which the check tells apart. The 128-row plan of the packaged
+    Mixtral M=256 entries, on Qwen3-30B's shape (mxfp4: fragments by default)."""
+    args = ("--presets", "qwen3-30b-a3b", "--tokens", "256", "--quant", "mxfp4_w4a16",
+            "--tiles", "128,128,128,8,3/128,128,64,4,4")
+    rows = _report(tmp_path, *args)
+    assert [r["kernel"] for r in rows] == ["moe_gemm1_kernel", "moe_gemm2_kernel"]
+    for r in rows:
+        assert r["RS_SYNC"] is True and r["wgmma_dots"] >= 1, r["kernel"]
+        assert r["wgmma_waits"] and set(r["wgmma_waits"]) == {0}, (r["kernel"], r["wgmma_waits"])
+    monkeypatch.setenv("FUSEDMOE_TRITON_RS_SYNC", "0")
+    rows = _report(tmp_path, *args)
+    assert all(r["RS_SYNC"] is False and max(r["wgmma_waits"]) > 0 for r in rows), \
+        [(r["kernel"], r["wgmma_waits"]) for r in rows]
+
+
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])
 def test_report_of_w8a8_at_large_m_uses_wgmma_and_descriptors(tmp_path, scheme):
     """Qwen3-30B M=4096: both GEMMs on warpgroup MMAs (fp8 ones for fp8 codes), the weights (and

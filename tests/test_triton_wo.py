@@ -314,9 +314,8 @@ def test_fragment_layout_conditions():
     assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale)  # K = H = 96
     assert TritonExperts(config).process_weights(w) is w
     # nvfp4 and int4 take the layout on the same shapes (no scale bound), else their scales go group-major
-    # (int4 g64 never: weight_only.INT4_FRAGMENTS_REFUSED)
     for scheme, shape in (("nvfp4_w4a16", (4, 8, 2, 64)), ("int4_w4a16_g32", (4, 8, 2, 32)),
-                          ("int4_w4a16_g128", (4, 16, 1, 16))):
+                          ("int4_w4a16_g64", (4, 8, 2, 16)), ("int4_w4a16_g128", (4, 16, 1, 16))):
         inter = 128 if scheme.endswith("g128") else 64
         config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
         with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 at every group and size
@@ -328,7 +327,7 @@ def test_fragment_layout_conditions():
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), scheme
         with knobs.override(TRITON_W4_FRAGMENTS=False):
             assert not is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale)
-        if scheme.endswith("g128"):  # H, I multiples of the group: always whole fragments
+        if scheme.endswith(("g64", "g128")):  # H, I multiples of the group (>= 64): always whole fragments
             continue
         config, x, w, weights, ids, _ = problem(Case("cond-odd" + scheme, T=3, H=96, I=64), scheme, torch.float32)
         assert "whole 16 x 64 fragments" in fragments_reason(w.w13, w.quant.w13_scale, scheme.split("_")[0])
@@ -569,14 +568,10 @@ def test_fragment_layout_edge_cases():
 
 def test_fragment_formats_knob(monkeypatch):
     """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, and int4 g32 where the per-GPU
-    intermediate is >= 2048; all = int4 at every other group and size too, but g64 (refused:
-    weight_only.INT4_FRAGMENTS_REFUSED); 0 = none; other values are refused, naming the choices."""
+    intermediate is >= 2048; all = int4 at every other group and size too; 0 = none; other values
+    are refused, naming the choices."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton.weight_only import (
-        INT4_FRAGMENTS_MIN_INTER,
-        INT4_FRAGMENTS_REFUSED,
-        lays_fragments,
-    )
+    from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
     formats = (("mxfp4", 32), ("nvfp4", 16), ("int4", 32), ("int4", 64), ("int4", 128), ("int4", 256))
     sizes = (256, 768, 1984, 2048, 14336)
@@ -584,9 +579,9 @@ def test_fragment_formats_knob(monkeypatch):
     def laid():
         return {(fmt, group, inter) for fmt, group in formats for inter in sizes if lays_fragments(fmt, group, inter)}
 
-    every = {(fmt, group, inter) for fmt, group in formats for inter in sizes if (fmt, group) != ("int4", 64)}
+    every = {(fmt, group, inter) for fmt, group in formats for inter in sizes}
     default = {c for c in every if c[0] != "int4" or (c[1] == 32 and c[2] >= 2048)}
-    assert INT4_FRAGMENTS_MIN_INTER == {32: 2048} and set(INT4_FRAGMENTS_REFUSED) == {64} and laid() == default
+    assert INT4_FRAGMENTS_MIN_INTER == {32: 2048} and laid() == default
     assert ("int4", 32, 1984) not in default and ("int4", 128, 14336) not in default
     assert ("int4", 256, 14336) not in default  # a group not named keeps the checkpoint layout
     for raw, want in (("1", default), ("all", every), ("0", set())):
@@ -601,7 +596,7 @@ def test_fragment_formats_knob(monkeypatch):
 def test_int4_laid_as_fragments_by_group_and_intermediate():
     """process_weights lays int4 g32 as fragments by default where the per-GPU intermediate is >=
     2048 (weight_only.INT4_FRAGMENTS_MIN_INTER), and keeps the checkpoint layout below it and for
-    the other groups (g64 even with FUSEDMOE_TRITON_W4_FRAGMENTS=all); the planned layout is the
+    the other groups (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays them too); the planned layout is the
     one held (the heuristic's K steps follow it), and the laid call matches emulation."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import GemmProblem
@@ -621,8 +616,8 @@ def test_int4_laid_as_fragments_by_group_and_intermediate():
             out = run(config, x, laid, weights, ids, None)
             want_out = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
             assert rel_err(out, want_out) < TOL[torch.float32], (scheme, inter)
-    with knobs.override(TRITON_W4_FRAGMENTS="all"):  # every group but g64 (INT4_FRAGMENTS_REFUSED)
-        for scheme, want in (("int4_w4a16_g64", False), ("int4_w4a16_g128", True)):
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):  # every group
+        for scheme, want in (("int4_w4a16_g64", True), ("int4_w4a16_g128", True)):
             config, x, w, weights, ids, _ = problem(Case("i4-all", T=3, E=2, K=1, H=128, I=128), scheme, torch.float32)
             assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == want, scheme
             assert w4_layout(GemmProblem(3, 2, 128, 128, 1, True, torch.float32), get_scheme(scheme)) == (
@@ -680,11 +675,11 @@ def test_fragment_tile_widens_narrow_tiles():
         "checkpoint layout (int4 g32 is laid as fragments by default where I >= 2048")
     assert describe_plan(problem, get_scheme("int4_w4a16_g128"), torch.device("cpu"))["w4_layout"].startswith(
         "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g128 as fragments too; g128 on an H200")
-    for mode in (None, "all"):  # g64's fragments are refused, and explain says why
+    for mode, want in ((None, "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g64 as fragments too; g64"),
+                       ("all", "fragments where")):  # g64: checkpoint by default, fragments on request
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
             assert describe_plan(problem, get_scheme("int4_w4a16_g64"), torch.device("cpu"))["w4_layout"].startswith(
-                "checkpoint layout, FUSEDMOE_TRITON_W4_FRAGMENTS=all included: int4 g64 in the fragment layout "
-                "computed a wrong result")
+                want), mode
     big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4 g32's default: fragments, and why
     for mode in (None, True):  # unset or 1: the default, said as such
         with knobs.override(TRITON_W4_FRAGMENTS=mode):

@@ -119,6 +119,11 @@ KNOBS: dict[str, Knob] = {
         Knob("PDL", _tristate, None,
              "Programmatic dependent launch of the Triton MoE kernels (sm90+: each launch overlaps "
              "the previous kernel's tail): unset/1 = on where the GPU and Triton support it, 0 = off."),
+        Knob("TRITON_RS_SYNC", _tristate, None,
+             "The 4-bit fragment GEMMs' dots, whose weight operand is a register tile: unset/1 = each "
+             "waits for its wgmma before the next K step's decode (kernels._rs_sync: the in-flight "
+             "form is a read-after-write hazard with Triton 3.6 on Hopper, triton-lang/triton#9433, "
+             "that computed wrong rows), 0 = Triton's in-flight form (to measure it; may be wrong)."),
         Knob("TRITON_LAUNCHER", _tristate, None,
              "Launches of the Triton kernels (fusedmoe.backends.triton.launcher; host time, so eager "
              "calls gain, graph replays do not): unset/1 = a "
@@ -142,8 +147,7 @@ KNOBS: dict[str, Knob] = {
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow, "
              "and int4 g32 where the per-GPU intermediate is >= 2048 (at smaller I int4's fragments "
-             "measured slower at M <= 256, faster at M >= 1024), all = every int4 too but g64 (its "
-             "fragments computed a wrong result on an H200: weight_only.INT4_FRAGMENTS_REFUSED), 0 = keep "
+             "measured slower at M <= 256, faster at M >= 1024), all = every int4 group too, 0 = keep "
              "the checkpoint layout. Tuned entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "

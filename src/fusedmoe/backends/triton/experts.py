@@ -785,11 +785,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     if scheme is not None and scheme.weight.dtype in W4_FRAG_FORMATS:  # process_weights' fragment layout
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
-        from fusedmoe.backends.triton.weight_only import (
-            INT4_FRAGMENTS_MIN_INTER,
-            INT4_FRAGMENTS_REFUSED,
-            lays_fragments,
-        )
+        from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
@@ -804,18 +800,17 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                                   f"layout){widened}{_scale_runs(problem, scheme)}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
-        elif group in INT4_FRAGMENTS_REFUSED:
-            extra["w4_layout"] = (f"checkpoint layout, FUSEDMOE_TRITON_W4_FRAGMENTS=all included: "
-                                  f"{INT4_FRAGMENTS_REFUSED[group]}")
         elif least is not None:
             extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
                                   f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
                                   "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
         else:
+            measured = {64: "0.94-2.1x the checkpoint layout's speed over four presets",
+                        128: "1.03-1.5x faster at Mixtral M=1-4096, 10-16% slower at Qwen3-30B M <= 256"}
+            seen = (f"; g{group} on an H200 on heuristic tiles, their wgmmas in flight (before kernels._rs_sync): "
+                    f"{measured[group]}, not re-timed since" if group in measured else "")
             extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
-                                  "too; g128 on an H200 on heuristic tiles: 1.03-1.5x faster at Mixtral M=1-4096, "
-                                  "10-16% slower at Qwen3-30B M <= 256; not yet checked against the reference at "
-                                  "those shapes)")
+                                  f"too{seen})")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

@@ -146,7 +146,9 @@ OPCODES = ("HGMMA", "HMMA", "IMMA", "QGMMA", "LDG", "STG", "LDGSTS", "UTMALDG", 
 def usage(compiled) -> dict:
     """{regs, stack (bytes per thread: spills), shared (bytes, dynamic + static), instructions,
     opcodes (counts of `OPCODES` by prefix), all_opcodes (every opcode's count, modifiers
-    dropped), loop (`loop_mix`)} from the cubin (cuobjdump)."""
+    dropped), loop (`loop_mix`)} from the cubin (cuobjdump); wgmma_dots (warpgroup MMAs in the
+    TTGIR), wgmma_rs (those whose A operand is a register tile) and wgmma_waits (each wait's count of MMAs left in flight: all 0, every MMA waited for
+    where it is issued, as kernels._rs_sync makes the fragment GEMMs' dots)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -156,6 +158,7 @@ def usage(compiled) -> dict:
         sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
     fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", res))
+    ttgir = compiled.asm.get("ttgir", "")
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     counts = Counter(op.split(".")[0] for op in ops)
     return {
@@ -166,6 +169,9 @@ def usage(compiled) -> dict:
         "opcodes": {p: sum(n for op, n in counts.items() if op.startswith(p)) for p in OPCODES},
         "all_opcodes": dict(counts.most_common()),
         "loop": loop_mix(sass),
+        "wgmma_dots": len(re.findall(r"ttng\.warp_group_dot ", ttgir)),
+        "wgmma_rs": len(re.findall(r"ttng\.warp_group_dot [^\n]* : tensor<", ttgir)),
+        "wgmma_waits": [int(n) for n in re.findall(r"ttng\.warp_group_dot_wait[^{\n]*\{pendings = (\d+)", ttgir)],
     }
 
 

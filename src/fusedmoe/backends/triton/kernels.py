@@ -164,6 +164,23 @@ def _dot(a, b, acc, IEEE: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _rs_sync(acc, RS_SYNC: tl.constexpr):
+    """The accumulator of a dot whose operand A is a register tile (the fragment layout's decoded
+    weights), passed through an opaque copy when RS_SYNC (a GPU compile): the dot's result is then
+    used by an op in the K loop, so Triton waits for its wgmma right after it (`wait 0`) instead
+    of splitting it into K=16 dots kept in flight across the next step's decode. That overlap is a
+    read-after-write hazard on Hopper with Triton 3.6 and ptxas before CUDA 13.3 (triton-lang/triton
+    issue 9433): the next step's decode may overwrite the A registers of a wgmma not yet issued.
+    On an H200 (Triton 3.6) int4 g32 / g64 / g128 fragments under a 128-row, 4-warp GEMM2 computed
+    wrong rows in 3-26 of 50 runs without it, none with it
+    (benchmarks/results/2026-11-29_h200_ad9161a_rs_wgmma_hazard.txt). mov.b32 is folded away by
+    ptxas; the interpreter never sets RS_SYNC (no wgmma there, and it cannot run PTX)."""
+    if RS_SYNC:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+    return acc
+
+
 # SWAP_AB (W8A8 with 8-bit codes, row blocks under 64 rows; quant.swap_ab decides): the GEMMs
 # hold their accumulators transposed, [BLOCK_N, BLOCK_M], and multiply w^T @ a^T, so the weight
 # tile is the MMA's M side. Hopper's wgmma needs 64 rows on that side: a 16-row block of fp8
@@ -778,7 +795,7 @@ def _gemm1_tile(
     wgs_ptr, W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
     PDL: tl.constexpr, W_DESC: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
     FP8_PROMOTE: tl.constexpr, FUSE_XQ: tl.constexpr, XQ_WIDTH: tl.constexpr, XQ_ROW_W: tl.constexpr,
-    ONE_DOT: tl.constexpr,
+    ONE_DOT: tl.constexpr, RS_SYNC: tl.constexpr,
 ):
     """One (row block, N tile, K share) of moe_gemm1_kernel (its docstring): the row block's
     expert, aligned rows, slots and live lanes come from the caller."""
@@ -858,15 +875,15 @@ def _gemm1_tile(
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
                                      W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                acc = _dot(wt, tl.trans(xa), acc, IEEE, False)
+                acc = _rs_sync(_dot(wt, tl.trans(xa), acc, IEEE, False), RS_SYNC)
             else:
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
                                      W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                acc_g = _dot(wt, tl.trans(xa), acc_g, IEEE, False)
+                acc_g = _rs_sync(_dot(wt, tl.trans(xa), acc_g, IEEE, False), RS_SYNC)
                 if GATED:
                     wt = _w4_frag_decode(ub, us, _w4_frag_kmask(uok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
                                          W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
-                    acc_u = _dot(wt, tl.trans(xa), acc_u, IEEE, False)
+                    acc_u = _rs_sync(_dot(wt, tl.trans(xa), acc_u, IEEE, False), RS_SYNC)
                     if FRAG_INC:
                         ub += FRAG_B_STEP
                         us += FRAG_S_STEP
@@ -1050,6 +1067,7 @@ def moe_gemm1_kernel(
     # its x tile (times the slot's router weight first: XQ_ROW_W)
     FUSE_XQ: tl.constexpr = False, XQ_WIDTH: tl.constexpr = 128, XQ_ROW_W: tl.constexpr = False,
     ONE_DOT: tl.constexpr = False,
+    RS_SYNC: tl.constexpr = False,  # _rs_sync: the fragment dots wait for their wgmma (GPU compiles)
     PERSISTENT: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
@@ -1093,7 +1111,8 @@ def moe_gemm1_kernel(
                 SCALE_ROWS, IEEE, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, xs_ptr, ws_ptr, aq_ptr, as_ptr, stride_xs0,
                 stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
                 X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
-                PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT)
+                PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT,
+                RS_SYNC)
     else:
         pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
         pid_s = tl.program_id(1)
@@ -1114,7 +1133,8 @@ def moe_gemm1_kernel(
             SCALE_ROWS, IEEE, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, xs_ptr, ws_ptr, aq_ptr, as_ptr, stride_xs0,
             stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
             X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
-            PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT)
+            PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT,
+                RS_SYNC)
 
 
 @triton.jit
@@ -1174,7 +1194,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
                 stride_as1, stride_ws0, stride_ws1, stride_ws2, QUANT: tl.constexpr, ACC_INT: tl.constexpr, wgs_ptr,
                 W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
                 PDL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SWAP_AB: tl.constexpr,
-                FP8_PROMOTE: tl.constexpr):
+                FP8_PROMOTE: tl.constexpr, RS_SYNC: tl.constexpr):
     """One (row block, N tile) of moe_gemm2_kernel (its docstring)."""
     expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1209,7 +1229,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, stride_ws1, pid_n * (BLOCK_N // 16),
                                hidden // 16, k0, inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
                                a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K)
-            acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
+            acc = _rs_sync(_dot(wt, tl.trans(aa), acc, IEEE, False), RS_SYNC)
         elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0
             aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -1288,6 +1308,7 @@ def moe_gemm2_kernel(
     SWAP_AB: tl.constexpr = False,
     FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
     PERSISTENT: tl.constexpr = False,
+    RS_SYNC: tl.constexpr = False,  # as in moe_gemm1_kernel
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
 
@@ -1314,7 +1335,7 @@ def moe_gemm2_kernel(
                         stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
                         BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
                         stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
-                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE)
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC)
     else:
         pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_rows_ptr):
@@ -1323,7 +1344,7 @@ def moe_gemm2_kernel(
                         stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
                         BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
                         stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
-                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE)
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC)
 
 
 @triton.jit
@@ -1461,6 +1482,7 @@ def moe_gemm2_direct_kernel(
     # a tile (AQ_INT: int8 codes, else fp8)
     FUSE_AQ: tl.constexpr = False, AQ_WIDTH: tl.constexpr = 128, AQ_INT: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
+    RS_SYNC: tl.constexpr = False,  # unused: each step's dot starts from a fresh accumulator and is waited for (_rs_sync)
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -1553,7 +1575,7 @@ def moe_gemm2_direct_kernel(
                                tl.program_id(1) * (BLOCK_N // 16),
                                live * (hidden // 16), k0, live * inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
                                a_ptr.dtype.element_ty, PTX_DECODE)
-            acc = _dot(wt, tl.trans(aa), acc, IEEE, False)
+            acc = _dot(wt, tl.trans(aa), acc, IEEE, False)  # a fresh accumulator: used in the loop, synchronous
             if W4_FMT == W4_NVFP4_FRAG:
                 acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)
         elif QUANT == Q_W4:

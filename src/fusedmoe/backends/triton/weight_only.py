@@ -173,19 +173,10 @@ DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 #     g64: Mixtral 1.05-1.62, gpt-oss-120b 1.15-2.12, DeepSeek-V3 TP8 0.94-1.85, Qwen3-30B 0.95-1.43;
 #     g128: Mixtral (I = 14336) 1.03-1.49; Qwen3-30B (I = 768) 0.84-0.90 at M <= 256, 1.25-1.37 from
 #       M = 1024.
-#   Neither is a default yet: g64's fragments gave a wrong result on the GPU (INT4_FRAGMENTS_REFUSED),
-#   and g128's were not checked against the reference at those shapes.
+#   Neither is a default yet: those timings ran the fragment GEMMs' dots in flight (before
+#   kernels._rs_sync), and g64 / g128 fragments have not been timed or checked over the presets since.
+#   (g64's wrong result of 2026-11-29 was that hazard, shared by every int4 group: fixed by _rs_sync.)
 INT4_FRAGMENTS_MIN_INTER = {32: 2048}
-# int4 groups process_weights keeps in the checkpoint layout even with FUSEDMOE_TRITON_W4_FRAGMENTS=all,
-# and why (explain says it): a layout whose kernels computed a wrong result is not laid until the
-# cause is found. The interpreter's decode of the g64 fragments matches emulation; the GPU's did
-# not at one plan, and which part of that plan (8 warps, 128-row blocks, the PTX decode with one
-# scale group per chunk) is not known.
-INT4_FRAGMENTS_REFUSED = {
-    64: ("int4 g64 in the fragment layout computed a wrong result on an H200 (Mixtral M=256, gemm1 "
-         "128 x 128 x 128 in 8 warps: relative error 10.8 against the reference; 2026-11-29, "
-         "results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt section 8)"),
-}
 
 
 def scale_pad() -> int:
@@ -200,12 +191,12 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
     """Whether `process_weights` lays 4-bit weights of format `fmt` with scale `group` and a
     per-GPU intermediate size `inter` as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS): unset / 1
     mxfp4 and nvfp4, and int4 where inter >= INT4_FRAGMENTS_MIN_INTER[group] (a group not there: no);
-    all every 4-bit format but the int4 groups of INT4_FRAGMENTS_REFUSED; 0 none. The shape must
+    all every 4-bit format; 0 none. The shape must
     still be whole fragments (`_whole`)."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_W4_FRAGMENTS")
-    if mode is False or fmt not in W4_FRAG_FORMATS or fmt == "int4" and group in INT4_FRAGMENTS_REFUSED:
+    if mode is False or fmt not in W4_FRAG_FORMATS:
         return False
     return (mode == "all" or fmt in DEFAULT_FRAGMENT_FORMATS
             or fmt == "int4" and inter >= INT4_FRAGMENTS_MIN_INTER.get(group, float("inf")))
@@ -455,6 +446,16 @@ def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.T
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
         return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
-    fmt = W4_FRAG_FORMATS[key.dtype] if is_fragments(scale) else W4_FORMATS[key.dtype]
-    return dict(args, QUANT=Q_W4, W4_FMT=fmt, W_GROUP=key.group, PTX_DECODE=ptx,
-                wgs_ptr=global_scale if global_scale is not None else scale)
+    if not is_fragments(scale):
+        return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
+                    wgs_ptr=global_scale if global_scale is not None else scale)
+    return dict(args, QUANT=Q_W4, W4_FMT=W4_FRAG_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
+                wgs_ptr=global_scale if global_scale is not None else scale, RS_SYNC=rs_sync(x))
+
+
+def rs_sync(x: torch.Tensor) -> bool:
+    """Whether the fragment GEMMs' dots, whose weight operand is the decoded register tile, wait for
+    their wgmma each K step (kernels._rs_sync): every GPU compile, unless FUSEDMOE_TRITON_RS_SYNC=0."""
+    from fusedmoe import knobs
+
+    return x.is_cuda and knobs.get("TRITON_RS_SYNC") is not False

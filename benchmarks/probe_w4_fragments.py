@@ -6,14 +6,17 @@
 int4 g64 laid as fragments computed a wrong result on an H200 at Mixtral M=256 under the plan
 gemm1 128 x 128 x 128 in 8 warps and 3 stages, gemm2 128 x 128 x 64 in 4 warps and 4 stages
 (relative error 10.8, results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt
-section 8), while the heuristic's plan at M=16 and tests/test_gpu_wo.py's shapes passed, and int4
-g32, nvfp4 and mxfp4 under that plan passed. process_weights now refuses g64's fragments
-(`weight_only.INT4_FRAGMENTS_REFUSED`), so this probe lays the weights itself (`to_fragments`),
-runs the aligned path's whole call under the heuristic's plan, the failing plan, each GEMM's
-failing tile beside the other's heuristic tile, and variants that change one parameter of the
-failing plan, and prints each plan's relative error against emulation on the checkpoint layout
-(the `bench --check` reference) with `fuzz.compare`'s verdict. An invalid variant is named and
-skipped.
+section 8). This probe found it to be a race in GEMM2 shared by every int4 group (some runs only;
+results/2026-11-29_h200_ad9161a_rs_wgmma_hazard.txt): the register-operand wgmma kept in flight,
+closed by kernels._rs_sync (FUSEDMOE_TRITON_RS_SYNC=0 brings it back). It lays the weights itself
+(`to_fragments`: any group), runs the aligned path's whole call under the heuristic's plan, the
+failing plan, each GEMM's failing tile beside the other's heuristic tile, and variants that change
+one parameter of the failing plan, and prints each plan's relative error against emulation on the
+checkpoint layout (the `bench --check` reference) with `fuzz.compare`'s verdict. An invalid
+variant is named and skipped. --repeat N runs each plan N times (a race shows as runs that
+differ); --stages checks GEMM1's intermediate against act(x @ deq(w13)^T) and GEMM2's rows against
+the kernel's own intermediate @ deq(w2)^T apart, naming the wrong rows and columns; --gemm2-repeat
+re-runs GEMM2 alone on that intermediate.
 """
 
 from __future__ import annotations

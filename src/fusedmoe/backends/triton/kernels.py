@@ -51,7 +51,9 @@ registers after their load and never written back; each byte is read once per (r
           `_w4_frag_tile` loads whole 16 x 64 fragments in the register order of wgmma's A
           operand and decodes them with W4_PTX_FRAG (e2m1) or W4_PTX_I4FRAG (int4), 15
           instructions per 8 weights, so the [BLOCK_N, BLOCK_K] tile needs no layout conversion;
-          the GEMMs then multiply swapped, acc [BLOCK_N, BLOCK_M] += w @ x^T, as SWAP_AB. GEMM1
+          the GEMMs then multiply swapped, acc [BLOCK_N, BLOCK_M] += w @ x^T, as SWAP_AB, each
+          dot's register-operand wgmma waited for where it is issued (`_rs_sync`: in flight it
+          raced the next step's decode on an H200, Triton 3.6). GEMM1
           with K steps of 128 and more makes the fragments' pointers once (`_w4_frag_ptrs`) and
           advances them per step (FRAG_INC); 64-wide steps and GEMM2 rebuild them. The
           asm takes a lane's 4 bytes of one word together, as the load's layout holds them;

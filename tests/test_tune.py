@@ -525,8 +525,9 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
 
 def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
     """The search's best plan is written only if its whole call computes what the heuristic's
-    plan does (`tune._plan_disagreement`: bench.check_cell's bound, the output poisoned first):
-    a plan whose kernels write wrong values, or leave rows unwritten, is logged and dropped."""
+    plan does (`tune._plan_disagreement`: bench.check_cell's bound, the output poisoned first)
+    and gives that output bit for bit over tune.PLAN_RUNS runs: a plan whose kernels write wrong
+    values, leave rows unwritten, or race (one run of eight off), is logged and dropped."""
     import dataclasses
 
     from fusedmoe import tune as tune_mod
@@ -542,9 +543,10 @@ def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
     shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2,
                  device=torch.device("cpu"))
     whole = tune_mod._whole_calls
-    for harm in ("scaled", "unwritten"):
+    for harm in ("scaled", "unwritten", "racy"):
         def broken(*args, harm=harm):
             call, out = whole(*args)
+            runs = []
 
             def plan_call(plan):
                 run = call(plan)
@@ -552,6 +554,13 @@ def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
                     return run
                 if harm == "unwritten":  # the faster plan's kernel never writes the output
                     return lambda i: None
+                if harm == "racy":  # or writes it right, but its fourth run wrong in one element (a race)
+                    def racy(i):
+                        run(i)
+                        runs.append(i)
+                        if len(runs) == 4:
+                            out.view(-1)[0] += 1.0
+                    return racy
                 return lambda i: (run(i), out.mul_(3.0))  # or writes it at a wrong scale
 
             return plan_call, out
@@ -561,6 +570,7 @@ def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
         assert tune_shape(**shape, timer=_model_timer(costs, seen), log=logged.append) == [], harm
         assert any("gave another output than the heuristic's plan" in line and "nothing written" in line
                    for line in logged), (harm, logged)
+        assert any("run 4 of 8 gave another output than its first" in line for line in logged) == (harm == "racy")
         assert any(tile == faster2 for kind, tile in seen if kind == "direct gemm2")  # it was the search's best
     monkeypatch.setattr(tune_mod, "_whole_calls", whole)  # the same search, kernels intact: written
     [entry] = tune_shape(**shape, timer=_model_timer(costs, []))

@@ -457,8 +457,8 @@ def tune_shape(
         if why is not None:
             if log:
                 log(f"M={tokens:>5}: the search's best, {best[1]} gemm1 {best[2].as_list()} gemm2 "
-                    f"{best[3].as_list()}, gave another output than the heuristic's plan (relative error "
-                    f"{err:.1e}: {why}); nothing written")
+                    f"{best[3].as_list()}, gave another output than the heuristic's plan or than its own "
+                    f"first run (relative error {err:.1e}: {why}); nothing written")
             continue
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
         bar = min(us for name, us in calls.items() if name != "call_us")
@@ -534,19 +534,35 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
     return call, out
 
 
+# runs of the search's best plan compared bit for bit before it is written: the kernels are
+# deterministic, so runs that differ are a race (the 4-bit fragment GEMMs' in-flight wgmma on an
+# H200 under Triton 3.6 went wrong on 3-26 of 50 runs of one plan: kernels._rs_sync)
+PLAN_RUNS = 8
+
+
 def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: torch.Tensor, plan: WholePlan,
                        rule: WholePlan, scheme, device: torch.device) -> tuple[float, str | None]:
     """(relative Frobenius error of `plan`'s output against `rule`'s on weight copy 0 and its
-    draw, why that is beyond the scheme's bound or None): `bench.check_cell` with the rule's plan
-    as the reference. The output is poisoned (NaN) before the plan runs, so rows it leaves
-    unwritten count."""
+    draw, why the plan is refused or None): `bench.check_cell` with the rule's plan as the
+    reference, then PLAN_RUNS - 1 more runs of the plan that must give its first output bit for
+    bit. The output is poisoned (NaN) before each run of the plan, so rows it leaves unwritten
+    count."""
     from fusedmoe.bench import check_cell
 
     call(rule)(0)
     want = out.clone()
     out.fill_(float("nan"))
     call(plan)(0)
-    return check_cell(out, want, None if scheme is None else scheme.name, device)
+    first = out.clone()
+    err, why = check_cell(first, want, None if scheme is None else scheme.name, device)
+    if why is not None:
+        return err, why
+    for run in range(2, PLAN_RUNS + 1):
+        out.fill_(float("nan"))
+        call(plan)(0)
+        if not torch.equal(out, first):
+            return err, f"run {run} of {PLAN_RUNS} gave another output than its first (a race)"
+    return err, None
 
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:

@@ -358,6 +358,32 @@ def test_bench_check_cell_holds_outputs_to_their_schemes_bound():
     assert bench.mismatched([rows[2]]) == []
 
 
+def test_bench_check_repeats_a_deterministic_call_bit_for_bit():
+    """`bench --check` (bench.repeat_mismatch): a deterministic backend's checked call must give
+    its first output bit for bit over CHECK_RUNS runs; one run off in one element's last bit is a
+    race, named by its run."""
+    import torch
+
+    from fusedmoe.backends import REGISTRY
+    from fusedmoe.bench import CHECK_RUNS, repeat_mismatch
+
+    first = torch.randn(8, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    runs = []
+
+    def call(off_at=None):
+        runs.append(1)
+        out = first.clone()
+        if len(runs) == off_at:
+            out.view(torch.int16)[2, 3] ^= 1  # one ulp
+        return out
+
+    assert CHECK_RUNS >= 4 and repeat_mismatch(call, first) is None and len(runs) == CHECK_RUNS - 1
+    runs.clear()
+    why = repeat_mismatch(lambda: call(off_at=3), first)
+    assert why.startswith(f"run 4 of {CHECK_RUNS} gave another output than the first"), why
+    assert REGISTRY["triton"].deterministic and REGISTRY["batched_triton"].deterministic
+
+
 @pytest.mark.parametrize("quant", [None, "mxfp4_w4a16", "fp8_w8a8_block"], ids=str)
 def test_bench_check_reference_is_the_float32_reference_or_emulation(quant):
     """bench._cell_reference on small CPU tensors: the float32 reference of the bf16 weights, or the

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                             "on (seed, M) alone); another seed times another routing of the same shapes")
     bench.add_argument("--check", action="store_true",
                        help="after timing, compare each output with a reference on the same weights (the float32 "
-                            "reference; emulation for a quantized scheme) under the fuzz's bounds; exit 1 on a mismatch")
+                            "reference; emulation for a quantized scheme) under the fuzz's bounds, and a deterministic backend's "
+                            "output over 8 runs bit for bit (a race); exit 1 on a mismatch")
     bench.add_argument("--routing", action="store_true",
                        help="time each call with its routing (select_experts with the preset's routing "
                             "on fixed logits, then the experts), as a layer's forward runs it; the "

@@ -544,7 +544,7 @@ def check_cell(out: torch.Tensor, ref: torch.Tensor, scheme: str | None, device:
 
 # --check: runs of a deterministic backend's checked call that must give its first output bit for
 # bit (a race passes one check now and then: the 4-bit fragment GEMMs' in-flight wgmma computed
-# wrong rows on 3-26 of 50 runs of one plan on an H200, kernels._rs_sync)
+# wrong rows on 3-13 of 25-40 runs of one plan on an H200, kernels._rs_sync)
 CHECK_RUNS = 8
 
 

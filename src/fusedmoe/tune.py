@@ -536,7 +536,7 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
 
 # runs of the search's best plan compared bit for bit before it is written: the kernels are
 # deterministic, so runs that differ are a race (the 4-bit fragment GEMMs' in-flight wgmma on an
-# H200 under Triton 3.6 went wrong on 3-26 of 50 runs of one plan: kernels._rs_sync)
+# H200 under Triton 3.6 went wrong on 3-13 of 25-40 runs of one plan: kernels._rs_sync)
 PLAN_RUNS = 8
 
 

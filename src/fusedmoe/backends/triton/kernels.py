@@ -175,9 +175,10 @@ def _rs_sync(acc, RS_SYNC: tl.constexpr):
     read-after-write hazard on Hopper with Triton 3.6 and ptxas before CUDA 13.3 (triton-lang/triton
     issue 9433): the next step's decode may overwrite the A registers of a wgmma not yet issued.
     On an H200 (Triton 3.6) int4 g32 / g64 / g128 fragments under a 128-row, 4-warp GEMM2 computed
-    wrong rows in 3-26 of 50 runs without it, none with it
-    (benchmarks/results/2026-11-29_h200_ad9161a_rs_wgmma_hazard.txt). mov.b32 is folded away by
-    ptxas; the interpreter never sets RS_SYNC (no wgmma there, and it cannot run PTX)."""
+    wrong rows in 3-13 of 25-40 runs without it, none in 120 with it
+    (benchmarks/results/2026-11-29_h200_ad9161a_rs_wgmma_hazard.txt). ptxas folds the mov.b32 away
+    (mxfp4 GEMM2 at Qwen3-30B M=256: 256 SASS instructions a K step against 278 in flight,
+    benchmarks/kernel_report.py); the interpreter never sets RS_SYNC (no wgmma there, no PTX)."""
     if RS_SYNC:
         acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
     return acc

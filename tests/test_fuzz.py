@@ -114,6 +114,38 @@ def test_batch_invariant_runners_check_sub_batches(monkeypatch, capsys):
     assert "of sub-batch 0 differ bitwise from the same tokens' rows in the whole call of 24" in failure.detail
 
 
+def test_a_deterministic_backend_that_races_is_a_finding(monkeypatch):
+    """run_case(repeat=True) (the default on a GPU): a deterministic backend's second run must give
+    its first output bit for bit; one element one ulp off on the second run is a mismatch naming
+    the race, though each run alone is within tolerance of the reference."""
+    case = fuzz.FuzzCase(seed=0, profile="ci", num_tokens=12, num_experts=4, top_k=2, hidden=32, inter=48,
+                         dtype="float32", activation="silu", routing="uniform", bias=False, local_experts=None,
+                         weight_on_input=False, quant=None, swiglu_limit=None, ids_dtype="int64")
+    result = fuzz.run_case(case, backends=["cpu", "torch"], repeat=True)
+    assert {o.backend for o in result.outcomes} == {"cpu", "torch"} and not result.failures, result.failures
+    assert fuzz.REGISTRY["cpu"].deterministic
+    real = fuzz.candidates
+
+    def racy_candidates(*args, **kwargs):
+        runners = real(*args, **kwargs)
+        runs = []
+
+        def racy(case, p):
+            out = runners["cpu"](case, p)
+            runs.append(1)
+            if len(runs) == 2:
+                out.view(torch.int32)[3, 5] ^= 1
+            return out
+
+        return {**runners, "cpu": racy}
+
+    monkeypatch.setattr(fuzz, "candidates", racy_candidates)
+    assert not fuzz.run_case(case, backends=["cpu"], repeat=False).failures  # one run: nothing to see
+    [failure] = fuzz.run_case(case, backends=["cpu"], repeat=True).failures
+    assert failure.status == "mismatch" and failure.detail == (
+        "a second run gave another output bitwise (1 of 12 rows differ): the backend is deterministic, so a race")
+
+
 @pytest.mark.parametrize("profile,seed", REGRESSIONS)
 def test_regression_seeds(profile, seed):
     result = fuzz.run_case(fuzz.draw_case(seed, profile))

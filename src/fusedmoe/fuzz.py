@@ -602,6 +602,17 @@ def _invariant(name: str, layout: str) -> Runner:
     return run
 
 
+def _repeat_differs(first: torch.Tensor, again: torch.Tensor) -> str | None:
+    """Why a deterministic backend's second output is not its first bit for bit, or None."""
+    if again.shape == first.shape and torch.equal(_bits(again), _bits(first)):
+        return None
+    if again.shape != first.shape:
+        return f"a second run gave shape {tuple(again.shape)} after {tuple(first.shape)}"
+    rows = (_bits(again).view(first.shape[0], -1) != _bits(first).view(first.shape[0], -1)).any(1)
+    return (f"a second run gave another output bitwise ({int(rows.sum())} of {first.shape[0]} rows differ): "
+            "the backend is deterministic, so a race")
+
+
 # Running ------------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -622,13 +633,17 @@ class CaseResult:
 
 
 def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Sequence[str] | None = None,
-             interpreter: bool = True, invariance: bool | None = None) -> CaseResult:
+             interpreter: bool = True, invariance: bool | None = None, repeat: bool | None = None) -> CaseResult:
     """Run every accepted backend (or those named) on `case` and compare with the reference.
 
     A backend raising on a problem its record accepts is a failure ("error"), as is a mismatch;
-    so is a batch-invariant runner whose sub-batches' rows differ (`candidates`' invariance).
+    so is a batch-invariant runner whose sub-batches' rows differ (`candidates`' invariance), and
+    (repeat; default: on a GPU) a deterministic backend whose second run's output differs bitwise
+    from its first (a race: the 4-bit fragment GEMMs' in-flight wgmma computed wrong rows on some
+    runs only, kernels._rs_sync).
     """
     device = torch.device(device)
+    repeat = device.type == "cuda" if repeat is None else repeat
     runners = candidates(case, device, interpreter=interpreter, invariance=invariance)
     if backends is not None:
         runners = {n: r for n, r in runners.items() if n in backends or record_name(n) in backends}
@@ -659,6 +674,8 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
             reason = compare(out, ref, tol)
             if reason is not None and 0 < out.numel() < SMALL_OUTPUT and out.shape == ref.shape:
                 reason = compare(out, ref, tol, ref_for(weight_only, rounded, magnitude=True))
+            if reason is None and repeat and record.deterministic and out.numel():
+                reason = _repeat_differs(out, _retrying_oom(lambda: runner(case, p), device))  # noqa: B023
             status = "ok" if reason is None else "mismatch"
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, recorded with its text
             reason, status = f"{type(exc).__name__}: {exc}", "error"

@@ -69,6 +69,19 @@ def test_fragment_gemms_wait_for_each_wgmma(tmp_path, monkeypatch):
         [(r["kernel"], r["wgmma_waits"]) for r in rows]
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "int4_w4a16_g64"])
+def test_no_register_operand_wgmma_is_left_in_flight(tmp_path, monkeypatch, scheme):
+    """Every kernel of a 4-bit call in the fragment layout (int4 g64 by FUSEDMOE_TRITON_W4_FRAGMENTS=all),
+    the direct decode (M=1) and the aligned prefill (M=4096) on the plans the library picks:
+    where a warpgroup MMA takes a register operand, every wait is for all MMAs (`wgmma_waits` 0)."""
+    monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", "all")
+    rows = _report(tmp_path, "--presets", "gpt-oss-120b", "--tokens", "1,4096", "--quant", scheme)
+    assert {r["path"] for r in rows} == {"direct", "aligned"}, [(r["path"], r["kernel"]) for r in rows]
+    rs = [r for r in rows if r["wgmma_rs"]]
+    assert any(r["path"] == "aligned" for r in rs), [(r["kernel"], r["wgmma_rs"]) for r in rows]
+    assert all(set(r["wgmma_waits"]) == {0} for r in rs), [(r["kernel"], r["wgmma_waits"]) for r in rs]
+
+
 @pytest.mark.parametrize("scheme", ["fp8_w8a8_block", "int8_w8a8"])
 def test_report_of_w8a8_at_large_m_uses_wgmma_and_descriptors(tmp_path, scheme):
     """Qwen3-30B M=4096: both GEMMs on warpgroup MMAs (fp8 ones for fp8 codes), the weights (and

@@ -566,6 +566,26 @@ def test_fragment_layout_edge_cases():
             assert rel_err(out, want) < TOL[torch.float32], case.id
 
 
+def test_fragment_dots_wait_on_gpu_compiles(monkeypatch):
+    """weight_only.rs_sync / _kernel_args: the fragment GEMMs' RS_SYNC (kernels._rs_sync) is set
+    for CUDA activations unless FUSEDMOE_TRITON_RS_SYNC=0, never for CPU ones (the interpreter
+    cannot run the PTX copy), and the checkpoint layout's launches do not take it."""
+    from types import SimpleNamespace
+
+    from fusedmoe.backends.triton.weight_only import _kernel_args, rs_sync
+    from fusedmoe.quant.scheme import get_scheme
+
+    gpu, cpu = SimpleNamespace(is_cuda=True), torch.zeros(1)
+    assert rs_sync(gpu) and not rs_sync(cpu)
+    monkeypatch.setenv("FUSEDMOE_TRITON_RS_SYNC", "0")
+    assert not rs_sync(gpu)
+    monkeypatch.delenv("FUSEDMOE_TRITON_RS_SYNC")
+    config, x, w, weights, ids, _ = problem(Case("rs", T=3, H=128, I=64), "mxfp4_w4a16", torch.float32)
+    laid = TritonExperts(config).process_weights(w)
+    assert _kernel_args(get_scheme("mxfp4_w4a16"), laid.quant.w13_scale, None, x)["RS_SYNC"] is False
+    assert "RS_SYNC" not in _kernel_args(get_scheme("mxfp4_w4a16"), w.quant.w13_scale, None, x)  # checkpoint layout
+
+
 def test_fragment_formats_knob(monkeypatch):
     """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, and int4 g32 where the per-GPU
     intermediate is >= 2048; all = int4 at every other group and size too; 0 = none; other values

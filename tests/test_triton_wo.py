@@ -717,7 +717,12 @@ def test_fragment_tile_widens_narrow_tiles():
     # and the scale runs' padding (fragments.scale_run): nvfp4 at H = 2048 is 2 KB + a line, I = 64 not padded
     wide_h = GemmProblem(4, 8, 2048, 64, 4, True, torch.bfloat16)
     assert describe_plan(wide_h, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"].endswith(
-        "; scale runs per 16 rows, w13 / w2: 2048 B + 128 B padding / 64 B (FUSEDMOE_TRITON_W4_SCALE_PAD)")
+        "; scale runs per 16 rows, w13 / w2: 2048 B + 128 B padding / 64 B (FUSEDMOE_TRITON_W4_SCALE_PAD); "
+        "each dot waits for its wgmma (kernels._rs_sync)")
+    with knobs.override(TRITON_RS_SYNC=False):  # and says when they do not
+        assert describe_plan(wide_h, get_scheme("nvfp4_w4a16"), torch.device("cpu"))["w4_layout"].endswith(
+            "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows on an H200 "
+            "under Triton 3.6")
     assert "1024 B + 128 B padding / 32 B" in describe_plan(wide_h, get_scheme("mxfp4_w4a16"),
                                                                torch.device("cpu"))["w4_layout"]
     with knobs.override(TRITON_W4_SCALE_PAD=0):

@@ -795,9 +795,12 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                 "1.5x faster from M=1024 (at smaller I the checkpoint layout is faster at M <= 256)"
                 if fmt == "int4" and group == 32 and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
+            waits = ("; each dot waits for its wgmma (kernels._rs_sync)" if knobs.get("TRITON_RS_SYNC") is not False
+                     else "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows "
+                          "on an H200 under Triton 3.6")
             extra["w4_layout"] = ("fragments where the backend's process_weights re-laid the weights (H and I "
                                   f"multiples of 64{bound}{int4}; FUSEDMOE_TRITON_W4_FRAGMENTS=0 keeps the checkpoint "
-                                  f"layout){widened}{_scale_runs(problem, scheme)}")
+                                  f"layout){widened}{_scale_runs(problem, scheme)}{waits}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
         elif least is not None:

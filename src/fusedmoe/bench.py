@@ -549,10 +549,13 @@ CHECK_RUNS = 8
 
 
 def repeat_mismatch(call: Callable[[], torch.Tensor], first: torch.Tensor, runs: int = CHECK_RUNS) -> str | None:
-    """Why `call`'s later outputs are not `first` bit for bit (runs 2..runs), or None."""
+    """Why one of `call`'s runs 2..runs does not give `first` bit for bit (`fuzz.repeat_differs`), or None."""
+    from fusedmoe.fuzz import repeat_differs
+
     for run in range(2, runs + 1):
-        if not torch.equal(call(), first):
-            return f"run {run} of {runs} gave another output than the first (the backend is deterministic: a race)"
+        why = repeat_differs(first, call(), f"run {run} of {runs}")
+        if why is not None:
+            return why
     return None
 
 

@@ -602,14 +602,16 @@ def _invariant(name: str, layout: str) -> Runner:
     return run
 
 
-def _repeat_differs(first: torch.Tensor, again: torch.Tensor) -> str | None:
-    """Why a deterministic backend's second output is not its first bit for bit, or None."""
+def repeat_differs(first: torch.Tensor, again: torch.Tensor, run: str = "a second run") -> str | None:
+    """Why a deterministic backend's later output `again` is not its first bit for bit (NaNs by
+    their bits), or None; `run` names the later run in the reason. Used by run_case, `fusedmoe
+    bench --check` and the tuner (`bench.repeat_mismatch`)."""
     if again.shape == first.shape and torch.equal(_bits(again), _bits(first)):
         return None
     if again.shape != first.shape:
-        return f"a second run gave shape {tuple(again.shape)} after {tuple(first.shape)}"
+        return f"{run} gave shape {tuple(again.shape)} after {tuple(first.shape)}"
     rows = (_bits(again).view(first.shape[0], -1) != _bits(first).view(first.shape[0], -1)).any(1)
-    return (f"a second run gave another output bitwise ({int(rows.sum())} of {first.shape[0]} rows differ): "
+    return (f"{run} gave another output bitwise ({int(rows.sum())} of {first.shape[0]} rows differ): "
             "the backend is deterministic, so a race")
 
 
@@ -675,7 +677,7 @@ def run_case(case: FuzzCase, device: str | torch.device = "cpu", *, backends: Se
             if reason is not None and 0 < out.numel() < SMALL_OUTPUT and out.shape == ref.shape:
                 reason = compare(out, ref, tol, ref_for(weight_only, rounded, magnitude=True))
             if reason is None and repeat and record.deterministic and out.numel():
-                reason = _repeat_differs(out, _retrying_oom(lambda: runner(case, p), device))  # noqa: B023
+                reason = repeat_differs(out, _retrying_oom(lambda: runner(case, p), device))  # noqa: B023
             status = "ok" if reason is None else "mismatch"
         except Exception as exc:  # noqa: BLE001 - a crash is a finding, recorded with its text
             reason, status = f"{type(exc).__name__}: {exc}", "error"

@@ -547,22 +547,18 @@ def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: 
     reference, then PLAN_RUNS - 1 more runs of the plan that must give its first output bit for
     bit. The output is poisoned (NaN) before each run of the plan, so rows it leaves unwritten
     count."""
-    from fusedmoe.bench import check_cell
+    from fusedmoe.bench import check_cell, repeat_mismatch
+
+    def poisoned_run() -> torch.Tensor:
+        out.fill_(float("nan"))
+        call(plan)(0)
+        return out
 
     call(rule)(0)
     want = out.clone()
-    out.fill_(float("nan"))
-    call(plan)(0)
-    first = out.clone()
+    first = poisoned_run().clone()
     err, why = check_cell(first, want, None if scheme is None else scheme.name, device)
-    if why is not None:
-        return err, why
-    for run in range(2, PLAN_RUNS + 1):
-        out.fill_(float("nan"))
-        call(plan)(0)
-        if not torch.equal(out, first):
-            return err, f"run {run} of {PLAN_RUNS} gave another output than its first (a race)"
-    return err, None
+    return err, why if why is not None else repeat_mismatch(poisoned_run, first, PLAN_RUNS)
 
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:

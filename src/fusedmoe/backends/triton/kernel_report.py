@@ -146,9 +146,10 @@ OPCODES = ("HGMMA", "HMMA", "IMMA", "QGMMA", "LDG", "STG", "LDGSTS", "UTMALDG", 
 def usage(compiled) -> dict:
     """{regs, stack (bytes per thread: spills), shared (bytes, dynamic + static), instructions,
     opcodes (counts of `OPCODES` by prefix), all_opcodes (every opcode's count, modifiers
-    dropped), loop (`loop_mix`)} from the cubin (cuobjdump); wgmma_dots (warpgroup MMAs in the
-    TTGIR), wgmma_rs (those whose A operand is a register tile) and wgmma_waits (each wait's count of MMAs left in flight: all 0, every MMA waited for
-    where it is issued, as kernels._rs_sync makes the fragment GEMMs' dots)."""
+    dropped), loop (`loop_mix`)} from the cubin (cuobjdump); from the TTGIR, wgmma_dots (warpgroup
+    MMAs), wgmma_rs (those whose A operand is a register tile) and wgmma_waits (each wait's count
+    of MMAs it leaves in flight: all 0 where every MMA is waited for where it is issued, as
+    kernels._rs_sync makes the fragment GEMMs' dots)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:

@@ -446,11 +446,10 @@ def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.T
     args = dict(ws_ptr=scale, stride_ws0=strides[0], stride_ws1=strides[1], stride_ws2=strides[2])
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
         return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
+    args.update(QUANT=Q_W4, W_GROUP=key.group, PTX_DECODE=ptx, wgs_ptr=global_scale if global_scale is not None else scale)
     if not is_fragments(scale):
-        return dict(args, QUANT=Q_W4, W4_FMT=W4_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
-                    wgs_ptr=global_scale if global_scale is not None else scale)
-    return dict(args, QUANT=Q_W4, W4_FMT=W4_FRAG_FORMATS[key.dtype], W_GROUP=key.group, PTX_DECODE=ptx,
-                wgs_ptr=global_scale if global_scale is not None else scale, RS_SYNC=rs_sync(x))
+        return dict(args, W4_FMT=W4_FORMATS[key.dtype])
+    return dict(args, W4_FMT=W4_FRAG_FORMATS[key.dtype], RS_SYNC=rs_sync(x))  # the dot's wgmma waited for on a GPU
 
 
 def rs_sync(x: torch.Tensor) -> bool:

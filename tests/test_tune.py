@@ -526,7 +526,7 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
 def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
     """The search's best plan is written only if its whole call computes what the heuristic's
     plan does (`tune._plan_disagreement`: bench.check_cell's bound, the output poisoned first)
-    and gives that output bit for bit over tune.PLAN_RUNS runs: a plan whose kernels write wrong
+    and gives that output bit for bit over bench.CHECK_RUNS runs: a plan whose kernels write wrong
     values, leave rows unwritten, or race (one run of eight off), is logged and dropped."""
     import dataclasses
 

@@ -96,8 +96,9 @@ W4_PERSISTENT_START = TileConfig(16, 128, 128, 4, 3, persistent=True)
 # int4 g32 / nvfp4 / mxfp4's tunes, descending from 4-warp starts, stopped 7-9% short of it (bench
 # 702 -> 648 us, 709 -> 674, 683 -> 628 with the pair set by hand); from this start the g32 tune
 # found it itself, 645 us as a whole call against the heuristic's 693
-# (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt sections 7, 8; the pair
-# came from an int4 g64 fragment tune whose kernel computed a wrong result there, section 8)
+# (results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt sections 7, 8). Those
+# times ran the fragment dots' wgmmas in flight, before kernels._rs_sync (waited, int4 g32 ran
+# 693-696 us on the pair: results/2026-11-29_h200_ad9161a_rs_wgmma_hazard.txt section 6).
 W4_WIDE_GEMM1_START = TileConfig(128, 128, 128, 8, 3)
 # search="grid": the tiles timed at each block_m before the descent (split_k 1; the descent from
 # the best of them tries the values past these and split_k)
@@ -534,19 +535,14 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
     return call, out
 
 
-# runs of the search's best plan compared bit for bit before it is written: the kernels are
-# deterministic, so runs that differ are a race (the 4-bit fragment GEMMs' in-flight wgmma on an
-# H200 under Triton 3.6 went wrong on 3-13 of 25-40 runs of one plan: kernels._rs_sync)
-PLAN_RUNS = 8
-
-
 def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: torch.Tensor, plan: WholePlan,
                        rule: WholePlan, scheme, device: torch.device) -> tuple[float, str | None]:
     """(relative Frobenius error of `plan`'s output against `rule`'s on weight copy 0 and its
     draw, why the plan is refused or None): `bench.check_cell` with the rule's plan as the
-    reference, then PLAN_RUNS - 1 more runs of the plan that must give its first output bit for
-    bit. The output is poisoned (NaN) before each run of the plan, so rows it leaves unwritten
-    count."""
+    reference, then `bench.repeat_mismatch`: bench.CHECK_RUNS - 1 more runs of the plan must give
+    its first output bit for bit (the kernels are deterministic: runs that differ are a race, as
+    the 4-bit fragment GEMMs' in-flight wgmma was). The output is poisoned (NaN) before each run
+    of the plan, so rows it leaves unwritten count."""
     from fusedmoe.bench import check_cell, repeat_mismatch
 
     def poisoned_run() -> torch.Tensor:
@@ -558,7 +554,7 @@ def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: 
     want = out.clone()
     first = poisoned_run().clone()
     err, why = check_cell(first, want, None if scheme is None else scheme.name, device)
-    return err, why if why is not None else repeat_mismatch(poisoned_run, first, PLAN_RUNS)
+    return err, why if why is not None else repeat_mismatch(poisoned_run, first)
 
 
 def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:

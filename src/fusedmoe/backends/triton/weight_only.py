@@ -191,8 +191,7 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
     """Whether `process_weights` lays 4-bit weights of format `fmt` with scale `group` and a
     per-GPU intermediate size `inter` as fragments now (FUSEDMOE_TRITON_W4_FRAGMENTS): unset / 1
     mxfp4 and nvfp4, and int4 where inter >= INT4_FRAGMENTS_MIN_INTER[group] (a group not there: no);
-    all every 4-bit format; 0 none. The shape must
-    still be whole fragments (`_whole`)."""
+    all every 4-bit format; 0 none. The shape must still be whole fragments (`_whole`)."""
     from fusedmoe import knobs
 
     mode = knobs.get("TRITON_W4_FRAGMENTS")

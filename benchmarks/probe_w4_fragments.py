@@ -34,6 +34,7 @@ from fusedmoe.backends.triton.tiles import TileConfig, check_tile, fragment_tile
 from fusedmoe.backends.triton.weight_only import (
     _kernel_args,
     _launch_gemms,
+    _weight_args,
     choose_weight_only_tiles,
     scale_pad,
 )
@@ -132,8 +133,8 @@ def main() -> None:
                                 t1.block_m)
         launch.a.fill_(float("nan"))
         launch.y.fill_(float("nan"))
-        _launch_gemms(launch, f13, f2, None, None, t1, t2, scheme, s13, s2, params.w13_global_scale,
-                      params.w2_global_scale)
+        _launch_gemms(launch, f13, f2, None, None, t1, t2,
+                      *_weight_args(scheme, s13, s2, params.w13_global_scale, params.w2_global_scale, x))
         torch.cuda.synchronize() if device.type == "cuda" else None
         slots = launch.sorted_slot.long()
         held = slots < topk_ids.numel()

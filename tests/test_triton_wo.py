@@ -584,6 +584,12 @@ def test_fragment_dots_wait_on_gpu_compiles(monkeypatch):
     laid = TritonExperts(config).process_weights(w)
     assert _kernel_args(get_scheme("mxfp4_w4a16"), laid.quant.w13_scale, None, x)["RS_SYNC"] is False
     assert "RS_SYNC" not in _kernel_args(get_scheme("mxfp4_w4a16"), w.quant.w13_scale, None, x)  # checkpoint layout
+    from fusedmoe.backends.triton import kernel_report
+
+    monkeypatch.setenv("FUSEDMOE_TRITON_RS_SYNC", "maybe")  # a bad value: named before any kernel is launched
+    with kernel_report.recording() as launched, pytest.raises(ValueError, match="FUSEDMOE_TRITON_RS_SYNC='maybe'"):
+        run(config, x, laid, weights, ids, None)
+    assert launched == []
 
 
 def test_fragment_formats_knob(monkeypatch):

@@ -333,18 +333,18 @@ def triton_weight_only_experts(
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype, _fragments_flag(scheme, w13_scale))
     is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct, batch_invariant)  # given tiles: checked
+    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_TH)
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
                                        swiglu_alpha, swiglu_limit)
-        launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, x_TH))
-        launch_gemm2_direct(launch, w2, w2_bias, t2, out, _kernel_args(scheme, w2_scale, w2_global_scale, x_TH))
+        launch_gemm1(launch, w13, w13_bias, t1, args13)
+        launch_gemm2_direct(launch, w2, w2_bias, t2, out, args2)
         return out
     launch = prepare_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                             num_local, inter, activation, apply_router_weight_on_input, swiglu_alpha,
                             swiglu_limit, t1.block_m)
-    _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
-                  w13_global_scale, w2_global_scale)
+    _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, args13, args2)
     launch_reduce(launch, out)
     return out
 
@@ -376,10 +376,10 @@ def triton_batched_weight_only_experts(
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
     _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
+    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_LMH)
 
     def gemms(launch, t1, t2):
-        _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
-                      w13_global_scale, w2_global_scale)
+        _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, args13, args2)
 
     if batch_invariant and tiles is None:
         from fusedmoe.backends.triton.experts import batched_invariant_tiles
@@ -416,12 +416,17 @@ def _tiles(problem: GemmProblem, scheme: QuantScheme, tiles: tuple[TileConfig, T
     return t1, t2
 
 
-def _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, scheme, w13_scale, w2_scale,
-                  w13_global_scale, w2_global_scale) -> None:
-    """GEMM1 and GEMM2 on the prepared rows (contiguous or batched) with the scheme's decode."""
-    x = launch.x
-    launch_gemm1(launch, w13, w13_bias, t1, _kernel_args(scheme, w13_scale, w13_global_scale, x))
-    launch_gemm2(launch, w2, w2_bias, t2, _kernel_args(scheme, w2_scale, w2_global_scale, x))
+def _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, args13: dict, args2: dict) -> None:
+    """GEMM1 and GEMM2 on the prepared rows (contiguous or batched) with the scheme's decode
+    (`_weight_args`)."""
+    launch_gemm1(launch, w13, w13_bias, t1, args13)
+    launch_gemm2(launch, w2, w2_bias, t2, args2)
+
+
+def _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x) -> tuple[dict, dict]:
+    """(GEMM1's, GEMM2's) `_kernel_args`, made before a call's first launch: a bad knob they read
+    (FUSEDMOE_TRITON_RS_SYNC) raises before any kernel runs."""
+    return (_kernel_args(scheme, w13_scale, w13_global_scale, x), _kernel_args(scheme, w2_scale, w2_global_scale, x))
 
 
 def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype) -> None:
@@ -456,4 +461,4 @@ def rs_sync(x: torch.Tensor) -> bool:
     their wgmma each K step (kernels._rs_sync): every GPU compile, unless FUSEDMOE_TRITON_RS_SYNC=0."""
     from fusedmoe import knobs
 
-    return x.is_cuda and knobs.get("TRITON_RS_SYNC") is not False
+    return knobs.get("TRITON_RS_SYNC") is not False and x.is_cuda  # the knob read (checked) on any device

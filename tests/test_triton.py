@@ -712,7 +712,8 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
         # I = 2048: int4 g32 planned as fragments, so its unnamed (checkpoint) entry serves only
         # weights held in the checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0, or not whole)
         wide = replace(problem, inter=2048)
-        assert w4_layout(wide, int4) == "fragments" and w4_layout(wide, get_scheme("int4_w4a16_g128")) == "checkpoint"
+        assert w4_layout(wide, int4) == "fragments" and w4_layout(wide, get_scheme("int4_w4a16_g128")) == "fragments"
+        assert w4_layout(replace(wide, inter=1920), get_scheme("int4_w4a16_g128")) == "checkpoint"
         assert choose_weight_only_tiles(replace(wide, fragments=False), int4, cuda) == checkpoint
         assert choose_weight_only_tiles(wide, int4, cuda) != checkpoint
         with knobs.override(TRITON_W4_FRAGMENTS=False):

@@ -790,10 +790,13 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
         least = INT4_FRAGMENTS_MIN_INTER.get(group)
-        int4 = (f"; int4 g32 by default where I >= {least}, on an H200 on heuristic tiles 10-16% slower than the "
-                "checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), within 10% at M=16-256 and up to "
-                "1.5x faster from M=1024 (at smaller I the checkpoint layout is faster at M <= 256)"
-                if fmt == "int4" and group == 32 and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
+        measured = {32: "10-16% slower than the checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), "
+                        "within 10% at M=16-256 and up to 1.5x faster from M=1024",
+                    64: "1.06-2.3x the checkpoint layout's speed at Mixtral and gpt-oss-120b M=1-4096",
+                    128: "1.1-1.5x the checkpoint layout's speed at Mixtral M=1-4096"}
+        int4 = (f"; int4 g{group} by default where I >= {least}, on an H200 {measured[group]}"
+                if fmt == "int4" and group in measured and least is not None
+                and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
             waits = ("; each dot waits for its wgmma (kernels._rs_sync)" if knobs.get("TRITON_RS_SYNC") is not False
                      else "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows "
@@ -804,16 +807,13 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
         elif least is not None:
+            smaller = ("at smaller I its checkpoint layout is faster at M <= 256, fragments at M >= 1024 on an H200"
+                       if group == 32 else "at smaller I not timed since each fragment dot waits for its wgmma")
             extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
-                                  f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
-                                  "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
+                                  f"{least}; {smaller}: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
         else:
-            measured = {64: "0.94-2.1x the checkpoint layout's speed over four presets",
-                        128: "1.03-1.5x faster at Mixtral M=1-4096, 10-16% slower at Qwen3-30B M <= 256"}
-            seen = (f"; g{group} on an H200 on heuristic tiles, their wgmmas in flight (before kernels._rs_sync): "
-                    f"{measured[group]}, not re-timed since" if group in measured else "")
             extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
-                                  f"too{seen})")
+                                  "too)")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

@@ -320,7 +320,9 @@ def test_fragment_layout_conditions():
         config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
         with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 at every group and size
             laid = TritonExperts(config).process_weights(w)
-        assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == scheme.startswith("nvfp4")
+        # by default at I = 64-128: nvfp4, and int4 g64 (laid at every I); int4 g32 / g128 from I = 2048
+        assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == scheme.startswith(
+            ("nvfp4", "int4_w4a16_g64"))
         assert laid.quant.w13_scale.shape == shape and is_fragments(laid.quant.w2_scale), scheme
         check_quant_weights(laid.w13, laid.w2, laid.quant, 128, 2 * inter)
         before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(laid.w13, laid.w2, laid.quant)
@@ -593,9 +595,9 @@ def test_fragment_dots_wait_on_gpu_compiles(monkeypatch):
 
 
 def test_fragment_formats_knob(monkeypatch):
-    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, and int4 g32 / g64 / g128 where
-    the per-GPU intermediate is >= 2048; all = int4 at every other group and size too; 0 = none;
-    other values are refused, naming the choices."""
+    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, int4 g64 at every size, and int4
+    g32 / g128 where the per-GPU intermediate is >= 2048; all = int4 at every other group and size
+    too; 0 = none; other values are refused, naming the choices."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
@@ -606,10 +608,10 @@ def test_fragment_formats_knob(monkeypatch):
         return {(fmt, group, inter) for fmt, group in formats for inter in sizes if lays_fragments(fmt, group, inter)}
 
     every = {(fmt, group, inter) for fmt, group in formats for inter in sizes}
-    default = {c for c in every if c[0] != "int4" or (c[1] in (32, 64, 128) and c[2] >= 2048)}
-    assert INT4_FRAGMENTS_MIN_INTER == {32: 2048, 64: 2048, 128: 2048} and laid() == default
+    default = {c for c in every if c[0] != "int4" or c[1] == 64 or (c[1] in (32, 128) and c[2] >= 2048)}
+    assert INT4_FRAGMENTS_MIN_INTER == {32: 2048, 64: 0, 128: 2048} and laid() == default
     assert ("int4", 32, 1984) not in default and ("int4", 128, 1984) not in default
-    assert ("int4", 64, 2048) in default and ("int4", 128, 14336) in default
+    assert ("int4", 64, 256) in default and ("int4", 128, 14336) in default
     assert ("int4", 256, 14336) not in default  # a group not named keeps the checkpoint layout
     for raw, want in (("1", default), ("all", every), ("0", set())):
         monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", raw)
@@ -621,9 +623,9 @@ def test_fragment_formats_knob(monkeypatch):
 
 
 def test_int4_laid_as_fragments_by_group_and_intermediate():
-    """process_weights lays int4 g32 / g64 / g128 as fragments by default where the per-GPU
-    intermediate is >= 2048 (weight_only.INT4_FRAGMENTS_MIN_INTER), and keeps the checkpoint layout
-    below it (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays those too); the planned layout is the
+    """process_weights lays int4 g64 as fragments by default at every size and g32 / g128 where the
+    per-GPU intermediate is >= 2048 (weight_only.INT4_FRAGMENTS_MIN_INTER), and keeps g32 / g128 in
+    the checkpoint layout below it (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays those too); the planned layout is the
     one held (the heuristic's K steps follow it), and the laid call matches emulation."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.experts import GemmProblem
@@ -632,8 +634,8 @@ def test_int4_laid_as_fragments_by_group_and_intermediate():
     from fusedmoe.quant.scheme import get_scheme
 
     for scheme, inter, want in (("int4_w4a16_g32", 1984, False), ("int4_w4a16_g32", 2048, True),
-                                ("int4_w4a16_g128", 2048, True), ("int4_w4a16_g64", 2048, True),
-                                ("int4_w4a16_g64", 1984, False)):
+                                ("int4_w4a16_g128", 2048, True), ("int4_w4a16_g128", 1920, False),
+                                ("int4_w4a16_g64", 2048, True), ("int4_w4a16_g64", 192, True)):
         case = Case(f"i4-{inter}", T=3, E=2, K=1, H=128, I=inter, tiles=None)
         config, x, w, weights, ids, _ = problem(case, scheme, torch.float32)
         laid = TritonExperts(config).process_weights(w)
@@ -703,15 +705,18 @@ def test_fragment_tile_widens_narrow_tiles():
         "checkpoint layout (int4 g32 is laid as fragments by default where I >= 2048")
     assert describe_plan(problem, get_scheme("int4_w4a16_g128"), torch.device("cpu"))["w4_layout"].startswith(
         "checkpoint layout (int4 g128 is laid as fragments by default where I >= 2048; at smaller I not timed")
-    for mode, want in ((None, "checkpoint layout (int4 g64 is laid as fragments by default where I >= 2048"),
-                       ("all", "fragments where")):  # g64 at I = 64: checkpoint by default, fragments on request
+    for mode, want in ((None, "fragments where"), ("all", "fragments where"),
+                       (False, "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")):  # g64: fragments at every I
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
             assert describe_plan(problem, get_scheme("int4_w4a16_g64"), torch.device("cpu"))["w4_layout"].startswith(
                 want), mode
+    with knobs.override(TRITON_W4_FRAGMENTS=None):
+        assert "int4 g64 by default at every I, on an H200" in describe_plan(
+            problem, get_scheme("int4_w4a16_g64"), torch.device("cpu"))["w4_layout"]
     big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4 g32's default: fragments, and why
     for mode in (None, True):  # unset or 1: the default, said as such
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
-            for group in (32, 64, 128):
+            for group in (32, 128):
                 assert f"int4 g{group} by default where I >= 2048, on an H200" in describe_plan(
                     big_i, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))["w4_layout"], group
     with knobs.override(TRITON_W4_FRAGMENTS="all"):

@@ -168,15 +168,15 @@ DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 #       1.03-1.52, M=4096 1.30-1.51; geometric mean over those six M 1.07-1.10;
 #     I < 2048 (GLM-4.5-Air 1408, Qwen3-235B TP4 384, Llama-4 TP8 1024, Qwen3-30B 768, Kimi-K2 TP8
 #       256, DeepSeek-V3 TP8 256): M <= 256 0.66-0.99, M >= 1024 0.83-1.31; geometric mean 0.82-0.99.
-#   g64 and g128 at I >= 2048, each fragment dot waited for (kernels._rs_sync), M = 1, 16, 256, 1024,
-#   4096, the fragments checked by bench --check (reference + 8 runs bit for bit), a tuned fragment
-#   entry at Mixtral M=256 (results/2026-11-30_h200_09f8094_int4_g64_g128_fragments.txt):
+#   g64 and g128, each fragment dot waited for (kernels._rs_sync), M = 1, 16, 256, 1024, 4096, the
+#   fragments checked by bench --check (reference + 8 runs bit for bit), tuned fragment entries at
+#   Mixtral M=256 (results/2026-11-30_h200_09f8094_int4_g64_g128_fragments.txt sections 5, 6, 8):
 #     g64: Mixtral 1.06-1.48 (M=256 916 -> 676-689 us, bf16 724-735), gpt-oss-120b 1.15-2.28;
-#     g128: Mixtral 1.11-1.47 (M=256 1070 -> 728-732 us, level with bf16).
-#   At I < 2048 g64 / g128 keep the checkpoint layout: timed only before the wait (in flight, g64
-#   DeepSeek-V3 TP8 0.94-1.85 and Qwen3-30B 0.95-1.43; g128 Qwen3-30B 0.84-0.90 at M <= 256, 1.25-1.37
-#   from M = 1024; results/2026-11-29_h200_0a5c3b8_int4_groups_layouts_mixtral_m256.txt section 3).
-INT4_FRAGMENTS_MIN_INTER = {32: 2048, 64: 2048, 128: 2048}
+#       Qwen3-30B 0.97-1.31, DeepSeek-V3 TP8 0.99-1.87, Qwen3-235B TP4 0.98-1.24 (slower only at
+#       M <= 16, by <= 3%): laid as fragments at every I;
+#     g128: Mixtral 1.11-1.47 (M=256 1070 -> 728-732 us, level with bf16); Qwen3-30B M <= 256
+#       0.86-0.90, M >= 1024 1.26-1.28; DeepSeek-V3 TP8 0.92-1.60, Qwen3-235B TP4 0.93-1.23: g32's rule.
+INT4_FRAGMENTS_MIN_INTER = {32: 2048, 64: 0, 128: 2048}
 
 
 def scale_pad() -> int:

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# A kernel change's check on a CUDA machine in one go: versions, the GPU tests, `fusedmoe bench
+# --check` over the target presets for each scheme asked (every cell against the reference and its
+# call repeated 8 times bit for bit, then timed), and a GPU fuzz. Each step writes its whole log
+# under OUT and prints its tail; summary.txt says how each step ended. Runs in the current Python
+# environment (the GPU machine's torch and Triton; nothing is installed).
+#
+#   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz (default: all)
+#
+# Settings (environment):
+#   TESTS         arguments for scripts/test_gpu.sh (default: every test file)
+#   QUANTS        comma-separated schemes for bench, "none" for bf16 (default: none)
+#   PRESETS       comma-separated presets (default: bench's five targets)
+#   TOKENS        token counts (default 1,16,256,1024,4096)
+#   FUZZ_SECONDS  the fuzz starts no case after this (default 120); FUZZ_JOBS workers (default 4);
+#                 FUZZ_SEED its first seed (default 0: pass one past the last run's to draw new cases)
+#   LIMIT_TESTS, LIMIT_BENCH  seconds before a step is stopped (default 400, 300 a scheme)
+# The exit status is nonzero if a step failed or ran out of time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the folder for the logs}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env tests bench fuzz)
+rc=0
+
+note() {  # note STEP STATUS: one line of summary.txt
+    echo "$1: $2" | tee -a "$OUT/summary.txt"
+    case "$2" in ok*) ;; *) rc=1 ;; esac
+}
+
+ended() {  # ended STATUS: how a step's command ended, in words
+    case "$1" in
+        0) echo ok ;;
+        124|137) echo "stopped at its time limit (exit $1)" ;;
+        *) echo "failed (exit $1)" ;;
+    esac
+}
+
+step_env() {
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        python -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+        git log --oneline -1 2>/dev/null
+        git status --short 2>/dev/null | head -20
+    } 2>&1 | tee "$OUT/env.txt"
+    python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    local r=$?
+    [ $r -ne 0 ] && echo "gpu_check.sh: torch sees no CUDA device" | tee -a "$OUT/env.txt"
+    note env "$(ended $r)"
+}
+
+step_tests() {
+    local args
+    read -r -a args <<< "${TESTS:-}"
+    timeout "${LIMIT_TESTS:-400}" bash scripts/test_gpu.sh "${args[@]}" > "$OUT/tests.log" 2>&1
+    local r=$?
+    grep -E "passed|failed|FAILED|ERROR|^SKIPPED" "$OUT/tests.log" | tail -20
+    note tests "$(ended $r)"
+}
+
+step_bench() {
+    local q r
+    IFS=, read -r -a quants <<< "${QUANTS:-none}"
+    for q in "${quants[@]}"; do
+        local cmd=(python -m fusedmoe bench --backends triton --tokens "${TOKENS:-1,16,256,1024,4096}" --check
+                   --json "$OUT/bench_$q.json")
+        [ -n "${PRESETS:-}" ] && cmd+=(--presets "$PRESETS")
+        [ "$q" != none ] && cmd+=(--quant "$q")
+        echo "== ${cmd[*]}" | tee "$OUT/bench_$q.txt"
+        timeout "${LIMIT_BENCH:-300}" "${cmd[@]}" 2>&1 | tr '\r' '\n' | grep -v '^\[ *[0-9]' >> "$OUT/bench_$q.txt"
+        r=${PIPESTATUS[0]}
+        tail -n +2 "$OUT/bench_$q.txt" | grep -v '^\s*$'
+        note "bench $q" "$(ended "$r")"
+    done
+}
+
+step_fuzz() {
+    local seconds=${FUZZ_SECONDS:-120}
+    timeout $((seconds + 120)) python -m fusedmoe fuzz --device cuda --seed "${FUZZ_SEED:-0}" --cases 100000 --jobs "${FUZZ_JOBS:-4}" \
+        --time-limit "$seconds" --json "$OUT/fuzz.json" > "$OUT/fuzz.txt" 2>&1
+    local r=$?
+    tail -20 "$OUT/fuzz.txt"
+    note fuzz "$(ended $r)"
+}
+
+for s in "${steps[@]}"; do
+    if ! declare -F "step_$s" > /dev/null; then
+        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz)" >&2
+        exit 2
+    fi
+done
+for s in "${steps[@]}"; do
+    echo "######## $s $(date +%T)"
+    "step_$s"
+done
+exit $rc

@@ -56,7 +56,7 @@ step_tests() {
     read -r -a args <<< "${TESTS:-}"
     timeout "${LIMIT_TESTS:-400}" bash scripts/test_gpu.sh "${args[@]}" > "$OUT/tests.log" 2>&1
     local r=$?
-    grep -E "passed|failed|FAILED|ERROR|^SKIPPED" "$OUT/tests.log" | tail -20
+    grep -E "FAILED|ERROR|^SKIPPED| in [0-9.]+s" "$OUT/tests.log" | tail -20
     note tests "$(ended $r)"
 }
 

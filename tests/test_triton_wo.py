@@ -704,7 +704,7 @@ def test_fragment_tile_widens_narrow_tiles():
     assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
         "checkpoint layout (int4 g32 is laid as fragments by default where I >= 2048")
     assert describe_plan(problem, get_scheme("int4_w4a16_g128"), torch.device("cpu"))["w4_layout"].startswith(
-        "checkpoint layout (int4 g128 is laid as fragments by default where I >= 2048; at smaller I not timed")
+        "checkpoint layout (int4 g128 is laid as fragments by default where I >= 2048; at smaller I its checkpoint")
     for mode, want in ((None, "fragments where"), ("all", "fragments where"),
                        (False, "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")):  # g64: fragments at every I
         with knobs.override(TRITON_W4_FRAGMENTS=mode):

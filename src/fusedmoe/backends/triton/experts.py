@@ -809,10 +809,9 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
         elif least is not None:
-            smaller = ("at smaller I its checkpoint layout is faster at M <= 256, fragments at M >= 1024 on an H200"
-                       if group == 32 else "at smaller I not timed since each fragment dot waits for its wgmma")
             extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
-                                  f"{least}; {smaller}: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
+                                  f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
+                                  "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
         else:
             extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
                                   "too)")

@@ -1,0 +1,47 @@
+"""scripts/gpu_check.sh, the routine GPU check of a kernel change, on a machine without CUDA: it
+says which step failed and why, and exits nonzero (the GPU run itself is the device machine's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script's failure paths without CUDA")
+
+
+def run(tmp_path: Path, *steps: str, **env: str) -> subprocess.CompletedProcess:
+    # the script runs `python`: the interpreter running these tests, first on PATH
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": path, "OUT": str(tmp_path), **env})
+
+
+def test_each_step_says_how_it_ended_and_a_failure_is_the_exit_status(tmp_path):
+    done = run(tmp_path, "env", "bench", QUANTS="none,mxfp4_w4a16", PRESETS="qwen3-30b-a3b", TOKENS="1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary == ["env: failed (exit 1)", "bench none: failed (exit 2)", "bench mxfp4_w4a16: failed (exit 2)"]
+    assert "torch sees no CUDA device" in (tmp_path / "env.txt").read_text()
+    bench = (tmp_path / "bench_mxfp4_w4a16.txt").read_text()
+    assert "--quant mxfp4_w4a16" in bench and "--presets qwen3-30b-a3b" in bench and "needs a CUDA device" in bench
+
+
+def test_a_passing_step_leaves_the_exit_status_zero(tmp_path):
+    done = run(tmp_path, "tests", TESTS="tests/test_gpu_wo.py -k wide_fragment_plan")  # GPU tests: skipped here
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "summary.txt").read_text() == "tests: ok\n"
+    assert "skipped" in done.stdout and "deselected" in done.stdout  # the phase's summary line is printed
+
+
+def test_an_unknown_step_is_refused_before_any_runs(tmp_path):
+    done = run(tmp_path, "env", "benchmark")
+    assert done.returncode == 2 and "unknown step 'benchmark'" in done.stderr
+    assert not (tmp_path / "summary.txt").exists()

@@ -797,8 +797,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                     128: "1.1-1.5x the checkpoint layout's speed at Mixtral M=1-4096"}
         where = f"where I >= {least}" if least else "at every I"
         int4 = (f"; int4 g{group} by default {where}, on an H200 {measured[group]}"
-                if fmt == "int4" and group in measured and least is not None
-                and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
+                if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
         if lays_fragments(fmt, group, problem.inter):
             waits = ("; each dot waits for its wgmma (kernels._rs_sync)" if knobs.get("TRITON_RS_SYNC") is not False
                      else "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows "
@@ -808,13 +807,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                                   f"layout){widened}{_scale_runs(problem, scheme)}{waits}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
-        elif least is not None:
+        else:  # int4 below its group's INT4_FRAGMENTS_MIN_INTER (every int4 group has one)
             extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
                                   f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
                                   "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
-        else:
-            extra["w4_layout"] = (f"checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays int4 g{group} as fragments "
-                                  "too)")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

@@ -1137,7 +1137,7 @@ def moe_gemm1_kernel(
             stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
             X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
             PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT,
-                RS_SYNC)
+            RS_SYNC)
 
 
 @triton.jit

@@ -8,7 +8,9 @@
 #   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz (default: all)
 #
 # Settings (environment):
-#   TESTS         arguments for scripts/test_gpu.sh (default: every test file)
+#   TESTS         arguments for scripts/test_gpu.sh (default: every test file); PHASES its phases
+#                 ("small big"; the whole suite takes ~17 minutes on an H200: split it over calls
+#                 under a shorter limit, e.g. PHASES=small then PHASES=big, or TESTS by file)
 #   QUANTS        comma-separated schemes for bench, "none" for bf16 (default: none)
 #   PRESETS       comma-separated presets (default: bench's five targets)
 #   TOKENS        token counts (default 1,16,256,1024,4096)

@@ -13,6 +13,7 @@ import torch
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+TEST_GPU = ROOT / "scripts" / "test_gpu.sh"
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script's failure paths without CUDA")
 
@@ -45,3 +46,25 @@ def test_an_unknown_step_is_refused_before_any_runs(tmp_path):
     done = run(tmp_path, "env", "benchmark")
     assert done.returncode == 2 and "unknown step 'benchmark'" in done.stderr
     assert not (tmp_path / "summary.txt").exists()
+
+
+def test_the_gpu_tests_run_by_phase(tmp_path):
+    """scripts/test_gpu.sh's PHASES: each phase its own marker (here without xdist: one serial run
+    a phase), a phase that collects nothing is no failure, and an unknown phase is refused before
+    any test runs."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+    def gpu_tests(phases: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(TEST_GPU), "tests/test_gpu_check_script.py"], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PATH": path, "PHASES": phases})
+
+    marks = {"small": ["gpu and not bigmem"], "big": ["gpu and bigmem"], "small big": ["gpu"],
+             "big small": ["gpu and bigmem", "gpu and not bigmem"]}
+    for phases, want in marks.items():
+        done = gpu_tests(phases)
+        assert done.returncode == 0, (phases, done.stdout + done.stderr)
+        assert [line.split("-m ")[1].strip("'") for line in done.stdout.splitlines()
+                if line.startswith("test_gpu.sh: -m")] == want, (phases, done.stdout)
+        assert done.stdout.count("deselected") == len(want), (phases, done.stdout)  # no GPU test in this file
+    bad = gpu_tests("small huge")
+    assert bad.returncode == 2 and "unknown phase 'huge'" in bad.stderr and "deselected" not in bad.stdout

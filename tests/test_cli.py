@@ -251,6 +251,8 @@ def test_tune_refuses_a_bad_min_gain_and_search(capsys):
     assert "--min-gain 3.0: a fraction in [0, 1)" in capsys.readouterr().err
     assert main(["tune", "--model", "qwen3-30b-a3b", "--jobs", "0"]) == 2
     assert "--jobs 0: at least 1" in capsys.readouterr().err
+    assert main(["tune", "--model", "qwen3-30b-a3b", "--seed", "-1"]) == 2
+    assert "--seed -1 must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--model", "qwen3-30b-a3b", "--search", "random"])
     assert "invalid choice: 'random'" in capsys.readouterr().err

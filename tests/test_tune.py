@@ -268,6 +268,43 @@ def test_tune_shape_rotates_routings_over_the_weight_copies(monkeypatch):
         {"_gemms": 2, "_direct_gemms": 2, "_aligned_overhead": 2, "_whole_calls": 2}
 
 
+def test_tune_shape_times_the_bench_routings(monkeypatch):
+    """Each token count's draws are `fusedmoe bench`'s at the same seed (`bench.cell_generator`:
+    (seed, M) alone), so the tuner's whole calls time the routings the bench times, whatever
+    other counts the same search tunes; another seed, other routings."""
+    import fusedmoe.tune as tune
+    from fusedmoe.bench import cell_generator, routing_draws
+
+    cpu = torch.device("cpu")
+    seen: dict = {}
+    real = tune._whole_calls
+
+    def spy(scheme, weights, x, topk_w, topk_ids, *rest):
+        seen.setdefault(x.shape[0], []).append((x.clone(), topk_ids.clone()))
+        return real(scheme, weights, x, topk_w, topk_ids, *rest)
+
+    monkeypatch.setattr(tune, "_whole_calls", spy)
+    stages = lambda tile: 20.0 + 10.0 * tile.num_stages  # noqa: E731 (an entry each: whole calls run)
+    costs = {"gemm1": stages, "gemm2": stages, "direct gemm1": stages, "direct gemm2": stages,
+             "align": lambda tile: 5.0}
+
+    def drawn(tokens_list, seed=0):
+        seen.clear()
+        tune.tune_shape(experts=E, hidden=H, inter=I, top_k=K, tokens_list=tokens_list, dtype=torch.float32,
+                        copies=2, device=cpu, timer=_model_timer(costs, []), seed=seed)
+        return seen[3]
+
+    bench = routing_draws(3, H, E, K, 2, cell_generator(0, 3, cpu), torch.float32)
+    alone = drawn([3])
+    assert len(alone) == 2
+    for (x, ids), (bx, _, _, bids) in zip(alone, bench, strict=True):
+        assert torch.equal(x, bx) and torch.equal(ids, bids)
+    after = drawn([2, 3])  # another count first: the same draws of M=3
+    assert all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(alone, after, strict=True))
+    other = drawn([3], seed=1)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(alone, other, strict=True))
+
+
 def test_tune_shape_counts_x_quantization_on_both_paths(monkeypatch):
     """W8A8 per token: x's quantization launch is part of the aligned path's overhead ("align"
     runs it) and of the direct path's total when its GEMM1 does not quantize x itself; timed once
@@ -524,10 +561,12 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
 
 
 def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
-    """The search's best plan is written only if its whole call computes what the heuristic's
-    plan does (`tune._plan_disagreement`: bench.check_cell's bound, the output poisoned first)
-    and gives that output bit for bit over bench.CHECK_RUNS runs: a plan whose kernels write wrong
-    values, leave rows unwritten, or race (one run of eight off), is logged and dropped."""
+    """The search's best plan is written only if its whole call computes the reference's output
+    (`tune._plan_disagreement`: bench.check_cell's bound against bench.reference_output on weight
+    copy 0, the output poisoned first) and gives that output bit for bit over bench.CHECK_RUNS
+    runs: a plan whose kernels write wrong values, leave rows unwritten, or race (one run of eight
+    off), is logged and dropped; so is one whose fault the heuristic's plan shares (the bar was
+    the heuristic plan's output until 2026-11-30: "every" passed it)."""
     import dataclasses
 
     from fusedmoe import tune as tune_mod
@@ -543,13 +582,15 @@ def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
     shape = dict(experts=E, hidden=H, inter=I, top_k=K, tokens_list=[1], dtype=torch.float32, copies=2,
                  device=torch.device("cpu"))
     whole = tune_mod._whole_calls
-    for harm in ("scaled", "unwritten", "racy"):
+    for harm in ("scaled", "unwritten", "racy", "every"):
         def broken(*args, harm=harm):
             call, out = whole(*args)
             runs = []
 
             def plan_call(plan):
                 run = call(plan)
+                if harm == "every":  # every plan's output off alike: the heuristic's too
+                    return lambda i: (run(i), out.mul_(1.5))
                 if plan.gemm2 != faster2:
                     return run
                 if harm == "unwritten":  # the faster plan's kernel never writes the output
@@ -568,7 +609,7 @@ def test_tune_shape_writes_no_plan_that_computes_another_output(monkeypatch):
         monkeypatch.setattr(tune_mod, "_whole_calls", broken)
         logged, seen = [], []
         assert tune_shape(**shape, timer=_model_timer(costs, seen), log=logged.append) == [], harm
-        assert any("gave another output than the heuristic's plan" in line and "nothing written" in line
+        assert any("gave another output than the reference" in line and "nothing written" in line
                    for line in logged), (harm, logged)
         assert any("run 4 of 8 gave another output bitwise" in line for line in logged) == (harm == "racy")
         assert any(tile == faster2 for kind, tile in seen if kind == "direct gemm2")  # it was the search's best

@@ -726,14 +726,21 @@ def bench_preset(
 
 def _cell_reference(preset: Preset, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
                     copy: tuple) -> torch.Tensor:
-    """`bench_preset(check=True)`'s reference on one weight copy: (w13, w2, b13, b2) in bf16, the
-    float32 `fused_experts_ref`; (w13, w2, b13, b2, QuantParams) in the checkpoint layout
-    (`_quantized_copy(prepare=False)`: emulation does not read the triton layer's fragments), the
-    `emulation` backend."""
+    """`bench_preset(check=True)`'s reference on one weight copy (`reference_output` with the
+    preset's activation and router-weight placement)."""
+    return reference_output(x, topk_w, topk_ids, copy, preset.activation, preset.apply_router_weight_on_input)
+
+
+def reference_output(x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor, copy: tuple,
+                     activation: str, apply_router_weight_on_input: bool = False) -> torch.Tensor:
+    """The reference a timed output is checked against (`bench --check`, the tuner's plans): for
+    (w13, w2, b13, b2) in bf16 / fp16 / fp32, the float32 `fused_experts_ref`; for (w13, w2, b13,
+    b2, QuantParams) in the checkpoint layout (`_quantized_copy(prepare=False)`: emulation does
+    not read the triton layer's fragments), the `emulation` backend."""
     from fusedmoe.api import fused_experts
     from fusedmoe.reference import fused_experts_ref
 
-    kw = dict(activation=preset.activation, apply_router_weight_on_input=preset.apply_router_weight_on_input)
+    kw = dict(activation=activation, apply_router_weight_on_input=apply_router_weight_on_input)
     if len(copy) == 4:
         w13, w2, b13, b2 = copy
         return fused_experts_ref(x, w13, w2, topk_w, topk_ids, w13_bias_LG=b13, w2_bias_LH=b2,

@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                            "tune.GRID at each block_m first (minutes per token count), then descend")
     tune.add_argument("--min-gain", type=float, default=0.03,
                       help="write an entry only when it beats the plan that runs now by this fraction")
+    tune.add_argument("--seed", type=int, default=0,
+                      help="seed of each token count's routing draws, as `fusedmoe bench --seed` draws them "
+                           "(the tuner times the routings the bench times at the same seed)")
     tune.add_argument("--jobs", type=int, default=1,
                       help="worker processes compiling each batch of tiles before they are timed "
                            "(tune.CompilePool; the same entries, found sooner); 1: none")
@@ -745,6 +748,8 @@ def cmd_tune(args) -> int:
                          f"({'with' if get_preset(args.model).has_bias else 'without'} them)")
     if not 0 <= args.min_gain < 1:
         raise ValueError(f"--min-gain {args.min_gain}: a fraction in [0, 1) (0.03 writes entries 3% faster)")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: at least 1 (1 compiles each tile when it is first timed)")
     if not torch.cuda.is_available():
@@ -784,7 +789,7 @@ def _tune_count(args, shape: dict, count: int, progress, folder, pool) -> Path |
     turned_down = []  # a search result the whole calls did not confirm
     entries = tune_shape(**shape, tokens_list=[count], dtype=DTYPES[args.dtype], quant=args.quant,
                          progress=progress, search=args.search, min_gain=args.min_gain, compile_pool=pool,
-                         log=turned_down.append)
+                         log=turned_down.append, seed=args.seed)
     print(file=sys.stderr)
     if pool is not None and len(pool.errors) > failed:  # a tile out of resources fails there and here alike
         print(f"M={count:>5}: {len(pool.errors) - failed} tiles did not run in the --jobs workers; the tuner "

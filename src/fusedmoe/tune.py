@@ -1,6 +1,7 @@
 """`fusedmoe tune`: search Triton tile configs for a shape on this GPU and write the table.
 
-For each token count: draw uniform routing, then for block_m in {heuristic/2, heuristic,
+For each token count: draw uniform routing (the draws `fusedmoe bench` times at the same
+`--seed`: `bench.cell_generator`), then for block_m in {heuristic/2, heuristic,
 heuristic*2} descend coordinate-wise from the heuristic tile of each GEMM (block_n, block_k,
 num_warps, num_stages, and split_k for GEMM1; one parameter at a time, keep what is faster), and
 keep the block_m whose two GEMMs sum fastest. The aligned GEMMs' descent also moves group_m
@@ -104,6 +105,7 @@ W4_WIDE_GEMM1_START = TileConfig(128, 128, 128, 8, 3)
 # the best of them tries the values past these and split_k)
 GRID = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5))
 SEARCHES = ("descent", "grid")
+WEIGHT_SEED = 0  # the generator seed of the tuner's weight copies (the reference draws copy 0 again)
 # timer(kind, tile, fn) -> us: one launch fn(i) on weight copy i, timed; kind is "gemm1", "gemm2",
 # "direct gemm1", "direct gemm2", "align" (the aligned path's alignment at tile.block_m and its
 # top-k sum), "quantize x", or "call" (the whole experts op; tile is then its WholePlan); the
@@ -264,7 +266,7 @@ def tune_shape(
     tokens_list: Sequence[int], dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
     copies: int = 4, progress: Callable[[str], None] | None = None, device: torch.device | None = None,
     timer: Timer | None = None, bias: bool = False, search: str = "descent", min_gain: float = 0.03,
-    compile_pool: CompilePool | None = None, log: Callable[[str], None] | None = None,
+    compile_pool: CompilePool | None = None, log: Callable[[str], None] | None = None, seed: int = 0,
 ) -> list[dict]:
     """Tuned entries (dicts for the JSON table) for one shape at each token count.
 
@@ -287,6 +289,10 @@ def tune_shape(
     block_m first, then the descent from the best of them too); the direct path descends either way.
     compile_pool: compiles each batch of tiles about to be timed in its worker processes first
     (`CompilePool`, made for this shape); None: each tile compiles when it is first timed.
+    seed: each token count's routing draws come from `bench.cell_generator(seed, tokens)`, as
+    `fusedmoe bench --seed` draws them: the tuner times the routings the bench times (the same
+    ids: bench's default softmax-renormalize draws here, the ids of any monotonic scoring), and a
+    count's draws do not depend on the other counts tuned with it.
     A search result that passes is then timed as whole calls of the experts op against the rule's
     plan and the table's (module docstring), and written only if it beats them there by
     `min_gain` as well; log(line) hears of a result the whole calls turned down.
@@ -310,7 +316,7 @@ def tune_shape(
     from fusedmoe.backends.triton.quant import fuse_x_quantization
     from fusedmoe.backends.triton.tiles import heuristic, tile_mode
     from fusedmoe.backends.triton.weight_only import W4_LAYOUTS, is_w4_scheme
-    from fusedmoe.bench import routing_draws
+    from fusedmoe.bench import cell_generator, routing_draws
     from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
 
@@ -323,8 +329,13 @@ def tune_shape(
             raise ValueError(f"compile_pool was made for {compile_pool.spec}, not this search's {want}")
     timer = timer or (lambda kind, tile, fn: _median_us(fn, copies))
     gated = is_gated(activation)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(WEIGHT_SEED)
     weights = [_weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias) for _ in range(copies)]
+    # the reference's copy: weights[0] drawn again (the same generator seed, drawn first), in the
+    # checkpoint layout for a quantized scheme (emulation reads no fragments)
+    reference = weights[0] if scheme is None else _weight_copy(
+        experts, hidden, inter, gated, dtype, scheme, torch.Generator(device=device).manual_seed(WEIGHT_SEED), bias,
+        prepare=False)
     if device.type == "cuda":  # the build's float32 temporaries back to the device, where the --jobs
         torch.cuda.synchronize(device)  # workers build their copies next: on an H200 the cached 18.8 GiB
         torch.cuda.empty_cache()  # of gpt-oss-120b's int4 build ran the tuner itself out of memory at --jobs 14
@@ -346,8 +357,11 @@ def tune_shape(
         def warm(kind: str, fill: TileConfig, tokens=tokens) -> Callable[[list[TileConfig]], None] | None:
             return None if compile_pool is None else functools.partial(compile_pool.warm, tokens, kind, fill)
 
-        # one routing per weight copy: a time is the mean over `copies` routings (_rotate)
-        draws = [Draw(x, w, ids) for x, _, w, ids in routing_draws(tokens, hidden, experts, top_k, copies, gen, dtype)]
+        # one routing per weight copy: a time is the mean over `copies` routings (_rotate), drawn
+        # as the bench draws this count's (the tuner's own generator gave it other routings, and
+        # its whole calls read 40-58 us below bench's at Mixtral M=256 on an H200, 2026-11-30)
+        cell = cell_generator(seed, tokens, device)
+        draws = [Draw(x, w, ids) for x, _, w, ids in routing_draws(tokens, hidden, experts, top_k, copies, cell, dtype)]
         problem = GemmProblem(tokens * top_k, experts, hidden, inter, top_k, gated, dtype, frag)
         tma1, tma2 = tma_planned(problem, device) if scheme is None else (None, None)
         codes = None if scheme is None or scheme.weight_only else scheme.weight.dtype
@@ -454,11 +468,11 @@ def tune_shape(
         by_draw = [call for call, _ in built]
         # a plan is written only if it computes what the heuristic's does (a kernel wrong at one
         # tile must not become the table's plan: the int4 g64 fragment tune of 2026-11-29 wrote one)
-        err, why = _plan_disagreement(*built[0], plans["call_us"], rule, scheme, device)
+        err, why = _plan_disagreement(*built[0], plans["call_us"], draws[0], reference, scheme, activation, device)
         if why is not None:
             if log:
                 log(f"M={tokens:>5}: the search's best, {best[1]} gemm1 {best[2].as_list()} gemm2 "
-                    f"{best[3].as_list()}, gave another output than the heuristic's plan or than its own "
+                    f"{best[3].as_list()}, gave another output than the reference or than its own "
                     f"first run (relative error {err:.1e}: {why}); nothing written")
             continue
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
@@ -536,31 +550,36 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
 
 
 def _plan_disagreement(call: Callable[[WholePlan], Callable[[int], None]], out: torch.Tensor, plan: WholePlan,
-                       rule: WholePlan, scheme, device: torch.device) -> tuple[float, str | None]:
-    """(relative Frobenius error of `plan`'s output against `rule`'s on weight copy 0 and its
-    draw, why the plan is refused or None): `bench.check_cell` with the rule's plan as the
-    reference, then `bench.repeat_mismatch`: bench.CHECK_RUNS - 1 more runs of the plan must give
-    its first output bit for bit (the kernels are deterministic: runs that differ are a race, as
-    the 4-bit fragment GEMMs' in-flight wgmma was). The output is poisoned (NaN) before each run
-    of the plan, so rows it leaves unwritten count."""
-    from fusedmoe.bench import check_cell, repeat_mismatch
+                       draw: Draw, reference: tuple, scheme, activation: str,
+                       device: torch.device) -> tuple[float, str | None]:
+    """(relative Frobenius error of `plan`'s output on weight copy 0 and its draw, why the plan is
+    refused or None): `bench.check_cell` against `bench.reference_output` on the same weights
+    (`reference`: the float32 reference, or emulation of the checkpoint-layout copy), as `fusedmoe
+    bench --check` checks a cell; then `bench.repeat_mismatch`: bench.CHECK_RUNS - 1 more runs of
+    the plan must give its first output bit for bit (the kernels are deterministic: runs that
+    differ are a race, as the 4-bit fragment GEMMs' in-flight wgmma was). The output is poisoned
+    (NaN) before each run of the plan, so rows it leaves unwritten count. (Until 2026-11-30 the
+    bar was the heuristic plan's output: a fault both plans share passed it.)"""
+    from fusedmoe.bench import check_cell, reference_output, repeat_mismatch
 
     def poisoned_run() -> torch.Tensor:
         out.fill_(float("nan"))
         call(plan)(0)
         return out
 
-    call(rule)(0)
-    want = out.clone()
+    w13, w2, params, b13, b2 = reference
+    want = reference_output(draw.x, draw.topk_w, draw.topk_ids,
+                            (w13, w2, b13, b2) if params is None else (w13, w2, b13, b2, params), activation)
     first = poisoned_run().clone()
     err, why = check_cell(first, want, None if scheme is None else scheme.name, device)
     return err, why if why is not None else repeat_mismatch(poisoned_run, first)
 
 
-def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False) -> tuple:
+def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool = False, *,
+                 prepare: bool = True) -> tuple:
     """(w13, w2, QuantParams or None, b13, b2): random weights, quantized as the bench quantizes
-    them and laid out as the layer's process_weights leaves them (on the CPU too); the biases
-    None unless `bias`."""
+    them and laid out as the layer's process_weights leaves them (on the CPU too; prepare=False:
+    the checkpoint layout, which the emulation reference reads); the biases None unless `bias`."""
     from fusedmoe.bench import _quantized_copy, scaled_randn
 
     rows = 2 * inter if gated else inter
@@ -570,7 +589,7 @@ def _weight_copy(experts, hidden, inter, gated, dtype, scheme, gen, bias: bool =
                 scaled_randn((experts, hidden), 1.0, dtype=dtype, generator=gen)) if bias else (None, None))
     if scheme is None:
         return w13, w2, None, b13, b2
-    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name, prepare=True)
+    q13, q2, _, _, params = _quantized_copy(w13, w2, None, None, scheme.name, prepare=prepare)
     return q13, q2, params, b13, b2
 
 

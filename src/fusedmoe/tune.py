@@ -466,7 +466,7 @@ def tune_shape(
             plans["table_call_us"] = now
         built = [_whole_calls(scheme, weights, *d, experts, activation) for d in draws]
         by_draw = [call for call, _ in built]
-        # a plan is written only if it computes what the heuristic's does (a kernel wrong at one
+        # a plan is written only if it computes the reference's output (a kernel wrong at one
         # tile must not become the table's plan: the int4 g64 fragment tune of 2026-11-29 wrote one)
         err, why = _plan_disagreement(*built[0], plans["call_us"], draws[0], reference, scheme, activation, device)
         if why is not None:

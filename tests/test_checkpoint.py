@@ -211,6 +211,39 @@ def nvfp4_compressed_tensors_weight_only(w, seed):
     return _nvfp4_compressed_tensors(w, "nvfp4_w4a16", True, seed)
 
 
+def ct_pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [..., K] in [-8, 7] -> compressed-tensors pack-quantized int32 [..., K / 8]: code 8j+i
+    in bits 4i..4i+3 of word j, stored as q + 8 (written here from the format's description)."""
+    stored = (q.long() + 8).unflatten(-1, (-1, 8))
+    words = (stored << (4 * torch.arange(8))).sum(-1)  # < 2^32: wrap to int32's two's complement
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _int4_compressed_tensors(w, scheme, scale_dtype, shapes) -> Checkpoint:
+    """compressed-tensors pack-quantized (symmetric int4, one scale per group of g inputs):
+    weight_packed int32 [N, K/8], weight_scale [N, K/g] in scale_dtype, weight_shape [2];
+    W = q * s with q = clamp(round(w / s), -8, 7), s = amax(group) / 7."""
+    group = int(scheme.rsplit("_g", 1)[1])
+    per, deq = {}, {}
+    for p, wp in w.items():
+        groups = wp.unflatten(-1, (-1, group))
+        s = (groups.abs().amax(-1) / 7).to(scale_dtype)
+        q = (groups / s.float().unsqueeze(-1)).round().clamp(-8, 7)
+        per[p] = {"weight_packed": ct_pack_int4(q.flatten(-2)), "weight_scale": s}
+        if shapes:
+            per[p]["weight_shape"] = torch.tensor([list(wp.shape[1:])] * E)
+        deq[p] = (q * s.float().unsqueeze(-1)).flatten(-2)
+    return _assemble(scheme, per, deq)
+
+
+def int4_g32_compressed_tensors(w, seed):  # Kimi-K2's: group 32, bf16 scales, weight_shape stored
+    return _int4_compressed_tensors(w, "int4_w4a16_g32", torch.bfloat16, True)
+
+
+def int4_g64_compressed_tensors(w, seed):  # fp32 scales, no weight_shape
+    return _int4_compressed_tensors(w, "int4_w4a16_g64", torch.float32, False)
+
+
 # compressed-tensors name -> (ModelOpt name, stored value -> ModelOpt's multiplier)
 CT_TO_MODELOPT = {"weight_packed": ("weight", None), "weight_scale": ("weight_scale", None),
                   "weight_global_scale": ("weight_scale_2", torch.reciprocal),
@@ -230,7 +263,8 @@ FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
     f.__name__: f for f in (fp8_block, fp8_tensor, fp8_tensor_scale_inv_0d, fp8_tensor_static,
                             fp8_channel, int8_channel_bf16_scales, nvfp4, nvfp4_dynamic_input,
                             nvfp4_weight_only, nvfp4_compressed_tensors,
-                            nvfp4_compressed_tensors_weight_only)
+                            nvfp4_compressed_tensors_weight_only, int4_g32_compressed_tensors,
+                            int4_g64_compressed_tensors)
 }
 
 
@@ -348,6 +382,28 @@ def test_nibble_order_is_low_first() -> None:
     assert torch.equal(d13[0, 0, :2], torch.stack((-1.0 * unit, 3.0 * unit)))
 
 
+def test_int4_pack_quantized_word_order() -> None:
+    """A hand-made word: codes 0..7 of gate row 0 of expert 0 are q = -8, -1, 0, 1, 7, 3, -4, 2,
+    stored (q + 8) low nibble first: 0xA4BF9870; the layer dequantizes them in that order, and
+    keeps the checkpoint's bf16 scales in a bf16 layer (fp32 in an fp32 one)."""
+    ckpt = make_checkpoint("int4_g32_compressed_tensors")
+    q = torch.tensor([-8, -1, 0, 1, 7, 3, -4, 2])
+    word = 0xA4BF9870 - 2**32  # nibbles from the lowest: 0, 7, 8, 9, F, B, 4, A
+    assert ct_pack_int4(q).item() == word
+    packed = ckpt.tensors[(0, "gate", "weight_packed")].clone()
+    packed[0, 0] = word
+    ckpt.tensors[(0, "gate", "weight_packed")] = packed
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = FusedMoE(E, TOP_K, H, I, params_dtype=dtype, quant=ckpt.scheme, prequantized=True)
+        assert layer.w13_scale.dtype == dtype
+        load(layer, ckpt, "load_expert_weight")
+        if layer.selection.name != "emulation":  # the Triton layout (scales group-major): not read here
+            continue
+        d13 = dequantize_weight(layer.w13_weight, layer.w13_scale, ckpt.scheme)
+        scale = ckpt.tensors[(0, "gate", "weight_scale")][0, 0].float()
+        assert torch.equal(d13[0, 0, :8], q.float() * scale)
+
+
 # Fusing w13 when gate and up scales differ -----------------------------------------------------
 # Layer vs the unfused checkpoint's math: one half of w13 carries one more e4m3 rounding
 # (weights for fp8, block scales for nvfp4: RMS <= 2^-4 / sqrt(3) = 0.036 each), which GEMM1's
@@ -437,7 +493,7 @@ def test_nvfp4_compressed_tensors_loads_like_modelopt(scheme: str) -> None:
 
 
 # Tensor and expert parallelism -----------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss"))
+@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss", "int4_g32_compressed_tensors"))
 def test_tp2_ranks_sum_to_tp1(fmt: str) -> None:
     """Formats whose activation quantization is split-invariant: 128-groups aligned to I_p,
     static scales, weight-only."""
@@ -533,11 +589,31 @@ BAD = [
         lambda m: m.load_expert_weight(0, "w1.input_scale", torch.ones(1)),
         r"expert 0 w1.input_scale: fp8_w8a8_tensor computes activation scales at run time"),
     Bad("unknown_tensor", "fp8_w8a8_block",
-        lambda m: m.load_expert_weight(0, "w1.weight_zero_point", torch.ones(1)),
-        r"unknown checkpoint tensor 'weight_zero_point' in shard 'w1.weight_zero_point'"),
+        lambda m: m.load_expert_weight(0, "w1.weight_offset", torch.ones(1)),
+        r"unknown checkpoint tensor 'weight_offset' in shard 'w1.weight_offset'"),
+    Bad("int4_zero_point", "int4_w4a16_g32",
+        lambda m: m.load_weights([("mlp.experts.0.gate_proj.weight_zero_point", torch.zeros(1, 6, dtype=torch.int32))]),
+        r"'gate_proj.weight_zero_point': the checkpoint uses asymmetric weights .* which fusedmoe does not run"),
+    Bad("int4_act_order", "int4_w4a16_g32",
+        lambda m: m.weight_loader(torch.zeros(H, dtype=torch.int32), "experts.w13_weight_g_idx", "w1", 0),
+        r"'w1.weight_g_idx': the checkpoint uses GPTQ activation reordering"),
+    Bad("int4_unpacked", "int4_w4a16_g32",
+        lambda m: m.load_expert_weight(0, "up_proj.weight_packed", torch.zeros(I, H // 2, dtype=torch.uint8)),
+        r"up_proj.weight_packed: checkpoint tensor has shape \(256, 96\), expected \(256, 24\)"),
+    Bad("int4_packed_dtype", "int4_w4a16_g32",
+        lambda m: m.load_expert_weight(0, "up_proj.weight_packed", torch.zeros(I, H // 8, dtype=torch.int64)),
+        r"up_proj.weight_packed: checkpoint tensor has dtype torch.int64, expected torch.int32"),
+    Bad("int4_scale_dtype", "int4_w4a16_g64",
+        lambda m: m.load_expert_weight(1, "down_proj.weight_scale", torch.ones(H, I // 64, dtype=FP8_DTYPE)),
+        r"down_proj.weight_scale: checkpoint tensor has dtype torch.float8_e4m3fn, expected torch.float32 "
+        r"or torch.bfloat16 or torch.float16"),
+    Bad("int4_weight_shape", "int4_w4a16_g32",
+        lambda m: m.load_expert_weight(2, "down_proj.weight_shape", torch.tensor([I, H])),
+        r"expert 2 down_proj.weight_shape: the checkpoint's weight is \[256, 192\], this layer's "
+        r"\[N, K\] = \[192, 256\]"),
     Bad("mxfp4_per_expert", "mxfp4_w4a16",
         lambda m: m.load_expert_weight(0, "w1.weight", torch.zeros(I, H // 2, dtype=torch.uint8)),
-        r"mxfp4_w4a16: per-expert checkpoint tensors exist for fp8, int8 and nvfp4"),
+        r"mxfp4_w4a16: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4"),
     Bad("gpt_oss_shape", "mxfp4_w4a16",
         lambda m: m.load_fused_experts_weight("gate_up_proj_blocks", torch.zeros(E, I, H // 32, 16, dtype=torch.uint8)),
         r"gate_up_proj_blocks: checkpoint tensor has shape \(4, 256, 6, 16\), expected "
@@ -586,8 +662,10 @@ def test_quantized_tensor_on_unquantized_layer() -> None:
         ("nvfp4", 32, r"nvfp4 scales cover groups of 16 inputs: .* 256 / 32 = 8 must be a multiple "
                       r"of 16 \(8 % 16 = 8\)"),
         (None, 1, r"prequantized=True needs quant=<scheme>"),
+        ("int4_w4a16_g128", 1, r"int4_w4a16_g128 has one scale per 128 inputs, but w13's K = 192 is not a "
+                               r"multiple of 128 \(192 % 128 = 64\)"),
     ],
-    ids=("block_tp4", "nvfp4_tp32", "no_scheme"),
+    ids=("block_tp4", "nvfp4_tp32", "no_scheme", "int4_group_straddles_h"),
 )
 def test_construction_rejects(scheme, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -47,13 +47,17 @@ from fusedmoe.platform import Platform
 from fusedmoe.quant.checkpoint import (
     GPT_OSS_TENSORS,
     ROLES,
+    SHAPE_TENSOR,
     TENSOR_ROLES,
+    UNSUPPORTED_TENSORS,
     as_multiplier,
     check_checkpoint_tensor,
     check_partition,
+    check_weight_shape,
     fuse_fp8_tensor_scales,
     fuse_nvfp4_global_scales,
     gpt_oss_mxfp4_tensor,
+    int4_payload,
     roles_of,
     tp_slice,
 )
@@ -74,14 +78,15 @@ SHARD_ALIASES = {
     "down_proj": "down", "w2": "down", "down": "down",
 }
 _EXPERT_NAME = re.compile(
-    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join(TENSOR_ROLES) + r")$"
+    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join((*TENSOR_ROLES, SHAPE_TENSOR, *UNSUPPORTED_TENSORS)) + r")$"
 )
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
 _PER_EXPERT = ("w13_weight", "w2_weight", "w13_bias", "w2_bias", "w13_scale", "w2_scale",
                "w13_global_scale", "w2_global_scale", "a13_scale", "a2_scale")
-_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8, "mxfp4": torch.uint8}
-_SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32
+_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "int4": torch.uint8, "nvfp4": torch.uint8,
+                  "mxfp4": torch.uint8}
+_SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32 (int4: below)
 
 
 def _expert_index(expert_id) -> int:
@@ -218,6 +223,7 @@ class FusedMoE(nn.Module):
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
         if prequantized:
             check_partition(scheme, intermediate_size, parallel.tp_size)
+            check_group_divides(scheme, "w13", hidden_size)  # a group may not straddle two rows
         elif scheme is not None and scheme.activation is not None \
                 and not scheme.activation.dynamic and scheme.family == "fp8":
             raise NotImplementedError(
@@ -239,7 +245,7 @@ class FusedMoE(nn.Module):
         rows = 2 * inter if c.gated else inter
         factory = dict(dtype=params_dtype, device=device)
         if prequantized:
-            self._create_quantized_storage(num_local, rows, hidden_size, inter, device)
+            self._create_quantized_storage(num_local, rows, hidden_size, inter, device, params_dtype)
         else:
             self.w13_weight = nn.Parameter(torch.empty(num_local, rows, hidden_size, **factory),
                                            requires_grad=False)
@@ -372,11 +378,14 @@ class FusedMoE(nn.Module):
         return new
 
     def _create_quantized_storage(self, num_local: int, rows: int, hidden: int, inter: int,
-                                  device: torch.device | str | None) -> None:
-        """Payload parameters in storage dtype, scale buffers in the layout being loaded."""
+                                  device: torch.device | str | None, params_dtype: torch.dtype) -> None:
+        """Payload parameters in storage dtype, scale buffers in the layout being loaded. int4
+        group scales are held in bf16 for a bf16 layer (as Kimi-K2 and llm-compressor store them,
+        and as `quantize_weights` makes them for bf16 weights: half the scale bytes a decode
+        streams; an fp32 checkpoint scale rounds once, relative 2^-9), else in fp32."""
         scheme = self.config.quant
         key = scheme.weight
-        pack = 2 if key.dtype in ("nvfp4", "mxfp4") else 1
+        pack = 2 if key.dtype in ("nvfp4", "mxfp4", "int4") else 1
         payload = dict(dtype=_PAYLOAD_DTYPE[key.dtype], device=device)
         self.w13_weight = nn.Parameter(torch.empty(num_local, rows, hidden // pack, **payload),
                                        requires_grad=False)
@@ -384,7 +393,8 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         parts = 2 if self.config.gated else 1  # per-tensor values of w13: one per half
         per_tensor = dict(dtype=torch.float32, device=device)
-        scale = dict(dtype=_SCALE_DTYPE.get(key.dtype, torch.float32), device=device)
+        scale_dtype = torch.bfloat16 if key.dtype == "int4" and params_dtype == torch.bfloat16 else torch.float32
+        scale = dict(dtype=_SCALE_DTYPE.get(key.dtype, scale_dtype), device=device)
         if key.granularity == "tensor":
             self.register_buffer("w13_scale", torch.empty(num_local, parts, **per_tensor))
         else:
@@ -407,8 +417,8 @@ class FusedMoE(nn.Module):
         gate/up bias [I], down bias [H]; this rank's TP slice is taken here.
         Pre-quantized layers also take "<projection>.<tensor>" with tensor one of weight,
         weight_scale, weight_scale_inv, weight_scale_2, input_scale (or compressed-tensors'
-        weight_packed, weight_global_scale, input_global_scale), shaped as stored on disk
-        (`fusedmoe.quant.checkpoint`).
+        weight_packed, weight_global_scale, input_global_scale, weight_shape), shaped as stored on
+        disk (`fusedmoe.quant.checkpoint`).
         """
         if self._kernel is not None:
             raise RuntimeError(
@@ -429,7 +439,10 @@ class FusedMoE(nn.Module):
         if kind is None:
             raise ValueError(f"unknown shard {shard!r}; expected one of {sorted(SHARD_ALIASES)}")
         name = name or "weight"
-        if name not in TENSOR_ROLES:
+        if name in UNSUPPORTED_TENSORS:
+            raise ValueError(f"{shard!r}: the checkpoint uses {UNSUPPORTED_TENSORS[name]}, which fusedmoe does "
+                             "not run; no tensor of it can be loaded")
+        if name not in TENSOR_ROLES and name != SHAPE_TENSOR:
             raise ValueError(
                 f"unknown checkpoint tensor {name!r} in shard {shard!r}; expected one of "
                 f"{sorted(TENSOR_ROLES)}"
@@ -446,6 +459,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
             raise ValueError(f"{shard!r}: the layer was built with has_bias=False")
+        if name == SHAPE_TENSOR:  # pack-quantized's record of the unpacked [N, K]: checked, not stored
+            n, k = (c.hidden_size, c.intermediate_size) if kind == "down" else (c.intermediate_size, c.hidden_size)
+            check_weight_shape(f"expert {expert_id} {proj}", tensor, n, k)
+            return self._global_to_local.get(expert_id) is not None
         if self.prequantized and not is_bias:
             return self._load_quantized(expert_id, proj, kind, name, tensor)
         full_i, inter, hidden = c.intermediate_size, c.intermediate_size_per_partition, c.hidden_size
@@ -508,6 +525,8 @@ class FusedMoE(nn.Module):
                 "one checkpoint uses one naming (ModelOpt or compressed-tensors)"
             )
         tensor = as_multiplier(where, name, tensor)
+        if role == "weight" and key.dtype == "int4":  # compressed-tensors' int32 words -> nibble bytes
+            tensor = int4_payload(tensor)
         local = self._global_to_local.get(expert_id)
         if local is None:  # checked like a local one, so a bad checkpoint fails on every rank
             return False
@@ -573,7 +592,8 @@ class FusedMoE(nn.Module):
     def weight_loader(self, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> bool:
         """vLLM-style entry: `shard_id` w1/w3/w2 (or gate/up/down); bias when the name ends in
         bias, a quantized tensor when it ends in one of its names (w13_weight_scale_inv, ...)."""
-        tensor = next((t for t in TENSOR_ROLES if t != "weight" and weight_name.endswith(t)), None)
+        names = (*TENSOR_ROLES, SHAPE_TENSOR, *UNSUPPORTED_TENSORS)
+        tensor = next((t for t in names if t != "weight" and weight_name.endswith(t)), None)
         if tensor is not None:
             shard = f"{shard_id}.{tensor}"
         else:
@@ -584,7 +604,8 @@ class FusedMoE(nn.Module):
         """Load `...experts.{e}.{gate_proj,up_proj,down_proj,w1,w3,w2}.{weight,bias}` tensors,
         their quantized companions (`.weight_scale`, `.weight_scale_inv`, `.weight_scale_2`,
         `.input_scale`; compressed-tensors NVFP4: `.weight_packed`, `.weight_scale`,
-        `.weight_global_scale`, `.input_global_scale`) and gpt-oss's fused
+        `.weight_global_scale`, `.input_global_scale`; compressed-tensors int4 pack-quantized:
+        `.weight_packed`, `.weight_scale`, `.weight_shape`) and gpt-oss's fused
         `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
         With `SharedExperts` attached, also `...shared_experts.*` / `...shared_expert.*` /

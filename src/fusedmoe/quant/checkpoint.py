@@ -12,6 +12,11 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
                   + input_scale fp32 []                                                 (ModelOpt)
     nvfp4         weight_packed + weight_scale + weight_global_scale fp32 [1]
                   + input_global_scale fp32 [1]              (compressed-tensors nvfp4-pack-quantized)
+    int4 group    weight_packed int32 [N, K/8] + weight_scale [N, K/g] (fp32, bf16 or fp16)
+                  + weight_shape [2] (optional)     (compressed-tensors pack-quantized, symmetric:
+                  Kimi-K2, llm-compressor's W4A16); word j holds codes 8j..8j+7, code 8j+i in
+                  bits 4i..4i+3, each stored as q + 8 (`int4_payload` re-packs them as the
+                  library's two's-complement nibbles, two per byte, low = even k)
 Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2]. The flavour is told
 by the names: compressed-tensors' NVFP4 global scales are stored as divisors (448 * 6 / amax)
 and load as their reciprocals, into the same buffers as ModelOpt's.
@@ -47,11 +52,21 @@ TENSOR_ROLES = {
 # CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading: w13_scale_2 =
 # 1.0 / w13_weight_global_scale, a13_scale = 1.0 / w13_input_global_scale).
 RECIPROCAL_TENSORS = ("weight_global_scale", "input_global_scale")
+# compressed-tensors' pack-quantized modules also store the unpacked weight's shape [N, K]: checked
+# against the layer's (`check_weight_shape`), nothing to load
+SHAPE_TENSOR = "weight_shape"
+# tensors of checkpoint features the library does not run: refused by name, with the reason
+UNSUPPORTED_TENSORS = {
+    "weight_zero_point": "asymmetric weights (a zero point per group or channel); the int schemes here "
+                         "are symmetric",
+    "weight_g_idx": "GPTQ activation reordering (act-order: groups of permuted input columns)",
+}
 GPT_OSS_TENSORS = (
     "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
     "down_proj_blocks", "down_proj_scales", "down_proj_bias",
 )
-_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "nvfp4": torch.uint8}
+_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "int4": torch.int32, "nvfp4": torch.uint8}
+_CODES_PER_ELEMENT = {"int4": 8, "nvfp4": 2}  # packed payloads: codes per stored element along K
 _FLOAT_SCALE = (torch.float32, torch.bfloat16, torch.float16)
 _SCALAR_SHAPES = ((), (1,))
 
@@ -107,12 +122,12 @@ def expected_tensor(
     key = scheme.weight
     if key.dtype not in _PAYLOAD_DTYPE:
         raise ValueError(
-            f"{scheme.name}: per-expert checkpoint tensors exist for fp8, int8 and nvfp4 "
+            f"{scheme.name}: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4 "
             f"schemes; MXFP4 loads gpt-oss's fused names "
             f"({', '.join(GPT_OSS_TENSORS)})"
         )
     if role == "weight":
-        return ((n, k // 2 if key.dtype == "nvfp4" else k),), (_PAYLOAD_DTYPE[key.dtype],)
+        return ((n, k // _CODES_PER_ELEMENT.get(key.dtype, 1)),), (_PAYLOAD_DTYPE[key.dtype],)
     if role == "weight_scale":
         if key.granularity == "block":
             block_n, block_k = key.group
@@ -121,7 +136,7 @@ def expected_tensor(
             return _SCALAR_SHAPES, _FLOAT_SCALE
         if key.granularity == "channel":  # [1] is a per-tensor scale, broadcast exactly
             return ((n, 1), (1,)), _FLOAT_SCALE
-        return ((n, k // key.group),), (FP8_DTYPE,)
+        return ((n, k // key.group),), (_FLOAT_SCALE if key.dtype == "int4" else (FP8_DTYPE,))
     if role == "weight_scale_2":
         if key.dtype != "nvfp4":
             raise ValueError(f"weight_scale_2 is NVFP4's global scale; {scheme.name} has none")
@@ -146,6 +161,32 @@ def check_checkpoint_tensor(
         raise ValueError(
             f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}"
         )
+
+
+def check_weight_shape(where: str, tensor: torch.Tensor, n: int, k: int) -> None:
+    """Raise ValueError naming `where` unless a `weight_shape` tensor holds [N, K] (integers)."""
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool \
+            or tuple(tensor.shape) != (2,):
+        raise ValueError(f"{where}.{SHAPE_TENSOR}: expected 2 integers [N, K] = [{n}, {k}], got "
+                         f"{tensor.dtype} shape {tuple(tensor.shape)}")
+    got = [int(v) for v in tensor.tolist()]
+    if got != [n, k]:
+        raise ValueError(f"{where}.{SHAPE_TENSOR}: the checkpoint's weight is {got}, this layer's "
+                         f"[N, K] = [{n}, {k}]")
+
+
+def int4_payload(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int4 int32 [N, K/8] -> uint8 [N, K/2] two's-complement
+    nibbles, low = even k (`formats.int4_pack`'s layout).
+
+    Word j's byte b holds codes 8j+2b (low nibble) and 8j+2b+1, each stored as q + 8; the
+    library's nibble of q is (q + 8) - 8 mod 16 = (q + 8) XOR 8. Shifts, not a byte view, so the
+    host's byte order does not matter.
+    """
+    words = packed.to(torch.int32)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
+    stored = (words.unsqueeze(-1) >> shifts) & 0xFF  # [N, K/8, 4] bytes, low byte first
+    return (stored ^ 0x88).to(torch.uint8).flatten(-2)
 
 
 def as_multiplier(where: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -174,7 +215,7 @@ def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inte
     if tensor.dim() < 2 or (is_down and role == "weight_scale" and key.granularity == "channel"):
         return tensor
     per = inter
-    if role == "weight" and key.dtype == "nvfp4" and is_down:
+    if role == "weight" and key.dtype in ("nvfp4", "int4") and is_down:  # bytes (int4: as re-packed)
         per = inter // 2
     elif role == "weight_scale" and key.granularity == "block":
         per = inter // key.group[0]

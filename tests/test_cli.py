@@ -350,7 +350,7 @@ def test_bench_check_cell_holds_outputs_to_their_schemes_bound():
     assert check_cell(three, ref, "fp8_w8a8_block", cpu)[1] is None
     assert check_cell(three, ref, "mxfp4_w4a16", cpu)[1] is not None  # weight-only: bf16 activations' bound
     rows = [Row("p", "triton", 16, 8, 10.0, 1.0, 100.0, 50.0, "memory", rel_err=err, mismatch=why),
-            Row("p", "marlin", 16, 8, 12.0, 1.0, 100.0, 40.0, "memory", mismatch="not checked: no reference"),
+            Row("p", "marlin", 16, 8, 12.0, 1.0, 100.0, 40.0, "memory", rel_err=2e-3),
             Row("p", "torch", 16, 8, 90.0, 0.1, 10.0, 5.0, "memory", rel_err=1e-3)]
     table = format_table(rows, ())
     assert table.splitlines()[0].endswith("check")
@@ -419,12 +419,52 @@ def test_bench_check_reference_is_the_float32_reference_or_emulation(quant):
     assert ref.abs().max() > 0.1  # not a test on zeros
 
 
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4_w4a8"])
+def test_bench_check_reference_of_a_weight_only_execution(quant):
+    """`marlin` runs NVFP4 W4A4 / MXFP4 W4A8 weight-only; bench --check holds it to the emulation
+    of the weight-only twin on the same codes (bench.weight_only_copy): the float32 reference on
+    the dequantized weights, activations unquantized, which the W4A4 emulation is not."""
+    import torch
+
+    from fusedmoe.api import fused_experts
+    from fusedmoe.bench import (
+        _cell_reference,
+        _quantized_copy,
+        random_expert_weights,
+        weight_only_copy,
+    )
+    from fusedmoe.presets import get_preset
+    from fusedmoe.quant.weights import dequantize_weight
+    from fusedmoe.reference import fused_experts_ref
+    from fusedmoe.routing import select_experts
+
+    preset, gen, cpu = get_preset("qwen3-30b-a3b"), torch.Generator().manual_seed(5), torch.device("cpu")
+    w13, w2, b13, b2 = random_expert_weights(8, 128, 64, preset.activation, device=cpu, dtype=torch.bfloat16,
+                                             generator=gen)
+    x = torch.randn(16, 128, generator=gen).to(torch.bfloat16)
+    topk_w, topk_ids = select_experts(x, torch.randn(16, 8, generator=gen), 4)
+    copy = _quantized_copy(w13, w2, b13, b2, quant, prepare=False)
+    twin = weight_only_copy(copy)
+    assert twin[4].scheme.name == quant.split("_")[0] + "_w4a16" and twin[4].a13_scale is None
+    assert twin[0] is copy[0] and twin[4].w13_scale is copy[4].w13_scale  # the same codes and scales
+    ref = _cell_reference(preset, x, topk_w, topk_ids, twin)
+    p = copy[4]
+    d13 = dequantize_weight(copy[0], p.w13_scale, p.scheme, p.w13_global_scale)
+    d2 = dequantize_weight(copy[1], p.w2_scale, p.scheme, p.w2_global_scale)
+    by_hand = fused_experts_ref(x.float(), d13, d2, topk_w, topk_ids, activation=preset.activation)
+    assert ((ref.float() - by_hand).norm() / by_hand.norm()).item() < 1e-2
+    w4a4 = fused_experts(x, copy[0], copy[1], topk_w, topk_ids, quant=p, backend="emulation",
+                         activation=preset.activation)
+    assert ((w4a4.float() - by_hand).norm() / by_hand.norm()).item() > 2e-2  # activations rounded there
+    assert ref.abs().max() > 0.1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant,backends", [(None, "triton,batched_triton,torch"), ("mxfp4_w4a16", "triton"),
                                             ("fp8_w8a8_block", "triton"), ("nvfp4", "marlin")], ids=str)
 def test_bench_check_on_the_gpu(tmp_path, quant, backends):
     """`fusedmoe bench --check` on a GPU: every timed output is checked against its reference and
-    within its bound (rc 0); marlin's weight-only NVFP4 W4A4 is reported unchecked."""
+    within its bound (rc 0), marlin's weight-only NVFP4 W4A4 against its weight-only twin's emulation."""
     import torch
 
     if not torch.cuda.is_available():
@@ -436,14 +476,10 @@ def test_bench_check_on_the_gpu(tmp_path, quant, backends):
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == 2 * len(backends.split(",")) and not any(r["error"] for r in rows), rows
     for r in rows:
-        if backends == "marlin":
-            assert r["rel_err"] is None and r["mismatch"].startswith("not checked"), r
-        else:
-            # 0 is a pass: fp8 block's one-token output has matched its emulation bit for bit (H200)
-            assert r["mismatch"] is None and 0 <= r["rel_err"] < 2e-2, r
-    if backends != "marlin":  # the reference is not the timed kernel itself: some row differs
-        for b in backends.split(","):
-            assert any(r["rel_err"] > 0 for r in rows if r["backend"] == b), rows
+        # 0 is a pass: fp8 block's one-token output has matched its emulation bit for bit (H200)
+        assert r["mismatch"] is None and 0 <= r["rel_err"] < 2e-2, r
+    for b in backends.split(","):  # the reference is not the timed kernel itself: some row differs
+        assert any(r["rel_err"] > 0 for r in rows if r["backend"] == b), rows
 
 
 def test_bench_check_is_for_one_device(capsys):

@@ -792,6 +792,28 @@ def test_layer_keeps_the_scales_its_backend_re_lays():
     assert rel_err(layer(x, logits), emulated) < TOL[torch.float32]
 
 
+def test_int4_checkpoint_through_the_triton_layer():
+    """A compressed-tensors int4 pack-quantized checkpoint (tests/test_checkpoint.py's, re-packed to
+    nibble bytes at load) through the triton layer (the interpreter: fragments or the checkpoint
+    layout, group-major scales) gives the emulation layer's output on the same checkpoint."""
+    from fusedmoe import FusedMoE, Platform
+    from test_checkpoint import E as CE
+    from test_checkpoint import H as CH
+    from test_checkpoint import I as CI
+    from test_checkpoint import TOP_K, batch, load, make_checkpoint
+
+    ckpt = make_checkpoint("int4_g32_compressed_tensors")
+    layers = {}
+    for backend, platform in (("triton", Platform("cuda", (9, 0))), ("emulation", None)):
+        layers[backend] = FusedMoE(CE, TOP_K, CH, CI, params_dtype=torch.float32, quant=ckpt.scheme,
+                                   prequantized=True, backend=backend, platform=platform)
+        load(layers[backend], ckpt, "load_expert_weight")
+    assert layers["triton"].selection.name == "triton"
+    x, logits = batch()
+    x = x[:3]  # the interpreter's cost is per program
+    assert rel_err(layers["triton"](x, logits[:3]), layers["emulation"](x, logits[:3])) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "fp8_w8a16"])
 def test_one_token_direct_path_with_slot_shares(scheme):
     """Weight-only at one token on the direct path: GEMM2 spreads the slots over programs whose

@@ -797,10 +797,10 @@ def test_int4_checkpoint_through_the_triton_layer():
     nibble bytes at load) through the triton layer (the interpreter: fragments or the checkpoint
     layout, group-major scales) gives the emulation layer's output on the same checkpoint."""
     from fusedmoe import FusedMoE, Platform
+    from test_checkpoint import TOP_K, batch, load, make_checkpoint
     from test_checkpoint import E as CE
     from test_checkpoint import H as CH
     from test_checkpoint import I as CI
-    from test_checkpoint import TOP_K, batch, load, make_checkpoint
 
     ckpt = make_checkpoint("int4_g32_compressed_tensors")
     layers = {}

@@ -236,6 +236,42 @@ def _int4_compressed_tensors(w, scheme, scale_dtype, shapes) -> Checkpoint:
     return _assemble(scheme, per, deq)
 
 
+def gptq_pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [..., N, K] in [-8, 7] -> GPTQ qweight int32 [..., K / 8, N]: code 8r+i of column n in
+    bits 4i..4i+3 of word (r, n), stored as q + 8 (AutoGPTQ's packing along the input dim)."""
+    codes = (q.long() + 8).transpose(-1, -2).unflatten(-2, (-1, 8))  # [..., K/8, 8, N]
+    words = (codes << (4 * torch.arange(8)).view(8, 1)).sum(-2)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _int4_gptq(w, scheme, v1: bool, g_idx: bool) -> Checkpoint:
+    """GPTQ, symmetric, no act-order: qweight int32 [K/8, N], scales fp16 [K/g, N], qzeros int32
+    [K/g, N/8] all eight zero points 8 (stored 7 = 0x7 nibbles by AutoGPTQ's v1 format, 8 by v2),
+    g_idx [K] = k // g; W = (code - 8) * s."""
+    group = int(scheme.rsplit("_g", 1)[1])
+    per, deq = {}, {}
+    for p, wp in w.items():
+        n, k = wp.shape[1:]
+        groups = wp.unflatten(-1, (-1, group))
+        s = (groups.abs().amax(-1) / 7).half()  # [E, N, K/g]
+        q = (groups / s.float().unsqueeze(-1)).round().clamp(-8, 7).flatten(-2)
+        zero_word = 0x77777777 if v1 else 0x88888888 - 2**32
+        per[p] = {"qweight": gptq_pack_int4(q), "scales": s.transpose(-1, -2).contiguous(),
+                  "qzeros": torch.full((E, k // group, n // 8), zero_word, dtype=torch.int32)}
+        if g_idx:
+            per[p]["g_idx"] = (torch.arange(k) // group).int().expand(E, k)
+        deq[p] = q * s.float().repeat_interleave(group, -1)
+    return _assemble(scheme, per, deq)
+
+
+def int4_g64_gptq(w, seed):  # AutoGPTQ v1: zeros stored as 7, g_idx stored
+    return _int4_gptq(w, "int4_w4a16_g64", True, True)
+
+
+def int4_g32_gptq_v2(w, seed):  # GPTQModel v2: zeros stored as 8, no g_idx
+    return _int4_gptq(w, "int4_w4a16_g32", False, False)
+
+
 def int4_g32_compressed_tensors(w, seed):  # Kimi-K2's: group 32, bf16 scales, weight_shape stored
     return _int4_compressed_tensors(w, "int4_w4a16_g32", torch.bfloat16, True)
 
@@ -264,7 +300,7 @@ FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
                             fp8_channel, int8_channel_bf16_scales, nvfp4, nvfp4_dynamic_input,
                             nvfp4_weight_only, nvfp4_compressed_tensors,
                             nvfp4_compressed_tensors_weight_only, int4_g32_compressed_tensors,
-                            int4_g64_compressed_tensors)
+                            int4_g64_compressed_tensors, int4_g64_gptq, int4_g32_gptq_v2)
 }
 
 
@@ -493,7 +529,8 @@ def test_nvfp4_compressed_tensors_loads_like_modelopt(scheme: str) -> None:
 
 
 # Tensor and expert parallelism -----------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss", "int4_g32_compressed_tensors"))
+@pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss", "int4_g32_compressed_tensors",
+                                 "int4_g64_gptq"))
 def test_tp2_ranks_sum_to_tp1(fmt: str) -> None:
     """Formats whose activation quantization is split-invariant: 128-groups aligned to I_p,
     static scales, weight-only."""
@@ -596,7 +633,8 @@ BAD = [
         r"'gate_proj.weight_zero_point': the checkpoint uses asymmetric weights .* which fusedmoe does not run"),
     Bad("int4_act_order", "int4_w4a16_g32",
         lambda m: m.weight_loader(torch.zeros(H, dtype=torch.int32), "experts.w13_weight_g_idx", "w1", 0),
-        r"'w1.weight_g_idx': the checkpoint uses GPTQ activation reordering"),
+        r"expert 0 w1.weight_g_idx: input columns out of group order: the checkpoint uses GPTQ activation "
+        r"reordering"),
     Bad("int4_unpacked", "int4_w4a16_g32",
         lambda m: m.load_expert_weight(0, "up_proj.weight_packed", torch.zeros(I, H // 2, dtype=torch.uint8)),
         r"up_proj.weight_packed: checkpoint tensor has shape \(256, 96\), expected \(256, 24\)"),
@@ -611,6 +649,30 @@ BAD = [
         lambda m: m.load_expert_weight(2, "down_proj.weight_shape", torch.tensor([I, H])),
         r"expert 2 down_proj.weight_shape: the checkpoint's weight is \[256, 192\], this layer's "
         r"\[N, K\] = \[192, 256\]"),
+    Bad("gptq_asymmetric", "int4_w4a16_g64",
+        lambda m: m.load_weights([("mlp.experts.1.down_proj.qzeros",
+                                   torch.full((I // 64, H // 8), 0x77777777, dtype=torch.int32).index_fill_(
+                                       0, torch.tensor([1]), 0x76777777))]),
+        r"expert 1 down_proj.qzeros: zero points other than 8 \(words \['0x76777777', '0x77777777'\]\): the "
+        r"checkpoint uses asymmetric weights"),
+    Bad("gptq_zeros_shape", "int4_w4a16_g64",
+        lambda m: m.load_expert_weight(0, "gate_proj.qzeros", torch.zeros(I // 8, H // 64, dtype=torch.int32)),
+        r"expert 0 gate_proj.qzeros: expected int32 \(3, 32\) \(GPTQ zero points of \[N, K\] = \[256, 192\], "
+        r"g = 64\), got torch.int32 \(32, 3\)"),
+    Bad("gptq_act_order", "int4_w4a16_g64",
+        lambda m: m.load_weights([("mlp.experts.2.up_proj.g_idx", torch.arange(H).flip(0) // 64)]),
+        r"expert 2 up_proj.g_idx: input columns out of group order: the checkpoint uses GPTQ activation reordering"),
+    Bad("gptq_scales_untransposed", "int4_w4a16_g64",
+        lambda m: m.load_expert_weight(0, "w3.scales", torch.ones(I, H // 64, dtype=torch.float16)),
+        r"expert 0 w3.scales: checkpoint tensor has shape \(256, 3\), expected \(3, 256\) \(int4_w4a16_g64, "
+        r"GPTQ, weight \[N, K\] = \[256, 192\]\)"),
+    Bad("gptq_on_fp8", "fp8_w8a8_block",
+        lambda m: m.load_expert_weight(0, "w1.qweight", torch.zeros(H // 8, I, dtype=torch.int32)),
+        r"expert 0 w1.qweight is a GPTQ int4 tensor; this layer's scheme is fp8_w8a8_block"),
+    Bad("companion_on_nvfp4", "nvfp4",
+        lambda m: m.load_expert_weight(0, "w1.weight_shape", torch.tensor([I, H])),
+        r"expert 0 w1.weight_shape belongs to an int4 checkpoint \(compressed-tensors pack-quantized or GPTQ\); "
+        r"this layer's scheme is nvfp4"),
     Bad("mxfp4_per_expert", "mxfp4_w4a16",
         lambda m: m.load_expert_weight(0, "w1.weight", torch.zeros(I, H // 2, dtype=torch.uint8)),
         r"mxfp4_w4a16: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4"),

@@ -792,17 +792,18 @@ def test_layer_keeps_the_scales_its_backend_re_lays():
     assert rel_err(layer(x, logits), emulated) < TOL[torch.float32]
 
 
-def test_int4_checkpoint_through_the_triton_layer():
-    """A compressed-tensors int4 pack-quantized checkpoint (tests/test_checkpoint.py's, re-packed to
-    nibble bytes at load) through the triton layer (the interpreter: fragments or the checkpoint
-    layout, group-major scales) gives the emulation layer's output on the same checkpoint."""
+@pytest.mark.parametrize("fmt", ["int4_g32_compressed_tensors", "int4_g64_gptq"])
+def test_int4_checkpoint_through_the_triton_layer(fmt):
+    """An int4 checkpoint (tests/test_checkpoint.py's compressed-tensors pack-quantized or GPTQ,
+    re-packed to nibble bytes at load) through the triton layer (the interpreter: the checkpoint
+    layout at this size, group-major scales) gives the emulation layer's output on it."""
     from fusedmoe import FusedMoE, Platform
     from test_checkpoint import TOP_K, batch, load, make_checkpoint
     from test_checkpoint import E as CE
     from test_checkpoint import H as CH
     from test_checkpoint import I as CI
 
-    ckpt = make_checkpoint("int4_g32_compressed_tensors")
+    ckpt = make_checkpoint(fmt)
     layers = {}
     for backend, platform in (("triton", Platform("cuda", (9, 0))), ("emulation", None)):
         layers[backend] = FusedMoE(CE, TOP_K, CH, CI, params_dtype=torch.float32, quant=ckpt.scheme,

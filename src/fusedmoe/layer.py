@@ -45,18 +45,21 @@ from fusedmoe.modular import ExpertWeights, ModularMoE, make_modular
 from fusedmoe.oracle import Selection, check_backend_request, select_backend
 from fusedmoe.platform import Platform
 from fusedmoe.quant.checkpoint import (
+    COMPANION_TENSORS,
     GPT_OSS_TENSORS,
+    GPTQ_TENSORS,
     ROLES,
-    SHAPE_TENSOR,
     TENSOR_ROLES,
     UNSUPPORTED_TENSORS,
     as_multiplier,
     check_checkpoint_tensor,
+    check_companion,
+    check_gptq_tensor,
     check_partition,
-    check_weight_shape,
     fuse_fp8_tensor_scales,
     fuse_nvfp4_global_scales,
     gpt_oss_mxfp4_tensor,
+    gptq_as_packed,
     int4_payload,
     roles_of,
     tp_slice,
@@ -78,7 +81,8 @@ SHARD_ALIASES = {
     "down_proj": "down", "w2": "down", "down": "down",
 }
 _EXPERT_NAME = re.compile(
-    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join((*TENSOR_ROLES, SHAPE_TENSOR, *UNSUPPORTED_TENSORS)) + r")$"
+    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join((*TENSOR_ROLES, *COMPANION_TENSORS, *UNSUPPORTED_TENSORS))
+    + r")$"
 )
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
@@ -417,8 +421,8 @@ class FusedMoE(nn.Module):
         gate/up bias [I], down bias [H]; this rank's TP slice is taken here.
         Pre-quantized layers also take "<projection>.<tensor>" with tensor one of weight,
         weight_scale, weight_scale_inv, weight_scale_2, input_scale (or compressed-tensors'
-        weight_packed, weight_global_scale, input_global_scale, weight_shape), shaped as stored on
-        disk (`fusedmoe.quant.checkpoint`).
+        weight_packed, weight_global_scale, input_global_scale, weight_shape; GPTQ's qweight,
+        scales, qzeros, g_idx), shaped as stored on disk (`fusedmoe.quant.checkpoint`).
         """
         if self._kernel is not None:
             raise RuntimeError(
@@ -442,7 +446,7 @@ class FusedMoE(nn.Module):
         if name in UNSUPPORTED_TENSORS:
             raise ValueError(f"{shard!r}: the checkpoint uses {UNSUPPORTED_TENSORS[name]}, which fusedmoe does "
                              "not run; no tensor of it can be loaded")
-        if name not in TENSOR_ROLES and name != SHAPE_TENSOR:
+        if name not in TENSOR_ROLES and name not in COMPANION_TENSORS:
             raise ValueError(
                 f"unknown checkpoint tensor {name!r} in shard {shard!r}; expected one of "
                 f"{sorted(TENSOR_ROLES)}"
@@ -459,9 +463,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
             raise ValueError(f"{shard!r}: the layer was built with has_bias=False")
-        if name == SHAPE_TENSOR:  # pack-quantized's record of the unpacked [N, K]: checked, not stored
+        if name in COMPANION_TENSORS:  # weight_shape, GPTQ's zero points and group index: checked, not stored
             n, k = (c.hidden_size, c.intermediate_size) if kind == "down" else (c.intermediate_size, c.hidden_size)
-            check_weight_shape(f"expert {expert_id} {proj}", tensor, n, k)
+            check_companion(c.quant, f"expert {expert_id} {proj}", name, tensor, n, k)
             return self._global_to_local.get(expert_id) is not None
         if self.prequantized and not is_bias:
             return self._load_quantized(expert_id, proj, kind, name, tensor)
@@ -506,6 +510,9 @@ class FusedMoE(nn.Module):
         is_down = kind == "down"
         n, k = (hidden, full_i) if is_down else (full_i, hidden)
         where = f"expert {expert_id} {proj}"
+        if name in GPTQ_TENSORS:  # checked as stored, then as pack-quantized's transposed twin
+            check_gptq_tensor(scheme, where, name, tensor, n, k)
+            tensor = gptq_as_packed(tensor)
         check_checkpoint_tensor(scheme, where, name, tensor, n, k)
         role = TENSOR_ROLES[name]
         required, optional = roles_of(scheme)
@@ -592,8 +599,9 @@ class FusedMoE(nn.Module):
     def weight_loader(self, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> bool:
         """vLLM-style entry: `shard_id` w1/w3/w2 (or gate/up/down); bias when the name ends in
         bias, a quantized tensor when it ends in one of its names (w13_weight_scale_inv, ...)."""
-        names = (*TENSOR_ROLES, SHAPE_TENSOR, *UNSUPPORTED_TENSORS)
-        tensor = next((t for t in names if t != "weight" and weight_name.endswith(t)), None)
+        names = (*TENSOR_ROLES, *COMPANION_TENSORS, *UNSUPPORTED_TENSORS)
+        # the longest name the weight's ends in (weight_g_idx, not g_idx)
+        tensor = max((t for t in names if t != "weight" and weight_name.endswith(t)), key=len, default=None)
         if tensor is not None:
             shard = f"{shard_id}.{tensor}"
         else:
@@ -605,7 +613,8 @@ class FusedMoE(nn.Module):
         their quantized companions (`.weight_scale`, `.weight_scale_inv`, `.weight_scale_2`,
         `.input_scale`; compressed-tensors NVFP4: `.weight_packed`, `.weight_scale`,
         `.weight_global_scale`, `.input_global_scale`; compressed-tensors int4 pack-quantized:
-        `.weight_packed`, `.weight_scale`, `.weight_shape`) and gpt-oss's fused
+        `.weight_packed`, `.weight_scale`, `.weight_shape`; GPTQ int4: `.qweight`, `.scales`,
+        `.qzeros`, `.g_idx`) and gpt-oss's fused
         `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
         With `SharedExperts` attached, also `...shared_experts.*` / `...shared_expert.*` /

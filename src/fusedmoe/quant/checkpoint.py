@@ -17,6 +17,12 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
                   Kimi-K2, llm-compressor's W4A16); word j holds codes 8j..8j+7, code 8j+i in
                   bits 4i..4i+3, each stored as q + 8 (`int4_payload` re-packs them as the
                   library's two's-complement nibbles, two per byte, low = even k)
+    int4 group    qweight int32 [K/8, N] + scales [K/g, N] + qzeros int32 [K/g, N/8] + g_idx [K]
+                  (optional)               (GPTQ, symmetric, without act-order: AutoGPTQ /
+                  GPTQModel, e.g. Qwen3-30B-A3B-GPTQ-Int4); word r of column n holds codes
+                  8r..8r+7 the same way, so qweight.T is pack-quantized's weight_packed and
+                  scales.T its weight_scale (`gptq_as_packed`); the zero points must be 8
+                  (stored 7 by AutoGPTQ's v1 format, 8 by v2) and g_idx k // g
 Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2]. The flavour is told
 by the names: compressed-tensors' NVFP4 global scales are stored as divisors (448 * 6 / amax)
 and load as their reciprocals, into the same buffers as ModelOpt's.
@@ -39,6 +45,8 @@ ROLES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 TENSOR_ROLES = {
     "weight": "weight",
     "weight_packed": "weight",
+    "qweight": "weight",  # GPTQ, transposed (gptq_as_packed)
+    "scales": "weight_scale",  # GPTQ, transposed
     "weight_scale": "weight_scale",
     "weight_scale_inv": "weight_scale",
     "weight_scale_2": "weight_scale_2",
@@ -52,15 +60,18 @@ TENSOR_ROLES = {
 # CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading: w13_scale_2 =
 # 1.0 / w13_weight_global_scale, a13_scale = 1.0 / w13_input_global_scale).
 RECIPROCAL_TENSORS = ("weight_global_scale", "input_global_scale")
-# compressed-tensors' pack-quantized modules also store the unpacked weight's shape [N, K]: checked
-# against the layer's (`check_weight_shape`), nothing to load
-SHAPE_TENSOR = "weight_shape"
+GPTQ_TENSORS = ("qweight", "scales")  # stored [K-ish, N]: transposed to [N, K-ish] at load
+# Companions: tensors checked against the layer and then dropped, nothing to load
+# (`check_companion`): pack-quantized's weight_shape [N, K]; GPTQ's zero points (symmetric: all 8)
+# and group index (k // g without act-order); pack-quantized's group index (written with act-order)
+COMPANION_TENSORS = ("weight_shape", "qzeros", "g_idx", "weight_g_idx")
 # tensors of checkpoint features the library does not run: refused by name, with the reason
 UNSUPPORTED_TENSORS = {
     "weight_zero_point": "asymmetric weights (a zero point per group or channel); the int schemes here "
                          "are symmetric",
-    "weight_g_idx": "GPTQ activation reordering (act-order: groups of permuted input columns)",
 }
+ACT_ORDER = "GPTQ activation reordering (act-order: groups of permuted input columns)"
+GPTQ_SYMMETRIC_ZEROS = (0x77777777, 0x88888888 - 2**32)  # eight zero points of 8: AutoGPTQ v1 (z - 1), v2
 GPT_OSS_TENSORS = (
     "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
     "down_proj_blocks", "down_proj_scales", "down_proj_bias",
@@ -163,16 +174,67 @@ def check_checkpoint_tensor(
         )
 
 
-def check_weight_shape(where: str, tensor: torch.Tensor, n: int, k: int) -> None:
-    """Raise ValueError naming `where` unless a `weight_shape` tensor holds [N, K] (integers)."""
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool \
-            or tuple(tensor.shape) != (2,):
-        raise ValueError(f"{where}.{SHAPE_TENSOR}: expected 2 integers [N, K] = [{n}, {k}], got "
-                         f"{tensor.dtype} shape {tuple(tensor.shape)}")
-    got = [int(v) for v in tensor.tolist()]
-    if got != [n, k]:
-        raise ValueError(f"{where}.{SHAPE_TENSOR}: the checkpoint's weight is {got}, this layer's "
-                         f"[N, K] = [{n}, {k}]")
+def _integers(tensor: torch.Tensor) -> bool:
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
+
+
+def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
+    """Raise ValueError naming `where` unless the companion tensor `name` (`COMPANION_TENSORS`)
+    agrees with an int4 layer's [N, K] weight under `scheme`: weight_shape holds [N, K]; qzeros
+    int32 [K/g, N/8] holds zero points of 8 only (symmetric); g_idx / weight_g_idx [K] holds
+    k // g (no act-order)."""
+    key = scheme.weight
+    if key.dtype != "int4":
+        raise ValueError(f"{where}.{name} belongs to an int4 checkpoint (compressed-tensors pack-quantized "
+                         f"or GPTQ); this layer's scheme is {scheme.name}")
+    group = key.group
+    if name == "weight_shape":
+        if not _integers(tensor) or tuple(tensor.shape) != (2,):
+            raise ValueError(f"{where}.{name}: expected 2 integers [N, K] = [{n}, {k}], got "
+                             f"{tensor.dtype} shape {tuple(tensor.shape)}")
+        got = [int(v) for v in tensor.tolist()]
+        if got != [n, k]:
+            raise ValueError(f"{where}.{name}: the checkpoint's weight is {got}, this layer's [N, K] = [{n}, {k}]")
+    elif name == "qzeros":
+        want = (k // group, n // 8)
+        if tensor.dtype != torch.int32 or tuple(tensor.shape) != want:
+            raise ValueError(f"{where}.{name}: expected int32 {want} (GPTQ zero points of [N, K] = [{n}, {k}], "
+                             f"g = {group}), got {tensor.dtype} {tuple(tensor.shape)}")
+        words = torch.unique(tensor).tolist()
+        if not set(words) <= set(GPTQ_SYMMETRIC_ZEROS) or len(words) > 1:
+            raise ValueError(f"{where}.{name}: zero points other than 8 (words {[hex(w % 2**32) for w in words[:4]]}): "
+                             f"the checkpoint uses {UNSUPPORTED_TENSORS['weight_zero_point']}")
+    else:  # g_idx / weight_g_idx
+        if not _integers(tensor) or tuple(tensor.shape) != (k,):
+            raise ValueError(f"{where}.{name}: expected {k} integers (each input column's group), got "
+                             f"{tensor.dtype} shape {tuple(tensor.shape)}")
+        trivial = torch.arange(k, device=tensor.device) // group
+        if not torch.equal(tensor.to(trivial.dtype), trivial):
+            raise ValueError(f"{where}.{name}: input columns out of group order: the checkpoint uses "
+                             f"{ACT_ORDER}, which fusedmoe does not run")
+
+
+def check_gptq_tensor(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
+    """Raise ValueError naming `where` unless GPTQ's `name` (qweight int32 [K/8, N], scales
+    float [K/g, N]) fits an int4 layer's [N, K] weight under `scheme`."""
+    key = scheme.weight
+    if key.dtype != "int4":
+        raise ValueError(f"{where}.{name} is a GPTQ int4 tensor; this layer's scheme is {scheme.name} "
+                         "(GPTQ loads into int4_w4a16_g32 / g64 / g128)")
+    shape, dtypes = ((k // 8, n), (torch.int32,)) if name == "qweight" else ((k // key.group, n), _FLOAT_SCALE)
+    context = f"({scheme.name}, GPTQ, weight [N, K] = [{n}, {k}])"
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{where}.{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {shape} {context}")
+    if tensor.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}")
+
+
+def gptq_as_packed(tensor: torch.Tensor) -> torch.Tensor:
+    """GPTQ's qweight [K/8, N] / scales [K/g, N] -> pack-quantized's weight_packed [N, K/8] /
+    weight_scale [N, K/g]: the same words (eight codes along K, low nibble first, stored q + 8
+    for a zero point of 8), transposed."""
+    return tensor.t().contiguous()
 
 
 def int4_payload(packed: torch.Tensor) -> torch.Tensor:

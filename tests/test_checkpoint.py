@@ -272,6 +272,21 @@ def int4_g32_gptq_v2(w, seed):  # GPTQModel v2: zeros stored as 8, no g_idx
     return _int4_gptq(w, "int4_w4a16_g32", False, False)
 
 
+def int8_w8a16_pack_quantized(w, seed):  # llm-compressor W8A16: 8-bit codes in int32 words
+    """weight_packed int32 [N, K/4] (code 4j+b in byte b of word j, stored q + 128), weight_scale
+    bf16 [N, 1], weight_shape [2]."""
+    per, deq = {}, {}
+    for p, wp in w.items():
+        s = (wp.abs().amax(-1, keepdim=True) / 127).bfloat16()
+        q = (wp / s.float()).round().clamp(-128, 127)
+        stored = (q.long() + 128).unflatten(-1, (-1, 4))
+        words = (stored << (8 * torch.arange(4))).sum(-1)
+        per[p] = {"weight_packed": torch.where(words >= 2**31, words - 2**32, words).to(torch.int32),
+                  "weight_scale": s, "weight_shape": torch.tensor([list(wp.shape[1:])] * E)}
+        deq[p] = q * s.float()
+    return _assemble("int8_w8a16", per, deq)
+
+
 def int4_g32_compressed_tensors(w, seed):  # Kimi-K2's: group 32, bf16 scales, weight_shape stored
     return _int4_compressed_tensors(w, "int4_w4a16_g32", torch.bfloat16, True)
 
@@ -300,7 +315,8 @@ FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
                             fp8_channel, int8_channel_bf16_scales, nvfp4, nvfp4_dynamic_input,
                             nvfp4_weight_only, nvfp4_compressed_tensors,
                             nvfp4_compressed_tensors_weight_only, int4_g32_compressed_tensors,
-                            int4_g64_compressed_tensors, int4_g64_gptq, int4_g32_gptq_v2)
+                            int4_g64_compressed_tensors, int4_g64_gptq, int4_g32_gptq_v2,
+                            int8_w8a16_pack_quantized)
 }
 
 
@@ -671,8 +687,15 @@ BAD = [
         r"expert 0 w1.qweight is a GPTQ int4 tensor; this layer's scheme is fp8_w8a8_block"),
     Bad("companion_on_nvfp4", "nvfp4",
         lambda m: m.load_expert_weight(0, "w1.weight_shape", torch.tensor([I, H])),
-        r"expert 0 w1.weight_shape belongs to an int4 checkpoint \(compressed-tensors pack-quantized or GPTQ\); "
-        r"this layer's scheme is nvfp4"),
+        r"expert 0 w1.weight_shape belongs to a pack-quantized int4 / int8 checkpoint; this layer's scheme is nvfp4"),
+    Bad("gptq_zeros_on_int8", "int8_w8a16",
+        lambda m: m.load_expert_weight(0, "w2.qzeros", torch.zeros(1, 1, dtype=torch.int32)),
+        r"expert 0 w2.qzeros belongs to an int4 \(GPTQ or pack-quantized\) checkpoint; this layer's scheme is "
+        r"int8_w8a16"),
+    Bad("int8_packed_shape", "int8_w8a16",
+        lambda m: m.load_expert_weight(0, "w2.weight_packed", torch.zeros(H, I // 8, dtype=torch.int32)),
+        r"expert 0 w2.weight_packed: checkpoint tensor is torch.int32 \(192, 32\), expected int32 \(192, 64\) "
+        r"\(pack-quantized int8"),
     Bad("mxfp4_per_expert", "mxfp4_w4a16",
         lambda m: m.load_expert_weight(0, "w1.weight", torch.zeros(I, H // 2, dtype=torch.uint8)),
         r"mxfp4_w4a16: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4"),

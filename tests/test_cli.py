@@ -42,6 +42,29 @@ def test_explain_says_how_the_layer_routes(argv, line, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["routing"] == "routing: the torch ops (FUSEDMOE_TRITON_ROUTING=0)"
 
 
+def test_explain_reads_a_checkpoint_config(tmp_path, capsys):
+    """--checkpoint-config: the experts' scheme from a checkpoint's config.json (GPTQ here), then the
+    oracle on it; JSON names it; a format fusedmoe cannot run, a missing file, or --quant beside it
+    exits 2 with the reason."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}))
+    argv = ["explain", "--model", "qwen3-30b-a3b", "--platform", "cuda:9.0", "--checkpoint-config", str(config)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {config}: its experts load as quant='int4_w4a16_g128', prequantized=True" in out
+    assert "Int4 MoE on cuda sm90: chosen triton" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint_scheme"] == "int4_w4a16_g128"
+    awq = tmp_path / "awq.json"
+    awq.write_text(json.dumps({"quant_method": "awq", "bits": 4, "group_size": 128}))
+    for bad, why in (([str(awq)], "awq: AWQ stores a zero point per group"),
+                     ([str(tmp_path / "none.json")], "No such file or directory"),
+                     ([str(config), "--quant", "fp8_w8a8_block"], "give --quant or --checkpoint-config, not both")):
+        assert main(["explain", "--model", "qwen3-30b-a3b", "--checkpoint-config", *bad]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_explain_json_with_parallel_config(capsys):
     rc = main(["explain", "--experts", "64", "--hidden", "2048", "--intermediate", "1408", "--top-k", "6",
                "--ep", "2", "--dp", "2", "--platform", "cuda:9.0", "--packages", "flashinfer", "--json"])

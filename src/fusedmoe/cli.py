@@ -173,6 +173,9 @@ def _explain_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--quant", default=None, choices=["none", *sorted(SCHEMES)])
+    p.add_argument("--checkpoint-config", default=None, metavar="PATH",
+                   help="instead of --quant: a pre-quantized checkpoint's config.json (or ModelOpt's "
+                        "hf_quant_config.json); its experts' scheme is read from it (quant.scheme_from_config)")
     p.add_argument("--bias", action="store_true", default=None)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--batch-invariant", action="store_true",
@@ -252,6 +255,18 @@ def _config_from_args(args):
 def cmd_explain(args) -> int:
     from fusedmoe.oracle import explain
 
+    checkpoint = None
+    if args.checkpoint_config is not None:
+        from fusedmoe.quant.checkpoint_config import scheme_from_config
+
+        if args.quant is not None:
+            raise ValueError("give --quant or --checkpoint-config, not both")
+        try:
+            data = json.loads(Path(args.checkpoint_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--checkpoint-config {args.checkpoint_config}: {exc}") from None
+        args.quant = scheme_from_config(data)
+        checkpoint = f"checkpoint {args.checkpoint_config}: its experts load as quant={args.quant!r}, prequantized=True"
     config = _config_from_args(args)
     platform = _platform_from_args(args)
     result = explain(config, platform)
@@ -262,8 +277,12 @@ def cmd_explain(args) -> int:
         if plans is not None:
             data["triton_plan"] = plans
         data["routing"] = routing
+        if checkpoint is not None:
+            data["checkpoint_scheme"] = args.quant
         print(json.dumps(data, indent=2, default=str))
     else:
+        if checkpoint is not None:
+            print(checkpoint + "\n")
         print(result.table())
         if result.error:
             print("\n" + result.error.splitlines()[0])

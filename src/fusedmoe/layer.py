@@ -55,12 +55,14 @@ from fusedmoe.quant.checkpoint import (
     check_checkpoint_tensor,
     check_companion,
     check_gptq_tensor,
+    check_packed_int8,
     check_partition,
     fuse_fp8_tensor_scales,
     fuse_nvfp4_global_scales,
     gpt_oss_mxfp4_tensor,
     gptq_as_packed,
     int4_payload,
+    int8_payload,
     roles_of,
     tp_slice,
 )
@@ -513,6 +515,9 @@ class FusedMoE(nn.Module):
         if name in GPTQ_TENSORS:  # checked as stored, then as pack-quantized's transposed twin
             check_gptq_tensor(scheme, where, name, tensor, n, k)
             tensor = gptq_as_packed(tensor)
+        elif name == "weight_packed" and key.dtype == "int8":  # pack-quantized 8-bit words -> int8 codes
+            check_packed_int8(where, name, tensor, n, k)
+            tensor = int8_payload(tensor)
         check_checkpoint_tensor(scheme, where, name, tensor, n, k)
         role = TENSOR_ROLES[name]
         required, optional = roles_of(scheme)

@@ -1,6 +1,7 @@
 """Quantization: schemes, the scale bundle, quantize/dequantize helpers for every scheme."""
 
 from fusedmoe.quant.activations import fake_quantize_activation
+from fusedmoe.quant.checkpoint_config import scheme_from_config
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import SCHEMES, QuantKey, QuantScheme, get_scheme
 from fusedmoe.quant.weights import (
@@ -23,4 +24,5 @@ __all__ = [
     "get_scheme",
     "quantize_weight",
     "quantize_weights",
+    "scheme_from_config",
 ]

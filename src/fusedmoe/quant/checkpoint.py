@@ -17,6 +17,8 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
                   Kimi-K2, llm-compressor's W4A16); word j holds codes 8j..8j+7, code 8j+i in
                   bits 4i..4i+3, each stored as q + 8 (`int4_payload` re-packs them as the
                   library's two's-complement nibbles, two per byte, low = even k)
+    int8 channel  weight_packed int32 [N, K/4] + weight_scale [N, 1]  (compressed-tensors pack-quantized
+                  8-bit, W8A16: four codes a word, lowest byte first, stored q + 128; `int8_payload`)
     int4 group    qweight int32 [K/8, N] + scales [K/g, N] + qzeros int32 [K/g, N/8] + g_idx [K]
                   (optional)               (GPTQ, symmetric, without act-order: AutoGPTQ /
                   GPTQModel, e.g. Qwen3-30B-A3B-GPTQ-Int4); word r of column n holds codes
@@ -180,13 +182,14 @@ def _integers(tensor: torch.Tensor) -> bool:
 
 def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
     """Raise ValueError naming `where` unless the companion tensor `name` (`COMPANION_TENSORS`)
-    agrees with an int4 layer's [N, K] weight under `scheme`: weight_shape holds [N, K]; qzeros
+    agrees with an int4 (weight_shape: or int8) layer's [N, K] weight under `scheme`: weight_shape holds [N, K]; qzeros
     int32 [K/g, N/8] holds zero points of 8 only (symmetric); g_idx / weight_g_idx [K] holds
     k // g (no act-order)."""
     key = scheme.weight
-    if key.dtype != "int4":
-        raise ValueError(f"{where}.{name} belongs to an int4 checkpoint (compressed-tensors pack-quantized "
-                         f"or GPTQ); this layer's scheme is {scheme.name}")
+    packed = ("int4", "int8") if name == "weight_shape" else ("int4",)
+    if key.dtype not in packed:
+        what = "a pack-quantized int4 / int8" if name == "weight_shape" else "an int4 (GPTQ or pack-quantized)"
+        raise ValueError(f"{where}.{name} belongs to {what} checkpoint; this layer's scheme is {scheme.name}")
     group = key.group
     if name == "weight_shape":
         if not _integers(tensor) or tuple(tensor.shape) != (2,):
@@ -228,6 +231,21 @@ def check_gptq_tensor(scheme: QuantScheme, where: str, name: str, tensor: torch.
     if tensor.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise ValueError(f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}")
+
+
+def check_packed_int8(where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
+    """Raise ValueError naming `where` unless pack-quantized 8-bit `name` is int32 [N, K/4]."""
+    if tensor.dtype != torch.int32 or k % 4 or tuple(tensor.shape) != (n, k // 4):
+        raise ValueError(f"{where}.{name}: checkpoint tensor is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                         f"int32 ({n}, {k // 4}) (pack-quantized int8: four codes a word, weight [N, K] = [{n}, {k}])")
+
+
+def int8_payload(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized 8-bit int32 [N, K/4] -> int8 [N, K]: word j's byte b is
+    code 4j+b stored as q + 128, so q is that byte XOR 0x80 read as two's complement."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
+    stored = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xFF
+    return (stored ^ 0x80).to(torch.uint8).view(torch.int8).flatten(-2)
 
 
 def gptq_as_packed(tensor: torch.Tensor) -> torch.Tensor:

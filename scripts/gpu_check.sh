@@ -5,7 +5,8 @@
 # under OUT and prints its tail; summary.txt says how each step ended. Runs in the current Python
 # environment (the GPU machine's torch and Triton; nothing is installed).
 #
-#   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz (default: all)
+#   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz retune
+#                                                         (default: env tests bench fuzz)
 #
 # Settings (environment):
 #   TESTS         arguments for scripts/test_gpu.sh (default: every test file); PHASES its phases
@@ -17,6 +18,11 @@
 #   FUZZ_SECONDS  the fuzz starts no case after this (default 120); FUZZ_JOBS workers (default 4);
 #                 FUZZ_SEED its first seed (default 0: pass one past the last run's to draw new cases)
 #   LIMIT_TESTS, LIMIT_BENCH  seconds before a step is stopped (default 400, 300 a scheme)
+#   CELLS         retune: "QUANT:PRESET:M ..." (QUANT none for bf16): `fusedmoe tune` of each cell into
+#                 OUT/tuned (TUNE_JOBS compile workers, default 12; LIMIT_TUNE seconds, default 240),
+#                 then ROUNDS (default 2) rounds of `fusedmoe bench` alternating the packaged tables and
+#                 OUT/tuned on each cell (the first tuned run with --check); retune_summary.txt gives
+#                 each cell's times; merge what wins with scripts/merge_tuned.py OUT/tuned/<device>.json
 # The exit status is nonzero if a step failed or ran out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,10 +93,69 @@ step_fuzz() {
     note fuzz "$(ended $r)"
 }
 
+step_retune() {
+    local cell q p m r args tuned=0
+    mkdir -p "$OUT/tuned"
+    for cell in $CELLS; do
+        IFS=: read -r q p m <<< "$cell"
+        args=(--model "$p" --tokens "$m" --jobs "${TUNE_JOBS:-12}" --out "$OUT/tuned")
+        [ "$q" != none ] && args+=(--quant "$q")
+        echo "== tune $cell" | tee -a "$OUT/retune.txt"
+        timeout "${LIMIT_TUNE:-240}" python -m fusedmoe tune "${args[@]}" 2>&1 | tr '\r' '\n' | grep -v '^\[ *[0-9]' \
+            | tee -a "$OUT/retune.txt" | grep -E "^M=|wrote|error"
+        r=${PIPESTATUS[0]}
+        note "tune $cell" "$(ended "$r")"
+    done
+    ls "$OUT"/tuned/*.json > /dev/null 2>&1 || { note retune "ok: nothing written"; return; }
+    for round in $(seq "${ROUNDS:-2}"); do
+        for cell in $CELLS; do
+            IFS=: read -r q p m <<< "$cell"
+            args=(--presets "$p" --tokens "$m" --backends triton)
+            [ "$q" != none ] && args+=(--quant "$q")
+            for table in packaged tuned; do
+                local json="$OUT/retune_${round}_${table}_${q}_${p}_${m}.json" extra=()
+                [ "$table" = tuned ] && [ "$round" = 1 ] && extra=(--check)
+                echo "== round $round $table $cell" >> "$OUT/retune.txt"
+                if [ "$table" = tuned ]; then
+                    FUSEDMOE_TUNED_DIR="$OUT/tuned" timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" \
+                        "${extra[@]}" --json "$json" >> "$OUT/retune.txt" 2>&1
+                else
+                    timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" --json "$json" >> "$OUT/retune.txt" 2>&1
+                fi
+                r=$?
+                [ $r -ne 0 ] && note "bench round $round $table $cell" "$(ended "$r")"
+            done
+        done
+    done
+    python - "$OUT" $CELLS <<'PY' | tee "$OUT/retune_summary.txt"
+import glob, json, sys
+out, cells = sys.argv[1], sys.argv[2:]
+for cell in cells:
+    q, p, m = cell.split(":")
+    times = {}
+    for table in ("packaged", "tuned"):
+        for path in sorted(glob.glob(f"{out}/retune_*_{table}_{q}_{p}_{m}.json")):
+            rows = json.load(open(path))["rows"]
+            times.setdefault(table, []).extend(r["us"] for r in rows if r.get("us") is not None)
+    old, new = times.get("packaged", []), times.get("tuned", [])
+    change = f" ({100 * (min(new) / min(old) - 1):+.1f}% best against best)" if old and new else ""
+    print(f"{cell}: packaged {', '.join(f'{t:.1f}' for t in old) or '-'} us; "
+          f"tuned {', '.join(f'{t:.1f}' for t in new) or '-'} us{change}")
+PY
+    note retune "ok"
+}
+
 for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz)" >&2
+        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz, retune)" >&2
         exit 2
+    fi
+    if [ "$s" = retune ]; then
+        [ -n "${CELLS:-}" ] || { echo "gpu_check.sh: retune needs CELLS=\"QUANT:PRESET:M ...\"" >&2; exit 2; }
+        for cell in $CELLS; do
+            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$ ]] || {
+                echo "gpu_check.sh: CELLS entry '$cell' is not QUANT:PRESET:M" >&2; exit 2; }
+        done
     fi
 done
 for s in "${steps[@]}"; do

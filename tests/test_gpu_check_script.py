@@ -68,3 +68,22 @@ def test_the_gpu_tests_run_by_phase(tmp_path):
         assert done.stdout.count("deselected") == len(want), (phases, done.stdout)  # no GPU test in this file
     bad = gpu_tests("small huge")
     assert bad.returncode == 2 and "unknown phase 'huge'" in bad.stderr and "deselected" not in bad.stdout
+
+
+def test_retune_tunes_each_cell_and_refuses_bad_cells_before_any_run(tmp_path):
+    """The retune step: each CELLS entry tuned (here without CUDA: the tuner refuses, the step says
+    so and the exit status is 1, and with no table written no bench runs); CELLS missing or not
+    QUANT:PRESET:M is refused before any step runs."""
+    done = run(tmp_path, "retune", CELLS="mxfp4_w4a16:qwen3-30b-a3b:256 none:mixtral-8x7b:16")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (tmp_path / "summary.txt").read_text().splitlines() == [
+        "tune mxfp4_w4a16:qwen3-30b-a3b:256: failed (exit 2)", "tune none:mixtral-8x7b:16: failed (exit 2)",
+        "retune: ok: nothing written"]
+    log = (tmp_path / "retune.txt").read_text()
+    assert "needs a CUDA device" in log and "round 1" not in log
+    for cells, why in ((None, "retune needs CELLS"), ("mxfp4_w4a16:qwen3-30b-a3b", "is not QUANT:PRESET:M")):
+        out = tmp_path / f"bad{len(why)}"
+        env = {} if cells is None else {"CELLS": cells}
+        bad = run(out, "env", "retune", **env)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+        assert not (out / "summary.txt").exists()  # refused before the env step ran

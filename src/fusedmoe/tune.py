@@ -904,6 +904,22 @@ def _layout_of(e: dict) -> str:
         return ""
 
 
+def entry_key(e: dict) -> tuple:
+    """What one table entry serves: (scheme, dtype, shape, 4-bit weight layout, token count); two
+    entries of one key cannot both be in a table."""
+    return (e.get("quant") or "", e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"], e["gated"],
+            _layout_of(e), e["tokens"])
+
+
+def merge_entries(old: list[dict], new: list[dict]) -> tuple[list[dict], list[tuple], list[tuple]]:
+    """(old with new merged in, sorted by `entry_key`; the keys new replaced; the keys new added)."""
+    merged = {entry_key(e): e for e in old}
+    replaced = [entry_key(e) for e in new if entry_key(e) in merged]
+    added = [entry_key(e) for e in new if entry_key(e) not in merged]
+    merged.update({entry_key(e): e for e in new})
+    return sorted(merged.values(), key=entry_key), replaced, added
+
+
 def write_table(entries: list[dict], folder: str | Path) -> Path:
     """Merge `entries` into <folder>/<device>.json (same shape, weight layout and token count:
     replaced)."""
@@ -920,13 +936,9 @@ def write_table(entries: list[dict], folder: str | Path) -> Path:
                 old = data["entries"]
         except (OSError, ValueError):
             pass
-    key = lambda e: (e.get("quant") or "", e["dtype"], e["experts"], e["hidden"], e["inter"], e["top_k"],  # noqa: E731
-                     e["gated"], _layout_of(e), e["tokens"])
-    merged = {key(e): e for e in old}
-    merged.update({key(e): e for e in entries})
     data = {"format": FORMAT, "device": torch.cuda.get_device_name(), "triton": triton.__version__,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "entries": sorted(merged.values(), key=key)}
+            "entries": merge_entries(old, entries)[0]}
     path.write_text(json.dumps(data, indent=1) + "\n")
     clear_tile_caches()  # this process's next calls see the new entries
     return path

@@ -182,9 +182,9 @@ def _integers(tensor: torch.Tensor) -> bool:
 
 def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
     """Raise ValueError naming `where` unless the companion tensor `name` (`COMPANION_TENSORS`)
-    agrees with an int4 (weight_shape: or int8) layer's [N, K] weight under `scheme`: weight_shape holds [N, K]; qzeros
-    int32 [K/g, N/8] holds zero points of 8 only (symmetric); g_idx / weight_g_idx [K] holds
-    k // g (no act-order)."""
+    agrees with the layer's [N, K] weight under `scheme`: weight_shape (int4 or int8) holds
+    [N, K]; qzeros (int4) int32 [K/g, N/8] holds zero points of 8 only (symmetric); g_idx /
+    weight_g_idx (int4) [K] holds k // g (no act-order)."""
     key = scheme.weight
     packed = ("int4", "int8") if name == "weight_shape" else ("int4",)
     if key.dtype not in packed:
@@ -240,12 +240,17 @@ def check_packed_int8(where: str, name: str, tensor: torch.Tensor, n: int, k: in
                          f"int32 ({n}, {k // 4}) (pack-quantized int8: four codes a word, weight [N, K] = [{n}, {k}])")
 
 
+def _word_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] -> their bytes [..., W, 4], the lowest first (shifts, not a byte view:
+    the host's byte order does not matter)."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
+    return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xFF
+
+
 def int8_payload(packed: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' pack-quantized 8-bit int32 [N, K/4] -> int8 [N, K]: word j's byte b is
     code 4j+b stored as q + 128, so q is that byte XOR 0x80 read as two's complement."""
-    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
-    stored = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xFF
-    return (stored ^ 0x80).to(torch.uint8).view(torch.int8).flatten(-2)
+    return (_word_bytes(packed) ^ 0x80).to(torch.uint8).view(torch.int8).flatten(-2)
 
 
 def gptq_as_packed(tensor: torch.Tensor) -> torch.Tensor:
@@ -260,13 +265,9 @@ def int4_payload(packed: torch.Tensor) -> torch.Tensor:
     nibbles, low = even k (`formats.int4_pack`'s layout).
 
     Word j's byte b holds codes 8j+2b (low nibble) and 8j+2b+1, each stored as q + 8; the
-    library's nibble of q is (q + 8) - 8 mod 16 = (q + 8) XOR 8. Shifts, not a byte view, so the
-    host's byte order does not matter.
+    library's nibble of q is (q + 8) - 8 mod 16 = (q + 8) XOR 8.
     """
-    words = packed.to(torch.int32)
-    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
-    stored = (words.unsqueeze(-1) >> shifts) & 0xFF  # [N, K/8, 4] bytes, low byte first
-    return (stored ^ 0x88).to(torch.uint8).flatten(-2)
+    return (_word_bytes(packed) ^ 0x88).to(torch.uint8).flatten(-2)
 
 
 def as_multiplier(where: str, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ tensors (`fusedmoe.quant.checkpoint`). Formats, by `quant_method`:
     fp8                 weight_block_size [128, 128] -> fp8_w8a8_block (dynamic activations);
                         none -> fp8_w8a8_tensor (dynamic) / fp8_w8a8_tensor_static (static)
     mxfp4               gpt-oss -> mxfp4_w4a16 (bf16 activations)
-    gptq                bits 4, sym, no desc_act -> int4_w4a16_g{group_size} (32, 64, 128)
+    gptq                bits 4, sym, no desc_act (or with static_groups) -> int4_w4a16_g{group_size}
+                        (32, 64, 128)
     modelopt            quant_algo NVFP4 -> nvfp4; FP8 -> fp8_w8a8_tensor_static
     compressed-tensors  each config group's weights / input_activations as (weight key,
                         activation key) of `quant.scheme`, matched against SCHEMES: fp8 block /
@@ -75,8 +76,10 @@ def _gptq(c: Mapping) -> str:
         raise ValueError(f"gptq: bits={bits}: fusedmoe loads 4-bit GPTQ (int4_w4a16_g*)")
     if c.get("sym", True) is not True:
         raise ValueError("gptq: sym=false (a zero point per group): the int4 schemes are symmetric")
-    if c.get("desc_act", False):
-        raise ValueError("gptq: desc_act=true (act-order: groups of permuted input columns) is not run by fusedmoe")
+    if c.get("desc_act", False) and not c.get("static_groups", False):
+        # with static groups the groups stay in column order (g_idx = k // g; the loader checks it)
+        raise ValueError("gptq: desc_act=true without static_groups (act-order: groups of permuted input "
+                         "columns) is not run by fusedmoe")
     if group not in INT4_GROUPS:
         raise ValueError(f"gptq: group_size={group}: fusedmoe's int4 schemes have groups of {INT4_GROUPS}")
     return f"int4_w4a16_g{group}"

@@ -262,10 +262,10 @@ def cmd_explain(args) -> int:
         if args.quant is not None:
             raise ValueError("give --quant or --checkpoint-config, not both")
         try:
-            data = json.loads(Path(args.checkpoint_config).read_text())
+            checkpoint_json = json.loads(Path(args.checkpoint_config).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--checkpoint-config {args.checkpoint_config}: {exc}") from None
-        args.quant = scheme_from_config(data)
+        args.quant = scheme_from_config(checkpoint_json)
         checkpoint = f"checkpoint {args.checkpoint_config}: its experts load as quant={args.quant!r}, prequantized=True"
     config = _config_from_args(args)
     platform = _platform_from_args(args)

@@ -287,6 +287,16 @@ def int8_w8a16_pack_quantized(w, seed):  # llm-compressor W8A16: 8-bit codes in 
     return _assemble("int8_w8a16", per, deq)
 
 
+def mxfp4_compressed_tensors(w, seed):  # mxfp4-pack-quantized: per expert, unlike gpt-oss's fused tensors
+    """weight_packed uint8 [N, K/2] (low nibble = even k), weight_scale uint8 e8m0 [N, K/32]."""
+    per, deq = {}, {}
+    for p, wp in w.items():
+        q, scale = mxfp4_quantize(wp)
+        per[p] = {"weight_packed": q, "weight_scale": scale}
+        deq[p] = mxfp4_dequant_by_hand(q.unflatten(-1, (-1, 16)), scale)
+    return _assemble("mxfp4_w4a16", per, deq)
+
+
 def int4_g32_compressed_tensors(w, seed):  # Kimi-K2's: group 32, bf16 scales, weight_shape stored
     return _int4_compressed_tensors(w, "int4_w4a16_g32", torch.bfloat16, True)
 
@@ -316,7 +326,7 @@ FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
                             nvfp4_weight_only, nvfp4_compressed_tensors,
                             nvfp4_compressed_tensors_weight_only, int4_g32_compressed_tensors,
                             int4_g64_compressed_tensors, int4_g64_gptq, int4_g32_gptq_v2,
-                            int8_w8a16_pack_quantized)
+                            int8_w8a16_pack_quantized, mxfp4_compressed_tensors)
 }
 
 
@@ -696,9 +706,10 @@ BAD = [
         lambda m: m.load_expert_weight(0, "w2.weight_packed", torch.zeros(H, I // 8, dtype=torch.int32)),
         r"expert 0 w2.weight_packed: checkpoint tensor is torch.int32 \(192, 32\), expected int32 \(192, 64\) "
         r"\(pack-quantized int8"),
-    Bad("mxfp4_per_expert", "mxfp4_w4a16",
-        lambda m: m.load_expert_weight(0, "w1.weight", torch.zeros(I, H // 2, dtype=torch.uint8)),
-        r"mxfp4_w4a16: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4"),
+    Bad("mxfp4_scale_dtype", "mxfp4_w4a16",
+        lambda m: m.load_expert_weight(0, "w1.weight_scale", torch.ones(I, H // 32)),
+        r"expert 0 w1.weight_scale: checkpoint tensor has dtype torch.float32, expected torch.uint8 "
+        r"\(mxfp4_w4a16, weight \[N, K\] = \[256, 192\]\)"),
     Bad("gpt_oss_shape", "mxfp4_w4a16",
         lambda m: m.load_fused_experts_weight("gate_up_proj_blocks", torch.zeros(E, I, H // 32, 16, dtype=torch.uint8)),
         r"gate_up_proj_blocks: checkpoint tensor has shape \(4, 256, 6, 16\), expected "

@@ -59,6 +59,8 @@ CONFIGS = {
     "ct_int8_w8a16": (_ct(INT8_CHANNEL, None, "pack-quantized"), "int8_w8a16"),
     "ct_nvfp4": (_ct(NVFP4, NVFP4_INPUT, "nvfp4-pack-quantized"), "nvfp4"),
     "ct_nvfp4_w4a16": (_ct(NVFP4, None, "nvfp4-pack-quantized"), "nvfp4_w4a16"),
+    "ct_mxfp4": (_ct({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                      "dynamic": False}, None, "mxfp4-pack-quantized"), "mxfp4_w4a16"),
 }
 
 
@@ -117,6 +119,7 @@ def test_not_a_mapping():
     ("nvfp4_compressed_tensors", "ct_nvfp4"),
     ("int8_channel_bf16_scales", "ct_int8_w8a8"),
     ("int8_w8a16_pack_quantized", "ct_int8_w8a16"),
+    ("mxfp4_compressed_tensors", "ct_mxfp4"),
 ])
 def test_the_scheme_loads_its_checkpoint(fmt, config):
     """The scheme the config names is the one test_checkpoint's checkpoint of that format loads with."""

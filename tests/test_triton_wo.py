@@ -792,11 +792,12 @@ def test_layer_keeps_the_scales_its_backend_re_lays():
     assert rel_err(layer(x, logits), emulated) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("fmt", ["int4_g32_compressed_tensors", "int4_g64_gptq"])
-def test_int4_checkpoint_through_the_triton_layer(fmt):
-    """An int4 checkpoint (tests/test_checkpoint.py's compressed-tensors pack-quantized or GPTQ,
-    re-packed to nibble bytes at load) through the triton layer (the interpreter: the checkpoint
-    layout at this size, group-major scales) gives the emulation layer's output on it."""
+@pytest.mark.parametrize("fmt", ["int4_g32_compressed_tensors", "int4_g64_gptq", "mxfp4_compressed_tensors"])
+def test_w4_checkpoint_through_the_triton_layer(fmt):
+    """A 4-bit checkpoint (tests/test_checkpoint.py's: int4 compressed-tensors pack-quantized or
+    GPTQ, re-packed to nibble bytes at load; mxfp4 pack-quantized) through the triton layer (the
+    interpreter: int4 in the checkpoint layout at this size, mxfp4 laid as fragments; group-major
+    scales) gives the emulation layer's output on it."""
     from fusedmoe import FusedMoE, Platform
     from test_checkpoint import TOP_K, batch, load, make_checkpoint
     from test_checkpoint import E as CE

@@ -17,6 +17,8 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
                   Kimi-K2, llm-compressor's W4A16); word j holds codes 8j..8j+7, code 8j+i in
                   bits 4i..4i+3, each stored as q + 8 (`int4_payload` re-packs them as the
                   library's two's-complement nibbles, two per byte, low = even k)
+    mxfp4         weight_packed uint8 [N, K/2] (low nibble = even k) + weight_scale uint8 [N, K/32]
+                  (e8m0)                         (compressed-tensors mxfp4-pack-quantized, W4A16)
     int8 channel  weight_packed int32 [N, K/4] + weight_scale [N, 1]  (compressed-tensors pack-quantized
                   8-bit, W8A16: four codes a word, lowest byte first, stored q + 128; `int8_payload`)
     int4 group    qweight int32 [K/8, N] + scales [K/g, N] + qzeros int32 [K/g, N/8] + g_idx [K]
@@ -78,9 +80,11 @@ GPT_OSS_TENSORS = (
     "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
     "down_proj_blocks", "down_proj_scales", "down_proj_bias",
 )
-_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "int4": torch.int32, "nvfp4": torch.uint8}
-_CODES_PER_ELEMENT = {"int4": 8, "nvfp4": 2}  # packed payloads: codes per stored element along K
+_PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "int4": torch.int32, "nvfp4": torch.uint8,
+                  "mxfp4": torch.uint8}
+_CODES_PER_ELEMENT = {"int4": 8, "nvfp4": 2, "mxfp4": 2}  # packed payloads: codes per stored element along K
 _FLOAT_SCALE = (torch.float32, torch.bfloat16, torch.float16)
+_GROUP_SCALE = {"int4": _FLOAT_SCALE, "nvfp4": (FP8_DTYPE,), "mxfp4": (torch.uint8,)}  # e4m3 / e8m0 codes
 _SCALAR_SHAPES = ((), (1,))
 
 
@@ -133,12 +137,6 @@ def expected_tensor(
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
     """(allowed shapes, allowed dtypes) of one projection's `role` tensor for a [N, K] weight."""
     key = scheme.weight
-    if key.dtype not in _PAYLOAD_DTYPE:
-        raise ValueError(
-            f"{scheme.name}: per-expert checkpoint tensors exist for fp8, int8, int4 and nvfp4 "
-            f"schemes; MXFP4 loads gpt-oss's fused names "
-            f"({', '.join(GPT_OSS_TENSORS)})"
-        )
     if role == "weight":
         return ((n, k // _CODES_PER_ELEMENT.get(key.dtype, 1)),), (_PAYLOAD_DTYPE[key.dtype],)
     if role == "weight_scale":
@@ -149,7 +147,7 @@ def expected_tensor(
             return _SCALAR_SHAPES, _FLOAT_SCALE
         if key.granularity == "channel":  # [1] is a per-tensor scale, broadcast exactly
             return ((n, 1), (1,)), _FLOAT_SCALE
-        return ((n, k // key.group),), (_FLOAT_SCALE if key.dtype == "int4" else (FP8_DTYPE,))
+        return ((n, k // key.group),), _GROUP_SCALE[key.dtype]
     if role == "weight_scale_2":
         if key.dtype != "nvfp4":
             raise ValueError(f"weight_scale_2 is NVFP4's global scale; {scheme.name} has none")
@@ -296,7 +294,7 @@ def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inte
     if tensor.dim() < 2 or (is_down and role == "weight_scale" and key.granularity == "channel"):
         return tensor
     per = inter
-    if role == "weight" and key.dtype in ("nvfp4", "int4") and is_down:  # bytes (int4: as re-packed)
+    if role == "weight" and key.dtype in ("nvfp4", "mxfp4", "int4") and is_down:  # bytes (int4: as re-packed)
         per = inter // 2
     elif role == "weight_scale" and key.granularity == "block":
         per = inter // key.group[0]

@@ -16,7 +16,7 @@ tensors (`fusedmoe.quant.checkpoint`). Formats, by `quant_method`:
     compressed-tensors  each config group's weights / input_activations as (weight key,
                         activation key) of `quant.scheme`, matched against SCHEMES: fp8 block /
                         channel / tensor, int8 W8A8 and W8A16, int4 pack-quantized (W4A16), nvfp4
-                        (W4A4 or W4A16)
+                        (W4A4 or W4A16), mxfp4 (W4A16)
     awq                 refused: asymmetric (a zero point per group), which the int4 kernels do not run
 
 A configuration fusedmoe cannot run raises ValueError naming the field that decides it
@@ -140,6 +140,8 @@ def _ct_key(where: str, args: Mapping, *, weight: bool) -> QuantKey:
         dtype = "int8" if bits == 8 else "int4"
     elif kind == "float" and bits == 4 and strategy == "tensor_group" and args.get("group_size") == 16:
         dtype = "nvfp4"
+    elif kind == "float" and bits == 4 and strategy == "group" and args.get("group_size") == 32:
+        return QuantKey("mxfp4", "group", 32)  # mxfp4-pack-quantized: e8m0 scales per 32
     else:
         raise ValueError(f"{where}: type={kind!r} num_bits={bits!r} strategy={strategy!r}: no fusedmoe format")
     dynamic = args.get("dynamic", False)

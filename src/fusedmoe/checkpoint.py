@@ -1,0 +1,189 @@
+"""One MoE layer of a Hugging Face checkpoint directory, loaded without transformers.
+
+    moe = fusedmoe.checkpoint.load_moe_layer("Qwen3-30B-A3B-GPTQ-Int4", layer=3, device="cuda")
+    y = moe(x)                       # [T, H]: the router, then the routed (and shared) experts
+
+`config.json` gives the sizes, the routing and, through its `quantization_config`, the experts'
+scheme (`quant.scheme_from_config`); the layer's tensors are found through
+`model.safetensors.index.json` (or the one `model.safetensors`) and only they are read
+(`safetensors.safe_open`, the `hf` extra). The experts load through `FusedMoE.load_weights` (every
+checkpoint format of `fusedmoe.quant.checkpoint`), the router into an fp32 `nn.Linear`. Families
+by `model_type` (`FAMILIES`): Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3 / Kimi-K2, gpt-oss.
+Shared experts load in 16 / 32-bit checkpoints; quantized ones (DeepSeek-V3 FP8's) are refused
+unless `shared=False` (the routed experts alone). For a model already loaded in transformers,
+`fusedmoe.hf.patch` is the route instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedmoe.layer import FusedMoE
+from fusedmoe.quant.checkpoint_config import scheme_from_config
+from fusedmoe.shared import SharedExperts
+
+
+@dataclass(frozen=True)
+class CheckpointFamily:
+    """Where a model_type keeps one MoE layer's pieces, and how it routes.
+
+    block: the layer's MoE module under `model.layers.{L}.`; router: its router module (a Linear,
+    weight [E, H], bias where `router_bias`). routing(config) -> FusedMoE routing keywords.
+    shared(config) -> the shared experts' intermediate size (0: none); shared_gate: Qwen2-MoE's
+    sigmoid gate on them. sparse(config, L): whether layer L is an MoE layer."""
+
+    experts: str
+    top_k: str
+    intermediate: str
+    block: str = "mlp"
+    router: str = "gate"
+    router_bias: bool = False
+    routing: Callable[[Mapping], dict] = lambda c: {"renormalize": True}
+    shared: Callable[[Mapping], int] = lambda c: 0
+    shared_gate: bool = False
+    sparse: Callable[[Mapping, int], bool] = lambda c, layer: True
+    layer_kwargs: Callable[[Mapping], dict] = lambda c: {}
+
+
+def _qwen_sparse(c: Mapping, layer: int) -> bool:
+    step = c.get("decoder_sparse_step", 1) or 1
+    return layer not in (c.get("mlp_only_layers") or []) and c.get("num_experts", 0) > 0 and (layer + 1) % step == 0
+
+
+def _deepseek_routing(c: Mapping) -> dict:
+    grouped = c.get("n_group") or 1
+    return dict(scoring_func=c.get("scoring_func", "sigmoid"), renormalize=c.get("norm_topk_prob", True),
+                use_grouped_topk=True, num_expert_group=grouped, topk_group=c.get("topk_group") or 1,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+                has_correction_bias=c.get("topk_method", "noaux_tc") == "noaux_tc")
+
+
+_DEEPSEEK = CheckpointFamily(
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", routing=_deepseek_routing,
+    shared=lambda c: (c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
+    sparse=lambda c, layer: layer >= c.get("first_k_dense_replace", 0) and layer % (c.get("moe_layer_freq") or 1) == 0,
+)
+_QWEN = dict(experts="num_experts", top_k="num_experts_per_tok", intermediate="moe_intermediate_size",
+             routing=lambda c: {"renormalize": bool(c.get("norm_topk_prob", False))}, sparse=_qwen_sparse)
+
+FAMILIES: dict[str, CheckpointFamily] = {
+    "mixtral": CheckpointFamily("num_local_experts", "num_experts_per_tok", "intermediate_size",
+                                block="block_sparse_moe"),
+    "qwen3_moe": CheckpointFamily(**_QWEN),
+    "qwen2_moe": CheckpointFamily(**_QWEN, shared=lambda c: c.get("shared_expert_intermediate_size") or 0,
+                                  shared_gate=True),
+    "deepseek_v3": _DEEPSEEK,
+    "kimi_k2": _DEEPSEEK,
+    "gpt_oss": CheckpointFamily(
+        "num_local_experts", "num_experts_per_tok", "intermediate_size", router="router", router_bias=True,
+        layer_kwargs=lambda c: dict(activation="swigluoai", has_bias=True,
+                                    swiglu_limit=float(c.get("swiglu_limit", 7.0)))),
+}
+
+
+class CheckpointMoE(nn.Module):
+    """A checkpoint's MoE layer: `router` (fp32 Linear) -> `moe` (FusedMoE, its shared experts too)."""
+
+    def __init__(self, router: nn.Linear, moe: FusedMoE, model_type: str, layer: int):
+        super().__init__()
+        self.router, self.moe, self.model_type, self.layer = router, moe, model_type, layer
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.moe(x_TH, self.router(x_TH.float()))
+
+
+def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str | None = None,
+                   params_dtype: torch.dtype = torch.bfloat16, shared: bool = True, **moe_kwargs: Any) -> CheckpointMoE:
+    """Layer `layer`'s MoE block of the checkpoint directory `path` (module docstring), weights
+    processed for the backend the oracle picks on `device`. `moe_kwargs` go to FusedMoE (backend,
+    parallel, ...)."""
+    path = Path(path)
+    config = _read_json(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    model_type = text.get("model_type") or config.get("model_type")
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one load_moe_layer reads "
+                         f"({', '.join(sorted(FAMILIES))}); a model loaded in transformers: fusedmoe.hf.patch")
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < (layers or layer + 1):
+        raise ValueError(f"layer={layer!r} outside [0, {layers}) (num_hidden_layers)")
+    if not fam.sparse(text, layer):
+        raise ValueError(f"{path}: layer {layer} of {model_type} is a dense MLP, not an MoE layer")
+    scheme = scheme_from_config(config) if "quantization_config" in config else None
+    prefix = f"model.layers.{layer}.{fam.block}."
+    tensors = _read_layer(path, prefix)
+    shared_inter = fam.shared(text) if shared else 0
+    if shared_inter and scheme is not None and any(
+            n.startswith(("shared_expert", "shared_experts")) and not n.endswith(".weight") for n in tensors):
+        raise ValueError(f"{path}: layer {layer}'s shared experts are quantized ({scheme}); load_moe_layer "
+                         "loads 16 / 32-bit shared experts only: pass shared=False for the routed experts")
+    shared_module = None
+    if shared_inter:
+        shared_module = SharedExperts(text["hidden_size"], shared_inter, gate=fam.shared_gate,
+                                      params_dtype=params_dtype, device=device)
+    routing = fam.routing(text)
+    moe = FusedMoE(text[fam.experts], text[fam.top_k], text["hidden_size"], text[fam.intermediate],
+                   params_dtype=params_dtype, quant=scheme, prequantized=scheme is not None, device=device,
+                   shared_experts=shared_module, **routing, **fam.layer_kwargs(text), **moe_kwargs)
+    named = [(prefix + n, t) for n, t in tensors.items()]
+    used = {n[len(prefix):] for n in moe.load_weights(named)}
+    if routing.get("has_correction_bias"):
+        bias = tensors.get(f"{fam.router}.e_score_correction_bias")
+        if bias is None:
+            raise ValueError(f"{path}: {prefix}{fam.router}.e_score_correction_bias is missing (topk_method noaux_tc)")
+        with torch.no_grad():
+            moe.e_score_correction_bias.copy_(bias.float())
+        used.add(f"{fam.router}.e_score_correction_bias")
+    weight = tensors.get(f"{fam.router}.weight")
+    if weight is None:
+        raise ValueError(f"{path}: the router weight {prefix}{fam.router}.weight is missing")
+    router = nn.Linear(weight.shape[1], weight.shape[0], bias=fam.router_bias, device=device, dtype=torch.float32)
+    with torch.no_grad():
+        router.weight.copy_(weight.float())
+        if fam.router_bias:
+            router.bias.copy_(tensors[f"{fam.router}.bias"].float())
+    used |= {f"{fam.router}.weight", f"{fam.router}.bias"}
+    moe.process_weights_after_loading()
+    left = sorted(n for n in tensors if n not in used and not (not shared and n.startswith("shared_expert")))
+    if left:
+        raise ValueError(f"{path}: layer {layer} tensors no part of the layer took: {left[:6]}")
+    return CheckpointMoE(router, moe, model_type, layer)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _read_layer(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """{name after prefix: tensor} of every checkpoint tensor under `prefix`, read from its shard."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files: dict[str, list[str]] = {}
+        for name, file in _read_json(index)["weight_map"].items():
+            if name.startswith(prefix):
+                files.setdefault(file, []).append(name)
+    elif (path / "model.safetensors").is_file():
+        files = {"model.safetensors": None}
+    else:
+        raise ValueError(f"{path}: neither model.safetensors.index.json nor model.safetensors")
+    tensors = {}
+    for file, names in files.items():
+        with safe_open(str(path / file), framework="pt", device="cpu") as f:
+            for name in names if names is not None else [n for n in f.keys() if n.startswith(prefix)]:
+                tensors[name[len(prefix):]] = f.get_tensor(name)
+    if not tensors:
+        raise ValueError(f"{path}: no tensor under {prefix!r}")
+    return tensors

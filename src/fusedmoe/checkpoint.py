@@ -182,7 +182,7 @@ def _read_layer(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for file, names in files.items():
         with safe_open(str(path / file), framework="pt", device="cpu") as f:
-            for name in names if names is not None else [n for n in f.keys() if n.startswith(prefix)]:
+            for name in names if names is not None else [n for n in f.keys() if n.startswith(prefix)]:  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 tensors[name[len(prefix):]] = f.get_tensor(name)
     if not tensors:
         raise ValueError(f"{path}: no tensor under {prefix!r}")

@@ -5,6 +5,7 @@ dequantized weights (tests/test_checkpoint.py's formats)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,44 @@ def test_bad_directories_are_refused_by_what_is_wrong(tmp_path):
         load_moe_layer(llama, 0)
     with pytest.raises(ValueError, match=r"config.json"):
         load_moe_layer(tmp_path / "missing", 0)
+
+
+def test_demo_on_a_checkpoint_directory(tmp_path, capsys):
+    """`fusedmoe demo --checkpoint DIR`: the first MoE layer (DeepSeek-V3's first_k_dense_replace
+    skipped) against the same layer in fp32 emulation, and timed; a GPTQ checkpoint likewise."""
+    from fusedmoe.checkpoint import first_moe_layer
+    from fusedmoe.cli import main
+
+    g = torch.Generator().manual_seed(4)
+    shared = {f"shared_experts.{p}.weight": torch.randn(*((I, H) if p != "down_proj" else (H, I)), generator=g) / 16
+              for p in HF.values()}
+    path, _, _ = _deepseek(tmp_path / "ds", shared)
+    assert first_moe_layer(path) == 1
+    assert main(["demo", "--checkpoint", str(path), "--device", "cpu", "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1 of deepseek_v3" in out and "quant=fp8_w8a8_block" in out and "shared=True" in out
+    assert re.search(r"rel. error   \d\.\d\de[+-]\d\d vs the same layer in fp32 \(emulation\) on the CPU: ok", out), out
+    with pytest.raises(ValueError, match="no MoE layer of a known family"):
+        first_moe_layer(write(tmp_path / "dense", {"model_type": "deepseek_v3", "num_hidden_layers": 1,
+                                                   "first_k_dense_replace": 3}, {"x": torch.ones(1)}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8_block", "int4_g32_gptq_v2"])
+def test_demo_on_a_checkpoint_directory_on_the_gpu(tmp_path, capsys, fmt):
+    """On a GPU the demo holds the GPU layer (Triton, bf16) to the fp32 emulation on the CPU."""
+    from fusedmoe.cli import main
+
+    if fmt == "fp8_block":
+        path, _, _ = _deepseek(tmp_path, {}, n_shared_experts=0)
+    else:
+        ckpt = make_checkpoint(fmt)
+        prefix = "model.layers.0.mlp."
+        config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_size": H,
+                  "moe_intermediate_size": I, "norm_topk_prob": True, "num_hidden_layers": 1,
+                  "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}}
+        path = write(tmp_path, config, experts(ckpt, prefix, HF) | {f"{prefix}gate.weight": torch.randn(E, H)})
+    assert main(["demo", "--checkpoint", str(path), "--tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "backend      triton" in out and "on the CPU: ok" in out, out

@@ -158,6 +158,20 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
     return CheckpointMoE(router, moe, model_type, layer)
 
 
+def first_moe_layer(path: str | Path) -> int:
+    """The first layer of the checkpoint directory `path` that is an MoE layer."""
+    path = Path(path)
+    config = _read_json(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    fam = FAMILIES.get(text.get("model_type") or config.get("model_type"))
+    layers = text.get("num_hidden_layers") or 0
+    found = next((layer for layer in range(layers) if fam is not None and fam.sparse(text, layer)), None)
+    if found is None:
+        raise ValueError(f"{path}: no MoE layer of a known family in config.json (model_type "
+                         f"{text.get('model_type')!r}, {layers} layers)")
+    return found
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

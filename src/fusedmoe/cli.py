@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="a transformers MoE family (mixtral, qwen3_moe, deepseek_v3, gpt_oss, ...): "
                            "a small random model, patched by fusedmoe.hf, against transformers")
     demo.add_argument("--new-tokens", type=int, default=8, help="with --hf: greedy tokens generated")
+    demo.add_argument("--checkpoint", default=None, metavar="DIR",
+                      help="a Hugging Face checkpoint directory (config.json + safetensors): one MoE layer of it "
+                           "(fusedmoe.checkpoint.load_moe_layer) against the same layer loaded as the reference "
+                           "(fp32 on the CPU: emulation for a quantized scheme; on a CPU device both run that "
+                           "same math), and timed")
+    demo.add_argument("--layer", type=int, default=None, help="with --checkpoint: the layer (default: the first MoE one)")
     env = sub.add_parser("env", help="versions, device, optional backend packages, FUSEDMOE_* knobs")
     env.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="time backends on model presets (CUDA graphs, rotated weights)")
@@ -382,6 +388,8 @@ def cmd_demo(args) -> int:
 
     if args.hf is not None:
         return _demo_hf(args)
+    if args.checkpoint is not None:
+        return _demo_checkpoint(args)
     if args.list:
         for p in PRESETS.values():
             print(f"{p.name:18} E={p.num_experts:<4} k={p.top_k:<2} H={p.hidden_size:<5} "
@@ -449,6 +457,44 @@ def cmd_demo(args) -> int:
     print(f"  time         {t * 1e3:.2f} ms per forward (median of {len(times)}, routing included)")
     print(f"  throughput   {args.tokens / t:,.0f} tokens/s, {flops / t / 1e9:,.1f} GFLOP/s")
     return 0 if err < tol else 1
+
+
+def _demo_checkpoint(args) -> int:
+    from fusedmoe.bench import check_cell
+    from fusedmoe.checkpoint import first_moe_layer, load_moe_layer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    layer = first_moe_layer(args.checkpoint) if args.layer is None else args.layer
+    moe = load_moe_layer(args.checkpoint, layer, device=device, params_dtype=dtype)
+    scheme = moe.moe.config.quant
+    ref = load_moe_layer(args.checkpoint, layer, device="cpu", params_dtype=torch.float32,
+                         backend="torch" if scheme is None else "emulation")
+    c = moe.moe.config
+    print(f"fusedmoe demo --checkpoint {args.checkpoint}: layer {layer} of {moe.model_type}")
+    print(f"  E={c.num_experts} top_k={c.top_k} H={c.hidden_size} I={c.intermediate_size} "
+          f"quant={scheme or 'none'} activation={c.activation} shared={moe.moe.shared_experts is not None} "
+          f"tokens={args.tokens} dtype={str(dtype).replace('torch.', '')} device={device}")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(args.tokens, c.hidden_size, generator=gen).to(dtype)
+    with torch.no_grad():
+        out = moe(x.to(device))
+        want = ref(x.float())
+    err, why = check_cell(out.float().cpu(), want, None if scheme is None else scheme.name, torch.device(device))
+    times = []
+    for _ in range(3 if device.type == "cpu" else 20):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            moe(x.to(device))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    print(f"\n  backend      {moe.moe.selection.name} (via {moe.moe.selection.via})")
+    print(f"  rel. error   {err:.2e} vs the same layer in fp32 ({'reference' if scheme is None else 'emulation'}) "
+          f"on the CPU: {'ok' if why is None else why}")
+    print(f"  time         {t * 1e3:.2f} ms per forward (median of {len(times)}, router and routing included)")
+    return 0 if why is None else 1
 
 
 def _demo_hf(args) -> int:

@@ -127,16 +127,29 @@ def test_deepseek_v3_fp8_with_grouped_routing_and_a_shared_expert(tmp_path):
         load_moe_layer(path, 0)
 
 
-def test_quantized_shared_experts_are_refused_unless_left_out(tmp_path):
-    fp8 = torch.randn(I, H).to(torch.float8_e4m3fn)
-    path, ckpt, _ = _deepseek(tmp_path, {"shared_experts.gate_proj.weight": fp8,
-                                         "shared_experts.gate_proj.weight_scale_inv": torch.ones(2, 2)})
-    with pytest.raises(ValueError, match=r"layer 1's shared experts are quantized \(fp8_w8a8_block\).*shared=False"):
-        load_moe_layer(path, 1)
-    moe = load_moe_layer(path, 1, params_dtype=torch.float32, shared=False)
-    assert moe.moe.shared_experts is None
+def test_quantized_shared_experts_are_dequantized_or_left_out(tmp_path):
+    """DeepSeek-V3 FP8's shared expert (fp8 weights + block scales) is dequantized at load: the
+    shared MLP on the checkpoint's dequantized values, activations unquantized; shared=False
+    leaves it out."""
+    from fusedmoe.quant.weights import dequantize_weight, quantize_weight
+
+    g = torch.Generator().manual_seed(6)
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    stored, dequantized = {}, {}
+    for p, shape in shapes.items():
+        q, s, _ = quantize_weight(torch.randn(1, *shape, generator=g) / shape[1]**0.5, "fp8_w8a8_block")
+        stored |= {f"shared_experts.{p}.weight": q[0], f"shared_experts.{p}.weight_scale_inv": s[0]}
+        dequantized[p] = dequantize_weight(q, s, "fp8_w8a8_block")[0]
+    path, ckpt, _ = _deepseek(tmp_path, stored)
+    moe = load_moe_layer(path, 1, params_dtype=torch.float32)
+    assert torch.equal(moe.moe.shared_experts.down, dequantized["down_proj"])
     x = batch()
-    assert rel(moe(x), reference(moe.moe, x, moe.router(x), ckpt.w13, ckpt.w2)) < 1e-5
+    routed = reference(moe.moe, x, moe.router(x), ckpt.w13, ckpt.w2)
+    d = dequantized
+    mlp = torch.nn.functional.silu(x @ d["gate_proj"].T) * (x @ d["up_proj"].T) @ d["down_proj"].T
+    assert rel(moe(x), routed + mlp) < 1e-5
+    alone = load_moe_layer(path, 1, params_dtype=torch.float32, shared=False)
+    assert alone.moe.shared_experts is None and rel(alone(x), routed) < 1e-5
 
 
 def test_gpt_oss_mxfp4_with_router_bias(tmp_path):

@@ -9,8 +9,8 @@ scheme (`quant.scheme_from_config`); the layer's tensors are found through
 (`safetensors.safe_open`, the `hf` extra). The experts load through `FusedMoE.load_weights` (every
 checkpoint format of `fusedmoe.quant.checkpoint`), the router into an fp32 `nn.Linear`. Families
 by `model_type` (`FAMILIES`): Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3 / Kimi-K2, gpt-oss.
-Shared experts load in 16 / 32-bit checkpoints; quantized ones (DeepSeek-V3 FP8's) are refused
-unless `shared=False` (the routed experts alone). For a model already loaded in transformers,
+Quantized shared experts (DeepSeek-V3 FP8's) are dequantized at load and run 16 / 32-bit, their
+activations unquantized; `shared=False` leaves them out. For a model already loaded in transformers,
 `fusedmoe.hf.patch` is the route instead.
 """
 
@@ -100,7 +100,8 @@ class CheckpointMoE(nn.Module):
 
 
 def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str | None = None,
-                   params_dtype: torch.dtype = torch.bfloat16, shared: bool = True, **moe_kwargs: Any) -> CheckpointMoE:
+                   params_dtype: torch.dtype = torch.bfloat16, shared: bool = True,
+                   **moe_kwargs: Any) -> CheckpointMoE:
     """Layer `layer`'s MoE block of the checkpoint directory `path` (module docstring), weights
     processed for the backend the oracle picks on `device`. `moe_kwargs` go to FusedMoE (backend,
     parallel, ...)."""
@@ -121,14 +122,13 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
     prefix = f"model.layers.{layer}.{fam.block}."
     tensors = _read_layer(path, prefix)
     shared_inter = fam.shared(text) if shared else 0
-    if shared_inter and scheme is not None and any(
-            n.startswith(("shared_expert", "shared_experts")) and not n.endswith(".weight") for n in tensors):
-        raise ValueError(f"{path}: layer {layer}'s shared experts are quantized ({scheme}); load_moe_layer "
-                         "loads 16 / 32-bit shared experts only: pass shared=False for the routed experts")
     shared_module = None
     if shared_inter:
         shared_module = SharedExperts(text["hidden_size"], shared_inter, gate=fam.shared_gate,
                                       params_dtype=params_dtype, device=device)
+        quantized = {n: t for n, t in tensors.items() if n.startswith(_SHARED) and not n.endswith(".weight")}
+        if quantized and scheme is not None:  # dequantized once here: the shared MLP runs 16 / 32-bit
+            tensors = _dequantized_shared(tensors, scheme, text["hidden_size"], shared_inter)
     routing = fam.routing(text)
     moe = FusedMoE(text[fam.experts], text[fam.top_k], text["hidden_size"], text[fam.intermediate],
                    params_dtype=params_dtype, quant=scheme, prequantized=scheme is not None, device=device,
@@ -156,6 +156,33 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
     if left:
         raise ValueError(f"{path}: layer {layer} tensors no part of the layer took: {left[:6]}")
     return CheckpointMoE(router, moe, model_type, layer)
+
+
+_SHARED = ("shared_expert.", "shared_experts.")  # Qwen2-MoE, DeepSeek-V3 (shared_expert_gate stays 16-bit)
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _dequantized_shared(tensors: dict, scheme, hidden: int, inter: int) -> dict:
+    """`tensors` with the shared experts' quantized projections replaced by their float32
+    `<prefix><proj>.weight`: each loaded, as stored, into a one-expert prequantized FusedMoE (the
+    routed experts' loader and checks), then dequantized (`quant.dequantize_weights`)."""
+    from fusedmoe.quant.weights import dequantize_weights
+
+    prefix = next(p for p in _SHARED if any(n.startswith(p) for n in tensors))
+    one = FusedMoE(1, 1, hidden, inter, params_dtype=torch.float32, quant=scheme, prequantized=True,
+                   backend="emulation")
+    out = {}
+    for name, tensor in tensors.items():
+        proj = name[len(prefix):].split(".")[0] if name.startswith(prefix) else None
+        if proj in _PROJ:
+            one.load_expert_weight(0, name[len(prefix):], tensor)
+        else:
+            out[name] = tensor
+    one.process_weights_after_loading()
+    w13, w2 = dequantize_weights(one.w13_weight, one.w2_weight, one.quant_params)
+    out |= {f"{prefix}gate_proj.weight": w13[0, :inter], f"{prefix}up_proj.weight": w13[0, inter:],
+            f"{prefix}down_proj.weight": w2[0]}
+    return out
 
 
 def first_moe_layer(path: str | Path) -> int:

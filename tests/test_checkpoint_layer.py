@@ -125,6 +125,9 @@ def test_deepseek_v3_fp8_with_grouped_routing_and_a_shared_expert(tmp_path):
     assert rel(moe(x), routed + mlp) < 1e-5
     with pytest.raises(ValueError, match="layer 0 of deepseek_v3 is a dense MLP"):
         load_moe_layer(path, 0)
+    no_shared, _, _ = _deepseek(tmp_path / "no_shared", {})  # the config gives one; no tensor holds it
+    with pytest.raises(ValueError, match=r"layer 1 shared experts \(intermediate 256\) but its checkpoint holds none"):
+        load_moe_layer(no_shared, 1)
 
 
 def test_quantized_shared_experts_are_dequantized_or_left_out(tmp_path):

@@ -126,8 +126,8 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
     if shared_inter:
         shared_module = SharedExperts(text["hidden_size"], shared_inter, gate=fam.shared_gate,
                                       params_dtype=params_dtype, device=device)
-        quantized = {n: t for n, t in tensors.items() if n.startswith(_SHARED) and not n.endswith(".weight")}
-        if quantized and scheme is not None:  # dequantized once here: the shared MLP runs 16 / 32-bit
+        if scheme is not None and any(n.startswith(_SHARED) and not n.endswith(".weight") for n in tensors):
+            # dequantized once here: the shared MLP runs 16 / 32-bit
             tensors = _dequantized_shared(tensors, scheme, text["hidden_size"], shared_inter)
     routing = fam.routing(text)
     moe = FusedMoE(text[fam.experts], text[fam.top_k], text["hidden_size"], text[fam.intermediate],
@@ -151,6 +151,11 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
         if fam.router_bias:
             router.bias.copy_(tensors[f"{fam.router}.bias"].float())
     used |= {f"{fam.router}.weight", f"{fam.router}.bias"}
+    if shared_module is not None:  # SharedExperts holds uninitialised storage until each part loads
+        parts = {*_PROJ, *(("gate",) if fam.shared_gate else ())}
+        if shared_module._loaded != parts:
+            raise ValueError(f"{path}: config.json gives layer {layer} shared experts (intermediate {shared_inter}) "
+                             f"but its checkpoint holds {sorted(shared_module._loaded) or 'none'} of {sorted(parts)}")
     moe.process_weights_after_loading()
     left = sorted(n for n in tensors if n not in used and not (not shared and n.startswith("shared_expert")))
     if left:

@@ -119,3 +119,12 @@ def test_overlap_switch_gpu(monkeypatch) -> None:
     torch.cuda.synchronize()
     for a, b in zip(overlapped, in_sequence, strict=True):
         assert torch.equal(a, b)
+
+
+def test_never_loaded_shared_mlp_gives_nan() -> None:
+    """Storage nothing was loaded or assigned into starts as NaN: the output says so (it held
+    whatever the allocator left before)."""
+    from fusedmoe.shared import SharedExperts
+
+    shared = SharedExperts(16, 8, gate=True)
+    assert shared(torch.randn(3, 16)).isnan().all()

@@ -38,9 +38,13 @@ class SharedExperts(nn.Module):
         factory = dict(dtype=params_dtype or torch.get_default_dtype(), device=device)
         self.activation = activation
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size, **factory), requires_grad=False)
-        self.gate = (nn.Parameter(torch.empty(1, hidden_size, **factory), requires_grad=False)
+        # NaN until loaded or assigned: a part never written makes the output NaN, not whatever the
+        # allocator left there
+        nan = float("nan")
+        self.gate_up = nn.Parameter(torch.full((2 * intermediate_size, hidden_size), nan, **factory),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.full((hidden_size, intermediate_size), nan, **factory), requires_grad=False)
+        self.gate = (nn.Parameter(torch.full((1, hidden_size), nan, **factory), requires_grad=False)
                      if gate else None)
         self._loaded: set[str] = set()
 

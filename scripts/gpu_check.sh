@@ -94,7 +94,7 @@ step_fuzz() {
 }
 
 step_retune() {
-    local cell q p m r args tuned=0
+    local cell q p m r args failed=0
     mkdir -p "$OUT/tuned"
     for cell in $CELLS; do
         IFS=: read -r q p m <<< "$cell"
@@ -113,17 +113,14 @@ step_retune() {
             args=(--presets "$p" --tokens "$m" --backends triton)
             [ "$q" != none ] && args+=(--quant "$q")
             for table in packaged tuned; do
-                local json="$OUT/retune_${round}_${table}_${q}_${p}_${m}.json" extra=()
+                local json="$OUT/retune_${round}_${table}_${q}_${p}_${m}.json" extra=() env=(env)
+                [ "$table" = tuned ] && env=(env FUSEDMOE_TUNED_DIR="$OUT/tuned")
                 [ "$table" = tuned ] && [ "$round" = 1 ] && extra=(--check)
                 echo "== round $round $table $cell" >> "$OUT/retune.txt"
-                if [ "$table" = tuned ]; then
-                    FUSEDMOE_TUNED_DIR="$OUT/tuned" timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" \
-                        "${extra[@]}" --json "$json" >> "$OUT/retune.txt" 2>&1
-                else
-                    timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" --json "$json" >> "$OUT/retune.txt" 2>&1
-                fi
+                "${env[@]}" timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" "${extra[@]}" \
+                    --json "$json" >> "$OUT/retune.txt" 2>&1
                 r=$?
-                [ $r -ne 0 ] && note "bench round $round $table $cell" "$(ended "$r")"
+                [ $r -ne 0 ] && { note "bench round $round $table $cell" "$(ended "$r")"; failed=1; }
             done
         done
     done
@@ -142,7 +139,7 @@ for cell in cells:
     print(f"{cell}: packaged {', '.join(f'{t:.1f}' for t in old) or '-'} us; "
           f"tuned {', '.join(f'{t:.1f}' for t in new) or '-'} us{change}")
 PY
-    note retune "ok"
+    [ $failed = 0 ] && note retune "ok" || note retune "failed (a bench run above)"
 }
 
 for s in "${steps[@]}"; do

@@ -81,6 +81,15 @@ def test_retune_tunes_each_cell_and_refuses_bad_cells_before_any_run(tmp_path):
         "retune: ok: nothing written"]
     log = (tmp_path / "retune.txt").read_text()
     assert "needs a CUDA device" in log and "round 1" not in log
+    out = tmp_path / "with_table"  # a table there (as a GPU tune would leave): the bench rounds run
+    (out / "tuned").mkdir(parents=True)
+    (out / "tuned" / "NVIDIA_H200.json").write_text("{}")
+    done = run(out, "retune", CELLS="mxfp4_w4a16:qwen3-30b-a3b:256", ROUNDS="1")
+    assert done.returncode == 1
+    assert (out / "summary.txt").read_text().splitlines()[1:] == [
+        "bench round 1 packaged mxfp4_w4a16:qwen3-30b-a3b:256: failed (exit 2)",
+        "bench round 1 tuned mxfp4_w4a16:qwen3-30b-a3b:256: failed (exit 2)", "retune: failed (a bench run above)"]
+    assert "mxfp4_w4a16:qwen3-30b-a3b:256: packaged - us; tuned - us" in (out / "retune_summary.txt").read_text()
     for cells, why in ((None, "retune needs CELLS"), ("mxfp4_w4a16:qwen3-30b-a3b", "is not QUANT:PRESET:M")):
         out = tmp_path / f"bad{len(why)}"
         env = {} if cells is None else {"CELLS": cells}

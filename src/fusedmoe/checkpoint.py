@@ -106,13 +106,7 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
     processed for the backend the oracle picks on `device`. `moe_kwargs` go to FusedMoE (backend,
     parallel, ...)."""
     path = Path(path)
-    config = _read_json(path / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    model_type = text.get("model_type") or config.get("model_type")
-    fam = FAMILIES.get(model_type)
-    if fam is None:
-        raise ValueError(f"{path}: model_type {model_type!r} is not one load_moe_layer reads "
-                         f"({', '.join(sorted(FAMILIES))}); a model loaded in transformers: fusedmoe.hf.patch")
+    config, text, model_type, fam = _config_and_family(path)
     layers = text.get("num_hidden_layers")
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < (layers or layer + 1):
         raise ValueError(f"layer={layer!r} outside [0, {layers}) (num_hidden_layers)")
@@ -190,14 +184,24 @@ def _dequantized_shared(tensors: dict, scheme, hidden: int, inter: int) -> dict:
     return out
 
 
+def _config_and_family(path: Path) -> tuple[dict, Mapping, str, CheckpointFamily]:
+    """(config.json, its text config, model_type, FAMILIES' record of it), or ValueError."""
+    config = _read_json(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    model_type = text.get("model_type") or config.get("model_type")
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one load_moe_layer reads "
+                         f"({', '.join(sorted(FAMILIES))}); a model loaded in transformers: fusedmoe.hf.patch")
+    return config, text, model_type, fam
+
+
 def first_moe_layer(path: str | Path) -> int:
     """The first layer of the checkpoint directory `path` that is an MoE layer."""
     path = Path(path)
-    config = _read_json(path / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    fam = FAMILIES.get(text.get("model_type") or config.get("model_type"))
+    _, text, _, fam = _config_and_family(path)
     layers = text.get("num_hidden_layers") or 0
-    found = next((layer for layer in range(layers) if fam is not None and fam.sparse(text, layer)), None)
+    found = next((layer for layer in range(layers) if fam.sparse(text, layer)), None)
     if found is None:
         raise ValueError(f"{path}: no MoE layer of a known family in config.json (model_type "
                          f"{text.get('model_type')!r}, {layers} layers)")

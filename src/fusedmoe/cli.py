@@ -443,20 +443,25 @@ def cmd_demo(args) -> int:
     err = ((out.double() - ref).norm() / ref.norm()).item()
     tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
 
+    t, runs = _median_s(lambda: layer(x, logits), device)
+    flops = 6 * args.tokens * model.top_k * model.hidden_size * model.intermediate_size
+    print(f"\n  backend      {selection.name} (via {selection.via})")
+    print(f"  rel. error   {err:.2e} vs a float64 reference ({'ok' if err < tol else 'TOO LARGE'}, tolerance {tol:.0e})")
+    print(f"  time         {t * 1e3:.2f} ms per forward (median of {runs}, routing included)")
+    print(f"  throughput   {args.tokens / t:,.0f} tokens/s, {flops / t / 1e9:,.1f} GFLOP/s")
+    return 0 if err < tol else 1
+
+
+def _median_s(fn, device: torch.device) -> tuple[float, int]:
+    """(median seconds of fn() over 3 runs on a CPU, 20 on a GPU, synchronized; the run count)."""
     times = []
     for _ in range(3 if device.type == "cpu" else 20):
         _sync(device)
         t0 = time.perf_counter()
-        layer(x, logits)
+        fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    flops = 6 * args.tokens * model.top_k * model.hidden_size * model.intermediate_size
-    print(f"\n  backend      {selection.name} (via {selection.via})")
-    print(f"  rel. error   {err:.2e} vs a float64 reference ({'ok' if err < tol else 'TOO LARGE'}, tolerance {tol:.0e})")
-    print(f"  time         {t * 1e3:.2f} ms per forward (median of {len(times)}, routing included)")
-    print(f"  throughput   {args.tokens / t:,.0f} tokens/s, {flops / t / 1e9:,.1f} GFLOP/s")
-    return 0 if err < tol else 1
+    return statistics.median(times), len(times)
 
 
 def _demo_checkpoint(args) -> int:
@@ -481,19 +486,12 @@ def _demo_checkpoint(args) -> int:
         out = moe(x.to(device))
         want = ref(x.float())
     err, why = check_cell(out.float().cpu(), want, None if scheme is None else scheme.name, torch.device(device))
-    times = []
-    for _ in range(3 if device.type == "cpu" else 20):
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            moe(x.to(device))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
+    with torch.no_grad():
+        t, runs = _median_s(lambda: moe(x.to(device)), device)
     print(f"\n  backend      {moe.moe.selection.name} (via {moe.moe.selection.via})")
     print(f"  rel. error   {err:.2e} vs the same layer in fp32 ({'reference' if scheme is None else 'emulation'}) "
           f"on the CPU: {'ok' if why is None else why}")
-    print(f"  time         {t * 1e3:.2f} ms per forward (median of {len(times)}, router and routing included)")
+    print(f"  time         {t * 1e3:.2f} ms per forward (median of {runs}, router and routing included)")
     return 0 if why is None else 1
 
 

@@ -198,6 +198,16 @@ def test_bad_directories_are_refused_by_what_is_wrong(tmp_path):
         load_moe_layer(tmp_path / "missing", 0)
 
 
+def _gptq_dir(tmp_path):
+    """A one-layer Qwen3-MoE checkpoint directory of GPTQ int4 g32 (v2) experts."""
+    ckpt = make_checkpoint("int4_g32_gptq_v2")
+    prefix = "model.layers.0.mlp."
+    config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_size": H,
+              "moe_intermediate_size": I, "norm_topk_prob": True, "num_hidden_layers": 1,
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}}
+    return write(tmp_path, config, experts(ckpt, prefix, HF) | {f"{prefix}gate.weight": torch.randn(E, H)})
+
+
 def test_demo_on_a_checkpoint_directory(tmp_path, capsys):
     """`fusedmoe demo --checkpoint DIR`: the first MoE layer (DeepSeek-V3's first_k_dense_replace
     skipped) against the same layer in fp32 emulation, and timed; a GPTQ checkpoint likewise."""
@@ -213,6 +223,11 @@ def test_demo_on_a_checkpoint_directory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "layer 1 of deepseek_v3" in out and "quant=fp8_w8a8_block" in out and "shared=True" in out
     assert re.search(r"rel. error   \d\.\d\de[+-]\d\d vs the same layer in fp32 \(emulation\) on the CPU: ok", out), out
+    # a bf16 layer is held to bf16's tolerance (it was held to float32's: its output was cast first)
+    assert main(["demo", "--checkpoint", str(_gptq_dir(tmp_path / "gptq")), "--device", "cpu", "--dtype", "bfloat16",
+                 "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "dtype=bfloat16" in out and re.search(r"rel. error   [1-9]\.\d\de-0[2-4] .*: ok", out), out
     with pytest.raises(ValueError, match="no MoE layer of a known family"):
         first_moe_layer(write(tmp_path / "dense", {"model_type": "deepseek_v3", "num_hidden_layers": 1,
                                                    "first_k_dense_replace": 3}, {"x": torch.ones(1)}))
@@ -228,12 +243,7 @@ def test_demo_on_a_checkpoint_directory_on_the_gpu(tmp_path, capsys, fmt):
     if fmt == "fp8_block":
         path, _, _ = _deepseek(tmp_path, {}, n_shared_experts=0)
     else:
-        ckpt = make_checkpoint(fmt)
-        prefix = "model.layers.0.mlp."
-        config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_size": H,
-                  "moe_intermediate_size": I, "norm_topk_prob": True, "num_hidden_layers": 1,
-                  "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}}
-        path = write(tmp_path, config, experts(ckpt, prefix, HF) | {f"{prefix}gate.weight": torch.randn(E, H)})
+        path = _gptq_dir(tmp_path)
     assert main(["demo", "--checkpoint", str(path), "--tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert "backend      triton" in out and "on the CPU: ok" in out, out

@@ -22,7 +22,8 @@
 #                 OUT/tuned (TUNE_JOBS compile workers, default 12; LIMIT_TUNE seconds, default 240),
 #                 then ROUNDS (default 2) rounds of `fusedmoe bench` alternating the packaged tables and
 #                 OUT/tuned on each cell (the first tuned run with --check); retune_summary.txt gives
-#                 each cell's times; merge what wins with scripts/merge_tuned.py OUT/tuned/<device>.json
+#                 each cell's times (the rounds' JSON files packed in retune_runs.tgz); merge what wins
+#                 with scripts/merge_tuned.py OUT/tuned/<device>.json
 # The exit status is nonzero if a step failed or ran out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,13 +108,14 @@ step_retune() {
         note "tune $cell" "$(ended "$r")"
     done
     ls "$OUT"/tuned/*.json > /dev/null 2>&1 || { note retune "ok: nothing written"; return; }
+    mkdir -p "$OUT/retune_runs"
     for round in $(seq "${ROUNDS:-2}"); do
         for cell in $CELLS; do
             IFS=: read -r q p m <<< "$cell"
             args=(--presets "$p" --tokens "$m" --backends triton)
             [ "$q" != none ] && args+=(--quant "$q")
             for table in packaged tuned; do
-                local json="$OUT/retune_${round}_${table}_${q}_${p}_${m}.json" extra=() env=(env)
+                local json="$OUT/retune_runs/${round}_${table}_${q}_${p}_${m}.json" extra=() env=(env)
                 [ "$table" = tuned ] && env=(env FUSEDMOE_TUNED_DIR="$OUT/tuned")
                 [ "$table" = tuned ] && [ "$round" = 1 ] && extra=(--check)
                 echo "== round $round $table $cell" >> "$OUT/retune.txt"
@@ -131,7 +133,7 @@ for cell in cells:
     q, p, m = cell.split(":")
     times = {}
     for table in ("packaged", "tuned"):
-        for path in sorted(glob.glob(f"{out}/retune_*_{table}_{q}_{p}_{m}.json")):
+        for path in sorted(glob.glob(f"{out}/retune_runs/*_{table}_{q}_{p}_{m}.json")):
             rows = json.load(open(path))["rows"]
             times.setdefault(table, []).extend(r["us"] for r in rows if r.get("us") is not None)
     old, new = times.get("packaged", []), times.get("tuned", [])
@@ -139,6 +141,9 @@ for cell in cells:
     print(f"{cell}: packaged {', '.join(f'{t:.1f}' for t in old) or '-'} us; "
           f"tuned {', '.join(f'{t:.1f}' for t in new) or '-'} us{change}")
 PY
+    # one archive of the rounds' JSON files: a machine may send back only a few files (the H200
+    # sandbox: 8), and the tuned table must be one of them
+    tar czf "$OUT/retune_runs.tgz" -C "$OUT" retune_runs && rm -r "$OUT/retune_runs"
     [ $failed = 0 ] && note retune "ok" || note retune "failed (a bench run above)"
 }
 

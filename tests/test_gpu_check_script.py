@@ -90,6 +90,10 @@ def test_retune_tunes_each_cell_and_refuses_bad_cells_before_any_run(tmp_path):
         "bench round 1 packaged mxfp4_w4a16:qwen3-30b-a3b:256: failed (exit 2)",
         "bench round 1 tuned mxfp4_w4a16:qwen3-30b-a3b:256: failed (exit 2)", "retune: failed (a bench run above)"]
     assert "mxfp4_w4a16:qwen3-30b-a3b:256: packaged - us; tuned - us" in (out / "retune_summary.txt").read_text()
+    # the rounds' JSON files in one archive (a machine may send back few files): the table, the
+    # logs and the archive are all that is left
+    assert sorted(p.name for p in out.iterdir()) == ["retune.txt", "retune_runs.tgz", "retune_summary.txt",
+                                                     "summary.txt", "tuned"]
     for cells, why in ((None, "retune needs CELLS"), ("mxfp4_w4a16:qwen3-30b-a3b", "is not QUANT:PRESET:M")):
         out = tmp_path / f"bad{len(why)}"
         env = {} if cells is None else {"CELLS": cells}

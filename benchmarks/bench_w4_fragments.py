@@ -323,7 +323,7 @@ class Problem:
         self.copies = []
         if fmt == "int4":
             for _ in range(copies):
-                q, scale, _ = quantize_weight(torch.randn(E, N, K, device=device), "int4_w4a16_g32")
+                q, scale, *_ = quantize_weight(torch.randn(E, N, K, device=device), "int4_w4a16_g32")
                 scale = scale.to(torch.bfloat16)  # as the bench and the library run int4
                 self.copies.append(dict(i4frag=(to_int4_fragments(q), row_k16_multipliers(scale, 32),
                                                 torch.ones(E, device=device)), plain=(q, scale)))

@@ -80,7 +80,7 @@ def fp8_block(w, seed) -> Checkpoint:
     """DeepSeek: weight fp8 [N, K] + weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]."""
     per, deq = {}, {}
     for p, wp in w.items():
-        q, s, _ = quantize_weight(wp, "fp8_w8a8_block")
+        q, s, *_ = quantize_weight(wp, "fp8_w8a8_block")
         per[p] = {"weight": q, "weight_scale_inv": s}
         deq[p] = _block_dequant(q, s)
     return _assemble("fp8_w8a8_block", per, deq)
@@ -92,7 +92,7 @@ def _fp8_tensor(w, scheme, scale_name, shared_w13, scalar_shape, input_scales, s
     joint = torch.cat((w["gate"], w["up"]), 1)
     for p, wp in w.items():
         source = joint if shared_w13 and p != "down" else wp
-        _, s, _ = quantize_weight(source, "fp8_w8a8_tensor")
+        _, s, *_ = quantize_weight(source, "fp8_w8a8_tensor")
         q = (wp / s.view(-1, 1, 1)).clamp(-448, 448).to(FP8_DTYPE)
         per[p] = {"weight": q, scale_name: s.reshape(E, *scalar_shape)}
         deq[p] = q.float() * s.view(-1, 1, 1)
@@ -121,7 +121,7 @@ def fp8_tensor_static(w, seed):  # ModelOpt FP8: scalar weight_scale + input_sca
 def _per_channel(w, scheme, scale_dtype) -> Checkpoint:
     per, deq = {}, {}
     for p, wp in w.items():
-        q, s, _ = quantize_weight(wp, scheme)
+        q, s, *_ = quantize_weight(wp, scheme)
         s = s.to(scale_dtype).unsqueeze(-1)  # [E, N, 1] as stored
         per[p] = {"weight": q, "weight_scale": s}
         deq[p] = q.float() * s.float()

@@ -140,7 +140,7 @@ def test_quantized_shared_experts_are_dequantized_or_left_out(tmp_path):
     shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
     stored, dequantized = {}, {}
     for p, shape in shapes.items():
-        q, s, _ = quantize_weight(torch.randn(1, *shape, generator=g) / shape[1]**0.5, "fp8_w8a8_block")
+        q, s, *_ = quantize_weight(torch.randn(1, *shape, generator=g) / shape[1]**0.5, "fp8_w8a8_block")
         stored |= {f"shared_experts.{p}.weight": q[0], f"shared_experts.{p}.weight_scale_inv": s[0]}
         dequantized[p] = dequantize_weight(q, s, "fp8_w8a8_block")[0]
     path, ckpt, _ = _deepseek(tmp_path, stored)

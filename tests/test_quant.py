@@ -314,6 +314,38 @@ def test_int4_scales_of_bf16_weights_are_bf16(scheme_name):
         assert quantize_weights(w13.to(dtype), w2.to(dtype), scheme_name)[2].w13_scale.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_asymmetric_quantization(dtype):
+    """`*_zp`: per group s = (max(w, 0) - min(w, 0)) / 15 in the scale dtype (bf16 for bf16
+    weights), zero = round(-min / s) - 8 and codes round(w / s) + zero within [-8, 7]; w = s *
+    (code - zero) within half a step, 0 exact; on a group of one sign the 16 levels span only its
+    range, so it rounds twice as finely as symmetric int4 (whose 8 levels of that sign are used)."""
+    from fusedmoe.quant.formats import int4_unpack
+
+    w13, w2 = make_weights(NUM_EXPERTS, 2 * INTER, HIDDEN, INTER, seed=13)
+    w13[:, :4] = w13[:, :4].abs()  # four rows of one sign
+    w13[:, 4, :32] = 0  # a zero group
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    q13, q2, params = quantize_weights(w13, w2, "int4_w4a16_g32_zp")
+    scale, zero = params.w13_scale, params.w13_zero
+    assert scale.dtype == zero.dtype == dtype and zero.shape == scale.shape == (NUM_EXPERTS, 2 * INTER, HIDDEN // 32)
+    assert torch.equal(zero, zero.round()) and zero.min() >= -8 and zero.max() <= 7
+    grouped = w13.float().view(NUM_EXPERTS, 2 * INTER, HIDDEN // 32, 32)
+    lo, hi = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+    want = torch.where(hi == lo, 1.0, (hi - lo) / 15).to(dtype)
+    assert torch.equal(scale, want)
+    codes = int4_unpack(q13).view(grouped.shape).float()
+    assert torch.equal(codes, (torch.round(grouped / scale.float()[..., None]) + zero.float()[..., None] + 8)
+                       .clamp(0, 15) - 8)
+    d13, d2 = dequantize_weights(q13, q2, params)
+    step = scale.float().repeat_interleave(32, -1)
+    # plus the clamp at a group's end where the stored (bf16) scale rounded down: 15 steps short by 2^-8 each
+    assert ((d13 - w13.float()).abs() <= 0.5 * step + 16 * step * 2.0**-8).all()
+    assert (d13[:, 4, :32] == 0).all() and (d13[w13 == 0] == 0).all()
+    sym = dequantize_weights(*quantize_weights(w13, w2, "int4_w4a16_g32"))[0]
+    assert rel_error(d13[:, :4], w13[:, :4].float()) < 0.6 * rel_error(sym[:, :4], w13[:, :4].float())
+
+
 def test_nvfp4_scale_layout_and_math():
     w13, w2 = make_weights(2, 64, 96, 32, seed=11)
     q13, q2, params = quantize_weights(w13, w2, "nvfp4")
@@ -410,6 +442,20 @@ BAD_QUANT = [
              r"a13_scale is set but int8_w8a16 has no activation quantization; leave it None"),
     BadQuant("fp8_w8a8_tensor", "a2_scale", torch.ones(1),
              r"a2_scale is set but fp8_w8a8_tensor has dynamic activation scales"),
+    BadQuant("int4_w4a16_g32_zp", "w13_zero", None,
+             r"w13_zero is None but int4_w4a16_g32_zp is asymmetric: it needs zero points \(the scales' "
+             r"shape \(8, 256, 4\) and dtype torch.float32, each z - 8\)"),
+    BadQuant("int4_w4a16_g32_zp", "w2_zero", torch.zeros(E8, H, G // 64, dtype=torch.bfloat16),
+             r"w2_zero has dtype torch.bfloat16, expected its scale's torch.float32 for int4_w4a16_g32_zp"),
+    BadQuant("int4_w4a16_g32_zp", "w2_zero", torch.zeros(E8, H, G // 32),
+             r"w2_zero has shape \(8, 128, 8\), expected its scale's \(8, 128, 4\) for int4_w4a16_g32_zp"),
+    BadQuant("int4_w4a16_g32_zp", "w13_zero", torch.zeros(E8, H // 32, G).transpose(1, 2),
+             r"w13_zero has strides \(1024, 1, 256\), expected its scale's \(1024, 4, 1\)"),
+    BadQuant("int4_w4a16_g32", "w13_zero", torch.zeros(E8, G, H // 32),
+             r"w13_zero is set but int4_w4a16_g32 is symmetric \(zero points belong to the \*_zp schemes, "
+             r"e.g. int4_w4a16_g32_zp\)"),
+    BadQuant("mxfp4_w4a16", "w2_zero", torch.zeros(E8, H, G // 64),
+             r"w2_zero is set but mxfp4_w4a16 has no zero points"),
 ]
 
 

@@ -118,7 +118,8 @@ def fused_experts(
     return kernel(hidden_states, weights, topk_weights, topk_ids, expert_map_E=expert_map, inplace=inplace)
 
 
-_QUANT_TENSORS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale", "w2_global_scale")
+_QUANT_TENSORS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale", "w2_global_scale",
+                  "w13_zero", "w2_zero")
 
 
 def _flat_quant(quant: QuantParams | None) -> tuple:
@@ -147,6 +148,8 @@ def _fused_experts_op_impl(
     a2_scale: torch.Tensor | None,
     w13_global_scale: torch.Tensor | None,
     w2_global_scale: torch.Tensor | None,
+    w13_zero: torch.Tensor | None,
+    w2_zero: torch.Tensor | None,
     backend: str,
     swiglu_alpha: float,
     swiglu_limit: float | None,
@@ -157,7 +160,7 @@ def _fused_experts_op_impl(
     quant = None
     if quant_scheme is not None:
         quant = QuantParams(quant_scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
-                            w2_global_scale)
+                            w2_global_scale, w13_zero, w2_zero)
     # the _out op writes `out`: it holds hidden_states (functionalized: a copy of them), or is them
     x = hidden_states if out is None or out is hidden_states else out.copy_(hidden_states)
     return fused_experts(

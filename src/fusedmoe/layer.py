@@ -89,7 +89,7 @@ _EXPERT_NAME = re.compile(
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
 _PER_EXPERT = ("w13_weight", "w2_weight", "w13_bias", "w2_bias", "w13_scale", "w2_scale",
-               "w13_global_scale", "w2_global_scale", "a13_scale", "a2_scale")
+               "w13_global_scale", "w2_global_scale", "a13_scale", "a2_scale", "w13_zero", "w2_zero")
 _PAYLOAD_DTYPE = {"fp8": FP8_DTYPE, "int8": torch.int8, "int4": torch.uint8, "nvfp4": torch.uint8,
                   "mxfp4": torch.uint8}
 _SCALE_DTYPE = {"nvfp4": FP8_DTYPE, "mxfp4": torch.uint8}  # others: float32 (int4: below)
@@ -406,6 +406,9 @@ class FusedMoE(nn.Module):
         else:
             self.register_buffer("w13_scale", torch.empty(scale_shape(key, num_local, rows, hidden), **scale))
         self.register_buffer("w2_scale", torch.empty(scale_shape(key, num_local, hidden, inter), **scale))
+        if scheme.has_zero:  # asymmetric int4: zero points laid and typed as the scales
+            self.register_buffer("w13_zero", torch.empty_like(self.w13_scale))
+            self.register_buffer("w2_zero", torch.empty_like(self.w2_scale))
         if key.dtype == "nvfp4":
             self.register_buffer("w13_global_scale", torch.empty(num_local, parts, **per_tensor))
             self.register_buffer("w2_global_scale", torch.empty(num_local, **per_tensor))
@@ -669,7 +672,7 @@ class FusedMoE(nn.Module):
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
             if processed.quant is not self.quant_params:  # re-laid scales (Triton: int4 / nvfp4 group-major)
-                for name in ("w13_scale", "w2_scale"):
+                for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero"):
                     if getattr(processed.quant, name) is not getattr(self.quant_params, name):
                         self.register_buffer(name, getattr(processed.quant, name))
                 self.quant_params = processed.quant
@@ -741,7 +744,7 @@ class FusedMoE(nn.Module):
         self.quant_params = QuantParams(
             scheme, self.w13_scale, self.w2_scale, getattr(self, "a13_scale", None),
             getattr(self, "a2_scale", None), getattr(self, "w13_global_scale", None),
-            getattr(self, "w2_global_scale", None),
+            getattr(self, "w2_global_scale", None), getattr(self, "w13_zero", None), getattr(self, "w2_zero", None),
         )
 
     def _quantize(self) -> None:
@@ -753,7 +756,7 @@ class FusedMoE(nn.Module):
         self._parameters["w13_weight"] = nn.Parameter(q13, requires_grad=False)
         self._parameters["w2_weight"] = nn.Parameter(q2, requires_grad=False)
         for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale",
-                     "w2_global_scale"):
+                     "w2_global_scale", "w13_zero", "w2_zero"):
             self.register_buffer(f"{name}", getattr(params, name))
         self.quant_params = params
 

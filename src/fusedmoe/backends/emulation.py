@@ -67,7 +67,7 @@ class EmulationExperts(Experts):
         self, w13: torch.Tensor, w2: torch.Tensor, quant: QuantParams
     ) -> tuple[torch.Tensor, ...]:
         sources = (w13, w2, quant.w13_scale, quant.w2_scale, quant.w13_global_scale,
-                   quant.w2_global_scale)
+                   quant.w2_global_scale, quant.w13_zero, quant.w2_zero)
         present = tuple(t for t in sources if t is not None)
         stamp = (quant.scheme.weight, *(_version(t) for t in present))
         if self._cache is not None:

@@ -74,9 +74,31 @@ def int_quantize(x: torch.Tensor, scale: torch.Tensor | float, bits: int) -> tor
     return torch.round(x.float() / scale).clamp(qmin, qmax).to(torch.int8)
 
 
-def int_dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x = float32(q) * scale."""
-    return q.float() * scale
+def int_dequantize(q: torch.Tensor, scale: torch.Tensor | float,
+                   zero: torch.Tensor | float | None = None) -> torch.Tensor:
+    """x = float32(q) * scale, or (float32(q) - zero) * scale with a zero point."""
+    return q.float() * scale if zero is None else (q.float() - zero) * scale
+
+
+def int4_asym_quantize(x_g: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 of groups x_g [..., G, g] -> (codes int8 [..., G, g], scale [..., G],
+    zero [..., G]), both in `scale_dtype`.
+
+    Unsigned AWQ math shifted by 8 so codes share symmetric int4's storage: s = (max - min) / 15
+    over the group's range widened to hold 0, z = round(-min / s) in [0, 15], q = clamp(round(x / s)
+    + z, 0, 15); returned as codes q - 8 and zero z - 8 in [-8, 7], so x ~ s * (code - zero) and a
+    0 weight is exact. The codes and z are rounded against the stored (scale_dtype) scale; an
+    all-zero group gets s = 1, z = 0 (codes 0).
+    """
+    lo = x_g.float().amin(-1).clamp(max=0)
+    hi = x_g.float().amax(-1).clamp(min=0)
+    span = hi - lo
+    scale = torch.where(span == 0, torch.ones_like(span), _divide(span, 15.0)).to(scale_dtype)
+    s = scale.float()
+    z = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(x_g.float() / s.unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
+    return (q - 8).to(torch.int8), scale, (z - 8).to(scale_dtype)
 
 
 # Nibble packing -------------------------------------------------------------------------------

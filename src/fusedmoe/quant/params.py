@@ -7,7 +7,9 @@ Payload tensors (w13, w2) are passed as the usual weight arguments, in their sto
 Scales follow `fusedmoe.quant.scheme` (tensor [E], channel [E, N], block [E, N/128, K/128],
 group [E, N, K/g]); `a13_scale`/`a2_scale` are static activation scales (fp8 static: [1] or [E];
 nvfp4: the fp32 input global scale [E]); `w13_global_scale`/`w2_global_scale` are NVFP4's fp32
-per-expert global scales [E].
+per-expert global scales [E]; `w13_zero`/`w2_zero` are asymmetric int4's zero points (`*_zp`
+schemes only): the scales' shape and dtype, each the group's zero point z minus 8 (codes are
+stored as q - 8), so w = scale * (code - zero).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class QuantParams:
     a2_scale: torch.Tensor | None = None
     w13_global_scale: torch.Tensor | None = None
     w2_global_scale: torch.Tensor | None = None
+    w13_zero: torch.Tensor | None = None
+    w2_zero: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         scheme = get_scheme(self.scheme)

@@ -10,6 +10,9 @@ Scale layouts (E experts, N output rows, K input columns of one GEMM; w13 has N 
     channel  weight_scale [E, N]         one per output row
     block    weight_scale [E, N/128, K/128]   (DeepSeek `weight_scale_inv`, a multiplier)
     group g  weight_scale [E, N, K/g]    int4 (bf16/fp32 scales), nvfp4 (e4m3, g=16), mxfp4 (e8m0, g=32)
+             weight_zero  [E, N, K/g]    asymmetric int4 (`*_zp`) only: the zero point z - 8 in the
+                                         scale's dtype (codes are stored as q - 8, so w = s * (v - zero)
+                                         with v the signed code; symmetric int4 is zero = 0)
 Activation scales: tensor static [1] (or [E] per expert); token dynamic [M, 1]; group [M, K/128].
 """
 
@@ -40,7 +43,7 @@ class QuantKey:
         elif self.group is not None:
             group = str(self.group)
         kind = "dynamic" if self.dynamic else "static"
-        return f"{self.dtype}/{self.granularity}{group}/{kind}"
+        return f"{self.dtype}/{self.granularity}{group}/{kind}" + ("" if self.symmetric else "/asym")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class QuantScheme:
     @property
     def weight_only(self) -> bool:
         return self.activation is None
+
+    @property
+    def has_zero(self) -> bool:
+        """Whether the weights carry zero points (asymmetric int4: QuantParams.w13_zero / w2_zero)."""
+        return not self.weight.symmetric
 
     def __str__(self) -> str:
         return self.name
@@ -94,7 +102,15 @@ SCHEMES: dict[str, QuantScheme] = {
         *(
             QuantScheme(
                 f"int4_w4a16_g{g}", "int4", QuantKey("int4", "group", g), None,
-                f"INT4 symmetric weights, one scale per {g} inputs (GPTQ/AWQ style), bf16/fp16 math",
+                f"INT4 symmetric weights, one scale per {g} inputs (GPTQ sym=true), bf16/fp16 math",
+            )
+            for g in (32, 64, 128)
+        ),
+        *(
+            QuantScheme(
+                f"int4_w4a16_g{g}_zp", "int4", QuantKey("int4", "group", g, symmetric=False), None,
+                f"INT4 asymmetric weights, one scale and one zero point per {g} inputs (AWQ, GPTQ "
+                "sym=false), bf16/fp16 math",
             )
             for g in (32, 64, 128)
         ),

@@ -22,6 +22,7 @@ from fusedmoe.quant.formats import (
     fp8_dequantize,
     fp8_quantize,
     group_view,
+    int4_asym_quantize,
     int4_pack,
     int4_unpack,
     int_dequantize,
@@ -78,20 +79,23 @@ def quantize_weights(
                          f"({w13_EGH.shape[2]} against {w2_EHI.shape[1]})")
     if w2_EHI.device != w13_EGH.device:
         raise ValueError(f"w2 is on {w2_EHI.device} but w13 is on {w13_EGH.device}")
-    q13, scale13, global13 = quantize_weight(w13_EGH, scheme)
-    q2, scale2, global2 = quantize_weight(w2_EHI, scheme)
+    q13, scale13, global13, zero13 = quantize_weight(w13_EGH, scheme)
+    q2, scale2, global2, zero2 = quantize_weight(w2_EHI, scheme)
     a13, a2 = _activation_scales(scheme, activation_amax, w13_EGH.shape[0], w13_EGH.device)
-    return q13, q2, QuantParams(scheme, scale13, scale2, a13, a2, global13, global2)
+    return q13, q2, QuantParams(scheme, scale13, scale2, a13, a2, global13, global2, zero13, zero2)
 
 
 def quantize_weight(
     w_ENK: torch.Tensor, scheme: QuantScheme | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(payload, scale, global scale or None) of one weight [E, N, K] under scheme's weight key.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(payload, scale, global scale or None, zero point or None) of one weight [E, N, K] under
+    scheme's weight key.
 
     fp8 / int: s = amax(granule) / qmax, q = quantize(w / s) (int4 of bf16 weights: s stored in
-    bf16 and q rounded against it);  nvfp4: global = amax(expert) / 2688, e4m3 scale per 16;
-    mxfp4: e8m0 scale per 32. All-zero granules quantize to 0 without NaN.
+    bf16 and q rounded against it);  asymmetric int4 (`*_zp`): s and zero per group from the
+    group's range (`formats.int4_asym_quantize`), in the scale's dtype;  nvfp4: global =
+    amax(expert) / 2688, e4m3 scale per 16; mxfp4: e8m0 scale per 32. All-zero granules quantize
+    to 0 without NaN.
     """
     scheme = _resolve(scheme)
     key = scheme.weight
@@ -100,13 +104,17 @@ def quantize_weight(
     if key.dtype == "nvfp4":
         global_E = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
         q, block_scale = nvfp4_quantize(w, global_E.view(-1, 1, 1))
-        return q, block_scale, global_E
+        return q, block_scale, global_E, None
     if key.dtype == "mxfp4":
         q, scale = mxfp4_quantize(w)
-        return q, scale, None
+        return q, scale, None, None
     if key.dtype == "fp8":
         scale = absmax_scale(_amax(w, key), FP8_MAX)
-        return fp8_quantize(w, _expand(scale, key, w.shape)), scale, None
+        return fp8_quantize(w, _expand(scale, key, w.shape)), scale, None, None
+    if scheme.has_zero:  # scales in bf16 for bf16 weights, as below
+        scale_dtype = torch.bfloat16 if w_ENK.dtype == torch.bfloat16 else torch.float32
+        codes, scale, zero = int4_asym_quantize(group_view(w, key.group), scale_dtype)
+        return int4_pack(codes.flatten(-2)), scale, None, zero
     bits = 8 if key.dtype == "int8" else 4
     # Symmetric: s = amax / qmax (127 or 7), so -amax..amax maps onto [-qmax, qmax] unclipped.
     scale = absmax_scale(_amax(w, key), INT_RANGE[bits][1])
@@ -118,7 +126,7 @@ def quantize_weight(
         # exponent range, so no scale underflows; fp16 / fp32 weights keep fp32 scales.
         scale = scale.to(torch.bfloat16)
     q = int_quantize(w, _expand(scale.float(), key, w.shape), bits)
-    return (q if bits == 8 else int4_pack(q)), scale, None
+    return (q if bits == 8 else int4_pack(q)), scale, None, None
 
 
 def dequantize_weight(
@@ -127,9 +135,11 @@ def dequantize_weight(
     scheme: QuantScheme | str,
     global_scale: torch.Tensor | None = None,
     *,
+    zero: torch.Tensor | None = None,
     shape_NK: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """float32 [E, N, K] = decode(q) * scale (expanded over its granule) [* global_scale, nvfp4].
+    """float32 [E, N, K] = decode(q) * scale (expanded over its granule) [* global_scale, nvfp4]
+    [(decode(q) - zero) * scale, asymmetric int4].
 
     shape_NK, when given, is the (N, K) the caller expects; a payload holding another raises.
     """
@@ -144,9 +154,12 @@ def dequantize_weight(
         )
     check_group_divides(scheme, "q", q.shape[2] * pack)
     _check_weight_scale("scale", scale, scheme, q.shape[0], q.shape[1], q.shape[2] * pack, q.device)
+    check_zero("zero", zero, scale, scheme)
     if key.dtype == "nvfp4" and global_scale is not None:
         _check_tensor("global_scale", global_scale, ((q.shape[0],),), (torch.float32,), scheme, q.device)
     if is_fragments(scale) and key.dtype in _PACKED:  # the triton backend's fragment layout: back to the checkpoint's
+        if zero is not None:  # laid as its scales are
+            zero = from_fragments(q, zero, key.dtype)[1]
         q, scale = from_fragments(q, scale, key.dtype)
     if key.dtype == "nvfp4":
         if global_scale is None:
@@ -159,15 +172,16 @@ def dequantize_weight(
     if key.dtype == "fp8":
         return fp8_dequantize(q, _expand(scale.float(), key, q.shape))
     values = q if key.dtype == "int8" else int4_unpack(q)
-    return int_dequantize(values, _expand(scale.float(), key, values.shape))
+    return int_dequantize(values, _expand(scale.float(), key, values.shape),
+                          None if zero is None else _expand(zero.float(), key, values.shape))
 
 
 def dequantize_weights(
     q13: torch.Tensor, q2: torch.Tensor, params: QuantParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [E, G, H], w2 [E, H, I]) in float32 from the payloads and params' weight scales."""
-    w13 = dequantize_weight(q13, params.w13_scale, params.scheme, params.w13_global_scale)
-    w2 = dequantize_weight(q2, params.w2_scale, params.scheme, params.w2_global_scale)
+    w13 = dequantize_weight(q13, params.w13_scale, params.scheme, params.w13_global_scale, zero=params.w13_zero)
+    w2 = dequantize_weight(q2, params.w2_scale, params.scheme, params.w2_global_scale, zero=params.w2_zero)
     return w13, w2
 
 
@@ -187,7 +201,7 @@ def check_quant_weights(
     """
     check_quant_tensors(w13, w2, params.scheme, params.w13_scale, params.w2_scale, params.a13_scale,
                         params.a2_scale, params.w13_global_scale, params.w2_global_scale, hidden_size,
-                        intermediate_rows, gated)
+                        intermediate_rows, gated, w13_zero=params.w13_zero, w2_zero=params.w2_zero)
 
 
 def check_quant_tensors(
@@ -203,6 +217,9 @@ def check_quant_tensors(
     hidden_size: int,
     intermediate_rows: int,
     gated: bool | None = None,
+    *,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> None:
     """`check_quant_weights` on the parts of a QuantParams (kernels that take them one by one)."""
     key = scheme.weight
@@ -241,6 +258,8 @@ def check_quant_tensors(
         ("w2_scale", w2_scale, hidden, intermediate),
     ):
         _check_weight_scale(name, scale, scheme, num_experts, n, k, device)
+    check_zero("w13_zero", w13_zero, w13_scale, scheme)
+    check_zero("w2_zero", w2_zero, w2_scale, scheme)
     for name, global_scale in (
         ("w13_global_scale", w13_global_scale),
         ("w2_global_scale", w2_global_scale),
@@ -304,6 +323,26 @@ def _check_weight_scale(name: str, scale: torch.Tensor, scheme: QuantScheme, num
         if is_fragments(scale) and key.dtype == "nvfp4":  # fragments.nv_scale_codes
             shapes, dtypes = shapes[1:], (torch.uint8,)
     _check_tensor(name, scale, shapes, dtypes, scheme, device)
+
+
+def check_zero(name: str, zero: torch.Tensor | None, scale: torch.Tensor, scheme: QuantScheme) -> None:
+    """Asymmetric int4's zero points: present exactly for a `*_zp` scheme, with its scale's shape,
+    dtype, device and strides (the kernels index both with the scale's strides). Metadata only."""
+    if not scheme.has_zero:
+        if zero is not None:
+            raise ValueError(f"{name} is set but {scheme.name} is symmetric (zero points belong to the "
+                             f"*_zp schemes, e.g. {scheme.name}_zp)" if scheme.weight.dtype == "int4"
+                             else f"{name} is set but {scheme.name} has no zero points")
+        return
+    if zero is None:
+        raise ValueError(f"{name} is None but {scheme.name} is asymmetric: it needs zero points (the "
+                         f"scales' shape {tuple(scale.shape)} and dtype {scale.dtype}, each z - 8)")
+    if not isinstance(zero, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(zero).__name__}")
+    for what, got, want in (("shape", tuple(zero.shape), tuple(scale.shape)), ("dtype", zero.dtype, scale.dtype),
+                            ("device", zero.device, scale.device), ("strides", zero.stride(), scale.stride())):
+        if got != want:
+            raise ValueError(f"{name} has {what} {got}, expected its scale's {want} for {scheme.name}")
 
 
 def _resolve(scheme: QuantScheme | str) -> QuantScheme:

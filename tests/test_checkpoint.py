@@ -17,7 +17,12 @@ import torch
 from fusedmoe import FusedMoE, ParallelConfig
 from fusedmoe.backends.emulation import activation_transform
 from fusedmoe.quant.formats import FP8_DTYPE, mxfp4_quantize, nvfp4_quantize
-from fusedmoe.quant.weights import dequantize_weight, quantize_weight
+from fusedmoe.quant.weights import (
+    dequantize_weight,
+    dequantize_weights,
+    quantize_weight,
+    quantize_weights,
+)
 from fusedmoe.reference import fused_experts_ref
 
 E, TOP_K, H, I, T = 4, 2, 192, 256, 11  # noqa: E741 - H = 1.5 blocks: a partial last block
@@ -62,13 +67,14 @@ class Checkpoint:
     w2: torch.Tensor  # [E, H, I]
     a13: torch.Tensor | None = None  # [E] static activation scales the layer must use
     a2: torch.Tensor | None = None
+    checkpoint_format: str | None = None  # FusedMoE's checkpoint_format (GPTQ / AWQ zero points)
 
 
-def _assemble(scheme, per_proj, dequant, a13=None, a2=None) -> Checkpoint:
+def _assemble(scheme, per_proj, dequant, a13=None, a2=None, checkpoint_format=None) -> Checkpoint:
     tensors = {(e, p, name): t[e] for p, named in per_proj.items() for name, t in named.items()
                for e in range(E)}
     return Checkpoint(scheme, tensors, torch.cat((dequant["gate"], dequant["up"]), 1),
-                      dequant["down"], a13, a2)
+                      dequant["down"], a13, a2, checkpoint_format)
 
 
 def _block_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -261,7 +267,7 @@ def _int4_gptq(w, scheme, v1: bool, g_idx: bool) -> Checkpoint:
         if g_idx:
             per[p]["g_idx"] = (torch.arange(k) // group).int().expand(E, k)
         deq[p] = q * s.float().repeat_interleave(group, -1)
-    return _assemble(scheme, per, deq)
+    return _assemble(scheme, per, deq, checkpoint_format="gptq" if v1 else "gptq_v2")
 
 
 def int4_g64_gptq(w, seed):  # AutoGPTQ v1: zeros stored as 7, g_idx stored
@@ -270,6 +276,81 @@ def int4_g64_gptq(w, seed):  # AutoGPTQ v1: zeros stored as 7, g_idx stored
 
 def int4_g32_gptq_v2(w, seed):  # GPTQModel v2: zeros stored as 8, no g_idx
     return _int4_gptq(w, "int4_w4a16_g32", False, False)
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> int32 (two's complement), as safetensors stores them."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_along_n(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[..., R, N] in [0, 15] -> int32 [..., R, N / 8]: nibble i (bits 4i..4i+3) of word j holds
+    column 8j + order[i] (GPTQ's qzeros: in order; AutoAWQ's GEMM qweight / qzeros: its order_map)."""
+    v = values.long().unflatten(-1, (-1, 8))[..., list(order)]
+    return as_int32((v << (4 * torch.arange(8))).sum(-1))
+
+
+AWQ_ORDER_MAP = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear
+
+
+def asym_by_hand(wp: torch.Tensor, group: int, scale_dtype: torch.dtype):
+    """AWQ / GPTQ asymmetric int4 of [E, N, K]: per group s = (max - min) / 15 over the range
+    widened to hold 0, z = round(-min / s), q = clamp(round(w / s) + z, 0, 15) against the stored
+    s -> (q [E, N, K], z [E, N, K/g] unsigned ints, s [E, N, K/g] in scale_dtype); W = (q - z) * s."""
+    groups = wp.float().unflatten(-1, (-1, group))
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).to(scale_dtype)
+    z = (-lo / s.float()).round().clamp(0, 15)
+    q = ((groups / s.float().unsqueeze(-1)).round() + z.unsqueeze(-1)).clamp(0, 15)
+    return q.flatten(-2).long(), z.long(), s
+
+
+def asym_tensors(fmt: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One projection's [E, N, K] unsigned codes q, [E, N, K/g] zero points z and scales s as the
+    checkpoint format `fmt` stores them (packed here from each format's description)."""
+    if fmt in ("gptq", "gptq_v2"):  # qweight [K/8, N] as symmetric GPTQ; qzeros [K/g, N/8] in order
+        stored = z - 1 if fmt == "gptq" else z  # v1 stores z - 1
+        return {"qweight": gptq_pack_int4(q - 8), "scales": s.transpose(-1, -2).contiguous(),
+                "qzeros": pack_along_n(stored.transpose(-1, -2))}
+    if fmt == "awq":  # qweight [K, N/8], qzeros [K/g, N/8], both in AWQ's order; scales [K/g, N]
+        return {"qweight": pack_along_n(q.transpose(-1, -2), AWQ_ORDER_MAP),
+                "qzeros": pack_along_n(z.transpose(-1, -2), AWQ_ORDER_MAP),
+                "scales": s.transpose(-1, -2).contiguous()}
+    # compressed-tensors pack-quantized, symmetric=false: weight_packed as symmetric (q + 8 of the signed
+    # code q - 8, i.e. q), weight_zero_point [N/8, K/g] packed along N (row 8j+i in nibble i), signed zp + 8 = z
+    return {"weight_packed": ct_pack_int4(q - 8), "weight_scale": s,
+            "weight_zero_point": pack_along_n(z.transpose(-1, -2)).transpose(-1, -2).contiguous(),
+            "weight_shape": torch.tensor([list(q.shape[1:])] * q.shape[0])}
+
+
+def _int4_asym(w, scheme, fmt, scale_dtype, g_idx=False) -> Checkpoint:
+    group = int(scheme.split("_g")[1].split("_")[0])
+    per, deq = {}, {}
+    for p, wp in w.items():
+        q, z, s = asym_by_hand(wp, group, scale_dtype)
+        if fmt == "gptq":
+            assert z.min() >= 1  # v1 cannot store z = 0 (z - 1 = -1)
+        per[p] = asym_tensors(fmt, q, z, s)
+        if g_idx:
+            per[p]["g_idx"] = (torch.arange(wp.shape[-1]) // group).int().expand(E, -1)
+        deq[p] = ((q - z.repeat_interleave(group, -1)) * s.float().repeat_interleave(group, -1)).float()
+    return _assemble(scheme, per, deq, checkpoint_format=None if fmt == "compressed-tensors" else fmt)
+
+
+def int4_g32_gptq_asym(w, seed):  # AutoGPTQ v1, sym=false: zeros stored z - 1, fp16 scales, g_idx
+    return _int4_asym(w, "int4_w4a16_g32_zp", "gptq", torch.float16, g_idx=True)
+
+
+def int4_g64_gptq_v2_asym(w, seed):  # GPTQModel format='gptq_v2', sym=false: zeros stored z
+    return _int4_asym(w, "int4_w4a16_g64_zp", "gptq_v2", torch.float16)
+
+
+def int4_g64_awq(w, seed):  # AutoAWQ GEMM: fp16 scales
+    return _int4_asym(w, "int4_w4a16_g64_zp", "awq", torch.float16)
+
+
+def int4_g32_compressed_tensors_asym(w, seed):  # llm-compressor W4A16 asymmetric: bf16 scales
+    return _int4_asym(w, "int4_w4a16_g32_zp", "compressed-tensors", torch.bfloat16)
 
 
 def int8_w8a16_pack_quantized(w, seed):  # llm-compressor W8A16: 8-bit codes in int32 words
@@ -326,7 +407,8 @@ FORMATS: dict[str, Callable[[dict, int], Checkpoint]] = {
                             nvfp4_weight_only, nvfp4_compressed_tensors,
                             nvfp4_compressed_tensors_weight_only, int4_g32_compressed_tensors,
                             int4_g64_compressed_tensors, int4_g64_gptq, int4_g32_gptq_v2,
-                            int8_w8a16_pack_quantized, mxfp4_compressed_tensors)
+                            int8_w8a16_pack_quantized, mxfp4_compressed_tensors, int4_g32_gptq_asym,
+                            int4_g64_gptq_v2_asym, int4_g64_awq, int4_g32_compressed_tensors_asym)
 }
 
 
@@ -374,6 +456,11 @@ def layer_for(scheme: str, parallel: ParallelConfig | None = None, **kwargs) -> 
                     parallel=parallel, **kwargs)
 
 
+def layer_of(ckpt: Checkpoint, parallel: ParallelConfig | None = None, **kwargs) -> FusedMoE:
+    """The fp32 layer that loads `ckpt`: its scheme and checkpoint format."""
+    return layer_for(ckpt.scheme, parallel, checkpoint_format=ckpt.checkpoint_format, **kwargs)
+
+
 def load(layer: FusedMoE, ckpt: Checkpoint, loader: str) -> None:
     if loader == "names":
         named = [(f"model.layers.3.mlp.experts.{e}.{HF[p]}.{n}", t)
@@ -405,7 +492,7 @@ def reference(layer, x, logits, w13, w2, a13=None, a2=None, **kwargs) -> torch.T
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forward_matches_dequantized_checkpoint(fmt: str, loader: str) -> None:
     ckpt = make_checkpoint(fmt)
-    layer = layer_for(ckpt.scheme)
+    layer = layer_of(ckpt)
     load(layer, ckpt, loader)
     assert layer.selection.name == "emulation"
     x, logits = batch()
@@ -464,6 +551,66 @@ def test_int4_pack_quantized_word_order() -> None:
         d13 = dequantize_weight(layer.w13_weight, layer.w13_scale, ckpt.scheme)
         scale = ckpt.tensors[(0, "gate", "weight_scale")][0, 0].float()
         assert torch.equal(d13[0, 0, :8], q.float() * scale)
+
+
+def unsigned_codes_by_hand(payload: torch.Tensor) -> torch.Tensor:
+    """The library's int4 payload uint8 [..., K/2] (two's-complement nibbles, low = even k) -> the
+    unsigned codes q = code + 8 [..., K]."""
+    nibbles = torch.stack((payload & 0xF, payload >> 4), -1).flatten(-2).long()
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles) + 8
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("fmt", ("gptq", "gptq_v2", "awq", "compressed-tensors"))
+def test_asymmetric_checkpoint_loads_what_quantize_weights_makes(fmt: str, dtype: torch.dtype) -> None:
+    """quantize_weights(..., int4_w4a16_g32_zp) written out in each asymmetric format (codes, zero
+    points and scales as the format stores them) loads back bit for bit: payload, scales and
+    zero points (z - 8, the scales' dtype); the layer's output is the online-quantized layer's."""
+    scheme = "int4_w4a16_g32_zp"
+    w = {p: wp.to(dtype) for p, wp in float_weights(21).items()}
+    w13, w2 = torch.cat((w["gate"], w["up"]), 1), w["down"]
+    q13, q2, params = quantize_weights(w13, w2, scheme)
+    per = {"gate": (q13[:, :I], params.w13_scale[:, :I], params.w13_zero[:, :I]),
+           "up": (q13[:, I:], params.w13_scale[:, I:], params.w13_zero[:, I:]),
+           "down": (q2, params.w2_scale, params.w2_zero)}
+    tensors = {}
+    for p, (payload, scale, zero) in per.items():
+        z = zero.long() + 8
+        assert fmt != "gptq" or z.min() >= 1  # v1 cannot store z = 0
+        for name, t in asym_tensors(fmt, unsigned_codes_by_hand(payload), z, scale).items():
+            tensors |= {(e, p, name): t[e] for e in range(E)}
+    layer = FusedMoE(E, TOP_K, H, I, params_dtype=dtype, quant=scheme, prequantized=True,
+                     checkpoint_format=None if fmt == "compressed-tensors" else fmt)
+    load(layer, Checkpoint(scheme, tensors, w13, w2), "names")
+    assert layer.selection.name == "emulation"
+    for name, want in (("w13_weight", q13), ("w2_weight", q2), ("w13_scale", params.w13_scale),
+                       ("w2_scale", params.w2_scale), ("w13_zero", params.w13_zero), ("w2_zero", params.w2_zero)):
+        assert same_bits(getattr(layer, name), want), name
+    online = FusedMoE(E, TOP_K, H, I, params_dtype=dtype, quant=scheme)
+    with torch.no_grad():
+        online.w13_weight.copy_(w13)
+        online.w2_weight.copy_(w2)
+    x, logits = batch()
+    assert torch.equal(layer(x.to(dtype), logits), online(x.to(dtype), logits))
+
+
+def test_awq_nibble_order() -> None:
+    """Hand-made AWQ words (AutoAWQ's order_map [0, 2, 4, 6, 1, 3, 5, 7]): qweight word 0x76543210
+    of input 0 holds columns 0..7 = q 0, 4, 1, 5, 2, 6, 3, 7; qzeros word 0xFEDCBA98 of group 0
+    holds zero points 8, 12, 9, 13, 10, 14, 11, 15. The layer dequantizes exactly that."""
+    assert pack_along_n(torch.tensor([[0, 4, 1, 5, 2, 6, 3, 7]]), AWQ_ORDER_MAP).item() == 0x76543210
+    ckpt = make_checkpoint("int4_g64_awq")
+    tensors = dict(ckpt.tensors)
+    for name, word in (("qweight", 0x76543210), ("qzeros", 0xFEDCBA98 - 2**32)):
+        tensors[(1, "up", name)] = tensors[(1, "up", name)].clone()
+        tensors[(1, "up", name)][0, 0] = word
+    layer = layer_of(ckpt)
+    load(layer, Checkpoint(ckpt.scheme, tensors, ckpt.w13, ckpt.w2, checkpoint_format="awq"), "load_expert_weight")
+    d13, _ = dequantize_weights(layer.w13_weight, layer.w2_weight, layer.quant_params)
+    scale = tensors[(1, "up", "scales")][0, :8].float()
+    q, z = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]), torch.tensor([8, 12, 9, 13, 10, 14, 11, 15])
+    assert torch.equal(layer.w13_zero[1, I : I + 8, 0], (z - 8).float())
+    assert torch.equal(d13[1, I : I + 8, 0], (q - z) * scale)
 
 
 # Fusing w13 when gate and up scales differ -----------------------------------------------------
@@ -556,7 +703,8 @@ def test_nvfp4_compressed_tensors_loads_like_modelopt(scheme: str) -> None:
 
 # Tensor and expert parallelism -----------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ("fp8_block", "nvfp4", "fp8_tensor_static", "gpt_oss", "int4_g32_compressed_tensors",
-                                 "int4_g64_gptq"))
+                                 "int4_g64_gptq", "int4_g32_gptq_asym", "int4_g64_awq",
+                                 "int4_g32_compressed_tensors_asym"))
 def test_tp2_ranks_sum_to_tp1(fmt: str) -> None:
     """Formats whose activation quantization is split-invariant: 128-groups aligned to I_p,
     static scales, weight-only."""
@@ -572,7 +720,7 @@ def test_tp2_ranks_sum_to_tp1(fmt: str) -> None:
                     layer.load_fused_experts_weight(name, t)
             else:
                 ckpt = make_checkpoint(fmt)
-                layer = layer_for(ckpt.scheme, parallel)
+                layer = layer_of(ckpt, parallel)
                 load(layer, ckpt, "load_expert_weight")
             total = total + layer(x, logits).double()
         outs.append(total)
@@ -656,7 +804,45 @@ BAD = [
         r"unknown checkpoint tensor 'weight_offset' in shard 'w1.weight_offset'"),
     Bad("int4_zero_point", "int4_w4a16_g32",
         lambda m: m.load_weights([("mlp.experts.0.gate_proj.weight_zero_point", torch.zeros(1, 6, dtype=torch.int32))]),
-        r"'gate_proj.weight_zero_point': the checkpoint uses asymmetric weights .* which fusedmoe does not run"),
+        r"expert 0 gate_proj.weight_zero_point: the checkpoint is asymmetric \(a zero point per group\), "
+        r"int4_w4a16_g32 symmetric: it loads as 'int4_w4a16_g32_zp'"),
+    Bad("fp8_zero_point", "fp8_w8a8_block",
+        lambda m: m.load_expert_weight(0, "w2.weight_zero_point", torch.zeros(H // 8, 2, dtype=torch.int32)),
+        r"expert 0 w2.weight_zero_point: the checkpoint is asymmetric .* fp8_w8a8_block symmetric: fusedmoe runs "
+        r"zero points with int4 groups only"),
+    Bad("zp_qzeros_without_format", "int4_w4a16_g32_zp",
+        lambda m: m.load_expert_weight(0, "up_proj.qzeros", torch.zeros(H // 32, I // 8, dtype=torch.int32)),
+        r"expert 0 up_proj.qzeros: GPTQ and AWQ store zero points alike but differently .* build the layer with "
+        r"checkpoint_format= one of \('gptq', 'gptq_v2', 'awq'\)"),
+    Bad("zp_qzeros_shape", "int4_w4a16_g32_zp",
+        lambda m: m.load_expert_weight(0, "up_proj.qzeros", torch.zeros(I // 8, H // 32, dtype=torch.int32)),
+        r"expert 0 up_proj.qzeros: expected int32 \(6, 32\) \(GPTQ / AWQ zero points, packed along N, of \[N, K\] = "
+        r"\[256, 192\], g = 32\), got torch.int32 \(32, 6\)", (("checkpoint_format", "gptq"),)),
+    Bad("ct_zero_point_transposed", "int4_w4a16_g32_zp",
+        lambda m: m.load_expert_weight(1, "down_proj.weight_zero_point", torch.zeros(I // 32, H // 8, dtype=torch.int32)),
+        r"expert 1 down_proj.weight_zero_point: expected int32 \(24, 8\) \(compressed-tensors zero points, packed "
+        r"along N, of \[N, K\] = \[192, 256\], g = 32\), got torch.int32 \(8, 24\)"),
+    Bad("ct_zero_point_unpacked", "int4_w4a16_g32_zp",
+        lambda m: m.load_expert_weight(1, "down_proj.weight_zero_point", torch.zeros(H, I // 32, dtype=torch.int8)),
+        r"expert 1 down_proj.weight_zero_point: expected int32 \(24, 8\) .* got torch.int8 \(192, 8\)"),
+    Bad("gptq_v1_zero_15", "int4_w4a16_g32_zp",
+        lambda m: m.load_expert_weight(2, "w1.qzeros", torch.full((H // 32, I // 8), 0x77777777, dtype=torch.int32)
+                                       .index_fill_(1, torch.tensor([3]), 0x777F7777)),
+        r"expert 2 w1.qzeros: 6 zero points stored as 15, the first of output 28 in group 0: the GPTQ v1 format "
+        r"\(checkpoint_format 'gptq'\) stores z - 1, so 15 would be z = 16", (("checkpoint_format", "gptq"),)),
+    Bad("awq_qweight_without_format", "int4_w4a16_g64_zp",
+        lambda m: m.load_expert_weight(0, "gate_proj.qweight", torch.zeros(H, I // 8, dtype=torch.int32)),
+        r"expert 0 gate_proj.qweight: checkpoint tensor has shape \(192, 32\), expected \(24, 256\) "
+        r"\(int4_w4a16_g64_zp, GPTQ, .*\): AWQ's qweight is \[K, N/8\], build the layer with checkpoint_format='awq'"),
+    Bad("awq_qweight_gptq_shaped", "int4_w4a16_g64_zp",
+        lambda m: m.load_expert_weight(0, "gate_proj.qweight", torch.zeros(H // 8, I, dtype=torch.int32)),
+        r"expert 0 gate_proj.qweight: checkpoint tensor has shape \(24, 256\), expected \(192, 32\) "
+        r"\(int4_w4a16_g64_zp, AWQ, weight \[N, K\] = \[256, 192\]\)$", (("checkpoint_format", "awq"),)),
+    Bad("zp_two_namings", "int4_w4a16_g32_zp",
+        lambda m: (m.load_expert_weight(0, "w1.qzeros", torch.zeros(H // 32, I // 8, dtype=torch.int32)),
+                   m.load_expert_weight(1, "w1.weight_zero_point", torch.zeros(I // 8, H // 32, dtype=torch.int32))),
+        r"expert 1 w1.weight_zero_point: this layer already loaded weight_zero tensors named 'qzeros'",
+        (("checkpoint_format", "gptq_v2"),)),
     Bad("int4_act_order", "int4_w4a16_g32",
         lambda m: m.weight_loader(torch.zeros(H, dtype=torch.int32), "experts.w13_weight_g_idx", "w1", 0),
         r"expert 0 w1.weight_g_idx: input columns out of group order: the checkpoint uses GPTQ activation "
@@ -680,7 +866,8 @@ BAD = [
                                    torch.full((I // 64, H // 8), 0x77777777, dtype=torch.int32).index_fill_(
                                        0, torch.tensor([1]), 0x76777777))]),
         r"expert 1 down_proj.qzeros: zero points other than 8 \(words \['0x76777777', '0x77777777'\]\): the "
-        r"checkpoint uses asymmetric weights"),
+        r"checkpoint is asymmetric \(a zero point per group\), int4_w4a16_g64 symmetric; it loads as "
+        r"'int4_w4a16_g64_zp'"),
     Bad("gptq_zeros_shape", "int4_w4a16_g64",
         lambda m: m.load_expert_weight(0, "gate_proj.qzeros", torch.zeros(I // 8, H // 64, dtype=torch.int32)),
         r"expert 0 gate_proj.qzeros: expected int32 \(3, 32\) \(GPTQ zero points of \[N, K\] = \[256, 192\], "
@@ -694,7 +881,7 @@ BAD = [
         r"GPTQ, weight \[N, K\] = \[256, 192\]\)"),
     Bad("gptq_on_fp8", "fp8_w8a8_block",
         lambda m: m.load_expert_weight(0, "w1.qweight", torch.zeros(H // 8, I, dtype=torch.int32)),
-        r"expert 0 w1.qweight is a GPTQ int4 tensor; this layer's scheme is fp8_w8a8_block"),
+        r"expert 0 w1.qweight is a GPTQ / AWQ int4 tensor; this layer's scheme is fp8_w8a8_block"),
     Bad("companion_on_nvfp4", "nvfp4",
         lambda m: m.load_expert_weight(0, "w1.weight_shape", torch.tensor([I, H])),
         r"expert 0 w1.weight_shape belongs to a pack-quantized int4 / int8 checkpoint; this layer's scheme is nvfp4"),
@@ -790,6 +977,34 @@ def test_missing_compressed_tensors_global_scale_named() -> None:
         layer.process_weights_after_loading()
 
 
+def test_missing_zero_points_named() -> None:
+    ckpt = make_checkpoint("int4_g32_gptq_asym")
+    layer = layer_of(ckpt)
+    for (e, p, n), t in ckpt.tensors.items():
+        if (e, p, n) != (3, "down", "qzeros"):
+            layer.load_expert_weight(e, f"{p}.{n}", t)
+    with pytest.raises(RuntimeError, match=r"never loaded \(expert, shard\): \[\(3, 'down.qzeros'\)\]"):
+        layer.process_weights_after_loading()
+
+
+@pytest.mark.parametrize(("scheme", "kwargs", "match"), [
+    ("int4_w4a16_g32", dict(checkpoint_format="awq"),
+     r"checkpoint_format='awq' stores a zero point per group: quant='int4_w4a16_g32' is symmetric; AWQ loads as "
+     r"'int4_w4a16_g32_zp'"),
+    ("int4_w4a16_g32_zp", dict(checkpoint_format="gptq_v3"),
+     r"checkpoint_format='gptq_v3'; expected None or one of \('gptq', 'gptq_v2', 'awq'\)"),
+    ("fp8_w8a8_block", dict(checkpoint_format="gptq"),
+     r"checkpoint_format='gptq' describes pre-quantized GPTQ / AWQ int4 tensors: .* this layer has "
+     r"quant='fp8_w8a8_block', prequantized=True"),
+    ("int4_w4a16_g32_zp", dict(checkpoint_format="gptq", prequantized=False),
+     r"this layer has quant='int4_w4a16_g32_zp', prequantized=False"),
+], ids=("awq_symmetric", "unknown", "fp8", "online"))
+def test_checkpoint_format_rejected_at_construction(scheme, kwargs, match) -> None:
+    kwargs = dict(dict(quant=scheme, prequantized=True), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(E, TOP_K, H, I, params_dtype=torch.float32, **kwargs)
+
+
 def test_prequantized_layer_with_nothing_loaded_is_refused():
     from fusedmoe import FusedMoE
 
@@ -810,10 +1025,10 @@ def test_checkpoint_on_gpu(fmt: str) -> None:
     (emulation: the scheme's math in fp32); weight-only execution (marlin) with the reference on
     the dequantized weights, activations unquantized."""
     ckpt = make_checkpoint(fmt)
-    cpu = layer_for(ckpt.scheme)
+    cpu = layer_of(ckpt)
     load(cpu, ckpt, "names")
     gpu = FusedMoE(E, TOP_K, H, I, params_dtype=torch.bfloat16, quant=ckpt.scheme, prequantized=True,
-                   device="cuda")
+                   checkpoint_format=ckpt.checkpoint_format, device="cuda")
     load(gpu, ckpt, "load_expert_weight")
     assert gpu.selection.name in ("triton", "marlin")
     x, logits = batch()

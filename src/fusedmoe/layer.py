@@ -21,6 +21,10 @@ With `quant=<scheme>, prequantized=True` it loads the checkpoint's payloads and 
 (`fusedmoe.quant.checkpoint`): `w13_weight`/`w2_weight` hold the storage dtype and the scale
 buffers the fused layout, except that w13's per-tensor values (fp8 weight scale, NVFP4 global
 scale, input scales) stay per half, [L, 2] (gate, up), until processing fuses them to [L].
+Asymmetric int4 (`*_zp`) loads its zero points into `w13_zero` / `w2_zero` (z - 8, the scales'
+layout); GPTQ's and AWQ's tensors look alike, so `checkpoint_format` ("gptq", "gptq_v2", "awq")
+says which the layer loads (`checkpoint_config.checkpoint_format_from_config` reads it off the
+config), required for their zero points.
 Weights may also be written directly (`param.data.copy_`, `load_state_dict`, `nn.init`, a new
 Parameter); a full-precision layer whose weights were neither loaded nor written raises at
 processing, naming the (expert, shard) pairs (a NaN sentinel per shard in the fresh storage).
@@ -50,21 +54,26 @@ from fusedmoe.quant.checkpoint import (
     GPTQ_TENSORS,
     ROLES,
     TENSOR_ROLES,
-    UNSUPPORTED_TENSORS,
+    ZERO_POINT_TENSORS,
     as_multiplier,
+    awq_as_packed,
+    check_checkpoint_format,
     check_checkpoint_tensor,
     check_companion,
     check_gptq_tensor,
     check_packed_int8,
     check_partition,
+    check_zero_point_tensor,
     fuse_fp8_tensor_scales,
     fuse_nvfp4_global_scales,
     gpt_oss_mxfp4_tensor,
     gptq_as_packed,
     int4_payload,
     int8_payload,
+    is_companion,
     roles_of,
     tp_slice,
+    zero_point_tensor,
 )
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.params import QuantParams
@@ -83,8 +92,7 @@ SHARD_ALIASES = {
     "down_proj": "down", "w2": "down", "down": "down",
 }
 _EXPERT_NAME = re.compile(
-    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join((*TENSOR_ROLES, *COMPANION_TENSORS, *UNSUPPORTED_TENSORS))
-    + r")$"
+    r"(?:^|\.)experts\.(\d+)\.(\w+)\.(bias|" + "|".join((*TENSOR_ROLES, *COMPANION_TENSORS)) + r")$"
 )
 _GPT_OSS_NAME = re.compile(r"(?:^|\.)experts\.(" + "|".join(GPT_OSS_TENSORS) + r")$")
 _PROJECTIONS = ("gate", "up", "down")
@@ -148,6 +156,7 @@ class FusedMoE(nn.Module):
         swiglu_limit: float | None = None,
         quant=None,
         prequantized: bool = False,
+        checkpoint_format: str | None = None,
         parallel: ParallelConfig | None = None,
         backend: str = "auto",
         activation_format: str | None = None,
@@ -227,6 +236,7 @@ class FusedMoE(nn.Module):
             check_group_divides(scheme, "w2", self.config.intermediate_size_per_partition)
         if prequantized and scheme is None:
             raise ValueError("prequantized=True needs quant=<scheme>: the checkpoint's format")
+        check_checkpoint_format(scheme, checkpoint_format, prequantized)
         if prequantized:
             check_partition(scheme, intermediate_size, parallel.tp_size)
             check_group_divides(scheme, "w13", hidden_size)  # a group may not straddle two rows
@@ -238,6 +248,7 @@ class FusedMoE(nn.Module):
                 "that carries input_scale with prequantized=True"
             )
         self.prequantized = prequantized
+        self.checkpoint_format = checkpoint_format  # how GPTQ's / AWQ's qzeros (and AWQ's qweight) are stored
         self.quant_params = None
         self.routing = dict(
             renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
@@ -426,8 +437,9 @@ class FusedMoE(nn.Module):
         gate/up bias [I], down bias [H]; this rank's TP slice is taken here.
         Pre-quantized layers also take "<projection>.<tensor>" with tensor one of weight,
         weight_scale, weight_scale_inv, weight_scale_2, input_scale (or compressed-tensors'
-        weight_packed, weight_global_scale, input_global_scale, weight_shape; GPTQ's qweight,
-        scales, qzeros, g_idx), shaped as stored on disk (`fusedmoe.quant.checkpoint`).
+        weight_packed, weight_global_scale, input_global_scale, weight_shape, weight_zero_point;
+        GPTQ's and AWQ's qweight, scales, qzeros, g_idx), shaped as stored on disk
+        (`fusedmoe.quant.checkpoint`; qzeros of an asymmetric scheme need `checkpoint_format`).
         """
         if self._kernel is not None:
             raise RuntimeError(
@@ -448,9 +460,6 @@ class FusedMoE(nn.Module):
         if kind is None:
             raise ValueError(f"unknown shard {shard!r}; expected one of {sorted(SHARD_ALIASES)}")
         name = name or "weight"
-        if name in UNSUPPORTED_TENSORS:
-            raise ValueError(f"{shard!r}: the checkpoint uses {UNSUPPORTED_TENSORS[name]}, which fusedmoe does "
-                             "not run; no tensor of it can be loaded")
         if name not in TENSOR_ROLES and name not in COMPANION_TENSORS:
             raise ValueError(
                 f"unknown checkpoint tensor {name!r} in shard {shard!r}; expected one of "
@@ -468,7 +477,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"activation {c.activation!r} is not gated: its experts have no gate projection")
         if is_bias and not c.has_bias:
             raise ValueError(f"{shard!r}: the layer was built with has_bias=False")
-        if name in COMPANION_TENSORS:  # weight_shape, GPTQ's zero points and group index: checked, not stored
+        if is_companion(c.quant, name):  # weight_shape, symmetric GPTQ's zero points, group index: checked only
             n, k = (c.hidden_size, c.intermediate_size) if kind == "down" else (c.intermediate_size, c.hidden_size)
             check_companion(c.quant, f"expert {expert_id} {proj}", name, tensor, n, k)
             return self._global_to_local.get(expert_id) is not None
@@ -515,9 +524,13 @@ class FusedMoE(nn.Module):
         is_down = kind == "down"
         n, k = (hidden, full_i) if is_down else (full_i, hidden)
         where = f"expert {expert_id} {proj}"
-        if name in GPTQ_TENSORS:  # checked as stored, then as pack-quantized's transposed twin
-            check_gptq_tensor(scheme, where, name, tensor, n, k)
-            tensor = gptq_as_packed(tensor)
+        awq = self.checkpoint_format == "awq"
+        if name in GPTQ_TENSORS:  # checked as stored, then as pack-quantized's twin
+            check_gptq_tensor(scheme, where, name, tensor, n, k, self.checkpoint_format)
+            tensor = awq_as_packed(tensor) if awq and name == "qweight" else gptq_as_packed(tensor)
+        elif name in ZERO_POINT_TENSORS:  # packed codes -> float z - 8 [N, K/g]
+            check_zero_point_tensor(scheme, where, name, tensor, n, k, self.checkpoint_format)
+            tensor = zero_point_tensor(where, name, tensor, n, self.checkpoint_format)
         elif name == "weight_packed" and key.dtype == "int8":  # pack-quantized 8-bit words -> int8 codes
             check_packed_int8(where, name, tensor, n, k)
             tensor = int8_payload(tensor)
@@ -558,6 +571,8 @@ class FusedMoE(nn.Module):
             target = self.w2_scale[local] if is_down else self.w13_scale[local, rows]
         elif role == "weight_scale_2":
             target = self.w2_global_scale[local] if is_down else self.w13_global_scale[local, half]
+        elif role == "weight_zero":  # laid as the group scales; the copy casts to their dtype (exact)
+            target = self.w2_zero[local] if is_down else self.w13_zero[local, rows]
         else:
             target = self.a2_scale[local] if is_down else self.a13_scale[local, half]
         if target.dim() < part.dim():  # per-tensor [1] or [] and channel [N, 1] scales
@@ -607,7 +622,7 @@ class FusedMoE(nn.Module):
     def weight_loader(self, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> bool:
         """vLLM-style entry: `shard_id` w1/w3/w2 (or gate/up/down); bias when the name ends in
         bias, a quantized tensor when it ends in one of its names (w13_weight_scale_inv, ...)."""
-        names = (*TENSOR_ROLES, *COMPANION_TENSORS, *UNSUPPORTED_TENSORS)
+        names = (*TENSOR_ROLES, *COMPANION_TENSORS)
         # the longest name the weight's ends in (weight_g_idx, not g_idx)
         tensor = max((t for t in names if t != "weight" and weight_name.endswith(t)), key=len, default=None)
         if tensor is not None:
@@ -621,8 +636,8 @@ class FusedMoE(nn.Module):
         their quantized companions (`.weight_scale`, `.weight_scale_inv`, `.weight_scale_2`,
         `.input_scale`; compressed-tensors NVFP4: `.weight_packed`, `.weight_scale`,
         `.weight_global_scale`, `.input_global_scale`; compressed-tensors int4 pack-quantized:
-        `.weight_packed`, `.weight_scale`, `.weight_shape`; GPTQ int4: `.qweight`, `.scales`,
-        `.qzeros`, `.g_idx`) and gpt-oss's fused
+        `.weight_packed`, `.weight_scale`, `.weight_shape`, asymmetric `.weight_zero_point`; GPTQ / AWQ
+        int4: `.qweight`, `.scales`, `.qzeros`, `.g_idx`) and gpt-oss's fused
         `...experts.{gate_up_proj,down_proj}_{blocks,scales,bias}`.
 
         With `SharedExperts` attached, also `...shared_experts.*` / `...shared_expert.*` /

@@ -22,11 +22,24 @@ down: N = H, K = I; I the full intermediate, I_p = I / tp this rank's part):
     int8 channel  weight_packed int32 [N, K/4] + weight_scale [N, 1]  (compressed-tensors pack-quantized
                   8-bit, W8A16: four codes a word, lowest byte first, stored q + 128; `int8_payload`)
     int4 group    qweight int32 [K/8, N] + scales [K/g, N] + qzeros int32 [K/g, N/8] + g_idx [K]
-                  (optional)               (GPTQ, symmetric, without act-order: AutoGPTQ /
-                  GPTQModel, e.g. Qwen3-30B-A3B-GPTQ-Int4); word r of column n holds codes
-                  8r..8r+7 the same way, so qweight.T is pack-quantized's weight_packed and
-                  scales.T its weight_scale (`gptq_as_packed`); the zero points must be 8
-                  (stored 7 by AutoGPTQ's v1 format, 8 by v2) and g_idx k // g
+                  (optional)               (GPTQ, without act-order: AutoGPTQ / GPTQModel, e.g.
+                  Qwen3-30B-A3B-GPTQ-Int4); word r of column n holds the unsigned codes 8r..8r+7
+                  the same way, so qweight.T is pack-quantized's weight_packed and scales.T its
+                  weight_scale (`gptq_as_packed`); g_idx must be k // g. qzeros' word j of group
+                  row c holds the zero points of columns 8j..8j+7, column 8j+i in bits 4i..4i+3,
+                  stored z - 1 by the v1 format (checkpoint_format "gptq") and z by "gptq_v2":
+                  symmetric, all 8 (checked, dropped); sym=false loads them (`*_zp` schemes)
+    int4 group    + weight_zero_point int32 [ceil(N/8), K/g]       (compressed-tensors pack-quantized,
+                  symmetric=false): packed along N, word j of group column c holds rows
+                  8j..8j+7, row 8j+i in bits 4i..4i+3, each the signed zero point + 8 (= z)
+    int4 group    qweight int32 [K, N/8] + qzeros int32 [K/g, N/8] + scales fp16 [K/g, N]
+                  (AutoAWQ GEMM, zero_point=true): packed along N in AWQ's order, nibble i of
+                  word j holds column 8j + AWQ_ORDER[i]; codes and zero points unsigned
+                  (`awq_as_packed` re-packs qweight as pack-quantized's weight_packed)
+Zero points load as z - 8 in the scale's layout and dtype (`zero_point_tensor`): asymmetric int4
+dequantizes as W = scale * ((q - 8) - (z - 8)) with q the unsigned code. GPTQ's and AWQ's qzeros
+look alike, so the layer is told which it loads (FusedMoE's checkpoint_format,
+`CHECKPOINT_FORMATS`); compressed-tensors' tensors have their own names.
 Every scale is a multiplier: W = decode(weight) * scale [* weight_scale_2]. The flavour is told
 by the names: compressed-tensors' NVFP4 global scales are stored as divisors (448 * 6 / amax)
 and load as their reciprocals, into the same buffers as ModelOpt's.
@@ -45,18 +58,20 @@ from fusedmoe.quant.scheme import QuantKey, QuantScheme
 # Checkpoint tensor name -> its role; DeepSeek's `weight_scale_inv` is a multiplier like
 # `weight_scale` (the 0-d Mistral variant too), so both fill the weight scale. compressed-tensors
 # NVFP4 renames the payload and the two global scales.
-ROLES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+ROLES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "weight_zero")
 TENSOR_ROLES = {
     "weight": "weight",
     "weight_packed": "weight",
-    "qweight": "weight",  # GPTQ, transposed (gptq_as_packed)
-    "scales": "weight_scale",  # GPTQ, transposed
+    "qweight": "weight",  # GPTQ, transposed (gptq_as_packed); AWQ, re-packed (awq_as_packed)
+    "scales": "weight_scale",  # GPTQ / AWQ, transposed
     "weight_scale": "weight_scale",
     "weight_scale_inv": "weight_scale",
     "weight_scale_2": "weight_scale_2",
     "weight_global_scale": "weight_scale_2",
     "input_scale": "input_scale",
     "input_global_scale": "input_scale",
+    "qzeros": "weight_zero",  # GPTQ / AWQ, asymmetric schemes only (symmetric: a companion)
+    "weight_zero_point": "weight_zero",  # compressed-tensors, asymmetric schemes only
 }
 # compressed-tensors stores NVFP4 global scales as divisors, g = 448 * 6 / amax (x * g lands in
 # e4m3 x e2m1 range); vLLM loads them as 1 / g (vllm-project/vllm,
@@ -65,17 +80,25 @@ TENSOR_ROLES = {
 # 1.0 / w13_weight_global_scale, a13_scale = 1.0 / w13_input_global_scale).
 RECIPROCAL_TENSORS = ("weight_global_scale", "input_global_scale")
 GPTQ_TENSORS = ("qweight", "scales")  # stored [K-ish, N]: transposed to [N, K-ish] at load
+ZERO_POINT_TENSORS = ("qzeros", "weight_zero_point")  # unpacked to z - 8, [N, K/g] (zero_point_tensor)
 # Companions: tensors checked against the layer and then dropped, nothing to load
-# (`check_companion`): pack-quantized's weight_shape [N, K]; GPTQ's zero points (symmetric: all 8)
-# and group index (k // g without act-order); pack-quantized's group index (written with act-order)
+# (`check_companion`): pack-quantized's weight_shape [N, K]; GPTQ's zero points of a symmetric
+# scheme (all 8) and group index (k // g without act-order); pack-quantized's group index
+# (written with act-order)
 COMPANION_TENSORS = ("weight_shape", "qzeros", "g_idx", "weight_g_idx")
-# tensors of checkpoint features the library does not run: refused by name, with the reason
-UNSUPPORTED_TENSORS = {
-    "weight_zero_point": "asymmetric weights (a zero point per group or channel); the int schemes here "
-                         "are symmetric",
-}
 ACT_ORDER = "GPTQ activation reordering (act-order: groups of permuted input columns)"
 GPTQ_SYMMETRIC_ZEROS = (0x77777777, 0x88888888 - 2**32)  # eight zero points of 8: AutoGPTQ v1 (z - 1), v2
+# What GPTQ's / AWQ's tensors cannot say themselves: how qzeros (and AWQ's qweight) are stored.
+# The names are GPTQ's `checkpoint_format` values and AWQ's `quant_method`
+# (`checkpoint_config.checkpoint_format_from_config`).
+CHECKPOINT_FORMATS = {
+    "gptq": "GPTQ v1 (AutoGPTQ, GPTQModel's default): qzeros hold z - 1",
+    "gptq_v2": "GPTQ v2 (GPTQModel format='gptq_v2'): qzeros hold z",
+    "awq": "AutoAWQ GEMM: qweight [K, N/8] and qzeros packed along N in AWQ's order, zeros hold z",
+}
+# AutoAWQ's GEMM packing (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear: order_map):
+# nibble i (bits 4i..4i+3) of word j holds column 8j + AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 GPT_OSS_TENSORS = (
     "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
     "down_proj_blocks", "down_proj_scales", "down_proj_bias",
@@ -92,13 +115,15 @@ def roles_of(scheme: QuantScheme) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(required, optional) roles of one projection's checkpoint tensors under `scheme`.
 
     A static fp8 activation scale must come from the checkpoint; NVFP4's input global scale
-    may (without it the global is computed per call).
+    may (without it the global is computed per call); asymmetric int4 needs its zero points.
     """
     key, act = scheme.weight, scheme.activation
     required = ["weight", "weight_scale"]
     optional = []
     if key.dtype == "nvfp4":
         required.append("weight_scale_2")
+    if scheme.has_zero:
+        required.append("weight_zero")
     if act is not None and not act.dynamic:
         required.append("input_scale")
     elif act is not None and act.dtype == "nvfp4":
@@ -154,6 +179,10 @@ def expected_tensor(
         return _SCALAR_SHAPES, (torch.float32,)
     if role == "input_scale":
         return _SCALAR_SHAPES, (torch.float32,)
+    if role == "weight_zero":  # as unpacked by zero_point_tensor
+        if not scheme.has_zero:
+            raise ValueError(f"weight_zero is asymmetric int4's zero point; {scheme.name} has none")
+        return ((n, k // key.group),), (torch.float32,)
     raise ValueError(f"unknown checkpoint tensor role {role!r}; expected one of {ROLES}")
 
 
@@ -174,6 +203,30 @@ def check_checkpoint_tensor(
         )
 
 
+def check_checkpoint_format(scheme: QuantScheme | None, checkpoint_format: str | None, prequantized: bool) -> None:
+    """Raise ValueError unless `checkpoint_format` (None or a `CHECKPOINT_FORMATS` name) fits a
+    layer of `scheme`: GPTQ's and AWQ's formats describe pre-quantized int4 tensors, and AWQ's
+    carry zero points (a `*_zp` scheme)."""
+    if checkpoint_format is None:
+        return
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format={checkpoint_format!r}; expected None or one of "
+                         f"{tuple(CHECKPOINT_FORMATS)}")
+    if not prequantized or scheme is None or scheme.weight.dtype != "int4":
+        raise ValueError(f"checkpoint_format={checkpoint_format!r} describes pre-quantized GPTQ / AWQ int4 tensors: "
+                         f"it needs quant='int4_w4a16_g*' (or '*_zp'), prequantized=True; this layer has "
+                         f"quant={scheme and scheme.name!r}, prequantized={prequantized}")
+    if checkpoint_format == "awq" and not scheme.has_zero:
+        raise ValueError(f"checkpoint_format='awq' stores a zero point per group: quant={scheme.name!r} is "
+                         f"symmetric; AWQ loads as {scheme.name + '_zp'!r}")
+
+
+def is_companion(scheme: QuantScheme, name: str) -> bool:
+    """Whether the checkpoint tensor `name` is only checked under `scheme` (`COMPANION_TENSORS`):
+    GPTQ's qzeros are, unless the scheme has zero points to load."""
+    return name in COMPANION_TENSORS and not (scheme.has_zero and name in ZERO_POINT_TENSORS)
+
+
 def _integers(tensor: torch.Tensor) -> bool:
     return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
 
@@ -181,7 +234,7 @@ def _integers(tensor: torch.Tensor) -> bool:
 def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
     """Raise ValueError naming `where` unless the companion tensor `name` (`COMPANION_TENSORS`)
     agrees with the layer's [N, K] weight under `scheme`: weight_shape (int4 or int8) holds
-    [N, K]; qzeros (int4) int32 [K/g, N/8] holds zero points of 8 only (symmetric); g_idx /
+    [N, K]; qzeros (symmetric int4) int32 [K/g, N/8] holds zero points of 8 only; g_idx /
     weight_g_idx (int4) [K] holds k // g (no act-order)."""
     key = scheme.weight
     packed = ("int4", "int8") if name == "weight_shape" else ("int4",)
@@ -204,7 +257,8 @@ def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Te
         words = torch.unique(tensor).tolist()
         if not set(words) <= set(GPTQ_SYMMETRIC_ZEROS) or len(words) > 1:
             raise ValueError(f"{where}.{name}: zero points other than 8 (words {[hex(w % 2**32) for w in words[:4]]}): "
-                             f"the checkpoint uses {UNSUPPORTED_TENSORS['weight_zero_point']}")
+                             f"the checkpoint is asymmetric (a zero point per group), {scheme.name} symmetric; "
+                             f"it loads as {scheme.name + '_zp'!r}")
     else:  # g_idx / weight_g_idx
         if not _integers(tensor) or tuple(tensor.shape) != (k,):
             raise ValueError(f"{where}.{name}: expected {k} integers (each input column's group), got "
@@ -215,17 +269,27 @@ def check_companion(scheme: QuantScheme, where: str, name: str, tensor: torch.Te
                              f"{ACT_ORDER}, which fusedmoe does not run")
 
 
-def check_gptq_tensor(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int) -> None:
+def check_gptq_tensor(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int,
+                      checkpoint_format: str | None = None) -> None:
     """Raise ValueError naming `where` unless GPTQ's `name` (qweight int32 [K/8, N], scales
-    float [K/g, N]) fits an int4 layer's [N, K] weight under `scheme`."""
+    float [K/g, N]; AWQ's qweight int32 [K, N/8] under checkpoint_format "awq") fits an int4
+    layer's [N, K] weight under `scheme`."""
     key = scheme.weight
     if key.dtype != "int4":
-        raise ValueError(f"{where}.{name} is a GPTQ int4 tensor; this layer's scheme is {scheme.name} "
-                         "(GPTQ loads into int4_w4a16_g32 / g64 / g128)")
-    shape, dtypes = ((k // 8, n), (torch.int32,)) if name == "qweight" else ((k // key.group, n), _FLOAT_SCALE)
-    context = f"({scheme.name}, GPTQ, weight [N, K] = [{n}, {k}])"
+        raise ValueError(f"{where}.{name} is a GPTQ / AWQ int4 tensor; this layer's scheme is {scheme.name} "
+                         "(GPTQ loads into int4_w4a16_g32 / g64 / g128, AWQ into their *_zp twins)")
+    awq = checkpoint_format == "awq"
+    if name == "qweight":
+        shape, dtypes = ((k, n // 8) if awq else (k // 8, n)), (torch.int32,)
+    else:
+        shape, dtypes = (k // key.group, n), _FLOAT_SCALE
+    context = f"({scheme.name}, {'AWQ' if awq else 'GPTQ'}, weight [N, K] = [{n}, {k}])"
     if tuple(tensor.shape) != shape:
-        raise ValueError(f"{where}.{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {shape} {context}")
+        hint = ""
+        if name == "qweight" and not awq and tuple(tensor.shape) == (k, n // 8):
+            hint = ": AWQ's qweight is [K, N/8], build the layer with checkpoint_format='awq'"
+        raise ValueError(f"{where}.{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {shape} "
+                         f"{context}{hint}")
     if tensor.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise ValueError(f"{where}.{name}: checkpoint tensor has dtype {tensor.dtype}, expected {want} {context}")
@@ -243,6 +307,89 @@ def _word_bytes(packed: torch.Tensor) -> torch.Tensor:
     the host's byte order does not matter)."""
     shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
     return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xFF
+
+
+def _word_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] -> their nibbles [..., W, 8] as int32 in [0, 15], bits 4i..4i+3 at i."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
+
+
+def _nibble_words(nibbles: torch.Tensor) -> torch.Tensor:
+    """`_word_nibbles`' inverse: values [..., W, 8] in [0, 15] -> int32 words [..., W]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=nibbles.device)
+    words = (nibbles.to(torch.int64) << shifts).sum(-1)  # < 2^32: wrap to int32's two's complement
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 [R, N/8] packed along N -> the unsigned values [R, N] in column order."""
+    nibbles = _word_nibbles(packed)  # [R, N/8, 8]: nibble i holds column 8j + AWQ_ORDER[i]
+    inverse = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in nibble AWQ_ORDER.index(c)
+    return nibbles[..., inverse].flatten(-2)
+
+
+def awq_as_packed(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ's qweight int32 [K, N/8] -> pack-quantized's weight_packed int32 [N, K/8]: the unsigned
+    codes q (= signed code + 8) in column order, transposed, eight a word along K, low first."""
+    q_NK = _awq_columns(qweight).t()
+    return _nibble_words(q_NK.unflatten(-1, (-1, 8)))
+
+
+def check_zero_point_tensor(scheme: QuantScheme, where: str, name: str, tensor: torch.Tensor, n: int, k: int,
+                            checkpoint_format: str | None) -> None:
+    """Raise ValueError naming `where` unless the zero-point tensor `name` (`ZERO_POINT_TENSORS`)
+    loads into `scheme`: an asymmetric int4 scheme, GPTQ's / AWQ's qzeros int32 [K/g, N/8] with
+    the checkpoint format known, compressed-tensors' weight_zero_point int32 [ceil(N/8), K/g]."""
+    if not scheme.has_zero:
+        twin = scheme.name + "_zp"
+        fix = (f"it loads as {twin!r}" if scheme.weight.dtype == "int4"
+               else "fusedmoe runs zero points with int4 groups only (int4_w4a16_g*_zp)")
+        raise ValueError(f"{where}.{name}: the checkpoint is asymmetric (a zero point per group), {scheme.name} "
+                         f"symmetric: {fix}")
+    group = scheme.weight.group
+    if name == "qzeros":
+        if checkpoint_format is None:
+            raise ValueError(f"{where}.{name}: GPTQ and AWQ store zero points alike but differently (GPTQ v1: z - 1, "
+                             "v2: z, AWQ: z in its nibble order): build the layer with checkpoint_format= one of "
+                             f"{tuple(CHECKPOINT_FORMATS)} (checkpoint_config.checkpoint_format_from_config)")
+        want, what = (k // group, math.ceil(n / 8)), "GPTQ / AWQ zero points, packed along N"
+    else:
+        want, what = (math.ceil(n / 8), k // group), "compressed-tensors zero points, packed along N"
+    if tensor.dtype != torch.int32 or tuple(tensor.shape) != want:
+        raise ValueError(f"{where}.{name}: expected int32 {want} ({what}, of [N, K] = [{n}, {k}], g = {group}), "
+                         f"got {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def zero_point_tensor(where: str, name: str, tensor: torch.Tensor, n: int, checkpoint_format: str | None
+                      ) -> torch.Tensor:
+    """A checked zero-point tensor (`check_zero_point_tensor`) -> float32 [N, K/g] of z - 8, the
+    layout and values of QuantParams.w13_zero / w2_zero.
+
+    qzeros [K/g, N/8]: column 8j+i in nibble i of word j (GPTQ; v1 stores z - 1, so z = stored + 1)
+    or in nibble AWQ_ORDER.index(i) (AWQ); weight_zero_point [ceil(N/8), K/g]: row 8j+i in nibble i
+    of word j, stored as the signed zero point + 8, which is z. A v1 nibble of 15 (z = 16) is
+    refused: AutoGPTQ writes z = 0 as -1, whose sign bits also overwrite the word's higher nibbles.
+    """
+    if name == "weight_zero_point":
+        z_NG = _word_nibbles(tensor).transpose(-1, -2).flatten(-3, -2)[:n]  # [N/8, K/g, 8] -> [N, K/g]
+    elif checkpoint_format == "awq":
+        z_NG = _awq_columns(tensor).t()[:n]
+    else:
+        stored = _word_nibbles(tensor).flatten(-2).t()[:n]  # [K/g, N/8, 8] -> [N, K/g]
+        if checkpoint_format == "gptq":
+            bad = (stored == 15).nonzero()
+            if len(bad):
+                row, group = bad[0].tolist()
+                raise ValueError(
+                    f"{where}.{name}: {len(bad)} zero points stored as 15, the first of output {row} in group {group}: "
+                    "the GPTQ v1 format (checkpoint_format 'gptq') stores z - 1, so 15 would be z = 16, outside "
+                    "[0, 15] (AutoGPTQ writes z = 0 as -1, which also overwrites the word's higher nibbles); a "
+                    "checkpoint storing z itself is checkpoint_format 'gptq_v2'"
+                )
+            stored = stored + 1
+        z_NG = stored
+    return (z_NG - 8).float()
 
 
 def int8_payload(packed: torch.Tensor) -> torch.Tensor:
@@ -289,7 +436,8 @@ def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inte
     """This rank's part of a checked tensor: rows [r I_p, (r+1) I_p) of gate/up, columns of down,
     in the tensor's own units (bytes: I_p / 2, blocks: I_p / 128, groups: I_p / g).
 
-    Per-tensor scales (and channel scales of down, whose rows are H) are not split.
+    Per-tensor scales (and channel scales of down, whose rows are H) are not split; zero points
+    (unpacked, `zero_point_tensor`) split as their group scales.
     """
     if tensor.dim() < 2 or (is_down and role == "weight_scale" and key.granularity == "channel"):
         return tensor
@@ -298,7 +446,7 @@ def tp_slice(key: QuantKey, role: str, is_down: bool, tensor: torch.Tensor, inte
         per = inter // 2
     elif role == "weight_scale" and key.granularity == "block":
         per = inter // key.group[0]
-    elif role == "weight_scale" and key.granularity == "group" and is_down:
+    elif role in ("weight_scale", "weight_zero") and key.granularity == "group" and is_down:
         per = inter // key.group
     cut = slice(tp_rank * per, (tp_rank + 1) * per)
     return tensor[:, cut] if is_down else tensor[cut]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusedmoe.quant.checkpoint_config import scheme_from_config
+from fusedmoe.quant.checkpoint_config import checkpoint_format_from_config, scheme_from_config
 
 
 def _ct(weights: dict, inputs: dict | None = None, fmt: str = "pack-quantized", **group) -> dict:
@@ -46,11 +46,21 @@ CONFIGS = {
                             "static_groups": True, "sym": True}, "int4_w4a16_g32"),
     "gptq_v2_g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True,
                      "checkpoint_format": "gptq_v2"}, "int4_w4a16_g64"),
+    "gptq_asymmetric": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+                        "int4_w4a16_g32_zp"),
+    "gptq_v2_asymmetric_g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False,
+                                "checkpoint_format": "gptq_v2"}, "int4_w4a16_g64_zp"),
+    # transformers' AwqConfig as config.json writes it (Qwen / Mixtral AWQ checkpoints)
+    "awq_gemm": ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+                                          "version": "gemm", "modules_to_not_convert": None}}, "int4_w4a16_g64_zp"),
+    "awq_autoawq_upper_case": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                "version": "GEMM"}, "int4_w4a16_g128_zp"),
     "modelopt_nvfp4": ({"producer": {"name": "modelopt", "version": "0.29"},
                         "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}},
                        "nvfp4"),
     "modelopt_fp8_config_json": ({"quant_method": "modelopt", "quant_algo": "FP8"}, "fp8_w8a8_tensor_static"),
     "kimi_k2_int4": (_ct(INT4_G32), "int4_w4a16_g32"),
+    "ct_int4_asymmetric": (_ct(dict(INT4_G32, symmetric=False)), "int4_w4a16_g32_zp"),
     "ct_fp8_block": (_ct(FP8_BLOCK, FP8_GROUP_INPUT, "float-quantized"), "fp8_w8a8_block"),
     "ct_fp8_dynamic": (_ct(FP8_CHANNEL, FP8_TOKEN, "float-quantized"), "fp8_w8a8_channel"),
     "ct_fp8_static": (_ct(FP8_TENSOR, FP8_TENSOR, "float-quantized"), "fp8_w8a8_tensor_static"),
@@ -71,18 +81,26 @@ def test_scheme_of_each_format(name):
 
 
 REFUSED = {
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-            r"awq: AWQ stores a zero point per group \(asymmetric\)"),
+    "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
+                 r"awq: version='gemv': fusedmoe reads AWQ's GEMM layout"),
+    "awq_no_zero_point": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
+                          r"awq: zero_point=false \(no qzeros\)"),
+    "awq_3bit": ({"quant_method": "awq", "bits": 3, "group_size": 128}, r"awq: bits=3: fusedmoe loads 4-bit AWQ"),
+    "awq_g256": ({"quant_method": "awq", "bits": 4, "group_size": 256}, r"awq: group_size=256: fusedmoe's int4"),
     "gptq_act_order": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
                        r"gptq: desc_act=true without static_groups \(act-order"),
-    "gptq_asymmetric": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False},
-                        r"gptq: sym=false \(a zero point per group\)"),
+    "gptq_marlin_format": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                            "checkpoint_format": "marlin"},
+                           r"gptq: checkpoint_format='marlin': fusedmoe reads GPTQ's own layouts \('gptq', 'gptq_v2'\)"),
     "gptq_8bit": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True}, r"gptq: bits=8"),
     "gptq_per_channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True},
                          r"gptq: group_size=-1: fusedmoe's int4 schemes have groups of \(32, 64, 128\)"),
     "fp8_block_64": ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"fp8: weight_block_size=\[64, 64\]"),
-    "ct_asymmetric": (_ct(dict(INT4_G32, symmetric=False)),
-                      r"config group 'group_0' weights: symmetric=false \(zero points\)"),
+    "ct_int8_asymmetric": (_ct(dict(INT8_CHANNEL, symmetric=False)),
+                           r"config group 'group_0' weights: symmetric=false \(zero points\) with type='int' "
+                           r"num_bits=8 strategy='channel': fusedmoe runs zero points with int4 group weights only"),
+    "ct_asymmetric_activations": (_ct(INT8_CHANNEL, dict(INT8_TOKEN, symmetric=False), "int-quantized"),
+                                  r"config group 'group_0' input_activations: symmetric=false \(zero points\)"),
     "ct_act_order": (_ct(dict(INT4_G32, actorder="group")), r"weights actorder='group' \(act-order\)"),
     "ct_int4_g256": (_ct(dict(INT4_G32, group_size=256)),
                      r"weights int4/group256/static with activations unquantized: fusedmoe has no such scheme"),
@@ -112,8 +130,22 @@ def test_not_a_mapping():
         scheme_from_config('{"quant_method": "fp8"}')
 
 
+FORMATS = {"qwen3_gptq": "gptq", "gptq_static_groups": "gptq", "gptq_v2_g64": "gptq_v2", "gptq_asymmetric": "gptq",
+           "gptq_v2_asymmetric_g64": "gptq_v2", "awq_gemm": "awq", "awq_autoawq_upper_case": "awq"}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_checkpoint_format_of_each_config(name):
+    """GPTQ's checkpoint_format (v1 when absent) and AWQ's: what their tensors cannot say; None elsewhere."""
+    assert checkpoint_format_from_config(CONFIGS[name][0]) == FORMATS.get(name)
+
+
 @pytest.mark.parametrize(("fmt", "config"), [
     ("int4_g32_compressed_tensors", "kimi_k2_int4"),
+    ("int4_g32_gptq_asym", "gptq_asymmetric"),
+    ("int4_g64_gptq_v2_asym", "gptq_v2_asymmetric_g64"),
+    ("int4_g64_awq", "awq_gemm"),
+    ("int4_g32_compressed_tensors_asym", "ct_int4_asymmetric"),
     ("int4_g64_gptq", "gptq_v2_g64"),
     ("fp8_block", "deepseek_fp8"),
     ("nvfp4_compressed_tensors", "ct_nvfp4"),
@@ -126,6 +158,8 @@ def test_the_scheme_loads_its_checkpoint(fmt, config):
     from test_checkpoint import layer_for, load, make_checkpoint
 
     ckpt = make_checkpoint(fmt)
-    scheme = scheme_from_config(CONFIGS[config][0])
+    scheme, checkpoint_format = scheme_from_config(CONFIGS[config][0]), checkpoint_format_from_config(CONFIGS[config][0])
     assert scheme == ckpt.scheme
-    load(layer_for(scheme), ckpt, "names")
+    if ckpt.scheme.endswith("_zp"):  # symmetric GPTQ's zero points (all 8) read alike under either format
+        assert checkpoint_format == ckpt.checkpoint_format
+    load(layer_for(scheme, checkpoint_format=checkpoint_format), ckpt, "names")

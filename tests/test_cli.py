@@ -57,8 +57,8 @@ def test_explain_reads_a_checkpoint_config(tmp_path, capsys):
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint_scheme"] == "int4_w4a16_g128"
     awq = tmp_path / "awq.json"
-    awq.write_text(json.dumps({"quant_method": "awq", "bits": 4, "group_size": 128}))
-    for bad, why in (([str(awq)], "awq: AWQ stores a zero point per group"),
+    awq.write_text(json.dumps({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}))
+    for bad, why in (([str(awq)], "awq: version='gemv'"),
                      ([str(tmp_path / "none.json")], "No such file or directory"),
                      ([str(config), "--quant", "fp8_w8a8_block"], "give --quant or --checkpoint-config, not both")):
         assert main(["explain", "--model", "qwen3-30b-a3b", "--checkpoint-config", *bad]) == 2

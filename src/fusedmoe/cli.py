@@ -263,7 +263,10 @@ def cmd_explain(args) -> int:
 
     checkpoint = None
     if args.checkpoint_config is not None:
-        from fusedmoe.quant.checkpoint_config import scheme_from_config
+        from fusedmoe.quant.checkpoint_config import (
+            checkpoint_format_from_config,
+            scheme_from_config,
+        )
 
         if args.quant is not None:
             raise ValueError("give --quant or --checkpoint-config, not both")
@@ -272,7 +275,9 @@ def cmd_explain(args) -> int:
         except (OSError, ValueError) as exc:
             raise ValueError(f"--checkpoint-config {args.checkpoint_config}: {exc}") from None
         args.quant = scheme_from_config(checkpoint_json)
-        checkpoint = f"checkpoint {args.checkpoint_config}: its experts load as quant={args.quant!r}, prequantized=True"
+        fmt = checkpoint_format_from_config(checkpoint_json)
+        checkpoint = (f"checkpoint {args.checkpoint_config}: its experts load as quant={args.quant!r}, prequantized=True"
+                      + (f", checkpoint_format={fmt!r}" if fmt else ""))
     config = _config_from_args(args)
     platform = _platform_from_args(args)
     result = explain(config, platform)

@@ -1,7 +1,7 @@
 """Quantization: schemes, the scale bundle, quantize/dequantize helpers for every scheme."""
 
 from fusedmoe.quant.activations import fake_quantize_activation
-from fusedmoe.quant.checkpoint_config import scheme_from_config
+from fusedmoe.quant.checkpoint_config import checkpoint_format_from_config, scheme_from_config
 from fusedmoe.quant.params import QuantParams
 from fusedmoe.quant.scheme import SCHEMES, QuantKey, QuantScheme, get_scheme
 from fusedmoe.quant.weights import (
@@ -18,6 +18,7 @@ __all__ = [
     "QuantParams",
     "QuantScheme",
     "check_quant_weights",
+    "checkpoint_format_from_config",
     "dequantize_weight",
     "dequantize_weights",
     "fake_quantize_activation",

@@ -1,26 +1,30 @@
 """Which fusedmoe scheme a pre-quantized checkpoint's experts are in, from its Hugging Face config.
 
     scheme_from_config(config) -> "fp8_w8a8_block", "int4_w4a16_g32", ...
+    checkpoint_format_from_config(config) -> "gptq" | "gptq_v2" | "awq" | None
 
 `config` is a model's `config.json` (its `quantization_config` is read), that `quantization_config`
 alone, or ModelOpt's `hf_quant_config.json`. The answer is the `quant=` of
 `FusedMoE(..., quant=..., prequantized=True)`, whose loader then takes the checkpoint's expert
-tensors (`fusedmoe.quant.checkpoint`). Formats, by `quant_method`:
+tensors (`fusedmoe.quant.checkpoint`); the second is its `checkpoint_format=`, how GPTQ's / AWQ's
+tensors are stored (what they cannot tell themselves). Formats, by `quant_method`:
 
     fp8                 weight_block_size [128, 128] -> fp8_w8a8_block (dynamic activations);
                         none -> fp8_w8a8_tensor (dynamic) / fp8_w8a8_tensor_static (static)
     mxfp4               gpt-oss -> mxfp4_w4a16 (bf16 activations)
-    gptq                bits 4, sym, no desc_act (or with static_groups) -> int4_w4a16_g{group_size}
-                        (32, 64, 128)
+    gptq                bits 4, no desc_act (or with static_groups) -> int4_w4a16_g{group_size}
+                        (32, 64, 128), sym=false -> int4_w4a16_g{group_size}_zp; checkpoint_format
+                        "gptq" (v1, the default: zero points stored z - 1) or "gptq_v2" (z)
+    awq                 bits 4, zero_point true, version gemm (AutoAWQ GEMM) -> int4_w4a16_g{group_size}_zp
     modelopt            quant_algo NVFP4 -> nvfp4; FP8 -> fp8_w8a8_tensor_static
     compressed-tensors  each config group's weights / input_activations as (weight key,
                         activation key) of `quant.scheme`, matched against SCHEMES: fp8 block /
-                        channel / tensor, int8 W8A8 and W8A16, int4 pack-quantized (W4A16), nvfp4
-                        (W4A4 or W4A16), mxfp4 (W4A16)
-    awq                 refused: asymmetric (a zero point per group), which the int4 kernels do not run
+                        channel / tensor, int8 W8A8 and W8A16, int4 pack-quantized (W4A16; symmetric=false:
+                        the *_zp scheme), nvfp4 (W4A4 or W4A16), mxfp4 (W4A16)
 
 A configuration fusedmoe cannot run raises ValueError naming the field that decides it
-(asymmetric weights, act-order, a block or group size without a scheme, several schemes at once).
+(zero points outside int4 groups, act-order, an AWQ kernel layout other than GEMM, a block or group
+size without a scheme, several schemes at once).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 from fusedmoe.quant.scheme import SCHEMES, QuantKey
 
 INT4_GROUPS = (32, 64, 128)
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # GPTQModel's checkpoint_format values whose tensors fusedmoe reads
 
 
 def scheme_from_config(config: Mapping[str, Any]) -> str:
@@ -51,6 +56,19 @@ def scheme_from_config(config: Mapping[str, Any]) -> str:
     if reader is None:
         raise ValueError(f"quant_method {method!r} is not a format fusedmoe loads ({', '.join(sorted(readers))})")
     return reader(config)
+
+
+def checkpoint_format_from_config(config: Mapping[str, Any]) -> str | None:
+    """FusedMoE's `checkpoint_format` for a checkpoint's experts: GPTQ's checkpoint_format ("gptq",
+    the v1 default, or "gptq_v2"), "awq" for AWQ, None for every other format (its tensors' names
+    say how they are stored). The config is checked as `scheme_from_config` checks it."""
+    scheme_from_config(config)
+    if isinstance(config.get("quantization_config"), Mapping):
+        config = config["quantization_config"]
+    method = str(config.get("quant_method", "")).lower()
+    if method == "gptq":
+        return config.get("checkpoint_format") or "gptq"
+    return "awq" if method == "awq" else None
 
 
 def _fp8(c: Mapping) -> str:
@@ -74,15 +92,17 @@ def _gptq(c: Mapping) -> str:
     bits, group = c.get("bits"), c.get("group_size")
     if bits != 4:
         raise ValueError(f"gptq: bits={bits}: fusedmoe loads 4-bit GPTQ (int4_w4a16_g*)")
-    if c.get("sym", True) is not True:
-        raise ValueError("gptq: sym=false (a zero point per group): the int4 schemes are symmetric")
+    fmt = c.get("checkpoint_format") or "gptq"
+    if fmt not in GPTQ_FORMATS:  # marlin, bitblas, ...: tensors re-laid for one kernel
+        raise ValueError(f"gptq: checkpoint_format={fmt!r}: fusedmoe reads GPTQ's own layouts {GPTQ_FORMATS}")
     if c.get("desc_act", False) and not c.get("static_groups", False):
         # with static groups the groups stay in column order (g_idx = k // g; the loader checks it)
         raise ValueError("gptq: desc_act=true without static_groups (act-order: groups of permuted input "
                          "columns) is not run by fusedmoe")
     if group not in INT4_GROUPS:
         raise ValueError(f"gptq: group_size={group}: fusedmoe's int4 schemes have groups of {INT4_GROUPS}")
-    return f"int4_w4a16_g{group}"
+    # sym=false: a zero point per group (qzeros), the asymmetric twin
+    return f"int4_w4a16_g{group}" + ("" if c.get("sym", True) is True else "_zp")
 
 
 def _modelopt(c: Mapping) -> str:
@@ -98,8 +118,19 @@ def _modelopt(c: Mapping) -> str:
 
 
 def _awq(c: Mapping) -> str:
-    raise ValueError("awq: AWQ stores a zero point per group (asymmetric); the int4 schemes are symmetric "
-                     "(a GPTQ or compressed-tensors symmetric checkpoint of the model loads)")
+    """AutoAWQ's GEMM layout (transformers' AwqConfig defaults: version gemm, zero_point true)."""
+    bits, group = c.get("bits", c.get("w_bit")), c.get("group_size", c.get("q_group_size"))
+    version = str(c.get("version", "gemm")).lower()
+    if bits != 4:
+        raise ValueError(f"awq: bits={bits}: fusedmoe loads 4-bit AWQ (int4_w4a16_g*_zp)")
+    if version != "gemm":  # gemv / gemv_fast / marlin / exllama / ipex: tensors re-laid for one kernel
+        raise ValueError(f"awq: version={c.get('version')!r}: fusedmoe reads AWQ's GEMM layout (qweight [K, N/8])")
+    if c.get("zero_point", True) is not True:
+        raise ValueError("awq: zero_point=false (no qzeros): fusedmoe loads AWQ with its zero points "
+                         "(int4_w4a16_g*_zp)")
+    if group not in INT4_GROUPS:
+        raise ValueError(f"awq: group_size={group}: fusedmoe's int4 schemes have groups of {INT4_GROUPS}")
+    return f"int4_w4a16_g{group}_zp"
 
 
 def _compressed_tensors(c: Mapping) -> str:
@@ -132,8 +163,11 @@ def _compressed_tensors(c: Mapping) -> str:
 def _ct_key(where: str, args: Mapping, *, weight: bool) -> QuantKey:
     """One compressed-tensors QuantizationArgs as the QuantKey `quant.scheme` names it."""
     kind, bits, strategy = args.get("type"), args.get("num_bits"), args.get("strategy")
-    if args.get("symmetric", True) is not True:
-        raise ValueError(f"{where}: symmetric=false (zero points): fusedmoe's schemes are symmetric")
+    symmetric = args.get("symmetric", True) is True
+    if not symmetric and not (weight and kind == "int" and bits == 4 and strategy == "group"):
+        raise ValueError(f"{where}: symmetric=false (zero points) with type={kind!r} num_bits={bits!r} "
+                         f"strategy={strategy!r}: fusedmoe runs zero points with int4 group weights only "
+                         "(int4_w4a16_g*_zp)")
     if kind == "float" and bits == 8:
         dtype = "fp8"
     elif kind == "int" and bits in (8, 4):
@@ -155,7 +189,8 @@ def _ct_key(where: str, args: Mapping, *, weight: bool) -> QuantKey:
             raise ValueError(f"{where}: block_structure={block}: fusedmoe's block scheme has 128x128 blocks")
         return QuantKey(dtype, "block", (128, 128))
     if strategy == "group":
-        return QuantKey(dtype, "group", args.get("group_size"), dynamic=bool(dynamic) and not weight)
+        return QuantKey(dtype, "group", args.get("group_size"), dynamic=bool(dynamic) and not weight,
+                        symmetric=symmetric)
     if strategy in ("tensor", "channel", "token"):
         return QuantKey(dtype, strategy, dynamic=bool(dynamic) and not weight)
     raise ValueError(f"{where}: strategy={strategy!r} has no fusedmoe scale layout")

@@ -16,7 +16,17 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from fusedmoe import select_experts  # noqa: E402
 from fusedmoe.checkpoint import load_moe_layer  # noqa: E402
 from fusedmoe.reference import fused_experts_ref  # noqa: E402
-from test_checkpoint import TOP_K, E, H, I, make_checkpoint, make_gpt_oss, reference  # noqa: E402
+from test_checkpoint import (  # noqa: E402
+    TOP_K,
+    E,
+    H,
+    I,
+    asym_by_hand,
+    asym_tensors,
+    make_checkpoint,
+    make_gpt_oss,
+    reference,
+)
 
 HF = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -69,27 +79,73 @@ def test_mixtral_in_one_file(tmp_path):
     assert rel(moe(x), want) < 1e-5 and want.abs().max() > 0.1
 
 
-@pytest.mark.parametrize("fmt", ["int4_g32_gptq_v2", "int4_g32_compressed_tensors"])
+def _ct_int4(group: int, symmetric: bool) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+                                           "group_size": group}}}}
+
+
+# test_checkpoint's int4 formats -> the quantization_config their checkpoint directory carries
+INT4_CONFIGS = {
+    "int4_g32_gptq_v2": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
+    "int4_g32_compressed_tensors": _ct_int4(32, True),
+    "int4_g32_gptq_asym": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False},
+    "int4_g64_gptq_v2_asym": {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False,
+                              "checkpoint_format": "gptq_v2"},
+    "int4_g64_awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+    "int4_g32_compressed_tensors_asym": _ct_int4(32, False),
+}
+
+
+@pytest.mark.parametrize("fmt", INT4_CONFIGS)
 def test_qwen3_moe_int4_over_shards(tmp_path, fmt):
-    """GPTQ / pack-quantized int4 experts, the scheme read off the quantization_config, the
-    tensors spread over three shards of an index."""
+    """GPTQ / AWQ / pack-quantized int4 experts (asymmetric ones with their zero points), the scheme
+    and the GPTQ / AWQ checkpoint format read off the quantization_config, the tensors spread over
+    three shards of an index."""
     ckpt = make_checkpoint(fmt)
     router = torch.randn(E, H, generator=torch.Generator().manual_seed(1))
     prefix = "model.layers.0.mlp."
-    quant = ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
-             if "gptq" in fmt else
-             {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
-                 "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                    "strategy": "group", "group_size": 32}}}})
     config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_size": H,
               "moe_intermediate_size": I, "norm_topk_prob": True, "num_hidden_layers": 1,
-              "quantization_config": quant}
+              "quantization_config": INT4_CONFIGS[fmt]}
     tensors = experts(ckpt, prefix, HF) | {f"{prefix}gate.weight": router}
     moe = load_moe_layer(write(tmp_path, config, tensors, shards=3), 0, params_dtype=torch.float32)
-    assert moe.moe.config.quant.name == "int4_w4a16_g32" and moe.moe.prequantized
+    assert moe.moe.config.quant.name == ckpt.scheme and moe.moe.prequantized
     x = batch()
     weights, ids = select_experts(x, x @ router.T, TOP_K, renormalize=True)
     assert rel(moe(x), fused_experts_ref(x, ckpt.w13, ckpt.w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_qwen2_moe_asymmetric_shared_expert_dequantized_with_its_zero_points(tmp_path, fmt):
+    """Qwen2-MoE with AWQ (or GPTQ sym=false) experts and shared expert: the shared expert's qweight /
+    qzeros / scales are dequantized at load through the one-expert prequantized layer, zero points
+    included, and run with its sigmoid gate."""
+    ckpt = make_checkpoint({"awq": "int4_g64_awq", "gptq": "int4_g32_gptq_asym"}[fmt])
+    group = 64 if fmt == "awq" else 32
+    g = torch.Generator().manual_seed(8)
+    shared_i = 128
+    prefix = "model.layers.0.mlp."
+    tensors = experts(ckpt, prefix, HF) | {f"{prefix}gate.weight": torch.randn(E, H, generator=g),
+                                           f"{prefix}shared_expert_gate.weight": torch.randn(1, H, generator=g)}
+    dequantized = {}
+    for p, shape in {"gate_proj": (shared_i, H), "up_proj": (shared_i, H), "down_proj": (H, shared_i)}.items():
+        q, z, s = asym_by_hand(torch.randn(1, *shape, generator=g) / shape[1]**0.5, group, torch.float16)
+        tensors |= {f"{prefix}shared_expert.{p}.{n}": t[0] for n, t in asym_tensors(fmt, q, z, s).items()}
+        dequantized[p] = ((q - z.repeat_interleave(group, -1)) * s.float().repeat_interleave(group, -1))[0]
+    quant = INT4_CONFIGS["int4_g64_awq" if fmt == "awq" else "int4_g32_gptq_asym"]
+    config = {"model_type": "qwen2_moe", "num_experts": E, "num_experts_per_tok": TOP_K, "hidden_size": H,
+              "moe_intermediate_size": I, "shared_expert_intermediate_size": shared_i, "norm_topk_prob": False,
+              "num_hidden_layers": 1, "quantization_config": quant}
+    moe = load_moe_layer(write(tmp_path, config, tensors), 0, params_dtype=torch.float32)
+    assert torch.equal(moe.moe.shared_experts.down, dequantized["down_proj"])
+    x = batch()
+    logits = x @ tensors[f"{prefix}gate.weight"].T
+    routed = reference(moe.moe, x, logits, ckpt.w13, ckpt.w2)
+    d = dequantized
+    mlp = torch.nn.functional.silu(x @ d["gate_proj"].T) * (x @ d["up_proj"].T) @ d["down_proj"].T
+    mlp = mlp * torch.sigmoid(x @ tensors[f"{prefix}shared_expert_gate.weight"].T)
+    assert rel(moe(x), routed + mlp) < 1e-5 and mlp.abs().max() > 0.1
 
 
 def _deepseek(tmp_path, shared_tensors: dict, **config_changes) -> tuple[Path, object, dict]:

@@ -4,13 +4,14 @@
     y = moe(x)                       # [T, H]: the router, then the routed (and shared) experts
 
 `config.json` gives the sizes, the routing and, through its `quantization_config`, the experts'
-scheme (`quant.scheme_from_config`); the layer's tensors are found through
+scheme and how GPTQ / AWQ tensors are stored (`quant.scheme_from_config`,
+`quant.checkpoint_format_from_config`); the layer's tensors are found through
 `model.safetensors.index.json` (or the one `model.safetensors`) and only they are read
 (`safetensors.safe_open`, the `hf` extra). The experts load through `FusedMoE.load_weights` (every
 checkpoint format of `fusedmoe.quant.checkpoint`), the router into an fp32 `nn.Linear`. Families
 by `model_type` (`FAMILIES`): Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3 / Kimi-K2, gpt-oss.
-Quantized shared experts (DeepSeek-V3 FP8's) are dequantized at load and run 16 / 32-bit, their
-activations unquantized; `shared=False` leaves them out. For a model already loaded in transformers,
+Quantized shared experts (DeepSeek-V3 FP8's, a GPTQ / AWQ checkpoint's with their zero points) are
+dequantized at load and run 16 / 32-bit, their activations unquantized; `shared=False` leaves them out. For a model already loaded in transformers,
 `fusedmoe.hf.patch` is the route instead.
 """
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from fusedmoe.layer import FusedMoE
-from fusedmoe.quant.checkpoint_config import scheme_from_config
+from fusedmoe.quant.checkpoint_config import checkpoint_format_from_config, scheme_from_config
 from fusedmoe.shared import SharedExperts
 
 
@@ -112,7 +113,9 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
         raise ValueError(f"layer={layer!r} outside [0, {layers}) (num_hidden_layers)")
     if not fam.sparse(text, layer):
         raise ValueError(f"{path}: layer {layer} of {model_type} is a dense MLP, not an MoE layer")
-    scheme = scheme_from_config(config) if "quantization_config" in config else None
+    quantized = "quantization_config" in config
+    scheme = scheme_from_config(config) if quantized else None
+    fmt = checkpoint_format_from_config(config) if quantized else None
     prefix = f"model.layers.{layer}.{fam.block}."
     tensors = _read_layer(path, prefix)
     shared_inter = fam.shared(text) if shared else 0
@@ -122,11 +125,11 @@ def load_moe_layer(path: str | Path, layer: int, *, device: torch.device | str |
                                       params_dtype=params_dtype, device=device)
         if scheme is not None and any(n.startswith(_SHARED) and not n.endswith(".weight") for n in tensors):
             # dequantized once here: the shared MLP runs 16 / 32-bit
-            tensors = _dequantized_shared(tensors, scheme, text["hidden_size"], shared_inter)
+            tensors = _dequantized_shared(tensors, scheme, fmt, text["hidden_size"], shared_inter)
     routing = fam.routing(text)
     moe = FusedMoE(text[fam.experts], text[fam.top_k], text["hidden_size"], text[fam.intermediate],
-                   params_dtype=params_dtype, quant=scheme, prequantized=scheme is not None, device=device,
-                   shared_experts=shared_module, **routing, **fam.layer_kwargs(text), **moe_kwargs)
+                   params_dtype=params_dtype, quant=scheme, prequantized=scheme is not None,
+                   checkpoint_format=fmt, device=device, shared_experts=shared_module, **routing, **fam.layer_kwargs(text), **moe_kwargs)
     named = [(prefix + n, t) for n, t in tensors.items()]
     used = {n[len(prefix):] for n in moe.load_weights(named)}
     if routing.get("has_correction_bias"):
@@ -161,15 +164,16 @@ _SHARED = ("shared_expert.", "shared_experts.")  # Qwen2-MoE, DeepSeek-V3 (share
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-def _dequantized_shared(tensors: dict, scheme, hidden: int, inter: int) -> dict:
+def _dequantized_shared(tensors: dict, scheme, checkpoint_format: str | None, hidden: int, inter: int) -> dict:
     """`tensors` with the shared experts' quantized projections replaced by their float32
     `<prefix><proj>.weight`: each loaded, as stored, into a one-expert prequantized FusedMoE (the
-    routed experts' loader and checks), then dequantized (`quant.dequantize_weights`)."""
+    routed experts' loader and checks), then dequantized (`quant.dequantize_weights`, zero points
+    included)."""
     from fusedmoe.quant.weights import dequantize_weights
 
     prefix = next(p for p in _SHARED if any(n.startswith(p) for n in tensors))
     one = FusedMoE(1, 1, hidden, inter, params_dtype=torch.float32, quant=scheme, prequantized=True,
-                   backend="emulation")
+                   checkpoint_format=checkpoint_format, backend="emulation")
     out = {}
     for name, tensor in tensors.items():
         proj = name[len(prefix):].split(".")[0] if name.startswith(prefix) else None

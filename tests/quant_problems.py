@@ -82,6 +82,9 @@ def problem(case: Case, scheme: str, dtype: torch.dtype):
     b2 = torch.randn(num_local, case.H, generator=gen).to(dtype) * 0.1 if case.bias else None
     weights, ids = select_experts(x, torch.randn(case.T, case.E, generator=gen), case.K,
                                   renormalize=not case.on_input)
+    if scheme.endswith("_zp"):  # asymmetric int4: rows off centre, so the zero points span their range
+        w13 += torch.rand(num_local, rows, 1, generator=gen) * 2 / case.H**0.5
+        w2 -= torch.rand(num_local, case.H, 1, generator=gen) * 2 / case.I**0.5
     amax = None
     if scheme.endswith("static"):  # calibrate: x's amax over all experts, a's per expert
         amax = (torch.zeros(()), torch.ones(num_local))
@@ -114,6 +117,7 @@ def run(config, x, w, weights, ids, expert_map, tiles=None, out=None, direct=Non
         config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
         tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles), out=out,
         w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale, direct=direct,
+        w13_zero=p.w13_zero, w2_zero=p.w2_zero,
     )
 
 

@@ -28,7 +28,8 @@ pytestmark = [
 # checkpoint layout (the functional API does not process weights)
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
                "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16", "nvfp4_w4a16:fragments",
-               "int4_w4a16_g32:fragments", "int4_w4a16_g64:fragments", "int4_w4a16_g128:fragments"]
+               "int4_w4a16_g32:fragments", "int4_w4a16_g64:fragments", "int4_w4a16_g128:fragments",
+               "int4_w4a16_g32_zp", "int4_w4a16_g64_zp", "int4_w4a16_g128_zp"]  # asymmetric: checkpoint layout only
 # Weight-only: emulation is the reference on dequantized weights (fp32). The kernels round the
 # dequantized weights to bf16 (exact for 8-bit codes and e2m1 * 2^s, 2^-9 relative for scaled
 # int4 / nvfp4), the intermediate and y per slot to bf16, and sum in another order: the bf16
@@ -47,6 +48,9 @@ def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
     w2 = torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5
     b13 = torch.randn(E, w13.shape[1], device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
     b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
+    if scheme.endswith("_zp"):  # asymmetric int4: rows off centre, so the zero points span their range
+        w13 += torch.rand(E, w13.shape[1], 1, device="cuda", generator=gen) * 2 / H**0.5
+        w2 -= torch.rand(E, H, 1, device="cuda", generator=gen) * 2 / I**0.5
     q13, q2, params = quantize_weights(w13, w2, scheme.removesuffix(":fragments"))
     del w13, w2
     if scheme.endswith(":fragments"):
@@ -67,8 +71,9 @@ def make_tokens(T, E, K, H, *, seed=0):
 def check(x, q13, q2, params, b13, b2, w, ids, **kw):
     poison_allocator()
     out = fused_experts(x, q13, q2, w, ids, quant=params, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
-    laid = dataclasses.replace(params, w13_scale=kernel_scale_layout(params.w13_scale),
-                               w2_scale=kernel_scale_layout(params.w2_scale))
+    laid = dataclasses.replace(params, **{name: kernel_scale_layout(getattr(params, name))  # zero points as their scales
+                                          for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+                                          if getattr(params, name) is not None})
     if laid.w13_scale is not params.w13_scale or laid.w2_scale is not params.w2_scale:
         # group-major scales (process_weights' storage for int4 / nvfp4): other strides, the same bits out
         again = fused_experts(x, q13, q2, w, ids, quant=laid, w13_bias=b13, w2_bias=b2, backend="triton", **kw)
@@ -93,7 +98,7 @@ def run_triton(x, w, ids, weights, E, activation, **kw):
     return triton_quant_experts(
         x, q13, q2, w, ids, b13, b2, None, E, activation, False, 1.702, None, params.scheme.name,
         params.w13_scale, params.w2_scale, w13_global_scale=params.w13_global_scale,
-        w2_global_scale=params.w2_global_scale, **kw)
+        w2_global_scale=params.w2_global_scale, w13_zero=params.w13_zero, w2_zero=params.w2_zero, **kw)
 
 
 def test_fp8_ptx_decode_is_exact_on_every_code():
@@ -187,6 +192,8 @@ def _slice_params(params, n):
     sliced = dict(w13_scale=params.w13_scale[:n], w2_scale=params.w2_scale[:n])
     if params.w13_global_scale is not None:
         sliced.update(w13_global_scale=params.w13_global_scale[:n], w2_global_scale=params.w2_global_scale[:n])
+    if params.w13_zero is not None:
+        sliced.update(w13_zero=params.w13_zero[:n], w2_zero=params.w2_zero[:n])
     return dataclasses.replace(params, **sliced)
 
 

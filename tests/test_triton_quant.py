@@ -50,7 +50,7 @@ from quant_problems import (  # noqa: E402
 
 W8A8 = ["fp8_w8a8_tensor", "fp8_w8a8_tensor_static", "fp8_w8a8_channel", "fp8_w8a8_block", "int8_w8a8"]
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
-               "mxfp4_w4a16", "nvfp4_w4a16"]
+               "int4_w4a16_g32_zp", "mxfp4_w4a16", "nvfp4_w4a16"]
 # Triton vs emulation: the same quantized operands; only the summation order differs (and, for
 # fp16, the per-slot rounding of y before the fp32 top-k sum: ~2^-11 relative, measured 3.5e-4).
 # An intermediate value within an fp32 rounding of a code boundary may still flip one code.
@@ -286,6 +286,11 @@ CASES = [  # (case, schemes): the paths each case exercises differently
     # a K step inside one group (BLOCK_K 32 < 128) and a split that starts mid-group
     (Case("wo-split-k", H=256, I=128, tiles=((16, 64, 32, 4, 1, 4), (16, 128, 32, 4, 1))),
      ["int4_w4a16_g128", "nvfp4_w4a16", "fp8_w8a16"]),
+    # asymmetric int4 (zero points read with the scales' strides): partial N and K tiles, biases,
+    # expert_map; a K step inside one group and a split starting mid-group
+    (Case("wo-zp-partial-expert-map", T=7, E=6, K=3, bias=True, expert_map=True, H=96, I=160),
+     ["int4_w4a16_g32_zp"]),
+    (Case("wo-zp-split-k", H=256, I=128, tiles=((16, 64, 32, 4, 1, 4), (16, 128, 32, 4, 1))), ["int4_w4a16_g128_zp"]),
 ]
 
 
@@ -805,12 +810,14 @@ def _run_batched(config, x_LMH, counts, w, tiles=Case.tiles):
         x_LMH, counts, w.w13, w.w2, w.w13_bias, w.w2_bias, config.activation, config.swiglu_alpha,
         config.swiglu_limit, p.scheme.name, p.w13_scale, p.w2_scale, p.a13_scale, p.a2_scale,
         tiles=None if tiles is None else tuple(TileConfig(*t) for t in tiles),
-        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale,
+        w13_global_scale=p.w13_global_scale, w2_global_scale=p.w2_global_scale, w13_zero=p.w13_zero,
+        w2_zero=p.w2_zero,
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("scheme", W8A8 + ["int8_w8a16", "int4_w4a16_g32", "mxfp4_w4a16", "nvfp4_w4a16"])
+@pytest.mark.parametrize("scheme", W8A8 + ["int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g32_zp", "mxfp4_w4a16",
+                                    "nvfp4_w4a16"])
 def test_batched_matches_contiguous_and_emulation(scheme, dtype):
     """dispatch -> batched W8A8 / weight-only -> combine equals the contiguous Triton path on the
     same tokens: the same codes and scales per expert (max_tokens 7: one partial BLOCK_M block per

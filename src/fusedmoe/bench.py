@@ -427,7 +427,7 @@ def quant_bytes(scheme: str | None) -> tuple[float, float]:
     """(bytes per weight, bytes per activation element) for the roofline: bf16 2 and 2; W8A8
     1 and 1, plus fp32 block scales for fp8 block (4 bytes per 128 x 128 = 16384 weights);
     weight-only 1 (fp8, int8) or 0.5 + scale bytes / group (int4 g32 with bf16 scales 0.5625,
-    mxfp4 0.53125, nvfp4 0.5625) and 2; per-tensor and per-channel scales are negligible
+    mxfp4 0.53125, nvfp4 0.5625; asymmetric int4 adds its bf16 zero points: g32 0.625) and 2; per-tensor and per-channel scales are negligible
     (<= 4 / H per weight)."""
     from fusedmoe.backends.triton.marlin import WEIGHT_ONLY_TWIN
     from fusedmoe.backends.triton.weight_only import WEIGHT_ONLY_SCHEMES
@@ -440,7 +440,7 @@ def quant_bytes(scheme: str | None) -> tuple[float, float]:
     if resolved.name in WEIGHT_ONLY_SCHEMES or resolved.name in WEIGHT_ONLY_TWIN:  # marlin: weight-only
         if key.dtype in ("fp8", "int8"):
             return 1.0, 2.0
-        return 0.5 + _GROUP_SCALE_BYTES[key.dtype] / key.group, 2.0
+        return 0.5 + _GROUP_SCALE_BYTES[key.dtype] * (2 if resolved.has_zero else 1) / key.group, 2.0
     if resolved.weight_only or key.dtype not in ("fp8", "int8"):
         raise ValueError(
             f"bench --quant takes a scheme the triton backend runs (W8A8: fp8_w8a8_*, int8_w8a8; "
@@ -785,14 +785,15 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
     parts = [quantize_weights(w13[e:e + 8], w2[e:e + 8], scheme, activation_amax=amax)
              for e in range(0, w13.shape[0], 8)]
     q13, q2 = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
-    per_expert = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")  # dim 0: experts
+    per_expert = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero")  # dim 0: experts
     params = dataclasses.replace(parts[0][2], **{name: torch.cat([getattr(part[2], name) for part in parts])
                                                  for name in per_expert if getattr(parts[0][2], name) is not None})
     del parts
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         # (quantize_weights stores them so for bf16 weights already; fp32 weights' are cast)
-        params = dataclasses.replace(params, w13_scale=params.w13_scale.to(torch.bfloat16),
-                                     w2_scale=params.w2_scale.to(torch.bfloat16))
+        params = dataclasses.replace(params, **{name: getattr(params, name).to(torch.bfloat16)
+                                                for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+                                                if getattr(params, name) is not None})
     if q13.is_cuda if prepare is None else prepare:  # as the layer's process_weights leaves them
         from fusedmoe.backends.triton.weight_only import prepare_weights
         from fusedmoe.modular import ExpertWeights

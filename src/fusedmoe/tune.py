@@ -542,7 +542,8 @@ def _whole_calls(scheme, weights, x, topk_w, topk_ids, experts: int, activation:
                 triton_quant_experts(*args, scheme, params.w13_scale, params.w2_scale, params.a13_scale,
                                      params.a2_scale, tiles=(plan.gemm1, plan.gemm2), out=out,
                                      w13_global_scale=params.w13_global_scale,
-                                     w2_global_scale=params.w2_global_scale, direct=plan.direct)
+                                     w2_global_scale=params.w2_global_scale, direct=plan.direct,
+                                     w13_zero=params.w13_zero, w2_zero=params.w2_zero)
 
         return run
 
@@ -781,8 +782,8 @@ def _weight_only_args(scheme, weights, x) -> tuple[list, list]:
         return [None] * len(weights), [None] * len(weights)
     from fusedmoe.backends.triton.weight_only import _kernel_args
 
-    return ([_kernel_args(scheme, w[2].w13_scale, w[2].w13_global_scale, x) for w in weights],
-            [_kernel_args(scheme, w[2].w2_scale, w[2].w2_global_scale, x) for w in weights])
+    return ([_kernel_args(scheme, w[2].w13_scale, w[2].w13_global_scale, x, w[2].w13_zero) for w in weights],
+            [_kernel_args(scheme, w[2].w2_scale, w[2].w2_global_scale, x, w[2].w2_zero) for w in weights])
 
 
 class CompilePool:

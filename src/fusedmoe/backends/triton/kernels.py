@@ -305,6 +305,23 @@ fma.rn.bf16x2 u1, u1, one, k;
 fma.rn.bf16x2 u2, u2, one, k;
 fma.rn.bf16x2 u3, u3, one, k;
 """ + _W4_PTX_TAIL)
+# Asymmetric int4 (W_ZERO): $7 / $8 = bf16 pairs of -(136 + zero) for bytes b0, b1 / b2, b3 (both
+# nibbles of a byte share a group), in place of the constant -136: (128 + (c ^ 8)) - (136 + zero)
+# is code - zero, exact (integers below 256), then times the scale as above. The same 15
+# instructions as W4_PTX_INT4 (one mov fewer).
+W4_PTX_INT4_ZP = tl.constexpr(_W4_PTX_HEAD + """
+mov.b32 one, 0x3F803F80;
+lop3.b32 u0, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 u1, t1, 0x000F000F, 0x43084308, 0x6A;
+shr.u32 t0, t0, 4;
+shr.u32 t1, t1, 4;
+lop3.b32 u2, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 u3, t1, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 u0, u0, one, $7;
+fma.rn.bf16x2 u1, u1, one, $8;
+fma.rn.bf16x2 u2, u2, one, $7;
+fma.rn.bf16x2 u3, u3, one, $8;
+""" + _W4_PTX_TAIL)
 W4_PTX_E2M1 = tl.constexpr(_W4_PTX_HEAD + """
 mov.b32 k, 0x7E807E80;
 shl.b32 u0, t0, 6;
@@ -339,6 +356,15 @@ def _w4_ptx_decode(b, s, FMT: tl.constexpr):
     else:
         lo, hi = tl.inline_asm_elementwise(W4_PTX_E2M1, "=r,=r,=r,=r,r,r,r", [b, s],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _w4_ptx_decode_zp(b, s, zk):
+    """`_w4_ptx_decode` of asymmetric int4: (code - zero) * s, with zk = bf16 -(136 + zero)
+    broadcast as s is (W4_PTX_INT4_ZP)."""
+    lo, hi = tl.inline_asm_elementwise(W4_PTX_INT4_ZP, "=r,=r,=r,=r,r,r,r,r,r", [b, s, zk],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return lo, hi
 
 
@@ -380,8 +406,31 @@ def _w8_codes(w, DTYPE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _w4_group_tile(cols, k0, k_end, n_ok, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The per-group values (scales or zero points) `cols` points at for one K step: [BLOCK_K /
+    GROUP, BLOCK_N] for a step of whole groups, else the step's one group, [1, BLOCK_N]."""
+    if BLOCK_K > GROUP:
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        v = tl.load(cols + groups[:, None] * stride_sg, mask=(groups * GROUP < k_end)[:, None] & n_ok[None, :],
+                    other=0.0)
+    else:
+        v = tl.load(cols + (k0 // GROUP) * stride_sg, mask=n_ok[None, :], other=0.0)
+    return v
+
+
+@triton.jit
+def _w4_group_spread(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_w4_group_tile`'s values over the step's BLOCK_K / 2 bytes (each group's GROUP / 2)."""
+    if BLOCK_K > GROUP:
+        v = tl.reshape(tl.broadcast_to(v[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    return v
+
+
+@triton.jit
 def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr,
+              z_cols=None, W_ZERO: tl.constexpr = False):
     """(low, high) dequantized [BLOCK_K / 2, BLOCK_N] tiles of one packed K step, in DTYPE.
 
     w_ptrs: the bytes (k = 2j, 2j + 1) x n; s_cols: [1, BLOCK_N] pointers to the n columns' first
@@ -389,28 +438,33 @@ def _w4_tiles(w_ptrs, s_cols, mask, n_ok, k0, k_end, stride_sg, FMT: tl.constexp
     repeated over the group's GROUP / 2 bytes) or lies in one group (one scale per column).
     PTX (bf16 on a GPU): the scales are rounded to bf16 (exact for e8m0 and e4m3; int4's float
     scales gain a 2^-9 relative rounding) and the decode runs as `_w4_ptx_decode`; otherwise
-    fp32 values * fp32 scales, cast to DTYPE.
+    fp32 values * fp32 scales, cast to DTYPE. W_ZERO (asymmetric int4): z_cols points at the
+    zero points as s_cols at the scales (the same strides), and each value is (code - zero) * s.
     """
     b = tl.load(w_ptrs, mask=mask, other=0)
-    if BLOCK_K > GROUP:
-        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_cols + groups[:, None] * stride_sg,
-                    mask=(groups * GROUP < k_end)[:, None] & n_ok[None, :], other=0.0)
-        s = _w4_scale(s, FMT)
-        if PTX:  # round before the broadcast: one conversion per group, not per weight
-            s = s.to(tl.bfloat16)
-        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP // 2, BLOCK_N)),
-                       (BLOCK_K // 2, BLOCK_N))
-    else:
-        s = _w4_scale(tl.load(s_cols + (k0 // GROUP) * stride_sg, mask=n_ok[None, :], other=0.0), FMT)
-        if PTX:
-            s = s.to(tl.bfloat16)
+    s = _w4_scale(_w4_group_tile(s_cols, k0, k_end, n_ok, stride_sg, GROUP, BLOCK_K, BLOCK_N), FMT)
+    if PTX:  # round before the broadcast: one conversion per group, not per weight
+        s = s.to(tl.bfloat16)
+    s = _w4_group_spread(s, GROUP, BLOCK_K, BLOCK_N)
+    if W_ZERO:
+        tl.static_assert(FMT == W4_INT4, "W_ZERO: asymmetric int4")
+        z = _w4_group_tile(z_cols, k0, k_end, n_ok, stride_sg, GROUP, BLOCK_K, BLOCK_N).to(tl.float32)
+        if PTX:  # -(136 + zero), exact in bf16: W4_PTX_INT4_ZP's addend
+            z = (-136.0 - z).to(tl.bfloat16)
+        z = _w4_group_spread(z, GROUP, BLOCK_K, BLOCK_N)
     if PTX:
-        lo, hi = _w4_ptx_decode(b, s, FMT)
+        if W_ZERO:
+            lo, hi = _w4_ptx_decode_zp(b, s, z)
+        else:
+            lo, hi = _w4_ptx_decode(b, s, FMT)
     else:
         b = b.to(tl.int32)
-        lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
-        hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
+        if W_ZERO:
+            lo = ((_w4_value(b & 15, FMT) - z) * s).to(DTYPE)
+            hi = ((_w4_value((b >> 4) & 15, FMT) - z) * s).to(DTYPE)
+        else:
+            lo = (_w4_value(b & 15, FMT) * s).to(DTYPE)
+            hi = (_w4_value((b >> 4) & 15, FMT) * s).to(DTYPE)
     return lo, hi
 
 
@@ -798,7 +852,7 @@ def _gemm1_tile(
     wgs_ptr, W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
     PDL: tl.constexpr, W_DESC: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
     FP8_PROMOTE: tl.constexpr, FUSE_XQ: tl.constexpr, XQ_WIDTH: tl.constexpr, XQ_ROW_W: tl.constexpr,
-    ONE_DOT: tl.constexpr, RS_SYNC: tl.constexpr,
+    ONE_DOT: tl.constexpr, RS_SYNC: tl.constexpr, wz_ptr, W_ZERO: tl.constexpr,
 ):
     """One (row block, N tile, K share) of moe_gemm1_kernel (its docstring): the row block's
     expert, aligned rows, slots and live lanes come from the caller."""
@@ -844,6 +898,9 @@ def _gemm1_tile(
         x_rows = x_ptr + x_row[:, None] * stride_xt
         wq_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
+        zq_cols = sq_cols
+        if W_ZERO:  # the zero points, laid as the scales
+            zq_cols = wz_ptr + expert * stride_ws0 + offs_n[None, :] * stride_ws1
     # FRAG_INC: the fragments' code and scale pointers made once, at k_start, and advanced by
     # constants per K step (no k // 64 or 64-bit offset arithmetic in the loop: Qwen3-30B mxfp4
     # 16 x 64 x 64, 277 -> 268 SASS instructions a step). Taken for K steps of 128 and more, whole
@@ -905,12 +962,12 @@ def _gemm1_tile(
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)  # K shares start on BLOCK_K multiples: 16 B aligned
             w_off = (j0 + offs_j)[:, None] * stride_wh
             lo, hi = _w4_tiles(wq_cols + w_off, sq_cols, w_mask, n_ok, k0, k_end, stride_ws2, W4_FMT, W_GROUP,
-                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, PTX_DECODE)
+                               BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, PTX_DECODE, zq_cols, W_ZERO)
             acc_g = _dot(x_odd, hi, _dot(x_even, lo, acc_g, IEEE, False), IEEE, False)
             if GATED:
                 lo, hi = _w4_tiles(wq_cols + inter * stride_wn + w_off, sq_cols + inter * stride_ws1, w_mask, n_ok,
                                    k0, k_end, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty,
-                                   PTX_DECODE)
+                                   PTX_DECODE, zq_cols + inter * stride_ws1, W_ZERO)
                 acc_u = _dot(x_odd, hi, _dot(x_even, lo, acc_u, IEEE, False), IEEE, False)
         elif ONE_DOT:
             k_ok = offs_k < k_end - k0
@@ -1072,6 +1129,8 @@ def moe_gemm1_kernel(
     ONE_DOT: tl.constexpr = False,
     RS_SYNC: tl.constexpr = False,  # _rs_sync: the fragment dots wait for their wgmma (GPU compiles)
     PERSISTENT: tl.constexpr = False,
+    # W_ZERO (asymmetric int4, checkpoint layout): wz [L, G, H / W_GROUP] zero points with ws's strides
+    wz_ptr=None, W_ZERO: tl.constexpr = False,
 ):
     """a[r, n] = act(sum_h x[token(r), h] * w13[e, n, h] (+ up half)) for one row block and N tile.
 
@@ -1115,7 +1174,7 @@ def moe_gemm1_kernel(
                 stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
                 X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
                 PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT,
-                RS_SYNC)
+                RS_SYNC, wz_ptr, W_ZERO)
     else:
         pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
         pid_s = tl.program_id(1)
@@ -1137,7 +1196,7 @@ def moe_gemm1_kernel(
             stride_xs1, stride_ws0, stride_ws1, stride_ws2, stride_aqr, stride_aqi, stride_asr, stride_asg, QUANT,
             X_SORTED, ACC_INT, SOFT_FP8, FUSE_AQ, UP_UNIFORM, amax_ptr, A_AMAX, wgs_ptr, W4_FMT, W_GROUP,
             PTX_DECODE, EVEN_K, PDL, W_DESC, DIRECT, SWAP_AB, FP8_PROMOTE, FUSE_XQ, XQ_WIDTH, XQ_ROW_W, ONE_DOT,
-            RS_SYNC)
+            RS_SYNC, wz_ptr, W_ZERO)
 
 
 @triton.jit
@@ -1197,7 +1256,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
                 stride_as1, stride_ws0, stride_ws1, stride_ws2, QUANT: tl.constexpr, ACC_INT: tl.constexpr, wgs_ptr,
                 W4_FMT: tl.constexpr, W_GROUP: tl.constexpr, PTX_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
                 PDL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SWAP_AB: tl.constexpr,
-                FP8_PROMOTE: tl.constexpr, RS_SYNC: tl.constexpr):
+                FP8_PROMOTE: tl.constexpr, RS_SYNC: tl.constexpr, wz_ptr, W_ZERO: tl.constexpr):
     """One (row block, N tile) of moe_gemm2_kernel (its docstring)."""
     expert, rows, slot, row_ok = _row_block(pid_m, sorted_slot_ptr, block_expert_ptr, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1221,6 +1280,9 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
         a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_ar
         wq_cols = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
         sq_cols = ws_base + offs_n[None, :] * stride_ws1
+        zq_cols = sq_cols
+        if W_ZERO:
+            zq_cols = wz_ptr + expert * stride_ws0 + offs_n[None, :] * stride_ws1
     for k0 in range(0, inter, BLOCK_K):
         if FRAG:  # as in moe_gemm1_kernel, but whole K steps (EVEN_K) load unmasked along K: H200,
             # GEMM2 alone, 0 to -4.5% (DeepSeek-V3 M=16 76.5 -> 73.3 us; c421706_frag_even_k_ab.txt)
@@ -1241,7 +1303,7 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_ok, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty,
-                               PTX_DECODE)
+                               PTX_DECODE, zq_cols, W_ZERO)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE, False), IEEE, False)
         else:
             k_ok = offs_k < inter - k0
@@ -1312,6 +1374,7 @@ def moe_gemm2_kernel(
     FP8_PROMOTE: tl.constexpr = False,  # fp8 codes: add each K step's product in fp32 (_dot)
     PERSISTENT: tl.constexpr = False,
     RS_SYNC: tl.constexpr = False,  # as in moe_gemm1_kernel
+    wz_ptr=None, W_ZERO: tl.constexpr = False,  # as in moe_gemm1_kernel (wz [L, H, I / W_GROUP])
 ):
     """y[slot(r), n] = (sum_i a[r, i] * w2[e, n, i] + b2[e, n]) * w[slot(r)] for one row block.
 
@@ -1338,7 +1401,7 @@ def moe_gemm2_kernel(
                         stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
                         BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
                         stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
-                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC)
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC, wz_ptr, W_ZERO)
     else:
         pid_m, pid_n = _tile_ids(tl.num_programs(0) // num_n, num_n, GROUP_M)
         if pid_m * BLOCK_M < tl.load(num_rows_ptr):
@@ -1347,7 +1410,7 @@ def moe_gemm2_kernel(
                         stride_be, stride_bh, stride_ys, stride_yh, HAS_BIAS, SCALE_ROWS, IEEE, BLOCK_M,
                         BLOCK_N, BLOCK_K, as_ptr, ws_ptr, stride_as0, stride_as1, stride_ws0, stride_ws1,
                         stride_ws2, QUANT, ACC_INT, wgs_ptr, W4_FMT, W_GROUP, PTX_DECODE, EVEN_K, PDL,
-                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC)
+                        A_DESC, W_DESC, SWAP_AB, FP8_PROMOTE, RS_SYNC, wz_ptr, W_ZERO)
 
 
 @triton.jit
@@ -1486,6 +1549,7 @@ def moe_gemm2_direct_kernel(
     FUSE_AQ: tl.constexpr = False, AQ_WIDTH: tl.constexpr = 128, AQ_INT: tl.constexpr = False,
     SOFT_FP8: tl.constexpr = False,
     RS_SYNC: tl.constexpr = False,  # unused: each step's dot starts from a fresh accumulator and is waited for (_rs_sync)
+    wz_ptr=None, W_ZERO: tl.constexpr = False,  # as in moe_gemm2_kernel
 ):
     """out[t, n] = sum_k w[t, k] * (sum_i a[t*K + k, i] * w2[e_k, n, i] + b2[e_k, n]): GEMM2, the
     routed weight and the top-k sum of one token and N tile, in fp32, in slot order (DIRECT decode).
@@ -1587,9 +1651,12 @@ def moe_gemm2_direct_kernel(
             j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
             wq_cols = w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wh
             sq_cols = ws_ptr + e * stride_ws0 + offs_n[None, :] * stride_ws1
+            zq_cols = sq_cols
+            if W_ZERO:
+                zq_cols = wz_ptr + e * stride_ws0 + offs_n[None, :] * stride_ws1
             lo, hi = _w4_tiles(wq_cols + (j0 + offs_j)[:, None] * stride_wi, sq_cols, w_mask,
                                n_e, k0, inter, stride_ws2, W4_FMT, W_GROUP, BLOCK_K, BLOCK_N,
-                               a_ptr.dtype.element_ty, PTX_DECODE)
+                               a_ptr.dtype.element_ty, PTX_DECODE, zq_cols, W_ZERO)
             acc = _dot(a_odd, hi, _dot(a_even, lo, acc, IEEE, False), IEEE, False)
             if W4_FMT == W4_NVFP4:
                 acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)

@@ -300,13 +300,15 @@ def triton_quant_experts(
     w2_global_scale: torch.Tensor | None = None,
     direct: bool | None = None,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (w2q[e] @ fq(act(w13q[e] @ fq(x) + b13[e])) + b2[e]) on 8-bit GEMMs.
 
     w13q / w2q: the fp8 / int8 payloads times their scales; fq: the scheme's activation
     quantization (module docstring). Weight-only schemes (fq = identity) run
     `weight_only.triton_weight_only_experts`, with NVFP4's global scales (and its direct decode
-    path, `direct`). `out` may be x itself. direct: as `experts.triton_experts` (channel, token
+    path, `direct`) and asymmetric int4's zero points (w13_zero / w2_zero). `out` may be x itself. direct: as `experts.triton_experts` (channel, token
     and block scales; per-tensor scales are per expert over its aligned rows, so it aligns):
     x quantized per token, GEMM1 by slot, the intermediate quantized per slot, GEMM2 with the
     top-k sum. Eager calls of a signature seen twice replay the recorded launches
@@ -320,7 +322,8 @@ def triton_quant_experts(
     # payloads and scales against the scheme (metadata): here rather than in apply_quant, so a
     # replay, whose signature fixes every input of the check, skips it
     check_quant_tensors(w13, w2, scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
-                        w2_global_scale, x_TH.shape[1], w13.shape[1], gated=is_gated(activation))
+                        w2_global_scale, x_TH.shape[1], w13.shape[1], gated=is_gated(activation),
+                        w13_zero=w13_zero, w2_zero=w2_zero)
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_weight_only_experts
 
@@ -328,7 +331,7 @@ def triton_quant_experts(
             x_TH, w13, w2, topk_weights_TK, topk_ids_TK, w13_bias, w2_bias, expert_map,
             num_global_experts, activation, apply_router_weight_on_input, swiglu_alpha,
             swiglu_limit, scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale,
-            tiles=tiles, out=out, direct=direct, batch_invariant=batch_invariant,
+            tiles=tiles, out=out, direct=direct, batch_invariant=batch_invariant, w13_zero=w13_zero, w2_zero=w2_zero,
         )
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], w2.shape[2]
@@ -674,6 +677,8 @@ def triton_batched_quant_experts(
     num_slots: int = 0,
     top_k: int = 1,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[e, j] = w2q[e] @ fq(act(w13q[e] @ fq(x[e, j]) + b13[e])) + b2[e] for j < num_tokens[e],
     zero past the count. Weight-only schemes (fq = identity) run
@@ -694,14 +699,15 @@ def triton_batched_quant_experts(
     if scheme.weight_only and (a13_scale is not None or a2_scale is not None):
         raise ValueError(f"{scheme.name} is weight-only: a13_scale / a2_scale must be None")
     check_quant_tensors(w13, w2, scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale,
-                        w2_global_scale, x_LMH.shape[-1], w13.shape[1], gated=is_gated(activation))
+                        w2_global_scale, x_LMH.shape[-1], w13.shape[1], gated=is_gated(activation),
+                        w13_zero=w13_zero, w2_zero=w2_zero)
     if scheme.weight_only:
         from fusedmoe.backends.triton.weight_only import triton_batched_weight_only_experts
 
         return triton_batched_weight_only_experts(
             x_LMH, num_tokens_L, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
             scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, tiles=tiles,
-            num_slots=num_slots, top_k=top_k, batch_invariant=batch_invariant,
+            num_slots=num_slots, top_k=top_k, batch_invariant=batch_invariant, w13_zero=w13_zero, w2_zero=w2_zero,
         )
     check_activation_scales(scheme, a13_scale, a2_scale, w13.shape[0], w13.device)
     num_local = x_LMH.shape[0]
@@ -816,13 +822,15 @@ def _triton_quant_experts_op_impl(
     w13_global_scale: torch.Tensor | None = None,
     w2_global_scale: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_quant_experts(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, num_global_experts,
         activation, apply_router_weight_on_input, swiglu_alpha, swiglu_limit, scheme, w13_scale,
         w2_scale, a13_scale, a2_scale, out=out, w13_global_scale=w13_global_scale,
-        w2_global_scale=w2_global_scale, batch_invariant=batch_invariant,
+        w2_global_scale=w2_global_scale, batch_invariant=batch_invariant, w13_zero=w13_zero, w2_zero=w2_zero,
     )
 
 
@@ -848,7 +856,7 @@ def apply_quant(config, x_TH, weights, topk_weights_TK, topk_ids_TK, expert_map_
             config.apply_router_weight_on_input, config.swiglu_alpha, config.swiglu_limit,
             scheme.name, quant.w13_scale, quant.w2_scale, quant.a13_scale, quant.a2_scale)
     keywords = dict(w13_global_scale=quant.w13_global_scale, w2_global_scale=quant.w2_global_scale,
-                    batch_invariant=batch_invariant)
+                    batch_invariant=batch_invariant, w13_zero=quant.w13_zero, w2_zero=quant.w2_zero)
     if out_TH is not None:
         call_op(triton_quant_experts_out_op, _triton_quant_experts_op_impl, *args, **keywords, out=out_TH)
         return out_TH
@@ -875,11 +883,14 @@ def _triton_batched_quant_experts_op_impl(
     num_slots: int = 0,
     top_k: int = 1,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return triton_batched_quant_experts(
         x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
         w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=w13_global_scale,
         w2_global_scale=w2_global_scale, num_slots=num_slots, top_k=top_k, batch_invariant=batch_invariant,
+        w13_zero=w13_zero, w2_zero=w2_zero,
     ).contiguous()
 
 
@@ -891,7 +902,7 @@ triton_batched_quant_experts_op = torch.library.custom_op(
 @triton_batched_quant_experts_op.register_fake
 def _(x, num_tokens, w13, w2, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, scheme,
       w13_scale, w2_scale, a13_scale, a2_scale, w13_global_scale=None, w2_global_scale=None, num_slots=0, top_k=1,
-      batch_invariant=False):
+      batch_invariant=False, w13_zero=None, w2_zero=None):
     return torch.empty_like(x)
 
 
@@ -912,5 +923,5 @@ def apply_batched_quant(config, x_LMH, num_tokens_L, weights, num_slots: int = 0
         x_LMH, num_tokens_L, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias,
         config.activation, config.swiglu_alpha, config.swiglu_limit, scheme.name, quant.w13_scale,
         quant.w2_scale, quant.a13_scale, quant.a2_scale, quant.w13_global_scale, quant.w2_global_scale,
-        num_slots, top_k, batch_invariant,
+        num_slots, top_k, batch_invariant, quant.w13_zero, quant.w2_zero,
     )

@@ -59,7 +59,7 @@ from fusedmoe.validation import should_validate
 
 WEIGHT_ONLY_SCHEMES = frozenset((
     "fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
-    "mxfp4_w4a16", "nvfp4_w4a16",
+    "int4_w4a16_g32_zp", "int4_w4a16_g64_zp", "int4_w4a16_g128_zp", "mxfp4_w4a16", "nvfp4_w4a16",
 ))
 # Q_W4 weight formats: keep in sync with kernels.W4_*.
 W4_FORMATS = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
@@ -102,7 +102,7 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
 
 
 def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-                     fmt: str) -> None:
+                     fmt: str, has_zero: bool = False) -> None:
     """Fragment-layout 4-bit weights (`fusedmoe.quant.fragments`): the kernels address an expert's
     fragments as one contiguous run and its scales as row-block runs stride(1) apart
     (`kernels._w4_frag_tile`), so each expert's payload and each row block's scales must be
@@ -111,6 +111,9 @@ def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tenso
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if not is_fragments(scale):
             continue
+        if has_zero:
+            raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) with zero points: "
+                             f"the triton kernels run asymmetric int4 in the checkpoint layout only")
         if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
             raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) but has strides "
                              f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
@@ -146,10 +149,11 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
             return laid
     if q is None or q.scheme.weight.dtype not in GROUP_MAJOR_SCALES:
         return weights
-    w13_scale, w2_scale = kernel_scale_layout(q.w13_scale), kernel_scale_layout(q.w2_scale)
-    if w13_scale is q.w13_scale and w2_scale is q.w2_scale:
+    laid = {name: kernel_scale_layout(getattr(q, name)) for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+            if getattr(q, name) is not None}  # zero points laid as their scales (the kernels share the strides)
+    if all(t is getattr(q, name) for name, t in laid.items()):
         return weights
-    return weights.replace(quant=dataclasses.replace(q, w13_scale=w13_scale, w2_scale=w2_scale))
+    return weights.replace(quant=dataclasses.replace(q, **laid))
 
 
 # 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset
@@ -204,10 +208,11 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
     """Whether `process_weights` will lay this scheme's weights of this shape as fragments
     (`_w4_fragments`), as far as the shape tells: `lays_fragments` (False for None and every
-    other scheme) and both weights whole fragments. The heuristic sizes its K steps by it; the
-    scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
-    return (scheme is not None and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter)
-            and _whole(hidden, inter, gated))
+    other scheme; asymmetric int4 too: the fragment decode takes no zero points, so its weights
+    keep the checkpoint layout) and both weights whole fragments. The heuristic sizes its K steps
+    by it; the scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
+    return (scheme is not None and not scheme.has_zero
+            and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter) and _whole(hidden, inter, gated))
 
 
 def _whole(hidden: int, inter: int, gated: bool) -> bool:
@@ -254,7 +259,7 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
-    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) \
+    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) or q.scheme.has_zero \
             or not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)):
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
@@ -313,17 +318,19 @@ def triton_weight_only_experts(
     out: torch.Tensor | None = None,
     direct: bool | None = None,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k w * (deq(w2)[e] @ act(deq(w13)[e] @ x + b13[e]) + b2[e]), x unquantized.
 
-    deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4],
-    computed in registers. `out` may be x itself. direct, batch_invariant: as
+    deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4]
+    [(decode(payload) - zero) * scale, asymmetric int4 in the checkpoint layout], computed in registers. `out` may be x itself. direct, batch_invariant: as
     `experts.triton_experts` (direct: the decode path without alignment, GEMM1 by slot, GEMM2 with
     the top-k sum; batch_invariant: `batch_invariant_tiles`, one plan's rows and K steps at every count).
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype, w13_zero is not None)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
@@ -333,7 +340,8 @@ def triton_weight_only_experts(
     problem = GemmProblem(topk_ids_TK.numel(), num_local, hidden, inter, topk_ids_TK.shape[1], gated,
                           x_TH.dtype, _fragments_flag(scheme, w13_scale))
     is_direct, t1, t2 = plan_tiles(problem, scheme, x_TH.device, tiles, direct, batch_invariant)  # given tiles: checked
-    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_TH)
+    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_TH, w13_zero,
+                                 w2_zero)
     if is_direct:
         launch = prepare_direct_launch(x_TH, topk_weights_TK, topk_ids_TK, expert_map, num_global_experts,
                                        num_local, inter, activation, apply_router_weight_on_input,
@@ -368,6 +376,8 @@ def triton_batched_weight_only_experts(
     num_slots: int = 0,
     top_k: int = 1,
     batch_invariant: bool = False,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[e, j] = deq(w2)[e] @ act(deq(w13)[e] @ x[e, j] + b13[e]) + b2[e] for j < num_tokens[e],
     zero past the count: the batched layout's buffer rows as the slots (top_k = 1, no routed
@@ -375,8 +385,9 @@ def triton_batched_weight_only_experts(
     given: `experts.batched_invariant_tiles`)."""
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
-    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_LMH)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype, w13_zero is not None)
+    args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_LMH, w13_zero,
+                                 w2_zero)
 
     def gemms(launch, t1, t2):
         _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, args13, args2)
@@ -423,10 +434,12 @@ def _launch_gemms(launch, w13, w2, w13_bias, w2_bias, t1, t2, args13: dict, args
     launch_gemm2(launch, w2, w2_bias, t2, args2)
 
 
-def _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x) -> tuple[dict, dict]:
+def _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x, w13_zero=None,
+                 w2_zero=None) -> tuple[dict, dict]:
     """(GEMM1's, GEMM2's) `_kernel_args`, made before a call's first launch: a bad knob they read
     (FUSEDMOE_TRITON_RS_SYNC) raises before any kernel runs."""
-    return (_kernel_args(scheme, w13_scale, w13_global_scale, x), _kernel_args(scheme, w2_scale, w2_global_scale, x))
+    return (_kernel_args(scheme, w13_scale, w13_global_scale, x, w13_zero),
+            _kernel_args(scheme, w2_scale, w2_global_scale, x, w2_zero))
 
 
 def _check_tiles(t1: TileConfig, t2: TileConfig, gated: bool, scheme: QuantScheme, dtype: torch.dtype) -> None:
@@ -440,10 +453,11 @@ def ptx_decode(x: torch.Tensor) -> bool:
 
 
 def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.Tensor | None,
-                 x: torch.Tensor) -> dict:
-    """The GEMM kernels' weight-only keyword arguments for one weight's scales; 4-bit and fp8
-    codes are decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot run
-    it)."""
+                 x: torch.Tensor, zero: torch.Tensor | None = None) -> dict:
+    """The GEMM kernels' weight-only keyword arguments for one weight's scales (and asymmetric
+    int4's zero points, read with the scales' strides: `check_zero` holds them equal); 4-bit and
+    fp8 codes are decoded by inline PTX for bf16 activations `x` on a GPU (the interpreter cannot
+    run it)."""
     key = scheme.weight
     ptx = ptx_decode(x)
     strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
@@ -451,6 +465,8 @@ def _kernel_args(scheme: QuantScheme, scale: torch.Tensor, global_scale: torch.T
     if key.dtype in ("fp8", "int8"):  # e4m3 codes decoded by PTX (kernels.W8_PTX_E4M3), int8 cast
         return dict(args, QUANT=Q_W8, PTX_DECODE=ptx and key.dtype == "fp8")
     args.update(QUANT=Q_W4, W_GROUP=key.group, PTX_DECODE=ptx, wgs_ptr=global_scale if global_scale is not None else scale)
+    if zero is not None:
+        args.update(wz_ptr=zero, W_ZERO=True)
     if not is_fragments(scale):
         return dict(args, W4_FMT=W4_FORMATS[key.dtype])
     return dict(args, W4_FMT=W4_FRAG_FORMATS[key.dtype], RS_SYNC=rs_sync(x))  # the dot's wgmma waited for on a GPU

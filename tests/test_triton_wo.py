@@ -117,6 +117,44 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
         assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
 
 
+def test_asymmetric_int4_keeps_the_checkpoint_layout_with_group_major_zero_points():
+    """`*_zp`: process_weights lays no fragments (even FUSEDMOE_TRITON_W4_FRAGMENTS=all, where the
+    symmetric scheme would be), the zero points group-major with the same strides as their scales
+    (the kernels index both with the scales' strides) and the same values; the planner agrees
+    (`w4_fragments_planned`); fragment-layout scales given with zero points are refused before any
+    launch; the processed weights give the unprocessed ones' output bit for bit."""
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton.weight_only import w4_fragments_planned
+    from fusedmoe.quant import get_scheme
+    from fusedmoe.quant.fragments import is_fragments
+
+    config, x, w, weights, ids, _ = problem(Case("zp-layout", T=5, H=128, I=128), "int4_w4a16_g32_zp", torch.float32)
+    with knobs.override(TRITON_W4_FRAGMENTS="all"):
+        processed = TritonExperts(config).process_weights(w)
+        assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)
+        assert w4_fragments_planned(get_scheme("int4_w4a16_g32"), 128, 128)
+        sym_config, _, sym_w, *_ = problem(Case("zp-layout", T=5, H=128, I=128), "int4_w4a16_g32", torch.float32)
+        assert is_fragments(TritonExperts(sym_config).process_weights(sym_w).quant.w13_scale)
+    q = processed.quant
+    assert processed.w13 is w.w13 and not is_fragments(q.w13_scale)
+    for name in ("w13", "w2"):
+        scale, zero = getattr(q, f"{name}_scale"), getattr(q, f"{name}_zero")
+        E, N, G = zero.shape
+        assert zero.stride() == scale.stride() == (N * G, 1, N)
+        assert torch.equal(zero, getattr(w.quant, f"{name}_zero"))
+    experts = TritonExperts(config)
+    out = experts.apply(x, w, weights, ids, expert_map_E=None)
+    assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
+    from fusedmoe.quant.fragments import to_fragments
+
+    laid13, frag13 = to_fragments(w.w13, w.quant.w13_scale, "int4", 0)
+    with pytest.raises(ValueError, match=r"w13 holds 4-bit fragments .* with zero points: the triton kernels run "
+                                         r"asymmetric int4 in the checkpoint layout only"):
+        triton_quant_experts(x, laid13, w.w2, weights, ids, None, None, None, config.num_experts, "silu", False, 1.702,
+                             None, "int4_w4a16_g32_zp", frag13, w.quant.w2_scale,
+                             w13_zero=to_fragments(w.w13, w.quant.w13_zero, "int4", 0)[1], w2_zero=w.quant.w2_zero)
+
+
 # mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
 def test_fragment_layout_round_trips_and_decodes():
     """to_fragments / from_fragments are inverse on random codes and scales; each fragment byte

@@ -798,7 +798,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         where = f"where I >= {least}" if least else "at every I"
         int4 = (f"; int4 g{group} by default {where}, on an H200 {measured[group]}"
                 if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
-        if lays_fragments(fmt, group, problem.inter):
+        if scheme.has_zero:
+            extra["w4_layout"] = ("checkpoint layout (asymmetric int4: the fragment decode takes no zero points; "
+                                  "each group's zero point is loaded with its scale, group-major)")
+        elif lays_fragments(fmt, group, problem.inter):
             waits = ("; each dot waits for its wgmma (kernels._rs_sync)" if knobs.get("TRITON_RS_SYNC") is not False
                      else "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows "
                           "on an H200 under Triton 3.6")

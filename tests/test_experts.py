@@ -463,6 +463,6 @@ def test_fused_experts_opcheck() -> None:
 
     x, w13, w2, b13, b2, w, ids, expert_map = _compile_problem(73)
     args = (x, w13, w2, w, ids, b13, b2, expert_map, 6, "silu", False, None, None, None, None, None, None, None,
-            "auto", 1.702, None, None, "standard")
+            None, None, "auto", 1.702, None, None, "standard")
     torch.library.opcheck(fused_experts_op, args)
     torch.library.opcheck(fused_experts_out_op, (*args, torch.empty_like(x)))

@@ -29,7 +29,8 @@ pytestmark = [
 WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128",
                "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16", "nvfp4_w4a16:fragments",
                "int4_w4a16_g32:fragments", "int4_w4a16_g64:fragments", "int4_w4a16_g128:fragments",
-               "int4_w4a16_g32_zp", "int4_w4a16_g64_zp", "int4_w4a16_g128_zp"]  # asymmetric: checkpoint layout only
+               "int4_w4a16_g32_zp", "int4_w4a16_g64_zp", "int4_w4a16_g128_zp", "int4_w4a16_g32_zp:fragments",
+               "int4_w4a16_g128_zp:fragments"]
 # Weight-only: emulation is the reference on dequantized weights (fp32). The kernels round the
 # dequantized weights to bf16 (exact for 8-bit codes and e2m1 * 2^s, 2^-9 relative for scaled
 # int4 / nvfp4), the intermediate and y per slot to bf16, and sum in another order: the bf16

@@ -117,42 +117,41 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
         assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
 
 
-def test_asymmetric_int4_keeps_the_checkpoint_layout_with_group_major_zero_points():
-    """`*_zp`: process_weights lays no fragments (even FUSEDMOE_TRITON_W4_FRAGMENTS=all, where the
-    symmetric scheme would be), the zero points group-major with the same strides as their scales
-    (the kernels index both with the scales' strides) and the same values; the planner agrees
-    (`w4_fragments_planned`); fragment-layout scales given with zero points are refused before any
-    launch; the processed weights give the unprocessed ones' output bit for bit."""
+def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
+    """`*_zp`: process_weights lays the zero points exactly as their scales, group-major in the
+    checkpoint layout (its default, `weight_only.zp_fragments`: where the symmetric scheme takes
+    fragments by default, g64 at every I, it does not) and as fragments under
+    FUSEDMOE_TRITON_W4_FRAGMENTS=all: the same shape, dtype and strides (the kernels index both with
+    the scales'), the weights they dequantize to unchanged, and each layout's output that of the
+    unprocessed weights (bitwise in the checkpoint layout) and of emulation."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.weight_only import w4_fragments_planned
     from fusedmoe.quant import get_scheme
     from fusedmoe.quant.fragments import is_fragments
+    from fusedmoe.quant.weights import dequantize_weights
 
     config, x, w, weights, ids, _ = problem(Case("zp-layout", T=5, H=128, I=128), "int4_w4a16_g32_zp", torch.float32)
-    with knobs.override(TRITON_W4_FRAGMENTS="all"):
-        processed = TritonExperts(config).process_weights(w)
-        assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)
-        assert w4_fragments_planned(get_scheme("int4_w4a16_g32"), 128, 128)
-        sym_config, _, sym_w, *_ = problem(Case("zp-layout", T=5, H=128, I=128), "int4_w4a16_g32", torch.float32)
-        assert is_fragments(TritonExperts(sym_config).process_weights(sym_w).quant.w13_scale)
-    q = processed.quant
-    assert processed.w13 is w.w13 and not is_fragments(q.w13_scale)
-    for name in ("w13", "w2"):
-        scale, zero = getattr(q, f"{name}_scale"), getattr(q, f"{name}_zero")
-        E, N, G = zero.shape
-        assert zero.stride() == scale.stride() == (N * G, 1, N)
-        assert torch.equal(zero, getattr(w.quant, f"{name}_zero"))
     experts = TritonExperts(config)
     out = experts.apply(x, w, weights, ids, expert_map_E=None)
-    assert torch.equal(experts.apply(x, processed, weights, ids, expert_map_E=None), out)
-    from fusedmoe.quant.fragments import to_fragments
-
-    laid13, frag13 = to_fragments(w.w13, w.quant.w13_scale, "int4", 0)
-    with pytest.raises(ValueError, match=r"w13 holds 4-bit fragments .* with zero points: the triton kernels run "
-                                         r"asymmetric int4 in the checkpoint layout only"):
-        triton_quant_experts(x, laid13, w.w2, weights, ids, None, None, None, config.num_experts, "silu", False, 1.702,
-                             None, "int4_w4a16_g32_zp", frag13, w.quant.w2_scale,
-                             w13_zero=to_fragments(w.w13, w.quant.w13_zero, "int4", 0)[1], w2_zero=w.quant.w2_zero)
+    want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
+    assert w4_fragments_planned(get_scheme("int4_w4a16_g64"), 128, 128)
+    assert not w4_fragments_planned(get_scheme("int4_w4a16_g64_zp"), 128, 128)
+    for mode, frag in ((None, False), (False, False), ("all", True)):
+        with knobs.override(TRITON_W4_FRAGMENTS=mode):
+            processed = TritonExperts(config).process_weights(w)
+            assert w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128) == frag
+        q = processed.quant
+        assert is_fragments(q.w13_scale) == frag and (processed.w13 is w.w13) != frag
+        for name in ("w13", "w2"):
+            scale, zero = getattr(q, f"{name}_scale"), getattr(q, f"{name}_zero")
+            assert zero.shape == scale.shape and zero.dtype == scale.dtype and zero.stride() == scale.stride(), mode
+            if not frag:
+                E, N, G = zero.shape
+                assert zero.stride() == (N * G, 1, N) and torch.equal(zero, getattr(w.quant, f"{name}_zero"))
+        before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(processed.w13, processed.w2, q)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), mode
+        got = experts.apply(x, processed, weights, ids, expert_map_E=None)
+        assert torch.equal(got, out) if not frag else rel_err(got, want) < TOL[torch.float32], mode
 
 
 # mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
@@ -386,7 +385,8 @@ def test_fragment_layout_conditions():
         fragments_reason(w.w13, w.quant.w13_scale, "int8")
 
 
-FRAG_SCHEMES = ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128"]
+FRAG_SCHEMES = ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128", "int4_w4a16_g32_zp",
+                "int4_w4a16_g128_zp"]
 
 
 @pytest.mark.parametrize("scheme", FRAG_SCHEMES)
@@ -416,7 +416,7 @@ def test_fragment_layout_kernels_match_emulation(dtype, scheme, monkeypatch):
              Case("frag-direct", T=1, E=6, K=4, H=128, I=128, tiles=None),
              Case("frag-nomul", T=5, H=128, I=64, activation="relu2_no_mul", on_input=True, K=1),
              Case("frag-map", T=7, E=8, H=128, I=64, expert_map=True, tiles=((32, 32, 32, 4, 1), (32, 32, 32, 4, 1)))]
-    if scheme.endswith("g128"):  # H and I multiples of the group (no K tail: g32 and mxfp4 cover it)
+    if "_g128" in scheme:  # H and I multiples of the group (no K tail: g32 and mxfp4 cover it)
         cases = [dataclasses.replace(c, H=128 * -(-c.H // 128), I=128) for c in cases]
     for case in cases:
         config, x, w, weights, ids, emap = problem(case, scheme, dtype)

@@ -519,6 +519,29 @@ mul.rn.bf16x2 $2, $2, $6;
 mul.rn.bf16x2 $3, $3, $6;
 }
 """)
+# Asymmetric int4 (W_ZERO): $7 / $8 = bf16 pairs of -(136 + zero) for the rh = 0 / 1 rows, laid as
+# $5 / $6 are, in place of the constant -136 (as W4_PTX_INT4_ZP): code - zero, exact, then the scale.
+W4_PTX_I4FRAG_ZP = tl.constexpr("""
+{
+.reg .b32 t, one;
+mov.b32 one, 0x3F803F80;
+lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 $0, $0, one, $7;
+fma.rn.bf16x2 $1, $1, one, $7;
+fma.rn.bf16x2 $2, $2, one, $8;
+fma.rn.bf16x2 $3, $3, one, $8;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
 TWO_M126 = tl.constexpr(2.0**-126)
 NV_CODE_BASE = tl.constexpr(0x7600)  # fragments.NV_CODE_BASE: nvfp4 scale code c -> bf16 bits (c << 4) + this
 # The PTX decode's multipliers (W4_PTX_MULT_MX / _NV), two scales to a 32-bit register: 4 stored scale bytes b0..b3 ($2) ->
@@ -589,7 +612,8 @@ def _w4_global(gs, FMT: tl.constexpr):
 @triton.jit
 def _w4_frag_tile(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, k_end, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr,
-                  EVEN_K: tl.constexpr = False, up_off=0, TWO_HALVES: tl.constexpr = False):
+                  EVEN_K: tl.constexpr = False, up_off=0, TWO_HALVES: tl.constexpr = False, z_ptr=None,
+                  W_ZERO: tl.constexpr = False):
     """Rows 16 * n16_0 .. + BLOCK_N, k = k0 .. + BLOCK_K of one expert's 4-bit weight in the
     fragment layout (FMT W4_*_FRAG; w_ptr: its codes, [N, K/2] bytes; s_ptr: its scales,
     [N/16, K/GF, 16 * GF / GROUP] with GF = max(GROUP, 64), s_rows elements apart in its first dim
@@ -600,12 +624,17 @@ def _w4_frag_tile(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, k_end, kdim, FMT: tl
     EVEN_K: the step lies below k_end whole (the caller's K steps tile it), so only the row bound
     masks the loads, a mask the K loop does not recompute. TWO_HALVES: the tile's first BLOCK_N / 2
     rows are row blocks n16_0.. and its last BLOCK_N / 2 the same blocks plus up_off (GEMM1's gate
-    and up rows, one tile), each half bounded by n16_end."""
+    and up rows, one tile), each half bounded by n16_end. W_ZERO (asymmetric int4): z_ptr holds the
+    zero points laid as the scales (the same runs and s_rows)."""
     b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K,
                                        PTX, up_off, TWO_HALVES)
+    z_ptrs = s_ptrs
+    if W_ZERO:
+        _, z_ptrs, _ = _w4_frag_ptrs(w_ptr, z_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K,
+                                     PTX, up_off, TWO_HALVES)
     if not EVEN_K:
         ok = _w4_frag_kmask(ok, k0, k_end, BLOCK_N, BLOCK_K, False)
-    return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX)
+    return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX, z_ptrs, W_ZERO)
 
 
 @triton.jit
@@ -677,9 +706,11 @@ def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, GROUP: t
 
 @triton.jit
 def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr, z_ptrs=None,
+                    W_ZERO: tl.constexpr = False):
     """The [BLOCK_N, BLOCK_K] DTYPE tile of `_w4_frag_ptrs`'s pointers (`_w4_frag_tile`'s
-    docstring), fragments where ok is false read as 0."""
+    docstring), fragments where ok is false read as 0. W_ZERO (asymmetric int4): z_ptrs point at
+    the zero points as s_ptrs at the scales, and each weight is (code - zero) * s."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP
@@ -689,7 +720,15 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
         sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)
         s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT, True), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
         s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
-        if FMT == W4_INT4_FRAG:
+        if W_ZERO:  # -(136 + zero) in bf16 (exact), laid as the multipliers
+            tl.static_assert(FMT == W4_INT4_FRAG, "W_ZERO: asymmetric int4")
+            zk = (-136.0 - tl.load(z_ptrs, mask=ok[:, None, None], other=0.0).to(tl.float32)).to(tl.bfloat16)
+            z2 = tl.permute(tl.reshape(zk, (F, 32, 2, JG)), (0, 1, 3, 2))
+            z2 = tl.broadcast_to(tl.reshape(z2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r",
+                                               [b, tl.reshape(s2, (F, 512)), tl.reshape(z2, (F, 512))],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif FMT == W4_INT4_FRAG:
             r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
@@ -732,6 +771,11 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
         s = tl.reshape(sv, (BLOCK_K // 64, NB16, 8, 2, JG))  # k64 n16 g rh jg (G128: a chunk's half)
         s = tl.reshape(tl.permute(s, (1, 3, 2, 0, 4)), (BLOCK_N, (BLOCK_K // 64) * JG))  # n16 rh g | k64 jg
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, (BLOCK_K // 64) * JG, 64 // JG)), (BLOCK_N, BLOCK_K))
+        if W_ZERO:  # the zero points through the scales' permutation
+            z = tl.reshape(tl.load(z_ptrs, mask=ok[:, None], other=0.0).to(tl.float32), (BLOCK_K // 64, NB16, 8, 2, JG))
+            z = tl.reshape(tl.permute(z, (1, 3, 2, 0, 4)), (BLOCK_N, (BLOCK_K // 64) * JG))
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, (BLOCK_K // 64) * JG, 64 // JG)), (BLOCK_N, BLOCK_K))
+            w = w - z
         w = (w * s).to(DTYPE)
     return w
 
@@ -917,6 +961,11 @@ def _gemm1_tile(
     if FRAG_INC:
         gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k_start, hidden,
                                                        W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
+        gz, uz = gs, us
+        if W_ZERO:  # the zero points' runs, laid as the scales'
+            _, gz, _, _, uz, _ = _w4_frag_gemm1_ptrs(w_base, wz_ptr + expert * stride_ws0, stride_ws1, pid_n, inter,
+                                                     k_start, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT,
+                                                     GATED)
     for k0 in range(k_start, k_end, BLOCK_K):
         if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
@@ -932,24 +981,31 @@ def _gemm1_tile(
                 gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k0,
                                                                hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT,
                                                                GATED)
+                gz, uz = gs, us
+                if W_ZERO:
+                    _, gz, _, _, uz, _ = _w4_frag_gemm1_ptrs(w_base, wz_ptr + expert * stride_ws0, stride_ws1, pid_n,
+                                                             inter, k0, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE,
+                                                             ONE_DOT, GATED)
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
-                                     W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                                     W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE, gz, W_ZERO)
                 acc = _rs_sync(_dot(wt, tl.trans(xa), acc, IEEE, False), RS_SYNC)
             else:
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
-                                     W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                                     W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE, gz, W_ZERO)
                 acc_g = _rs_sync(_dot(wt, tl.trans(xa), acc_g, IEEE, False), RS_SYNC)
                 if GATED:
                     wt = _w4_frag_decode(ub, us, _w4_frag_kmask(uok, k0, k_end, BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
-                                         W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE)
+                                         W_GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE, uz, W_ZERO)
                     acc_u = _rs_sync(_dot(wt, tl.trans(xa), acc_u, IEEE, False), RS_SYNC)
                     if FRAG_INC:
                         ub += FRAG_B_STEP
                         us += FRAG_S_STEP
+                        uz += FRAG_S_STEP
             if FRAG_INC:
                 gb += FRAG_B_STEP
                 gs += FRAG_S_STEP
+                gz += FRAG_S_STEP
         elif QUANT == Q_W4:
             # x read contiguously and split into its even / odd columns in registers (two
             # stride-2 loads cost more than the whole decode: H200, benchmarks/bench_w4_decode.py)
@@ -1291,9 +1347,12 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, w2_ptr, b2_ptr, y_ptr, topk_w_ptr, sorted_s
             else:
                 a_mask = row_ok[:, None] & (offs_k < inter - k0)[None, :]
             aa = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ai, mask=a_mask, other=0.0)
+            zb = ws_base
+            if W_ZERO:  # the zero points, laid as the scales
+                zb = wz_ptr + expert * stride_ws0
             wt = _w4_frag_tile(w2_ptr + expert * stride_we, ws_base, stride_ws1, pid_n * (BLOCK_N // 16),
                                hidden // 16, k0, inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
-                               a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K)
+                               a_ptr.dtype.element_ty, PTX_DECODE, EVEN_K, z_ptr=zb, W_ZERO=W_ZERO)
             acc = _rs_sync(_dot(wt, tl.trans(aa), acc, IEEE, False), RS_SYNC)
         elif QUANT == Q_W4:  # as in moe_gemm1_kernel
             k_ok = offs_k < inter - k0
@@ -1638,10 +1697,13 @@ def moe_gemm2_direct_kernel(
                          mask=lane0 & k_ok[None, :], other=0.0)
         acc = _acc_zeros(BLOCK_M, BLOCK_N, False, SWAPPED)
         if FRAG:  # a slot with no local expert: every fragment masked (bounds times live)
+            zb = ws_ptr + e * stride_ws0
+            if W_ZERO:
+                zb = wz_ptr + e * stride_ws0
             wt = _w4_frag_tile(w2_ptr + e * stride_we, ws_ptr + e * stride_ws0, stride_ws1,
                                tl.program_id(1) * (BLOCK_N // 16),
                                live * (hidden // 16), k0, live * inter, inter, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
-                               a_ptr.dtype.element_ty, PTX_DECODE)
+                               a_ptr.dtype.element_ty, PTX_DECODE, z_ptr=zb, W_ZERO=W_ZERO)
             acc = _dot(wt, tl.trans(aa), acc, IEEE, False)  # a fresh accumulator: used in the loop, synchronous
             if W4_FMT == W4_NVFP4_FRAG:
                 acc = acc * tl.sum(tl.where(sel, gsk, 0.0), 0)

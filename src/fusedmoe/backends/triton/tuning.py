@@ -257,6 +257,8 @@ SIBLINGS = {
 SCHEME_SIBLINGS = {
     "fp8_w8a8_tensor": "fp8_w8a8_channel",
     "fp8_w8a8_tensor_static": "fp8_w8a8_channel",
+    # asymmetric int4 runs symmetric int4's kernels with one more load a group (W_ZERO)
+    **{f"int4_w4a16_g{g}_zp": f"int4_w4a16_g{g}" for g in (32, 64, 128)},
 }
 
 

@@ -102,7 +102,7 @@ def check_fp8_codes(w: torch.Tensor, name: str) -> None:
 
 
 def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-                     fmt: str, has_zero: bool = False) -> None:
+                     fmt: str) -> None:
     """Fragment-layout 4-bit weights (`fusedmoe.quant.fragments`): the kernels address an expert's
     fragments as one contiguous run and its scales as row-block runs stride(1) apart
     (`kernels._w4_frag_tile`), so each expert's payload and each row block's scales must be
@@ -111,9 +111,6 @@ def _check_fragments(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tenso
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if not is_fragments(scale):
             continue
-        if has_zero:
-            raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) with zero points: "
-                             f"the triton kernels run asymmetric int4 in the checkpoint layout only")
         if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
             raise ValueError(f"{name} holds 4-bit fragments (its scale is {tuple(scale.shape)}) but has strides "
                              f"{tuple(w.stride())}: each expert's [N, K/2] bytes must be contiguous")
@@ -205,13 +202,26 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
             or fmt == "int4" and inter >= INT4_FRAGMENTS_MIN_INTER.get(group, float("inf")))
 
 
+# Asymmetric int4 (`*_zp`) keeps the checkpoint layout unless FUSEDMOE_TRITON_W4_FRAGMENTS=all: H200,
+# Mixtral, bench --check, heuristic fragment plans (symmetric int4's aligned entries as siblings),
+# int4 g32_zp checkpoint / fragments M=1 113 / 186 us, M=16 352 / 493, M=256 909 / 852; g128_zp
+# M=1 205 / 149, M=256 1138 / 1006 (results/2026-11-30_h200_16f2515_int4_zp.txt section 6): the
+# fragment decode with zero points loses at decode, where symmetric int4's fragments are level.
+def zp_fragments(scheme: QuantScheme) -> bool:
+    """Whether a scheme's zero points (asymmetric int4) allow the fragment layout now: always for
+    a scheme without them; with them only under FUSEDMOE_TRITON_W4_FRAGMENTS=all."""
+    from fusedmoe import knobs
+
+    return not scheme.has_zero or knobs.get("TRITON_W4_FRAGMENTS") == "all"
+
+
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
     """Whether `process_weights` will lay this scheme's weights of this shape as fragments
     (`_w4_fragments`), as far as the shape tells: `lays_fragments` (False for None and every
-    other scheme; asymmetric int4 too: the fragment decode takes no zero points, so its weights
-    keep the checkpoint layout) and both weights whole fragments. The heuristic sizes its K steps
-    by it; the scales' values (an mxfp4 scale above 2) can still keep the checkpoint layout."""
-    return (scheme is not None and not scheme.has_zero
+    other scheme; asymmetric int4 only with FUSEDMOE_TRITON_W4_FRAGMENTS=all, `zp_fragments`) and both
+    weights whole fragments. The heuristic sizes its K steps by it; the scales' values (an mxfp4
+    scale above 2) can still keep the checkpoint layout."""
+    return (scheme is not None and zp_fragments(scheme)
             and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter) and _whole(hidden, inter, gated))
 
 
@@ -259,7 +269,7 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
-    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) or q.scheme.has_zero \
+    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) or not zp_fragments(q.scheme) \
             or not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)):
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):
@@ -267,7 +277,11 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     pad = scale_pad()
     w13, s13 = to_fragments(weights.w13, q.w13_scale, fmt, pad)
     w2, s2 = to_fragments(weights.w2, q.w2_scale, fmt, pad)
-    return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, w13_scale=s13, w2_scale=s2))
+    laid = dict(w13_scale=s13, w2_scale=s2)
+    if q.w13_zero is not None:  # asymmetric int4: the zero points in the scales' runs (same dtype, same padding)
+        laid.update(w13_zero=to_fragments(weights.w13, q.w13_zero, fmt, pad)[1],
+                    w2_zero=to_fragments(weights.w2, q.w2_zero, fmt, pad)[1])
+    return weights.replace(w13=w13, w2=w2, quant=dataclasses.replace(q, **laid))
 
 
 def weight_only_mode(scheme: QuantScheme) -> tuple[str, int | None]:
@@ -330,7 +344,7 @@ def triton_weight_only_experts(
     """
     _require_weight_only(scheme)
     _validate_codes(scheme, x_TH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype, w13_zero is not None)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
     num_tokens, hidden = x_TH.shape
     num_local, inter = w13.shape[0], _inter(w2, scheme)
     out = torch.empty_like(x_TH) if out is None else out
@@ -385,7 +399,7 @@ def triton_batched_weight_only_experts(
     given: `experts.batched_invariant_tiles`)."""
     _require_weight_only(scheme)
     _validate_codes(scheme, x_LMH, w13, w2)
-    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype, w13_zero is not None)
+    _check_fragments(w13, w2, w13_scale, w2_scale, scheme.weight.dtype)
     args13, args2 = _weight_args(scheme, w13_scale, w2_scale, w13_global_scale, w2_global_scale, x_LMH, w13_zero,
                                  w2_zero)
 

@@ -291,37 +291,26 @@ fma.rn.bf16x2 $2, u2, $5, neg0;
 fma.rn.bf16x2 $3, u3, $6, neg0;
 }
 """
-W4_PTX_INT4 = tl.constexpr(_W4_PTX_HEAD + """
-mov.b32 one, 0x3F803F80;
-mov.b32 k, 0xC308C308;
+_W4_PTX_INT4_BODY = """
+mov.b32 one, 0x3F803F80;{set_k}
 lop3.b32 u0, t0, 0x000F000F, 0x43084308, 0x6A;
 lop3.b32 u1, t1, 0x000F000F, 0x43084308, 0x6A;
 shr.u32 t0, t0, 4;
 shr.u32 t1, t1, 4;
 lop3.b32 u2, t0, 0x000F000F, 0x43084308, 0x6A;
 lop3.b32 u3, t1, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 u0, u0, one, k;
-fma.rn.bf16x2 u1, u1, one, k;
-fma.rn.bf16x2 u2, u2, one, k;
-fma.rn.bf16x2 u3, u3, one, k;
-""" + _W4_PTX_TAIL)
+fma.rn.bf16x2 u0, u0, one, {k01};
+fma.rn.bf16x2 u1, u1, one, {k23};
+fma.rn.bf16x2 u2, u2, one, {k01};
+fma.rn.bf16x2 u3, u3, one, {k23};
+"""
+W4_PTX_INT4 = tl.constexpr(_W4_PTX_HEAD + _W4_PTX_INT4_BODY.format(set_k="\nmov.b32 k, 0xC308C308;", k01="k", k23="k")
+                           + _W4_PTX_TAIL)
 # Asymmetric int4 (W_ZERO): $7 / $8 = bf16 pairs of -(136 + zero) for bytes b0, b1 / b2, b3 (both
 # nibbles of a byte share a group), in place of the constant -136: (128 + (c ^ 8)) - (136 + zero)
 # is code - zero, exact (integers below 256), then times the scale as above. The same 15
 # instructions as W4_PTX_INT4 (one mov fewer).
-W4_PTX_INT4_ZP = tl.constexpr(_W4_PTX_HEAD + """
-mov.b32 one, 0x3F803F80;
-lop3.b32 u0, t0, 0x000F000F, 0x43084308, 0x6A;
-lop3.b32 u1, t1, 0x000F000F, 0x43084308, 0x6A;
-shr.u32 t0, t0, 4;
-shr.u32 t1, t1, 4;
-lop3.b32 u2, t0, 0x000F000F, 0x43084308, 0x6A;
-lop3.b32 u3, t1, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 u0, u0, one, $7;
-fma.rn.bf16x2 u1, u1, one, $8;
-fma.rn.bf16x2 u2, u2, one, $7;
-fma.rn.bf16x2 u3, u3, one, $8;
-""" + _W4_PTX_TAIL)
+W4_PTX_INT4_ZP = tl.constexpr(_W4_PTX_HEAD + _W4_PTX_INT4_BODY.format(set_k="", k01="$7", k23="$8") + _W4_PTX_TAIL)
 W4_PTX_E2M1 = tl.constexpr(_W4_PTX_HEAD + """
 mov.b32 k, 0x7E807E80;
 shl.b32 u0, t0, 6;
@@ -497,11 +486,10 @@ mul.rn.bf16x2 $3, $3, $6;
 # int4 in the fragment layout: register r's two codes (u = 0, 1) at bits 4r and 16 + 4r of $4.
 # (w >> 4r) & 0x000F000F ^ 0x43084308 (one lop3) is the bf16 pair of 136 + q, x * 1 - 136 is q
 # (exact), then the bf16x2 scales $5 / $6 of rows rh = 0 / 1. 15 instructions for 8 weights.
-W4_PTX_I4FRAG = tl.constexpr("""
-{
+_W4_PTX_I4FRAG = """
+{{
 .reg .b32 t, k, one;
-mov.b32 one, 0x3F803F80;
-mov.b32 k, 0xC308C308;
+mov.b32 one, 0x3F803F80;{set_k}
 lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
 shr.b32 t, $4, 4;
 lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
@@ -509,39 +497,20 @@ shr.b32 t, $4, 8;
 lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
 shr.b32 t, $4, 12;
 lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 $0, $0, one, k;
-fma.rn.bf16x2 $1, $1, one, k;
-fma.rn.bf16x2 $2, $2, one, k;
-fma.rn.bf16x2 $3, $3, one, k;
+fma.rn.bf16x2 $0, $0, one, {k0};
+fma.rn.bf16x2 $1, $1, one, {k0};
+fma.rn.bf16x2 $2, $2, one, {k1};
+fma.rn.bf16x2 $3, $3, one, {k1};
 mul.rn.bf16x2 $0, $0, $5;
 mul.rn.bf16x2 $1, $1, $5;
 mul.rn.bf16x2 $2, $2, $6;
 mul.rn.bf16x2 $3, $3, $6;
-}
-""")
+}}
+"""
+W4_PTX_I4FRAG = tl.constexpr(_W4_PTX_I4FRAG.format(set_k="\nmov.b32 k, 0xC308C308;", k0="k", k1="k"))
 # Asymmetric int4 (W_ZERO): $7 / $8 = bf16 pairs of -(136 + zero) for the rh = 0 / 1 rows, laid as
 # $5 / $6 are, in place of the constant -136 (as W4_PTX_INT4_ZP): code - zero, exact, then the scale.
-W4_PTX_I4FRAG_ZP = tl.constexpr("""
-{
-.reg .b32 t, one;
-mov.b32 one, 0x3F803F80;
-lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 4;
-lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 8;
-lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6A;
-shr.b32 t, $4, 12;
-lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 $0, $0, one, $7;
-fma.rn.bf16x2 $1, $1, one, $7;
-fma.rn.bf16x2 $2, $2, one, $8;
-fma.rn.bf16x2 $3, $3, one, $8;
-mul.rn.bf16x2 $0, $0, $5;
-mul.rn.bf16x2 $1, $1, $5;
-mul.rn.bf16x2 $2, $2, $6;
-mul.rn.bf16x2 $3, $3, $6;
-}
-""")
+W4_PTX_I4FRAG_ZP = tl.constexpr(_W4_PTX_I4FRAG.format(set_k="", k0="$7", k1="$8"))
 TWO_M126 = tl.constexpr(2.0**-126)
 NV_CODE_BASE = tl.constexpr(0x7600)  # fragments.NV_CODE_BASE: nvfp4 scale code c -> bf16 bits (c << 4) + this
 # The PTX decode's multipliers (W4_PTX_MULT_MX / _NV), two scales to a 32-bit register: 4 stored scale bytes b0..b3 ($2) ->

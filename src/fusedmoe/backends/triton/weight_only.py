@@ -338,7 +338,8 @@ def triton_weight_only_experts(
     """out [T, H] = sum_k w * (deq(w2)[e] @ act(deq(w13)[e] @ x + b13[e]) + b2[e]), x unquantized.
 
     deq(w) = decode(payload) * scale (expanded over its channel or group) [* global, nvfp4]
-    [(decode(payload) - zero) * scale, asymmetric int4 in the checkpoint layout], computed in registers. `out` may be x itself. direct, batch_invariant: as
+    [(decode(payload) - zero) * scale, asymmetric int4], computed in registers. `out` may be x
+    itself. direct, batch_invariant: as
     `experts.triton_experts` (direct: the decode path without alignment, GEMM1 by slot, GEMM2 with
     the top-k sum; batch_invariant: `batch_invariant_tiles`, one plan's rows and K steps at every count).
     """

@@ -20,7 +20,7 @@ from fusedmoe.config import MoEConfig
 from fusedmoe.modular import ExpertWeights, ModularMoE, experts_ops, make_modular, tracing
 from fusedmoe.oracle import knob_state, select_backend
 from fusedmoe.platform import Platform
-from fusedmoe.quant.params import QuantParams
+from fusedmoe.quant.params import TENSOR_FIELDS, QuantParams
 from fusedmoe.routing import select_experts
 from fusedmoe.validation import check_experts_inputs, should_validate, unwritable
 
@@ -118,8 +118,7 @@ def fused_experts(
     return kernel(hidden_states, weights, topk_weights, topk_ids, expert_map_E=expert_map, inplace=inplace)
 
 
-_QUANT_TENSORS = ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale", "w2_global_scale",
-                  "w13_zero", "w2_zero")
+_QUANT_TENSORS = TENSOR_FIELDS
 
 
 def _flat_quant(quant: QuantParams | None) -> tuple:

@@ -776,6 +776,7 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
     the scales were taken, so the 4-bit fragment GEMMs read checkpoint-ordered codes: the same
     bytes, so the times stood, but the values were wrong (tests/test_triton_wo.py::
     test_bench_copies_are_laid_out_as_the_layer_runs_them checks the layout now)."""
+    from fusedmoe.quant.params import LAID_AS_SCALES
     from fusedmoe.quant.weights import quantize_weights
 
     static = scheme.endswith("_static")
@@ -792,7 +793,7 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         # (quantize_weights stores them so for bf16 weights already; fp32 weights' are cast)
         params = dataclasses.replace(params, **{name: getattr(params, name).to(torch.bfloat16)
-                                                for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+                                                for name in LAID_AS_SCALES
                                                 if getattr(params, name) is not None})
     if q13.is_cuda if prepare is None else prepare:  # as the layer's process_weights leaves them
         from fusedmoe.backends.triton.weight_only import prepare_weights

@@ -76,7 +76,7 @@ from fusedmoe.quant.checkpoint import (
     zero_point_tensor,
 )
 from fusedmoe.quant.formats import FP8_DTYPE
-from fusedmoe.quant.params import QuantParams
+from fusedmoe.quant.params import LAID_AS_SCALES, TENSOR_FIELDS, QuantParams
 from fusedmoe.quant.weights import check_group_divides, scale_shape
 from fusedmoe.routing import CustomRouting, check_grouping, select_experts
 from fusedmoe.shared import SharedExperts, run_overlapped
@@ -687,7 +687,7 @@ class FusedMoE(nn.Module):
                 if new is not param:
                     self._parameters[f"{name}_weight"] = nn.Parameter(new, requires_grad=False)
             if processed.quant is not self.quant_params:  # re-laid scales (Triton: int4 / nvfp4 group-major)
-                for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero"):
+                for name in LAID_AS_SCALES:
                     if getattr(processed.quant, name) is not getattr(self.quant_params, name):
                         self.register_buffer(name, getattr(processed.quant, name))
                 self.quant_params = processed.quant
@@ -770,9 +770,8 @@ class FusedMoE(nn.Module):
             q13, q2, params = quantize_weights(self.w13_weight, self.w2_weight, self.config.quant)
         self._parameters["w13_weight"] = nn.Parameter(q13, requires_grad=False)
         self._parameters["w2_weight"] = nn.Parameter(q2, requires_grad=False)
-        for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_global_scale",
-                     "w2_global_scale", "w13_zero", "w2_zero"):
-            self.register_buffer(f"{name}", getattr(params, name))
+        for name in TENSOR_FIELDS:
+            self.register_buffer(name, getattr(params, name))
         self.quant_params = params
 
     # Sentinels: weights never written ---------------------------------------------------------

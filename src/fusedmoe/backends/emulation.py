@@ -20,7 +20,7 @@ from fusedmoe.backends.torch_ref import reference_for
 from fusedmoe.config import MoEConfig
 from fusedmoe.modular import Experts, ExpertWeights, traced_experts, tracing
 from fusedmoe.quant.activations import fake_quantize_activation
-from fusedmoe.quant.params import QuantParams
+from fusedmoe.quant.params import TENSOR_FIELDS, QuantParams
 from fusedmoe.quant.scheme import QuantKey
 from fusedmoe.quant.weights import check_quant_weights, dequantize_weights
 from fusedmoe.reference import Transform
@@ -66,8 +66,8 @@ class EmulationExperts(Experts):
     def _dequantized(
         self, w13: torch.Tensor, w2: torch.Tensor, quant: QuantParams
     ) -> tuple[torch.Tensor, ...]:
-        sources = (w13, w2, quant.w13_scale, quant.w2_scale, quant.w13_global_scale,
-                   quant.w2_global_scale, quant.w13_zero, quant.w2_zero)
+        # the weight-side tensors (activation scales do not enter the dequantized weights)
+        sources = (w13, w2, *(getattr(quant, name) for name in TENSOR_FIELDS if name not in ("a13_scale", "a2_scale")))
         present = tuple(t for t in sources if t is not None)
         stamp = (quant.scheme.weight, *(_version(t) for t in present))
         if self._cache is not None:

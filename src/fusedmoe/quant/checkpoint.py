@@ -302,21 +302,15 @@ def check_packed_int8(where: str, name: str, tensor: torch.Tensor, n: int, k: in
                          f"int32 ({n}, {k // 4}) (pack-quantized int8: four codes a word, weight [N, K] = [{n}, {k}])")
 
 
-def _word_bytes(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] -> their bytes [..., W, 4], the lowest first (shifts, not a byte view:
-    the host's byte order does not matter)."""
-    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
-    return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xFF
-
-
-def _word_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] -> their nibbles [..., W, 8] as int32 in [0, 15], bits 4i..4i+3 at i."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
+def _word_fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [..., W] -> their `bits`-wide fields [..., W, 32 / bits] as int32, the lowest
+    first (shifts, not a byte view: the host's byte order does not matter)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    return (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
 def _nibble_words(nibbles: torch.Tensor) -> torch.Tensor:
-    """`_word_nibbles`' inverse: values [..., W, 8] in [0, 15] -> int32 words [..., W]."""
+    """`_word_fields(words, 4)`'s inverse: values [..., W, 8] in [0, 15] -> int32 words [..., W]."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=nibbles.device)
     words = (nibbles.to(torch.int64) << shifts).sum(-1)  # < 2^32: wrap to int32's two's complement
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -324,7 +318,7 @@ def _nibble_words(nibbles: torch.Tensor) -> torch.Tensor:
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's int32 [R, N/8] packed along N -> the unsigned values [R, N] in column order."""
-    nibbles = _word_nibbles(packed)  # [R, N/8, 8]: nibble i holds column 8j + AWQ_ORDER[i]
+    nibbles = _word_fields(packed, 4)  # [R, N/8, 8]: nibble i holds column 8j + AWQ_ORDER[i]
     inverse = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in nibble AWQ_ORDER.index(c)
     return nibbles[..., inverse].flatten(-2)
 
@@ -372,11 +366,11 @@ def zero_point_tensor(where: str, name: str, tensor: torch.Tensor, n: int, check
     refused: AutoGPTQ writes z = 0 as -1, whose sign bits also overwrite the word's higher nibbles.
     """
     if name == "weight_zero_point":
-        z_NG = _word_nibbles(tensor).transpose(-1, -2).flatten(-3, -2)[:n]  # [N/8, K/g, 8] -> [N, K/g]
+        z_NG = _word_fields(tensor, 4).transpose(-1, -2).flatten(-3, -2)[:n]  # [N/8, K/g, 8] -> [N, K/g]
     elif checkpoint_format == "awq":
         z_NG = _awq_columns(tensor).t()[:n]
     else:
-        stored = _word_nibbles(tensor).flatten(-2).t()[:n]  # [K/g, N/8, 8] -> [N, K/g]
+        stored = _word_fields(tensor, 4).flatten(-2).t()[:n]  # [K/g, N/8, 8] -> [N, K/g]
         if checkpoint_format == "gptq":
             bad = (stored == 15).nonzero()
             if len(bad):
@@ -395,7 +389,7 @@ def zero_point_tensor(where: str, name: str, tensor: torch.Tensor, n: int, check
 def int8_payload(packed: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' pack-quantized 8-bit int32 [N, K/4] -> int8 [N, K]: word j's byte b is
     code 4j+b stored as q + 128, so q is that byte XOR 0x80 read as two's complement."""
-    return (_word_bytes(packed) ^ 0x80).to(torch.uint8).view(torch.int8).flatten(-2)
+    return (_word_fields(packed, 8) ^ 0x80).to(torch.uint8).view(torch.int8).flatten(-2)
 
 
 def gptq_as_packed(tensor: torch.Tensor) -> torch.Tensor:
@@ -412,7 +406,7 @@ def int4_payload(packed: torch.Tensor) -> torch.Tensor:
     Word j's byte b holds codes 8j+2b (low nibble) and 8j+2b+1, each stored as q + 8; the
     library's nibble of q is (q + 8) - 8 mod 16 = (q + 8) XOR 8.
     """
-    return (_word_bytes(packed) ^ 0x88).to(torch.uint8).flatten(-2)
+    return (_word_fields(packed, 8) ^ 0x88).to(torch.uint8).flatten(-2)
 
 
 def as_multiplier(where: str, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ stored as q - 8), so w = scale * (code - zero).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,3 +39,10 @@ class QuantParams:
         if scheme is None:
             raise ValueError("QuantParams needs a quantization scheme, got None")
         self.scheme = scheme
+
+
+# QuantParams' tensors in declaration order (the custom ops take them so: api._QUANT_TENSORS)
+TENSOR_FIELDS = tuple(f.name for f in dataclasses.fields(QuantParams) if f.name != "scheme")
+# The weights' scales and the zero points laid as them: a re-lay of the scales (group-major,
+# fragments) moves all four alike
+LAID_AS_SCALES = ("w13_scale", "w2_scale", "w13_zero", "w2_zero")

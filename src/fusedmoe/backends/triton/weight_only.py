@@ -54,6 +54,7 @@ from fusedmoe.quant.fragments import (
     to_fragments,
     whole_fragments,
 )
+from fusedmoe.quant.params import LAID_AS_SCALES
 from fusedmoe.quant.scheme import QuantScheme
 from fusedmoe.validation import should_validate
 
@@ -146,7 +147,7 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
             return laid
     if q is None or q.scheme.weight.dtype not in GROUP_MAJOR_SCALES:
         return weights
-    laid = {name: kernel_scale_layout(getattr(q, name)) for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+    laid = {name: kernel_scale_layout(getattr(q, name)) for name in LAID_AS_SCALES
             if getattr(q, name) is not None}  # zero points laid as their scales (the kernels share the strides)
     if all(t is getattr(q, name) for name, t in laid.items()):
         return weights

@@ -6,6 +6,8 @@ compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kern
     python benchmarks/kernel_report.py --diff old.json new.json     # e.g. two trees' reports
     python benchmarks/kernel_report.py ... --loop     # + each GEMM's K loop: instructions per step, mix,
                                                       #   and its hazards (spills, serialized wgmma)
+    python benchmarks/kernel_report.py ... --ttgir DIR   # + each GEMM's TTGIR, locations and value names
+                                                      #   dropped: `diff -r` two trees' DIRs for what compiles differently
 
 The plan (path, tiles) is the one the library would pick for the preset's problem on an sm90 GPU
 of 132 SMs with --device-name's packaged tuned table (default NVIDIA H200; 'none': the tile
@@ -104,13 +106,24 @@ def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2:
             triton_experts(x, w13, w2, w, ids, *common, tiles=(t1, t2), direct=direct)
         else:
             static = (1.0, 1.0) if scheme.name.endswith("_static") else None  # static activation scales
-            q13, q2, params = quantize_weights(w13.float(), w2.float(), scheme, activation_amax=static)
+            q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=static)  # as bench: the dtype's scales
             weights = prepare_weights(ExpertWeights(q13, q2, quant=params))
             p = weights.quant
             triton_quant_experts(x, weights.w13, weights.w2, w, ids, *common, scheme, p.w13_scale, p.w2_scale,
                                  p.a13_scale, p.a2_scale, tiles=(t1, t2), w13_global_scale=p.w13_global_scale,
-                                 w2_global_scale=p.w2_global_scale, direct=direct or None)
+                                 w2_global_scale=p.w2_global_scale, direct=direct or None,
+                                 w13_zero=p.w13_zero, w2_zero=p.w2_zero)
     return calls
+
+
+def plain_ttgir(text: str) -> str:
+    """TTGIR without its source locations and with every SSA value named %v: two trees' kernels
+    that compile to the same code give the same text (whatever their variables are called)."""
+    import re
+
+    text = re.sub(r"^#loc.*\n", "", text, flags=re.M)
+    text = re.sub(r" ?loc\((?:[^()]|\([^()]*\))*\)", "", text)
+    return re.sub(r"%[A-Za-z_0-9#]+", "%v", text)
 
 
 def diff(old_path: str, new_path: str) -> int:
@@ -147,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--loop", action="store_true",
                     help="also print each GEMM's longest loop (its K step): instructions and opcode mix")
+    ap.add_argument("--ttgir", default=None, metavar="DIR",
+                    help="write each GEMM kernel's TTGIR (locations and value names dropped) to DIR/<preset>_M<tokens>_<kernel>.ttgir")
     ap.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), default=None,
                     help="compare two --json reports of the same cells (e.g. two source trees) and exit")
     args = ap.parse_args(argv)
@@ -177,7 +192,12 @@ def main(argv=None) -> int:
                 for call in record(preset, tokens, scheme, dtype, direct, t1, t2):
                     if not call.name.startswith("moe_gemm"):
                         continue
-                    u = kernel_report.usage(kernel_report.compile_call(call))
+                    compiled = kernel_report.compile_call(call)
+                    u = kernel_report.usage(compiled)
+                    if args.ttgir:
+                        os.makedirs(args.ttgir, exist_ok=True)
+                        with open(os.path.join(args.ttgir, f"{name}_M{tokens}_{call.name}.ttgir"), "w") as f:
+                            f.write(plain_ttgir(compiled.asm["ttgir"]))
                     threads = 32 * call.kwargs.get("num_warps", 4)
                     per_sm = min(65536 // max(1, u["regs"] * threads), 227 * 1024 // max(1, u["shared"]))
                     rows.append({"preset": name, "tokens": tokens, "path": "direct" if direct else "aligned",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,14 @@ def _report(tmp_path, *args) -> list[dict]:
 
 
 def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
-    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "1,256", "--quant", "int4_w4a16_g32")
+    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "1,256", "--quant", "int4_w4a16_g32",
+                   "--ttgir", str(tmp_path / "ttgir"))
     kernels = [(r["tokens"], r["path"], r["kernel"]) for r in rows]
+    # --ttgir: each kernel's TTGIR, its source locations and value names dropped (trees compared by diff)
+    for tokens, _, kernel in kernels:
+        text = (tmp_path / "ttgir" / f"qwen3-30b-a3b_M{tokens}_{kernel}.ttgir").read_text()
+        assert f"tt.func public @{kernel}" in text and "loc(" not in text and "%v" in text
+        assert re.search(r"%(?!v\b)\w", text) is None, kernel
     assert kernels == [(1, "direct", "moe_gemm1_kernel"), (1, "direct", "moe_gemm2_direct_kernel"),
                        (256, "aligned", "moe_gemm1_kernel"), (256, "aligned", "moe_gemm2_kernel")]
     for r in rows:

@@ -1661,6 +1661,53 @@ def test_per_tensor_fp8_takes_per_channel_entries(tmp_path, monkeypatch):
             assert choose_quant_tiles(shape(64), tensor, cuda) != chan
 
 
+def test_asymmetric_int4_takes_symmetric_entries_of_both_paths(tmp_path, monkeypatch):
+    """Asymmetric int4 runs symmetric int4's kernels with a zero-point load (W_ZERO) on both paths:
+    where it has no entry of its own, the symmetric twin's aligned *and* direct entries serve it
+    (tuning.SCHEME_SIBLINGS; per-tensor fp8 borrows aligned ones only), each in its own layout,
+    named in the entry's source; its own entries win; FUSEDMOE_TUNED_SIBLINGS=0 turns it off."""
+    import dataclasses
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem
+    from fusedmoe.quant.scheme import SCHEMES
+
+    direct = (TileConfig(16, 64, 128, 4, 3), TileConfig(16, 64, 256, 4, 4, split_k=2))
+    aligned = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 64, 128, 4, 4))
+    own = (TileConfig(32, 64, 128, 4, 3), TileConfig(32, 64, 128, 4, 3))
+    twin = "int4_w4a16_g32"
+    (tmp_path / "Fake_GPU_A.json").write_text(json.dumps(_table([
+        _entry(1, g1=tuple(direct[0].as_list()), g2=tuple(direct[1].as_list()), quant=twin, path="direct",
+               layout="checkpoint"),
+        _entry(64, g1=tuple(aligned[0].as_list()), g2=tuple(aligned[1].as_list()), quant=twin, path="aligned",
+               layout="checkpoint"),
+        _entry(64, g1=(64, 64, 64, 4, 3), g2=(64, 64, 64, 4, 3), quant=twin, path="aligned", layout="fragments"),
+        _entry(1024, g1=tuple(own[0].as_list()), g2=tuple(own[1].as_list()), quant="int4_w4a16_g32_zp",
+               path="aligned", layout="checkpoint")])))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU A")
+    monkeypatch.setattr(tuning, "SIBLINGS", {})
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+    shape = lambda m: GemmProblem(m * 8, 128, 2048, 768, 8, True, torch.bfloat16, fragments=False)  # noqa: E731
+    zp = SCHEMES["int4_w4a16_g32_zp"]
+    with knobs.override(TUNED_DIR=str(tmp_path), TRITON_TMA=False):
+        assert tuning.lookup(shape(1), cuda, zp, path="direct") == direct
+        plan = tuning.lookup_plan(shape(1), cuda, zp)
+        assert plan.direct and plan.borrowed == f"Fake GPU A ({twin})"
+        assert tuning.lookup(shape(64), cuda, zp) == aligned  # the checkpoint layout's, not the fragments'
+        laid = dataclasses.replace(shape(64), fragments=True)
+        assert tuning.lookup(laid, cuda, zp) == (TileConfig(64, 64, 64, 4, 3), TileConfig(64, 64, 64, 4, 3))
+        assert tuning.lookup(shape(1024), cuda, zp) == own
+        fp8 = SCHEMES["fp8_w8a8_tensor"]  # its twin's direct entries never serve it
+        assert tuning.SCHEME_SIBLINGS[fp8.name][1] == ("aligned", None)
+        with knobs.override(TUNED_SIBLINGS=False):
+            assert tuning.lookup(shape(1), cuda, zp, path="direct") is None
+            assert tuning.lookup(shape(64), cuda, zp) is None
+
+
 def test_fit_k_caps_block_k_at_the_k_dimension():
     """K steps no wider than K rounded up to a power of two (at least 32), and no wider than 64 for
     a 16-row, 128-wide tile at 4 warps where K is not a multiple of 16: Triton 3.6 compiled the GEMM1

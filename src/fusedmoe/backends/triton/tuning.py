@@ -15,8 +15,9 @@ entry is held to the same validity predicate as the heuristic (`tiles.check_plan
 scheme's `tile_mode`): an invalid entry is reported once and ignored; a file that does not
 parse, or was tuned with another Triton major.minor, is reported once and ignored whole. Among
 the entries for a shape the one with the nearest token count (in log2) wins, if it is within a
-factor of two. Where this GPU's tables have none for the shape, a sibling scheme's aligned entries
-(SCHEME_SIBLINGS: per-tensor fp8 runs per-channel fp8's kernels) and a sibling GPU's (SIBLINGS:
+factor of two. Where this GPU's tables have none for the shape, a sibling scheme's entries
+(SCHEME_SIBLINGS: per-tensor fp8 runs per-channel fp8's kernels, its aligned ones; asymmetric
+int4 symmetric int4's, both paths) and a sibling GPU's (SIBLINGS:
 the same architecture, SM count, shared memory and L2) serve (FUSEDMOE_TUNED_SIBLINGS=0: not).
 A 4-bit weight-only entry's "layout" ("fragments" / "checkpoint"; absent: the layout tables
 before the field were tuned on, `weight_only.unnamed_entry_layout`) says which weight layout it was timed on, and it
@@ -250,15 +251,18 @@ SIBLINGS = {
 }
 
 
-# Schemes whose GEMMs are another's kernels on the same codes: per-tensor fp8 runs the per-channel
-# path with a per-row scale (be85264), so where it has no entry of its own it takes fp8 per
-# channel's aligned entries (it has no direct path), held to its own tile predicate. H200, whole
-# call, alternating (2026-11-24_h200_95fe0bd_fp8_tensor_borrowed_ab.txt): M=16-4096 -2 to -23%.
-SCHEME_SIBLINGS = {
-    "fp8_w8a8_tensor": "fp8_w8a8_channel",
-    "fp8_w8a8_tensor_static": "fp8_w8a8_channel",
-    # asymmetric int4 runs symmetric int4's kernels with one more load a group (W_ZERO)
-    **{f"int4_w4a16_g{g}_zp": f"int4_w4a16_g{g}" for g in (32, 64, 128)},
+# Schemes whose GEMMs are another's kernels on the same codes, and the paths of that scheme's
+# entries that serve them where they have no entry of their own (held to their own tile
+# predicate): per-tensor fp8 runs the per-channel path with a per-row scale (be85264) and has no
+# direct path, so fp8 per channel's aligned entries; H200, whole call, alternating
+# (2026-11-24_h200_95fe0bd_fp8_tensor_borrowed_ab.txt): M=16-4096 -2 to -23%. Asymmetric int4
+# runs symmetric int4's kernels with one more load a group (W_ZERO) on both paths, so its entries
+# of either: at Mixtral M=1 as fragments the direct entry's 16x64x128 at 3 stages (5 programs an
+# SM) where the rule's 16x64x256 at 4 stages with the zero points' buffers fits one.
+SCHEME_SIBLINGS: dict[str, tuple[str, tuple]] = {
+    "fp8_w8a8_tensor": ("fp8_w8a8_channel", ("aligned", None)),
+    "fp8_w8a8_tensor_static": ("fp8_w8a8_channel", ("aligned", None)),
+    **{f"int4_w4a16_g{g}_zp": (f"int4_w4a16_g{g}", ALL_PATHS) for g in (32, 64, 128)},
 }
 
 
@@ -279,11 +283,13 @@ def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
     if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS, layout) for t in own):
         return None
     # this GPU's entries of a sibling scheme, then each sibling GPU's of this scheme and its sibling
-    kin = (key[:-1] + (SCHEME_SIBLINGS[scheme.name],)) if scheme is not None and scheme.name in SCHEME_SIBLINGS else None
-    aligned = tuple(p for p in paths if p != "direct")
-    sources = [(name, kin, aligned)] if kin else []
+    kin, kin_paths = None, ()
+    if scheme is not None and scheme.name in SCHEME_SIBLINGS:
+        twin, served = SCHEME_SIBLINGS[scheme.name]
+        kin, kin_paths = key[:-1] + (twin,), tuple(p for p in paths if p in served)
+    sources = [(name, kin, kin_paths)] if kin else []
     for sibling in SIBLINGS.get(name, ()):
-        sources += [(sibling, key, paths)] + ([(sibling, kin, aligned)] if kin else [])
+        sources += [(sibling, key, paths)] + ([(sibling, kin, kin_paths)] if kin else [])
     for source, k, p in sources:
         for table in _tables(source):
             found = nearest_entry(table, k, tokens, p, layout)

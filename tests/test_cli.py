@@ -488,16 +488,32 @@ def test_bench_check_reference_of_a_weight_only_execution(quant):
 def test_bench_check_on_the_gpu(tmp_path, quant, backends):
     """`fusedmoe bench --check` on a GPU: every timed output is checked against its reference and
     within its bound (rc 0), marlin's weight-only NVFP4 W4A4 against its weight-only twin's emulation."""
+    _bench_check(tmp_path, "qwen3-30b-a3b", "1,64", quant, backends)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["int4_w4a16_g32", "int4_w4a16_g64", "int4_w4a16_g128", "int4_w4a16_g32_zp",
+                                   "int4_w4a16_g128_zp", "mxfp4_w4a16", "nvfp4_w4a16"])
+def test_bench_check_of_4bit_weights_at_mixtral_on_the_gpu(tmp_path, quant):
+    """`fusedmoe bench --check` of each 4-bit weight-only scheme at Mixtral's shape (I = 14336:
+    fragments for every one of them) on its packaged plans, M = 1 (direct), 16 and 256: the cells
+    where a fragment decode that loaded int4 g64 / g128 scales once a row group computed wrong
+    results (H200, Triton 3.6) while test_gpu_wo.py's smaller shapes passed."""
+    _bench_check(tmp_path, "mixtral-8x7b", "1,16,256", quant, "triton")
+
+
+def _bench_check(tmp_path, preset: str, tokens: str, quant: str | None, backends: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     path = tmp_path / "rows.json"
-    argv = ["bench", "--presets", "qwen3-30b-a3b", "--tokens", "1,64", "--backends", backends, "--check",
+    argv = ["bench", "--presets", preset, "--tokens", tokens, "--backends", backends, "--check",
             "--json", str(path)] + (["--quant", quant] if quant else [])
     assert main(argv) == 0
     rows = json.loads(path.read_text())["rows"]
-    assert len(rows) == 2 * len(backends.split(",")) and not any(r["error"] for r in rows), rows
+    cells = len(tokens.split(",")) * len(backends.split(","))
+    assert len(rows) == cells and not any(r["error"] for r in rows), rows
     for r in rows:
         # 0 is a pass: fp8 block's one-token output has matched its emulation bit for bit (H200)
         assert r["mismatch"] is None and 0 <= r["rel_err"] < 2e-2, r

@@ -20,6 +20,7 @@ if torch.cuda.is_available():  # these build CPU tensors for the interpreter; GP
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from fusedmoe import MoEConfig  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
@@ -155,6 +156,32 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
 
 
 # mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
+@triton.jit
+def _lane_tile_kernel(v_ptr, out_ptr, F: tl.constexpr, JG: tl.constexpr):
+    from fusedmoe.backends.triton.kernels import _w4_lane_tile
+
+    f = tl.arange(0, F)[:, None, None]
+    g = tl.arange(0, 8)[None, :, None]
+    e = tl.arange(0, 2 * JG)[None, None, :]
+    t = _w4_lane_tile(tl.load(v_ptr + (f * 8 + g) * (2 * JG) + e), F, JG)
+    tl.store(out_ptr + tl.arange(0, F)[:, None] * 512 + tl.arange(0, 512)[None, :], t)
+
+
+@pytest.mark.parametrize("jg", [1, 2, 4])
+def test_lane_tile_gives_each_lane_its_row_groups_values(jg):
+    """kernels._w4_lane_tile (int4 g32's PTX decode: scales and zero points loaded once a row group,
+    then handed to the lanes): element 16 * lane + 4j + 2rh + pair of a fragment's operand is row
+    group g = lane // 4's value for (rh, jg = j // (4 / JG)), as the per-lane load laid it."""
+    F = 4
+    v = torch.randn(F, 8, 2 * jg)
+    out = torch.full((F, 512), float("nan"))
+    _lane_tile_kernel[(1,)](v, out, F, jg)
+    idx = torch.arange(512)
+    lane, j, rh = idx // 16, (idx // 4) % 4, (idx // 2) % 2
+    want = v.view(F, 8, 2, jg)[:, lane // 4, rh, j // (4 // jg)]
+    assert torch.equal(out, want)
+
+
 def test_fragment_layout_round_trips_and_decodes():
     """to_fragments / from_fragments are inverse on random codes and scales; each fragment byte
     holds the codes the layout's docstring places there, so the bit-placed decode (torch

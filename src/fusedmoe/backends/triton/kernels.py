@@ -595,31 +595,34 @@ def _w4_frag_tile(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, k_end, kdim, FMT: tl
     rows are row blocks n16_0.. and its last BLOCK_N / 2 the same blocks plus up_off (GEMM1's gate
     and up rows, one tile), each half bounded by n16_end. W_ZERO (asymmetric int4): z_ptr holds the
     zero points laid as the scales (the same runs and s_rows)."""
-    b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K,
-                                       PTX, up_off, TWO_HALVES)
+    b_ptrs, s_ptrs, ok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT, GROUP, BLOCK_N,
+                                       BLOCK_K, PTX, up_off, TWO_HALVES)
     z_ptrs = s_ptrs
     if W_ZERO:
-        _, z_ptrs, _ = _w4_frag_ptrs(w_ptr, z_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP, BLOCK_N, BLOCK_K,
-                                     PTX, up_off, TWO_HALVES)
+        _, z_ptrs, _ = _w4_frag_ptrs(w_ptr, z_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT, GROUP, BLOCK_N,
+                                     BLOCK_K, PTX, up_off, TWO_HALVES)
     if not EVEN_K:
         ok = _w4_frag_kmask(ok, k0, k_end, BLOCK_N, BLOCK_K, False)
     return _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT, GROUP, BLOCK_N, BLOCK_K, DTYPE, PTX, z_ptrs, W_ZERO)
 
 
 @triton.jit
-def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PTX: tl.constexpr, up_off=0, TWO_HALVES: tl.constexpr = False):
+def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, up_off=0,
+                  TWO_HALVES: tl.constexpr = False):
     """(code pointers [F, 512], scale pointers, row mask [F]) of the fragment tile `_w4_frag_tile`
     loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments; a row block's
     scales start s_rows elements after the last's (the scales' stride(1): runs may be padded).
-    The scale pointers are [F, 32, 2 * JG] with PTX (lane 4g + c reads group g's (rh, jg)
-    scales), else [F, NSC]. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
+    The scale pointers are, with PTX, [F, 8, 2 * JG] for int4 g32 (row group g's (rh, jg) scales,
+    once: `_w4_lane_tile` hands them to the lanes), else [F, 32, 2 * JG] (lane 4g + c reads group
+    g's); [F, NSC] without PTX. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
     scale chunks (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
     JG: tl.constexpr = GF // GROUP  # groups per chunk
     NSC: tl.constexpr = 16 * JG  # scales per chunk: (g, rh, jg)
+    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
     if TWO_HALVES:
         n16 = n16_0 + f % (NB16 // 2)
@@ -633,8 +636,11 @@ def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, GROUP: tl.cons
     s_off = n16.to(tl.int64) * s_rows + (k64 // (GF // 64)) * NSC
     b_ptrs = w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :]
     if PTX:
-        g2 = (tl.arange(0, 32) // 4) * (2 * JG)
-        s_ptrs = s_ptr + s_off[:, None, None] + g2[None, :, None] + tl.arange(0, 2 * JG)[None, None, :]
+        if ONCE:  # noqa: SIM108 (constexpr branch): one pointer a distinct scale
+            rg = tl.arange(0, 8) * (2 * JG)
+        else:
+            rg = (tl.arange(0, 32) // 4) * (2 * JG)
+        s_ptrs = s_ptr + s_off[:, None, None] + rg[None, :, None] + tl.arange(0, 2 * JG)[None, None, :]
     else:
         s_ptrs = s_ptr + s_off[:, None] + tl.arange(0, NSC)[None, :]
     return b_ptrs, s_ptrs, ok
@@ -655,22 +661,38 @@ def _w4_frag_kmask(ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PTX: tl.constexpr, ONE_DOT: tl.constexpr, GATED: tl.constexpr):
+def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, FMT: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, ONE_DOT: tl.constexpr,
+                        GATED: tl.constexpr):
     """`_w4_frag_ptrs` of a GEMM1 N tile at k0: (gate codes, scales, mask, up codes, scales, mask);
     ONE_DOT: the gate and up rows as one tile (the up triple repeats the gate's, unused), as
     does an ungated GEMM1."""
     if ONE_DOT:
-        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
-                                    2 * BLOCK_N, BLOCK_K, PTX, inter // 16, True)
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, FMT,
+                                    GROUP, 2 * BLOCK_N, BLOCK_K, PTX, inter // 16, True)
     else:
-        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, GROUP,
-                                    BLOCK_N, BLOCK_K, PTX)
+        gb, gs, gok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, pid_n * (BLOCK_N // 16), inter // 16, k0, hidden, FMT,
+                                    GROUP, BLOCK_N, BLOCK_K, PTX)
     ub, us, uok = gb, gs, gok
     if GATED and not ONE_DOT:  # the up rows start at fragment row I / 16
         ub, us, uok = _w4_frag_ptrs(w_ptr, s_ptr, s_rows, (inter + pid_n * BLOCK_N) // 16, 2 * inter // 16, k0,
-                                    hidden, GROUP, BLOCK_N, BLOCK_K, PTX)
+                                    hidden, FMT, GROUP, BLOCK_N, BLOCK_K, PTX)
     return gb, gs, gok, ub, us, uok
+
+
+@triton.jit
+def _w4_lane_tile(v, F: tl.constexpr, JG: tl.constexpr):
+    """A fragment tile's per-group values [F, 8, 2 * JG] (row group g: (rh, jg)) as the decode's
+    [F, 512] operand: lane 4g + c's 16 elements (j, rh, pair) each its row's group jg = j // (4 / JG)
+    value. Loaded once a row group and broadcast here (not loaded by each of the 4 lanes): the
+    pipeline's shared buffers hold each scale once. int4 g32 only (ONCE in `_w4_frag_ptrs` and
+    `_w4_frag_decode`): H200, Triton 3.6, bench --check, mxfp4 (its multipliers' PTX on the
+    [F, 8, 4] tile) and int4 g64 / g128 (one group a chunk, JG = 1) computed wrong this way;
+    int4 g32 and g32_zp ran Mixtral M=16 300 -> 236 and 488 -> 259 us (a fifth less shared
+    memory a K stage, one more program an SM)."""
+    t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
+    t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
+    return tl.reshape(t, (F, 512))
 
 
 @triton.jit
@@ -684,24 +706,32 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP
     JG: tl.constexpr = GF // GROUP
+    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`
     b = tl.load(b_ptrs, mask=ok[:, None], other=0)
     if PTX:
-        sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)
-        s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT, True), (F, 32, 2, JG)), (0, 1, 3, 2))  # [F, lane, jg, rh]
-        s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
+        sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)  # [F, 8 or 32, (rh, jg)]: `_w4_frag_ptrs`
+        if ONCE:  # loaded once a row group
+            s2 = _w4_lane_tile(sc.to(tl.bfloat16), F, JG)
+        else:  # loaded by each lane
+            s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT, True), (F, 32, 2, JG)), (0, 1, 3, 2))  # F lane jg rh
+            s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
+            s2 = tl.reshape(s2, (F, 512))
         if W_ZERO:  # -(136 + zero) in bf16 (exact), laid as the multipliers
             tl.static_assert(FMT == W4_INT4_FRAG, "W_ZERO: asymmetric int4")
             zk = (-136.0 - tl.load(z_ptrs, mask=ok[:, None, None], other=0.0).to(tl.float32)).to(tl.bfloat16)
-            z2 = tl.permute(tl.reshape(zk, (F, 32, 2, JG)), (0, 1, 3, 2))
-            z2 = tl.broadcast_to(tl.reshape(z2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))
-            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r",
-                                               [b, tl.reshape(s2, (F, 512)), tl.reshape(z2, (F, 512))],
+            if ONCE:
+                z2 = _w4_lane_tile(zk, F, JG)
+            else:
+                z2 = tl.permute(tl.reshape(zk, (F, 32, 2, JG)), (0, 1, 3, 2))
+                z2 = tl.reshape(tl.broadcast_to(tl.reshape(z2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2)),
+                                (F, 512))
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r", [b, s2, z2],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         elif FMT == W4_INT4_FRAG:
-            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, s2],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
-            r0, r1 = tl.inline_asm_elementwise(W4_PTX_FRAG, "=r,=r,=r,=r,r,r,r", [b, tl.reshape(s2, (F, 512))],
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_FRAG, "=r,=r,=r,=r,r,r,r", [b, s2],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         # r0 / r1: rows rh = 0 / 1; element 4j + 2kh + u of a lane
         v = tl.reshape(tl.join(r0, r1), (BLOCK_K // 64, NB16, 8, 4, 4, 2, 2, 2))  # k64 n16 g c j kh u rh
@@ -929,12 +959,12 @@ def _gemm1_tile(
     FRAG_S_STEP: tl.constexpr = (BLOCK_K // FRAG_GF) * 16 * (FRAG_GF // W_GROUP)  # scales
     if FRAG_INC:
         gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k_start, hidden,
-                                                       W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
+                                                       W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT, GATED)
         gz, uz = gs, us
         if W_ZERO:  # the zero points' runs, laid as the scales'
             _, gz, _, _, uz, _ = _w4_frag_gemm1_ptrs(w_base, wz_ptr + expert * stride_ws0, stride_ws1, pid_n, inter,
-                                                     k_start, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT,
-                                                     GATED)
+                                                     k_start, hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE,
+                                                     ONE_DOT, GATED)
     for k0 in range(k_start, k_end, BLOCK_K):
         if FRAG:  # w tile @ x rows^T: the decoded tile is the dot's register operand
             # K masks kept on whole steps too (EVEN_K): dropping them here, as GEMM2 does, cut the
@@ -948,13 +978,13 @@ def _gemm1_tile(
                 xa = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0)
                 gb, gs, gok, ub, us, uok = _w4_frag_gemm1_ptrs(w_base, ws_base, stride_ws1, pid_n, inter, k0,
-                                                               hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE, ONE_DOT,
-                                                               GATED)
+                                                               hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE,
+                                                               ONE_DOT, GATED)
                 gz, uz = gs, us
                 if W_ZERO:
                     _, gz, _, _, uz, _ = _w4_frag_gemm1_ptrs(w_base, wz_ptr + expert * stride_ws0, stride_ws1, pid_n,
-                                                             inter, k0, hidden, W_GROUP, BLOCK_N, BLOCK_K, PTX_DECODE,
-                                                             ONE_DOT, GATED)
+                                                             inter, k0, hidden, W4_FMT, W_GROUP, BLOCK_N, BLOCK_K,
+                                                             PTX_DECODE, ONE_DOT, GATED)
             if ONE_DOT:  # gate and up rows as one fragment tile, one dot
                 wt = _w4_frag_decode(gb, gs, _w4_frag_kmask(gok, k0, k_end, 2 * BLOCK_N, BLOCK_K, FRAG_INC), W4_FMT,
                                      W_GROUP, 2 * BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, PTX_DECODE, gz, W_ZERO)

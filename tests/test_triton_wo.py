@@ -120,9 +120,10 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
 
 def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
     """`*_zp`: process_weights lays the zero points exactly as their scales, group-major in the
-    checkpoint layout (its default, `weight_only.zp_fragments`: where the symmetric scheme takes
-    fragments by default, g64 at every I, it does not) and as fragments under
-    FUSEDMOE_TRITON_W4_FRAGMENTS=all: the same shape, dtype and strides (the kernels index both with
+    checkpoint layout and as fragments where symmetric int4's rule lays fragments (g64 at every I,
+    g32 at I >= 2048, every int4 under FUSEDMOE_TRITON_W4_FRAGMENTS=all; the sixty-fifth session's
+    fragment decode runs them faster than the checkpoint layout at Mixtral M=1-256 on an H200):
+    the same shape, dtype and strides (the kernels index both with
     the scales'), the weights they dequantize to unchanged, and each layout's output that of the
     unprocessed weights (bitwise in the checkpoint layout) and of emulation."""
     from fusedmoe import knobs
@@ -136,7 +137,8 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
     out = experts.apply(x, w, weights, ids, expert_map_E=None)
     want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert w4_fragments_planned(get_scheme("int4_w4a16_g64"), 128, 128)
-    assert not w4_fragments_planned(get_scheme("int4_w4a16_g64_zp"), 128, 128)
+    assert w4_fragments_planned(get_scheme("int4_w4a16_g64_zp"), 128, 128)
+    assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)  # g32 from I = 2048
     for mode, frag in ((None, False), (False, False), ("all", True)):
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
             processed = TritonExperts(config).process_weights(w)

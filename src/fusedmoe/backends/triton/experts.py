@@ -785,11 +785,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
     if scheme is not None and scheme.weight.dtype in W4_FRAG_FORMATS:  # process_weights' fragment layout
         f1, f2 = fragment_tile(t1), fragment_tile(t2)
         widened = "" if (f1, f2) == (t1, t2) else f", these tiles run as gemm1 {f1.as_list()}, gemm2 {f2.as_list()}"
-        from fusedmoe.backends.triton.weight_only import (
-            INT4_FRAGMENTS_MIN_INTER,
-            lays_fragments,
-            zp_fragments,
-        )
+        from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
@@ -802,10 +798,7 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         where = f"where I >= {least}" if least else "at every I"
         int4 = (f"; int4 g{group} by default {where}, on an H200 {measured[group]}"
                 if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
-        if not zp_fragments(scheme):
-            extra["w4_layout"] = ("checkpoint layout (asymmetric int4: its fragments, zero points laid as the scales, "
-                                  "run slower at decode on an H200; FUSEDMOE_TRITON_W4_FRAGMENTS=all lays them)")
-        elif lays_fragments(fmt, group, problem.inter):
+        if lays_fragments(fmt, group, problem.inter):
             waits = ("; each dot waits for its wgmma (kernels._rs_sync)" if knobs.get("TRITON_RS_SYNC") is not False
                      else "; FUSEDMOE_TRITON_RS_SYNC=0: the dots' wgmmas in flight, a race that computed wrong rows "
                           "on an H200 under Triton 3.6")

@@ -203,27 +203,14 @@ def lays_fragments(fmt: str, group: int | None, inter: int) -> bool:
             or fmt == "int4" and inter >= INT4_FRAGMENTS_MIN_INTER.get(group, float("inf")))
 
 
-# Asymmetric int4 (`*_zp`) keeps the checkpoint layout unless FUSEDMOE_TRITON_W4_FRAGMENTS=all: H200,
-# Mixtral, bench --check, heuristic fragment plans (symmetric int4's aligned entries as siblings),
-# int4 g32_zp checkpoint / fragments M=1 113 / 186 us, M=16 352 / 493, M=256 909 / 852; g128_zp
-# M=1 205 / 149, M=256 1138 / 1006 (results/2026-11-30_h200_16f2515_int4_zp.txt section 6): the
-# fragment decode with zero points loses at decode, where symmetric int4's fragments are level.
-def zp_fragments(scheme: QuantScheme) -> bool:
-    """Whether a scheme's zero points (asymmetric int4) allow the fragment layout now: always for
-    a scheme without them; with them only under FUSEDMOE_TRITON_W4_FRAGMENTS=all."""
-    from fusedmoe import knobs
-
-    return not scheme.has_zero or knobs.get("TRITON_W4_FRAGMENTS") == "all"
-
-
 def w4_fragments_planned(scheme: QuantScheme | None, hidden: int, inter: int, gated: bool = True) -> bool:
     """Whether `process_weights` will lay this scheme's weights of this shape as fragments
     (`_w4_fragments`), as far as the shape tells: `lays_fragments` (False for None and every
-    other scheme; asymmetric int4 only with FUSEDMOE_TRITON_W4_FRAGMENTS=all, `zp_fragments`) and both
+    other scheme; asymmetric int4 by symmetric int4's rule) and both
     weights whole fragments. The heuristic sizes its K steps by it; the scales' values (an mxfp4
     scale above 2) can still keep the checkpoint layout."""
-    return (scheme is not None and zp_fragments(scheme)
-            and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter) and _whole(hidden, inter, gated))
+    return (scheme is not None and lays_fragments(scheme.weight.dtype, scheme.weight.group, inter)
+            and _whole(hidden, inter, gated))
 
 
 def _whole(hidden: int, inter: int, gated: bool) -> bool:
@@ -270,7 +257,7 @@ def _w4_fragments(weights: ExpertWeights) -> ExpertWeights:
     94); nvfp4 and int4 g32 2.0-2.3 (`_cb3bb98_fragments_nvfp4_int4_proto.txt`)."""
     q = weights.quant
     fmt = q.scheme.weight.dtype
-    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) or not zp_fragments(q.scheme) \
+    if is_fragments(q.w13_scale) or is_fragments(q.w2_scale) \
             or not lays_fragments(fmt, q.scheme.weight.group, _inter(weights.w2, q.scheme)):
         return weights
     if fragments_reason(weights.w13, q.w13_scale, fmt) or fragments_reason(weights.w2, q.w2_scale, fmt):

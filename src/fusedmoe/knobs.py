@@ -148,9 +148,8 @@ KNOBS: dict[str, Knob] = {
              "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow, "
              "int4 g64 everywhere, and int4 g32 / g128 where the per-GPU intermediate is >= 2048 (at "
              "smaller I their fragments measured slower at M <= 256, faster at M >= 1024), all = int4 "
-             "at every size and group too and asymmetric int4 (*_zp, otherwise in the checkpoint "
-             "layout), 0 = keep the checkpoint layout. Tuned entries serve the "
-             "layout they were timed on."),
+             "at every size and group too (asymmetric int4, *_zp, as symmetric int4), 0 = keep the "
+             "checkpoint layout. Tuned entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
              "the run is a power of two bytes >= 1 KB (fusedmoe.quant.fragments."

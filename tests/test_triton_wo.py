@@ -159,25 +159,26 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
 
 # mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
 @triton.jit
-def _lane_tile_kernel(v_ptr, out_ptr, F: tl.constexpr, JG: tl.constexpr):
+def _lane_tile_kernel(v_ptr, out_ptr, F: tl.constexpr, JG: tl.constexpr, LANES: tl.constexpr):
     from fusedmoe.backends.triton.kernels import _w4_lane_tile
 
     f = tl.arange(0, F)[:, None, None]
-    g = tl.arange(0, 8)[None, :, None]
+    g = (tl.arange(0, LANES) // (LANES // 8))[None, :, None]  # each row group once, or by each of its 4 lanes
     e = tl.arange(0, 2 * JG)[None, None, :]
     t = _w4_lane_tile(tl.load(v_ptr + (f * 8 + g) * (2 * JG) + e), F, JG)
     tl.store(out_ptr + tl.arange(0, F)[:, None] * 512 + tl.arange(0, 512)[None, :], t)
 
 
+@pytest.mark.parametrize("lanes", [8, 32])
 @pytest.mark.parametrize("jg", [1, 2, 4])
-def test_lane_tile_gives_each_lane_its_row_groups_values(jg):
-    """kernels._w4_lane_tile (int4 g32's PTX decode: scales and zero points loaded once a row group,
-    then handed to the lanes): element 16 * lane + 4j + 2rh + pair of a fragment's operand is row
-    group g = lane // 4's value for (rh, jg = j // (4 / JG)), as the per-lane load laid it."""
+def test_lane_tile_gives_each_lane_its_row_groups_values(jg, lanes):
+    """kernels._w4_lane_tile, the PTX decode's scale (and zero point) operand from values loaded
+    once a row group (int4 g32) or by each lane (the other formats): element 16 * lane + 4j + 2rh
+    + pair of a fragment's operand is row group g = lane // 4's value for (rh, jg = j // (4 / JG))."""
     F = 4
     v = torch.randn(F, 8, 2 * jg)
     out = torch.full((F, 512), float("nan"))
-    _lane_tile_kernel[(1,)](v, out, F, jg)
+    _lane_tile_kernel[(1,)](v, out, F, jg, lanes)
     idx = torch.arange(512)
     lane, j, rh = idx // 16, (idx // 4) % 4, (idx // 2) % 2
     want = v.view(F, 8, 2, jg)[:, lane // 4, rh, j // (4 // jg)]

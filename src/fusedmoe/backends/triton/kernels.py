@@ -622,7 +622,7 @@ def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT: tl.conste
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
     JG: tl.constexpr = GF // GROUP  # groups per chunk
     NSC: tl.constexpr = 16 * JG  # scales per chunk: (g, rh, jg)
-    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`
+    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`'s docstring
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
     if TWO_HALVES:
         n16 = n16_0 + f % (NB16 // 2)
@@ -682,16 +682,20 @@ def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, FMT: tl.
 
 @triton.jit
 def _w4_lane_tile(v, F: tl.constexpr, JG: tl.constexpr):
-    """A fragment tile's per-group values [F, 8, 2 * JG] (row group g: (rh, jg)) as the decode's
+    """A fragment tile's per-group values (scale multipliers or zero points) as the decode's
     [F, 512] operand: lane 4g + c's 16 elements (j, rh, pair) each its row's group jg = j // (4 / JG)
-    value. Loaded once a row group and broadcast here (not loaded by each of the 4 lanes): the
-    pipeline's shared buffers hold each scale once. int4 g32 only (ONCE in `_w4_frag_ptrs` and
-    `_w4_frag_decode`): H200, Triton 3.6, bench --check, mxfp4 (its multipliers' PTX on the
-    [F, 8, 4] tile) and int4 g64 / g128 (one group a chunk, JG = 1) computed wrong this way;
+    value. v: [F, 8, 2 * JG], row group g's (rh, jg) values loaded once (`_w4_frag_ptrs` for int4
+    g32: the pipeline's shared buffers hold each once), or [F, 32, 2 * JG], loaded by each lane
+    (the other formats). H200, Triton 3.6, bench --check: mxfp4 (its multipliers' PTX on the
+    [F, 8, 4] tile) and int4 g64 / g128 (one group a chunk, JG = 1) computed wrong loaded once;
     int4 g32 and g32_zp ran Mixtral M=16 300 -> 236 and 488 -> 259 us (a fifth less shared
     memory a K stage, one more program an SM)."""
-    t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
-    t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
+    if v.shape[1] == 8:
+        t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
+        t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
+    else:
+        t = tl.permute(tl.reshape(v, (F, 32, 2, JG)), (0, 1, 3, 2))  # F lane jg rh
+        t = tl.broadcast_to(tl.reshape(t, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # lane | j rh | pair
     return tl.reshape(t, (F, 512))
 
 
@@ -706,26 +710,15 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP
     JG: tl.constexpr = GF // GROUP
-    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`
     b = tl.load(b_ptrs, mask=ok[:, None], other=0)
     if PTX:
         sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)  # [F, 8 or 32, (rh, jg)]: `_w4_frag_ptrs`
-        if ONCE:  # loaded once a row group
-            s2 = _w4_lane_tile(sc.to(tl.bfloat16), F, JG)
-        else:  # loaded by each lane
-            s2 = tl.permute(tl.reshape(_frag_multiplier(sc, FMT, True), (F, 32, 2, JG)), (0, 1, 3, 2))  # F lane jg rh
-            s2 = tl.broadcast_to(tl.reshape(s2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # j, rh | pair
-            s2 = tl.reshape(s2, (F, 512))
+        s2 = _w4_lane_tile(_frag_multiplier(sc, FMT, True), F, JG)
         if W_ZERO:  # -(136 + zero) in bf16 (exact), laid as the multipliers
             tl.static_assert(FMT == W4_INT4_FRAG, "W_ZERO: asymmetric int4")
             zk = (-136.0 - tl.load(z_ptrs, mask=ok[:, None, None], other=0.0).to(tl.float32)).to(tl.bfloat16)
-            if ONCE:
-                z2 = _w4_lane_tile(zk, F, JG)
-            else:
-                z2 = tl.permute(tl.reshape(zk, (F, 32, 2, JG)), (0, 1, 3, 2))
-                z2 = tl.reshape(tl.broadcast_to(tl.reshape(z2, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2)),
-                                (F, 512))
-            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r", [b, s2, z2],
+            r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r",
+                                               [b, s2, _w4_lane_tile(zk, F, JG)],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         elif FMT == W4_INT4_FRAG:
             r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG, "=r,=r,=r,=r,r,r,r", [b, s2],

@@ -222,6 +222,8 @@ def main(argv=None) -> int:
             print(f"{'':16} {'':>5} {'':7} {'  its longest loop (the K step)':47} {loop['instructions']:>27}  {mix}")
             for hazard in kernel_report.loop_hazards(loop):
                 print(f"{'':16} {'':>5} {'':7}   ! {hazard}")
+        for hazard in r.get("asm_pack", []):  # printed with or without --loop: a wrong decode
+            print(f"{'':16} {'':>5} {'':7}   ! {hazard} (kernel_report.asm_pack_hazards)")
         if r["wgmma_rs"] and max(r["wgmma_waits"], default=0) > 0:  # printed with or without --loop: a race
             print(f"{'':16} {'':>5} {'':7}   ! register-operand wgmma left in flight (waits {r['wgmma_waits']}): "
                   "the race kernels._rs_sync closes")

@@ -47,6 +47,7 @@ def test_report_of_the_direct_and_aligned_weight_only_kernels(tmp_path):
         assert 20 < r["loop"]["instructions"] < r["instructions"], r
         assert r["loop"]["opcodes"].get("HGMMA", 0) + r["loop"]["opcodes"].get("HMMA", 0) > 0, r
     assert rows[0]["DIRECT"] is True and rows[0]["BLOCK_M"] == 16
+    assert all(r["asm_pack"] == [] for r in rows), rows  # the decodes' packed bytes: consecutive codes
     report = tmp_path / "report.json"  # --diff of a report with itself: every cell, unchanged
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--diff", str(report),
                            str(report)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
@@ -70,6 +71,7 @@ def test_fragment_gemms_wait_for_each_wgmma(tmp_path, monkeypatch):
     for r in rows:
         assert r["RS_SYNC"] is True and r["wgmma_dots"] >= 1, r["kernel"]
         assert r["wgmma_waits"] and set(r["wgmma_waits"]) == {0}, (r["kernel"], r["wgmma_waits"])
+        assert r["asm_pack"] == [], r["asm_pack"]  # the decode's packed bytes: 4 consecutive codes a call
     monkeypatch.setenv("FUSEDMOE_TRITON_RS_SYNC", "0")
     rows = _report(tmp_path, *args)
     assert all(r["RS_SYNC"] is False and max(r["wgmma_waits"]) > 0 for r in rows), \
@@ -174,3 +176,35 @@ def test_plans_come_from_the_named_gpus_table_whatever_triton_compiles(tmp_path,
     assert [(r["path"], r["kernel"]) for r in rows] == [("aligned", "moe_gemm1_kernel"), ("aligned", "moe_gemm2_kernel")]
     for r in rows:
         assert (r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_stages"]) == (16, 32, 64, 2), r
+
+
+def test_asm_pack_hazards_flag_a_decode_whose_packed_registers_are_not_consecutive():
+    """kernel_report.asm_pack_hazards: a cross-element inline asm (the 4-bit fragment decodes, a word
+    of 4 code bytes) packing 4 elements a call on a layout whose first registers hold elements 0,
+    1, 4, 5 (the TTGIR of the fragment decode that computed wrong int4 g64 results on an H200) or
+    one element a thread is flagged; registers 0-3 holding elements 0-3 are not; an asm whose
+    elements are independent (not among the bodies) never is. The bodies checked by default are
+    the fragment decodes' PTX."""
+    from fusedmoe.backends.triton import kernels
+    from fusedmoe.backends.triton.kernel_report import asm_pack_hazards, cross_element_asm
+
+    body = "lop3.b32 $0, $4;"
+
+    def ttgir(register, blocked="[1, 1, 4]"):
+        return ("#blocked = #ttg.blocked<{sizePerThread = " + blocked + ", threadsPerWarp = [8, 2, 2], "
+                "warpsPerCTA = [1, 4, 1], order = [2, 0, 1]}>\n"
+                "#linear1 = #ttg.linear<{register = " + register + ", lane = [[0, 2], [1, 0], [2, 0], [4, 0], "
+                "[0, 64]], warp = [[0, 128], [0, 256]], block = []}>\n"
+                '    %w:2 = tt.elementwise_inline_asm "' + body.replace("\n", "\\0A") + '" {constraints = '
+                '"=r,=r,=r,=r,r,r,r", packed_element = 4 : i32, pure = true} %b, %s : tensor<8x512xi8, #linear1>, '
+                "tensor<8x8x4xbf16, #blocked> -> tensor<8x512xbf16, #linear1>\n")
+
+    good, bad = "[[0, 1], [0, 2], [0, 4], [0, 8], [4, 0]]", "[[0, 1], [0, 4], [0, 8], [0, 16], [0, 32]]"
+    assert asm_pack_hazards(ttgir(good), (body,)) == []
+    found = asm_pack_hazards(ttgir(bad), (body,))
+    assert len(found) == 1 and "#linear1" in found[0] and "not 4 consecutive" in found[0]
+    assert len(asm_pack_hazards(ttgir(good, blocked="[1, 1, 1]"), (body,))) == 1  # one element a thread
+    assert asm_pack_hazards(ttgir(bad), ("another body",)) == []  # elements independent: not checked
+    assert kernels.W4_PTX_I4FRAG.value in cross_element_asm() and len(cross_element_asm()) == 3
+    body = kernels.W4_PTX_I4FRAG.value  # the real decode, newlines escaped as the TTGIR prints them
+    assert len(asm_pack_hazards(ttgir(bad))) == 1 and asm_pack_hazards(ttgir(good)) == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -173,7 +174,60 @@ def usage(compiled) -> dict:
         "wgmma_dots": len(re.findall(r"ttng\.warp_group_dot ", ttgir)),
         "wgmma_rs": len(re.findall(r"ttng\.warp_group_dot [^\n]* : tensor<", ttgir)),
         "wgmma_waits": [int(n) for n in re.findall(r"ttng\.warp_group_dot_wait[^{\n]*\{pendings = (\d+)", ttgir)],
+        "asm_pack": asm_pack_hazards(ttgir),
     }
+
+
+def _layouts(ttgir: str) -> dict[str, tuple[str, dict]]:
+    """The TTGIR's #blocked / #linear layout aliases: name -> (kind, fields: lists of ints or of
+    int lists)."""
+    out = {}
+    for name, kind, body in re.findall(r"^#(\w+) = #ttg\.(blocked|linear)<\{(.*)\}>", ttgir, re.M):
+        out[name] = (kind, {k: json.loads(v) for k, v in re.findall(r"(\w+) = (\[[^=]*\])(?:,|$)", body)})
+    return out
+
+
+def cross_element_asm() -> tuple[str, ...]:
+    """The inline asm bodies whose packed elements are not independent: the 4-bit fragment
+    decodes, which read a call's 4 packed bytes as one word whose nibbles belong to other elements
+    (kernels.W4_PTX_FRAG / W4_PTX_I4FRAG / W4_PTX_I4FRAG_ZP). The others (the checkpoint layout's
+    decodes, a byte to its two nibbles; the scale multipliers) map each element to its own."""
+    from fusedmoe.backends.triton import kernels
+
+    return tuple(getattr(kernels, name).value for name in ("W4_PTX_FRAG", "W4_PTX_I4FRAG", "W4_PTX_I4FRAG_ZP"))
+
+
+def asm_pack_hazards(ttgir: str, bodies: tuple[str, ...] | None = None) -> list[str]:
+    """Inline asm ops of `bodies` (default `cross_element_asm`) packing P elements per call
+    (`tl.inline_asm_elementwise(..., pack=P)`) whose operands' layout does not give each thread P
+    consecutive elements of the last dimension as its first registers. Triton hands an asm call a
+    thread's next P registers, whatever elements they hold, so such a decode reads the wrong codes.
+    H200, Triton 3.6: the fragment decode with its scales loaded once a row group for int4 g64 /
+    g128 (registers holding elements 0, 1, 4, 5) and mxfp4 (0, 4, 1, 5) computed wrong results,
+    and each shows here (results/2026-11-30_h200_ff93a3e_int4_lane_tile.txt). Only #blocked and
+    #linear operands are checked."""
+    bodies = cross_element_asm() if bodies is None else bodies
+    layouts = _layouts(ttgir)
+    out = []
+    for body, pack, types in re.findall(r'tt\.elementwise_inline_asm "((?:[^"\\]|\\.)*)" \{[^}]*?'
+                                        r'packed_element = (\d+) : i32[^}]*\} [^:]*: (.*?) ->', ttgir):
+        pack = int(pack)
+        if pack < 2 or body.replace("\\0A", "\n") not in bodies:
+            continue
+        for shape, name in re.findall(r"tensor<([\dx]+)x\w+, #(\w+)>", types):
+            if name not in layouts:
+                continue
+            rank = len(shape.split("x"))
+            kind, f = layouts[name]
+            if kind == "blocked":
+                ok = f["order"][0] == rank - 1 and f["sizePerThread"][-1] % pack == 0
+            else:
+                unit = [[0] * (rank - 1) + [1 << i] for i in range(pack.bit_length() - 1)]
+                ok = f.get("register", [])[:len(unit)] == unit
+            if not ok:
+                out.append(f"asm packing {pack} on tensor<{shape}> #{name} {kind} "
+                           f"{f.get('register', f.get('sizePerThread'))}: not {pack} consecutive elements a call")
+    return sorted(set(out))
 
 
 def loop_mix(sass: str) -> dict:

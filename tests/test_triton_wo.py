@@ -159,29 +159,59 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
 
 # mxfp4 in the fragment layout (fusedmoe.quant.fragments, kernels._w4_frag_tile) ----------------
 @triton.jit
-def _lane_tile_kernel(v_ptr, out_ptr, F: tl.constexpr, JG: tl.constexpr, LANES: tl.constexpr):
+def _lane_tile_kernel(v_ptr, out_ptr, F: tl.constexpr, JG: tl.constexpr):
     from fusedmoe.backends.triton.kernels import _w4_lane_tile
 
     f = tl.arange(0, F)[:, None, None]
-    g = (tl.arange(0, LANES) // (LANES // 8))[None, :, None]  # each row group once, or by each of its 4 lanes
+    g = tl.arange(0, 8)[None, :, None]
     e = tl.arange(0, 2 * JG)[None, None, :]
     t = _w4_lane_tile(tl.load(v_ptr + (f * 8 + g) * (2 * JG) + e), F, JG)
     tl.store(out_ptr + tl.arange(0, F)[:, None] * 512 + tl.arange(0, 512)[None, :], t)
 
 
-@pytest.mark.parametrize("lanes", [8, 32])
 @pytest.mark.parametrize("jg", [1, 2, 4])
-def test_lane_tile_gives_each_lane_its_row_groups_values(jg, lanes):
+def test_lane_tile_gives_each_lane_its_row_groups_values(jg):
     """kernels._w4_lane_tile, the PTX decode's scale (and zero point) operand from values loaded
-    once a row group (int4 g32) or by each lane (the other formats): element 16 * lane + 4j + 2rh
-    + pair of a fragment's operand is row group g = lane // 4's value for (rh, jg = j // (4 / JG))."""
+    once a row group: element 16 * lane + 4j + 2rh + pair of a fragment's operand is row group
+    g = lane // 4's value for (rh, jg = j // (4 / JG))."""
     F = 4
     v = torch.randn(F, 8, 2 * jg)
     out = torch.full((F, 512), float("nan"))
-    _lane_tile_kernel[(1,)](v, out, F, jg, lanes)
+    _lane_tile_kernel[(1,)](v, out, F, jg)
     idx = torch.arange(512)
     lane, j, rh = idx // 16, (idx // 4) % 4, (idx // 2) % 2
     want = v.view(F, 8, 2, jg)[:, lane // 4, rh, j // (4 // jg)]
+    assert torch.equal(out, want)
+
+
+@triton.jit
+def _group_values_kernel(v_ptr, out_ptr, F: tl.constexpr, N: tl.constexpr, PER: tl.constexpr):
+    from fusedmoe.backends.triton.kernels import _w4_group_values
+
+    f = tl.arange(0, F)
+    ptrs = v_ptr + (f[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]) * N + (tl.arange(0, N // PER) * PER)[None, None, :]
+    v = _w4_group_values(ptrs, f < F - 1, N)
+    tl.store(out_ptr + (f[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]) * N + tl.arange(0, N)[None, None, :], v)
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.bfloat16, 2), (torch.bfloat16, 4), (torch.bfloat16, 8),
+                                          (torch.uint8, 4), (torch.uint8, 8), (torch.float32, 2)])
+def test_group_values_split_words_in_address_order(dtype, n):
+    """kernels._w4_group_values, a row group's N scales (or zero points) loaded as 32-bit words
+    where they fill words (int4's bf16 pairs and quads, mxfp4 / nvfp4's byte quads) and split in
+    registers: each value at its place, lowest address first; a masked row reads 0. fp32 values
+    load as they are."""
+    F = 4
+    gen = torch.Generator().manual_seed(n)
+    if dtype == torch.uint8:
+        v = torch.randint(1, 256, (F, 8, n), dtype=dtype, generator=gen)
+    else:  # no zeros: a masked row must read 0, not keep the poison
+        v = (torch.rand(F, 8, n, generator=gen) + 0.5).to(dtype)
+    out = torch.full_like(v, 7)
+    per = 32 // (8 * v.element_size()) if v.element_size() < 4 else 1
+    _group_values_kernel[(1,)](v, out, F, n, per)
+    want = v.clone()
+    want[F - 1] = 0
     assert torch.equal(out, want)
 
 

@@ -613,16 +613,18 @@ def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT: tl.conste
     """(code pointers [F, 512], scale pointers, row mask [F]) of the fragment tile `_w4_frag_tile`
     loads at k0 (its docstring: the layout, TWO_HALVES), F = its 16 x 64 fragments; a row block's
     scales start s_rows elements after the last's (the scales' stride(1): runs may be padded).
-    The scale pointers are, with PTX, [F, 8, 2 * JG] for int4 g32 (row group g's (rh, jg) scales,
-    once: `_w4_lane_tile` hands them to the lanes), else [F, 32, 2 * JG] (lane 4g + c reads group
-    g's); [F, NSC] without PTX. A K loop may advance them by a constant per BLOCK_K step where each step covers whole
-    scale chunks (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
+    The scale pointers are, with PTX, [F, 8, 2 * JG / PER]: row group g's 2 * JG (rh, jg) scales,
+    each once (`_w4_lane_tile` hands them to the group's 4 lanes), PER to a 32-bit word where they
+    fill whole words (`_w4_group_values` loads the words); [F, NSC] without PTX. A K loop may
+    advance them by a constant per BLOCK_K step where each step covers whole scale chunks
+    (moe_gemm1_kernel's FRAG_INC); the mask bounds the rows only (`_w4_frag_kmask` adds K's)."""
     NB16: tl.constexpr = BLOCK_N // 16
     F: tl.constexpr = (BLOCK_K // 64) * NB16
     GF: tl.constexpr = 64 if GROUP < 64 else GROUP  # K per scale chunk
     JG: tl.constexpr = GF // GROUP  # groups per chunk
     NSC: tl.constexpr = 16 * JG  # scales per chunk: (g, rh, jg)
-    ONCE: tl.constexpr = FMT == W4_INT4_FRAG and GROUP == 32  # `_w4_lane_tile`'s docstring
+    BITS: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth
+    PER: tl.constexpr = 32 // BITS if BITS < 32 and (2 * JG * BITS) % 32 == 0 else 1  # a row group's values a word
     f = tl.arange(0, F)  # fragment f: k64 = f // NB16, n16 = f % NB16
     if TWO_HALVES:
         n16 = n16_0 + f % (NB16 // 2)
@@ -636,11 +638,8 @@ def _w4_frag_ptrs(w_ptr, s_ptr, s_rows, n16_0, n16_end, k0, kdim, FMT: tl.conste
     s_off = n16.to(tl.int64) * s_rows + (k64 // (GF // 64)) * NSC
     b_ptrs = w_ptr + frag[:, None] * 512 + tl.arange(0, 512)[None, :]
     if PTX:
-        if ONCE:  # noqa: SIM108 (constexpr branch): one pointer a distinct scale
-            rg = tl.arange(0, 8) * (2 * JG)
-        else:
-            rg = (tl.arange(0, 32) // 4) * (2 * JG)
-        s_ptrs = s_ptr + s_off[:, None, None] + rg[None, :, None] + tl.arange(0, 2 * JG)[None, None, :]
+        rg = tl.arange(0, 8) * (2 * JG)
+        s_ptrs = s_ptr + s_off[:, None, None] + rg[None, :, None] + (tl.arange(0, 2 * JG // PER) * PER)[None, None, :]
     else:
         s_ptrs = s_ptr + s_off[:, None] + tl.arange(0, NSC)[None, :]
     return b_ptrs, s_ptrs, ok
@@ -681,21 +680,44 @@ def _w4_frag_gemm1_ptrs(w_ptr, s_ptr, s_rows, pid_n, inter, k0, hidden, FMT: tl.
 
 
 @triton.jit
+def _w4_group_values(ptrs, ok, N: tl.constexpr):
+    """[F, 8, N] values (scales or zero points) of `_w4_frag_ptrs`'s [F, 8, W] pointers, rows
+    where ok is false 0: loaded as they are where W = N, else as N / W 32-bit words a row group
+    (bf16 pairs, e8m0 / e4m3-code quads) split in registers, lowest address first. Why words: a
+    row group's values in fewer than 4 bytes a thread (int4 g64 / g128's bf16 pair, mxfp4's 4
+    bytes over 2 threads at 4 warps) were loaded into registers, not through the pipeline's
+    shared buffers, and the register layout of that load reached the decode's operands, giving
+    its pack=4 inline asm registers that are not 4 consecutive codes: wrong results on an H200
+    (results/2026-11-30_h200_ff93a3e_int4_lane_tile.txt), flagged on the CPU by
+    `kernel_report.asm_pack_hazards`. A 32-bit load a thread is copied through shared memory and
+    read back in the operands' layout, as int4 g32's bf16 quads were."""
+    if ptrs.shape[2] == N:  # noqa: SIM108 (constexpr branch)
+        v = tl.load(ptrs, mask=ok[:, None, None], other=0)
+    else:
+        dt = ptrs.dtype.element_ty
+        w = tl.load(ptrs.to(tl.pointer_type(tl.int32)), mask=ok[:, None, None], other=0)
+        if dt.primitive_bitwidth == 16:
+            v = tl.join(w.to(tl.int16).to(dt, bitcast=True), (w >> 16).to(tl.int16).to(dt, bitcast=True))
+        else:  # bytes 0..3: join(join(b0, b2), join(b1, b3)) lists them in order
+            b0 = w.to(tl.int8).to(dt, bitcast=True)
+            b1 = (w >> 8).to(tl.int8).to(dt, bitcast=True)
+            b2 = (w >> 16).to(tl.int8).to(dt, bitcast=True)
+            b3 = (w >> 24).to(tl.int8).to(dt, bitcast=True)
+            v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+        v = tl.reshape(v, (ptrs.shape[0], ptrs.shape[1], N))
+    return v
+
+
+@triton.jit
 def _w4_lane_tile(v, F: tl.constexpr, JG: tl.constexpr):
     """A fragment tile's per-group values (scale multipliers or zero points) as the decode's
     [F, 512] operand: lane 4g + c's 16 elements (j, rh, pair) each its row's group jg = j // (4 / JG)
-    value. v: [F, 8, 2 * JG], row group g's (rh, jg) values loaded once (`_w4_frag_ptrs` for int4
-    g32: the pipeline's shared buffers hold each once), or [F, 32, 2 * JG], loaded by each lane
-    (the other formats). H200, Triton 3.6, bench --check: mxfp4 (its multipliers' PTX on the
-    [F, 8, 4] tile) and int4 g64 / g128 (one group a chunk, JG = 1) computed wrong loaded once;
-    int4 g32 and g32_zp ran Mixtral M=16 300 -> 236 and 488 -> 259 us (a fifth less shared
-    memory a K stage, one more program an SM)."""
-    if v.shape[1] == 8:
-        t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
-        t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
-    else:
-        t = tl.permute(tl.reshape(v, (F, 32, 2, JG)), (0, 1, 3, 2))  # F lane jg rh
-        t = tl.broadcast_to(tl.reshape(t, (F, 32, JG, 1, 2, 1)), (F, 32, JG, 4 // JG, 2, 2))  # lane | j rh | pair
+    value. v: [F, 8, 2 * JG], row group g's (rh, jg) values loaded once (`_w4_group_values`: the
+    pipeline's shared buffers hold each once, not once a lane). H200, Triton 3.6: int4 g32 and
+    g32_zp ran Mixtral M=16 300 -> 236 and 488 -> 259 us so (a fifth less shared memory a K
+    stage, one more program an SM)."""
+    t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
+    t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
     return tl.reshape(t, (F, 512))
 
 
@@ -712,11 +734,11 @@ def _w4_frag_decode(b_ptrs, s_ptrs, ok, FMT: tl.constexpr, GROUP: tl.constexpr, 
     JG: tl.constexpr = GF // GROUP
     b = tl.load(b_ptrs, mask=ok[:, None], other=0)
     if PTX:
-        sc = tl.load(s_ptrs, mask=ok[:, None, None], other=0.0)  # [F, 8 or 32, (rh, jg)]: `_w4_frag_ptrs`
+        sc = _w4_group_values(s_ptrs, ok, 2 * JG)  # [F, 8, (rh, jg)]
         s2 = _w4_lane_tile(_frag_multiplier(sc, FMT, True), F, JG)
         if W_ZERO:  # -(136 + zero) in bf16 (exact), laid as the multipliers
             tl.static_assert(FMT == W4_INT4_FRAG, "W_ZERO: asymmetric int4")
-            zk = (-136.0 - tl.load(z_ptrs, mask=ok[:, None, None], other=0.0).to(tl.float32)).to(tl.bfloat16)
+            zk = (-136.0 - _w4_group_values(z_ptrs, ok, 2 * JG).to(tl.float32)).to(tl.bfloat16)
             r0, r1 = tl.inline_asm_elementwise(W4_PTX_I4FRAG_ZP, "=r,=r,=r,=r,r,r,r,r,r",
                                                [b, s2, _w4_lane_tile(zk, F, JG)],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)

@@ -16,7 +16,8 @@ tensors with the preset's H and I and two experts, quantized as `process_weights
 with the GPU's launch decisions (TMA descriptors, the PTX weight decode: `as_on_gpu`), so every
 constexpr and stride specialisation is the real call's. Registers and SASS
 come from this machine's Triton and ptxas: compare variants here, time them on the GPU.
-Programs per SM: min(65536 registers / (regs x threads), 227 KiB / shared).
+Programs per SM: min(65536 registers / (regs rounded up to 8, the allocation unit, x threads),
+228 KiB / (shared + the 1 KiB the driver reserves a program)), at most 32.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 from fusedmoe import knobs  # noqa: E402
 from fusedmoe.backends.triton import kernel_report  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig, tile_mode  # noqa: E402
+from fusedmoe.bench import preset_quant_reason  # noqa: E402
 from fusedmoe.presets import get_preset  # noqa: E402
 from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
@@ -184,6 +186,9 @@ def main(argv=None) -> int:
     with knobs.override(TRITON_TMA="force"):  # sm90: descriptors where tma_reasons allows
         for name in args.presets.split(","):
             preset = get_preset(name)
+            if args.quant and (why := preset_quant_reason(preset, args.quant)):  # as fusedmoe bench
+                print(f"kernel_report: skipping {name}: {why}", file=sys.stderr)
+                continue
             for tokens in map(int, args.tokens.split(",")):
                 inter = preset.intermediate_size // preset.bench_tp
                 problem = GemmProblem(tokens * preset.top_k, preset.num_experts, preset.hidden_size, inter,
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
                         with open(os.path.join(args.ttgir, f"{name}_M{tokens}_{call.name}.ttgir"), "w") as f:
                             f.write(plain_ttgir(compiled.asm["ttgir"]))
                     threads = 32 * call.kwargs.get("num_warps", 4)
-                    per_sm = min(65536 // max(1, u["regs"] * threads), 227 * 1024 // max(1, u["shared"]))
+                    per_sm = kernel_report.programs_per_sm(u["regs"], threads, u["shared"])
                     rows.append({"preset": name, "tokens": tokens, "path": "direct" if direct else "aligned",
                                  "kernel": call.name, **{k: call.kwargs[k] for k in KEYS if k in call.kwargs},
                                  **u, "programs_per_sm": per_sm})

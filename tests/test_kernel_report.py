@@ -208,3 +208,31 @@ def test_asm_pack_hazards_flag_a_decode_whose_packed_registers_are_not_consecuti
     assert kernels.W4_PTX_I4FRAG.value in cross_element_asm() and len(cross_element_asm()) == 3
     body = kernels.W4_PTX_I4FRAG.value  # the real decode, newlines escaped as the TTGIR prints them
     assert len(asm_pack_hazards(ttgir(bad))) == 1 and asm_pack_hazards(ttgir(good)) == []
+
+
+def test_programs_per_sm_count_the_allocation_units():
+    """kernel_report.programs_per_sm: registers rounded up to 8 a thread (84 holds as many
+    programs as 88: 5 of 128 threads), shared memory with its 1 KiB reserve out of 228 KiB (a
+    program of 113 KiB fits twice: 2 x 114 = 228), at most 32."""
+    from fusedmoe.backends.triton.kernel_report import programs_per_sm
+
+    assert programs_per_sm(84, 128, 24576) == programs_per_sm(88, 128, 24576) == 5
+    assert programs_per_sm(80, 128, 24576) == 6
+    assert programs_per_sm(32, 128, 113 * 1024) == 2 and programs_per_sm(32, 128, 113 * 1024 + 1) == 1
+    assert programs_per_sm(16, 32, 0) == 32
+
+
+@pytest.mark.parametrize(("quant", "presets", "tokens"), [
+    ("int4_w4a16_g128_zp", "gpt-oss-120b,mixtral-8x7b", "16"),  # gpt-oss: H = 2880, skipped as bench does
+    ("mxfp4_w4a16", "gpt-oss-120b", "16"),
+    ("nvfp4_w4a16", "mixtral-8x7b", "1"),
+])
+def test_fragment_decodes_pack_consecutive_codes(tmp_path, quant, presets, tokens):
+    """Every 4-bit fragment format's GEMMs, their scales (and zero points) loaded once a row group
+    as 32-bit words (kernels._w4_group_values): no decode's packed registers hold other than 4
+    consecutive codes. The form that computed wrong on an H200 (the values loaded as they are:
+    int4 g128 / g128_zp's bf16 pair and mxfp4's byte quad went to registers, not through shared
+    memory) is flagged in the int4 and mxfp4 cells, under Triton 3.6 and 3.9."""
+    rows = _report(tmp_path, "--presets", presets, "--tokens", tokens, "--quant", quant)
+    assert rows and {r["preset"] for r in rows} == {presets.split(",")[-1]}, rows
+    assert all(r["asm_pack"] == [] for r in rows), [r["asm_pack"] for r in rows]

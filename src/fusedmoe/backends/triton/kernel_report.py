@@ -178,6 +178,14 @@ def usage(compiled) -> dict:
     }
 
 
+def programs_per_sm(regs: int, threads: int, shared: int) -> int:
+    """Programs of a kernel resident on one sm90 SM: registers are allocated 8 a thread at a time
+    (256 a warp) out of 65536, and each program's shared memory comes with the 1 KiB the driver
+    reserves, out of the SM's 228 KiB; at most 32 programs."""
+    by_regs = 65536 // max(1, -(-regs // 8) * 8 * threads)
+    return min(32, by_regs, 228 * 1024 // (shared + 1024))
+
+
 def _layouts(ttgir: str) -> dict[str, tuple[str, dict]]:
     """The TTGIR's #blocked / #linear layout aliases: name -> (kind, fields: lists of ints or of
     int lists)."""

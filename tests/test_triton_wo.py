@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ tl = triton.language
 
 from fusedmoe import MoEConfig  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
+from fusedmoe.backends.triton import weight_only  # noqa: E402
 from fusedmoe.backends.triton.experts import TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import triton_quant_experts, triton_quant_experts_op  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
@@ -121,8 +123,8 @@ def test_process_weights_lays_int4_scales_group_major(scheme):
 def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
     """`*_zp`: process_weights lays the zero points exactly as their scales, group-major in the
     checkpoint layout and as fragments where symmetric int4's rule lays fragments (g64 at every I,
-    g32 at I >= 2048, every int4 under FUSEDMOE_TRITON_W4_FRAGMENTS=all; the sixty-fifth session's
-    fragment decode runs them faster than the checkpoint layout at Mixtral M=1-256 on an H200):
+    every int4 group at every I since the sixty-sixth session; the fragment decode runs them faster
+    than the checkpoint layout at Mixtral M=1-256 on an H200):
     the same shape, dtype and strides (the kernels index both with
     the scales'), the weights they dequantize to unchanged, and each layout's output that of the
     unprocessed weights (bitwise in the checkpoint layout) and of emulation."""
@@ -138,8 +140,10 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
     want = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
     assert w4_fragments_planned(get_scheme("int4_w4a16_g64"), 128, 128)
     assert w4_fragments_planned(get_scheme("int4_w4a16_g64_zp"), 128, 128)
-    assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)  # g32 from I = 2048
-    for mode, frag in ((None, False), (False, False), ("all", True)):
+    assert w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)  # every group at every I
+    with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {32: 2048}):  # a minimum binds the zp twin too
+        assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)
+    for mode, frag in ((None, True), (False, False), ("all", True)):
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
             processed = TritonExperts(config).process_weights(w)
             assert w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128) == frag
@@ -693,9 +697,9 @@ def test_fragment_dots_wait_on_gpu_compiles(monkeypatch):
 
 
 def test_fragment_formats_knob(monkeypatch):
-    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4 and nvfp4, int4 g64 at every size, and int4
-    g32 / g128 where the per-GPU intermediate is >= 2048; all = int4 at every other group and size
-    too; 0 = none; other values are refused, naming the choices."""
+    """FUSEDMOE_TRITON_W4_FRAGMENTS: unset / 1 = mxfp4, nvfp4 and int4 g32 / g64 / g128 at every
+    size (a group without an INT4_FRAGMENTS_MIN_INTER entry keeps the checkpoint layout); all =
+    every int4 group too; 0 = none; other values are refused, naming the choices."""
     from fusedmoe import knobs
     from fusedmoe.backends.triton.weight_only import INT4_FRAGMENTS_MIN_INTER, lays_fragments
 
@@ -706,10 +710,9 @@ def test_fragment_formats_knob(monkeypatch):
         return {(fmt, group, inter) for fmt, group in formats for inter in sizes if lays_fragments(fmt, group, inter)}
 
     every = {(fmt, group, inter) for fmt, group in formats for inter in sizes}
-    default = {c for c in every if c[0] != "int4" or c[1] == 64 or (c[1] in (32, 128) and c[2] >= 2048)}
-    assert INT4_FRAGMENTS_MIN_INTER == {32: 2048, 64: 0, 128: 2048} and laid() == default
-    assert ("int4", 32, 1984) not in default and ("int4", 128, 1984) not in default
-    assert ("int4", 64, 256) in default and ("int4", 128, 14336) in default
+    default = {c for c in every if c[0] != "int4" or c[1] in (32, 64, 128)}
+    assert INT4_FRAGMENTS_MIN_INTER == {32: 0, 64: 0, 128: 0} and laid() == default
+    assert ("int4", 32, 256) in default and ("int4", 128, 1984) in default
     assert ("int4", 256, 14336) not in default  # a group not named keeps the checkpoint layout
     for raw, want in (("1", default), ("all", every), ("0", set())):
         monkeypatch.setenv("FUSEDMOE_TRITON_W4_FRAGMENTS", raw)
@@ -721,29 +724,36 @@ def test_fragment_formats_knob(monkeypatch):
 
 
 def test_int4_laid_as_fragments_by_group_and_intermediate():
-    """process_weights lays int4 g64 as fragments by default at every size and g32 / g128 where the
-    per-GPU intermediate is >= 2048 (weight_only.INT4_FRAGMENTS_MIN_INTER), and keeps g32 / g128 in
-    the checkpoint layout below it (FUSEDMOE_TRITON_W4_FRAGMENTS=all lays those too); the planned layout is the
-    one held (the heuristic's K steps follow it), and the laid call matches emulation."""
+    """process_weights lays int4 as fragments by its group's INT4_FRAGMENTS_MIN_INTER (every group at
+    every size now; a minimum of 2048 for g32 / g128 keeps smaller I in the checkpoint layout, as
+    it did before the scales were loaded as words); the planned layout is the one held (the
+    heuristic's K steps follow it), and the laid call matches emulation."""
     from fusedmoe import knobs
+    from fusedmoe.backends.triton import weight_only
     from fusedmoe.backends.triton.experts import GemmProblem
     from fusedmoe.backends.triton.weight_only import w4_layout
     from fusedmoe.quant.fragments import is_fragments
     from fusedmoe.quant.scheme import get_scheme
 
-    for scheme, inter, want in (("int4_w4a16_g32", 1984, False), ("int4_w4a16_g32", 2048, True),
-                                ("int4_w4a16_g128", 2048, True), ("int4_w4a16_g128", 1920, False),
-                                ("int4_w4a16_g64", 2048, True), ("int4_w4a16_g64", 192, True)):
+    def check(scheme, inter, want):
         case = Case(f"i4-{inter}", T=3, E=2, K=1, H=128, I=inter, tiles=None)
         config, x, w, weights, ids, _ = problem(case, scheme, torch.float32)
         laid = TritonExperts(config).process_weights(w)
         assert is_fragments(laid.quant.w13_scale) == is_fragments(laid.quant.w2_scale) == want, (scheme, inter)
         planned = w4_layout(GemmProblem(3, 2, 128, inter, 1, True, torch.float32), get_scheme(scheme))
         assert planned == ("fragments" if want else "checkpoint"), (scheme, inter)
-        if want:  # the new default's path, end to end
+        if want:  # the default's path, end to end
             out = run(config, x, laid, weights, ids, None)
             want_out = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
             assert rel_err(out, want_out) < TOL[torch.float32], (scheme, inter)
+
+    for scheme, inter in (("int4_w4a16_g32", 192), ("int4_w4a16_g32", 2048), ("int4_w4a16_g128", 1920),
+                          ("int4_w4a16_g64", 192)):
+        check(scheme, inter, True)
+    with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {32: 2048, 128: 2048}):  # the former rule
+        for scheme, inter, want in (("int4_w4a16_g32", 1984, False), ("int4_w4a16_g128", 1920, False),
+                                    ("int4_w4a16_g128", 2048, True), ("int4_w4a16_g64", 192, True)):
+            check(scheme, inter, want)
     with knobs.override(TRITON_W4_FRAGMENTS="all"):  # every group
         for scheme, want in (("int4_w4a16_g64", True), ("int4_w4a16_g128", True)):
             config, x, w, weights, ids, _ = problem(Case("i4-all", T=3, E=2, K=1, H=128, I=128), scheme, torch.float32)
@@ -799,10 +809,13 @@ def test_fragment_tile_widens_narrow_tiles():
                                                      or fragment_tile(plan["gemm1"]["tile"]) != plan["gemm1"]["tile"])
     from fusedmoe import knobs
 
-    assert describe_plan(problem, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"].startswith(
-        "checkpoint layout (int4 g32 is laid as fragments by default where I >= 2048")
-    assert describe_plan(problem, get_scheme("int4_w4a16_g128"), torch.device("cpu"))["w4_layout"].startswith(
-        "checkpoint layout (int4 g128 is laid as fragments by default where I >= 2048; at smaller I its checkpoint")
+    for group in (32, 128):  # every int4 group at every I; a group's minimum I still names itself
+        assert describe_plan(problem, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))["w4_layout"].startswith(
+            "fragments where"), group
+        with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {group: 2048}):
+            assert describe_plan(problem, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))[
+                "w4_layout"].startswith(f"checkpoint layout (int4 g{group} is laid as fragments by default where "
+                                        "I >= 2048; FUSEDMOE_TRITON_W4_FRAGMENTS=all lays it so)"), group
     for mode, want in ((None, "fragments where"), ("all", "fragments where"),
                        (False, "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)")):  # g64: fragments at every I
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
@@ -811,11 +824,11 @@ def test_fragment_tile_widens_narrow_tiles():
     with knobs.override(TRITON_W4_FRAGMENTS=None):
         assert "int4 g64 by default at every I, on an H200" in describe_plan(
             problem, get_scheme("int4_w4a16_g64"), torch.device("cpu"))["w4_layout"]
-    big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4 g32's default: fragments, and why
+    big_i = GemmProblem(4, 8, 128, 2048, 4, True, torch.bfloat16)  # int4's default: fragments, and why
     for mode in (None, True):  # unset or 1: the default, said as such
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
             for group in (32, 128):
-                assert f"int4 g{group} by default where I >= 2048, on an H200" in describe_plan(
+                assert f"int4 g{group} by default at every I, on an H200" in describe_plan(
                     big_i, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))["w4_layout"], group
     with knobs.override(TRITON_W4_FRAGMENTS="all"):
         assert "by default" not in describe_plan(big_i, get_scheme("int4_w4a16_g32"), torch.device("cpu"))["w4_layout"]

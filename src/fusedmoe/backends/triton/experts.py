@@ -790,13 +790,17 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
         fmt, group = scheme.weight.dtype, scheme.weight.group
         bound = ", e8m0 scales <= 2" if fmt == "mxfp4" else ""
         least = INT4_FRAGMENTS_MIN_INTER.get(group)
-        measured = {32: "10-16% slower than the checkpoint layout at M=1 (DeepSeek-V3 unsplit: at M=16 too), "
-                        "within 10% at M=16-256 and up to 1.5x faster from M=1024; since its scales are loaded "
-                        "once a row group (kernels._w4_lane_tile) Mixtral M=1 / 16 / 256 86 / 236 / 661 us "
-                        "against the checkpoint layout's 105 / 318 / 830",
+        measured = {32: "1.03-1.27x the checkpoint layout's speed at Qwen3-30B, 1.07-1.20x at DeepSeek-V3 TP8 "
+                        "(M=1-4096) since its scales are loaded once a row group as 32-bit words "
+                        "(kernels._w4_group_values); Mixtral M=1 / 16 / 256 86 / 236 / 661 us against the "
+                        "checkpoint layout's 105 / 318 / 830",
                     64: "0.97-2.3x the checkpoint layout's speed over five presets at M=1-4096 (slower only at "
-                        "M <= 16, by <= 3%)",
-                    128: "1.1-1.5x the checkpoint layout's speed at Mixtral M=1-4096"}
+                        "M <= 16, by <= 3%); since its scales are loaded as words Mixtral M=1 / 16 / 256 84 / "
+                        "232 / 598 us",
+                    128: "1.1-2.1x the checkpoint layout's speed at Mixtral, Qwen3-30B and DeepSeek-V3 TP8 "
+                         "(M=1-4096) since its scales are loaded once a row group as 32-bit words "
+                         "(kernels._w4_group_values); Mixtral M=1 / 16 / 256 83 / 233 / 601 us against "
+                         "142 / 393 / 1070"}
         where = f"where I >= {least}" if least else "at every I"
         int4 = (f"; int4 g{group} by default {where}, on an H200 {measured[group]}"
                 if fmt == "int4" and knobs.get("TRITON_W4_FRAGMENTS") in (None, True) else "")
@@ -809,10 +813,10 @@ def describe_plan(problem: GemmProblem, scheme, device: torch.device, batch_inva
                                   f"layout){widened}{_scale_runs(problem, scheme)}{waits}")
         elif knobs.get("TRITON_W4_FRAGMENTS") is False:
             extra["w4_layout"] = "checkpoint layout (FUSEDMOE_TRITON_W4_FRAGMENTS=0)"
-        else:  # int4 below its group's INT4_FRAGMENTS_MIN_INTER (every int4 group has one)
-            extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default where I >= "
-                                  f"{least}; at smaller I its checkpoint layout is faster at M <= 256, fragments at "
-                                  "M >= 1024 on an H200: FUSEDMOE_TRITON_W4_FRAGMENTS=all)")
+        else:  # int4 below its group's INT4_FRAGMENTS_MIN_INTER, or a group without one
+            at = f"where I >= {least}" if least is not None else "for this group nowhere"
+            extra["w4_layout"] = (f"checkpoint layout (int4 g{group} is laid as fragments by default {at}; "
+                                  "FUSEDMOE_TRITON_W4_FRAGMENTS=all lays it so)")
         if aligned is None:  # an entry on the other layout would not serve: say so
             frag = _w4_fragments_of(problem, scheme)
             other = entry(dataclasses.replace(problem, fragments=not frag), device, scheme)

@@ -155,14 +155,15 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 
 
 # 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset
-# or 1; "all" adds int4 at every shape). H200, fusedmoe bench, each layout with plans tuned for it:
+# or 1; "all" adds int4 at every shape, which the default now lays so too: below). H200, fusedmoe bench, each layout with plans tuned for it:
 # mxfp4 level to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned
 # entries); nvfp4 level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1.
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 # int4 by group and shape: the smallest per-GPU intermediate size at which each group is laid as
 # fragments by default (a group not named keeps the checkpoint layout). The checkpoint layout
-# (group-major scales, mma.sync at 16-row blocks) can win at decode, fragments win at prefill; how
-# far each reaches follows the group and I. H200, fusedmoe bench (checkpoint time / fragments time):
+# (group-major scales, mma.sync at 16-row blocks) won at decode at small I until the fragment
+# decode's scales were loaded once a row group; how far each reached followed the group and I.
+# H200, fusedmoe bench (checkpoint time / fragments time):
 #   g32, each layout with its own plans, nine presets, M = 1-4096
 #   (results/2026-11-29_h200_69f18ef_check_int4_layout_fuzz.txt, 2026-11-29_h200_8372f17_layouts_invariance.txt):
 #     I >= 2048 (Mixtral 14336, gpt-oss-120b and -20b 2880): M=1 0.86-0.91, M=16 0.91-1.04,
@@ -177,8 +178,14 @@ DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 #       Qwen3-30B 0.97-1.31, DeepSeek-V3 TP8 0.99-1.87, Qwen3-235B TP4 0.98-1.24 (slower only at
 #       M <= 16, by <= 3%): laid as fragments at every I;
 #     g128: Mixtral 1.11-1.47 (M=256 1070 -> 728-732 us, level with bf16); Qwen3-30B M <= 256
-#       0.86-0.90, M >= 1024 1.26-1.28; DeepSeek-V3 TP8 0.92-1.60, Qwen3-235B TP4 0.93-1.23: g32's rule.
-INT4_FRAGMENTS_MIN_INTER = {32: 2048, 64: 0, 128: 2048}
+#       0.86-0.90, M >= 1024 1.26-1.28; DeepSeek-V3 TP8 0.92-1.60, Qwen3-235B TP4 0.93-1.23: g32's rule
+#       (2048) until the sixty-sixth session.
+#   Since the fragment decode loads each row group's scales once, as 32-bit words
+#   (kernels._w4_group_values; results/2026-11-30_h200_4aecf95_w4_group_words.txt), fragments win at every
+#   I measured, so every int4 group is laid as fragments at every size: g32 Qwen3-30B 1.03-1.27,
+#   DeepSeek-V3 TP8 1.07-1.20; g128 Qwen3-30B 1.12-1.65, DeepSeek-V3 TP8 1.22-2.06 (M = 1, 16,
+#   256, 1024, 4096); g64 was laid so already.
+INT4_FRAGMENTS_MIN_INTER = {32: 0, 64: 0, 128: 0}
 
 
 def scale_pad() -> int:

@@ -145,11 +145,11 @@ KNOBS: dict[str, Knob] = {
              "run there), nor for a custom routing function; `fusedmoe explain` names the path."),
         Knob("TRITON_W4_FRAGMENTS", _on_off_all, None,
              "4-bit weights re-laid in wgmma fragment order by the triton backend's process_weights "
-             "(fusedmoe.quant.fragments): unset/1 = mxfp4 and nvfp4 where the shapes and scales allow, "
-             "int4 g64 everywhere, and int4 g32 / g128 where the per-GPU intermediate is >= 2048 (at "
-             "smaller I their fragments measured slower at M <= 256, faster at M >= 1024), all = int4 "
-             "at every size and group too (asymmetric int4, *_zp, as symmetric int4), 0 = keep the "
-             "checkpoint layout. Tuned entries serve the layout they were timed on."),
+             "(fusedmoe.quant.fragments): unset/1 = mxfp4, nvfp4 and int4 (g32 / g64 / g128, asymmetric "
+             "*_zp too) where the shapes and scales allow (int4 from weight_only.INT4_FRAGMENTS_MIN_INTER, "
+             "every size since the decode loads its scales as words: 1.0-2.1x the checkpoint layout's "
+             "speed on an H200), all = every int4 group, 0 = keep the checkpoint layout. Tuned "
+             "entries serve the layout they were timed on."),
         Knob("TRITON_W4_SCALE_PAD", _multiple_of(32), None,
              "Bytes of padding after each 16-row block's scale run of the 4-bit fragment layout where "
              "the run is a power of two bytes >= 1 KB (fusedmoe.quant.fragments."

@@ -713,9 +713,10 @@ def _w4_lane_tile(v, F: tl.constexpr, JG: tl.constexpr):
     """A fragment tile's per-group values (scale multipliers or zero points) as the decode's
     [F, 512] operand: lane 4g + c's 16 elements (j, rh, pair) each its row's group jg = j // (4 / JG)
     value. v: [F, 8, 2 * JG], row group g's (rh, jg) values loaded once (`_w4_group_values`: the
-    pipeline's shared buffers hold each once, not once a lane). H200, Triton 3.6: int4 g32 and
-    g32_zp ran Mixtral M=16 300 -> 236 and 488 -> 259 us so (a fifth less shared memory a K
-    stage, one more program an SM)."""
+    pipeline's shared buffers hold each once, not once a lane). H200, Triton 3.6, Mixtral M=16:
+    int4 g32 / g32_zp 300 / 488 -> 236 / 259 us (a fifth less shared memory a K stage, one more
+    program an SM), and since every format loads so, g128 / g128_zp 358 / 597 -> 233 / 263, nvfp4
+    305 -> 256 (results/2026-11-30_h200_4aecf95_w4_group_words.txt)."""
     t = tl.permute(tl.reshape(v, (F, 8, 2, JG)), (0, 1, 3, 2))  # F g jg rh
     t = tl.broadcast_to(tl.reshape(t, (F, 8, 1, JG, 1, 2, 1)), (F, 8, 4, JG, 4 // JG, 2, 2))  # g c | j rh | pair
     return tl.reshape(t, (F, 512))

@@ -155,9 +155,10 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 
 
 # 4-bit formats process_weights lays as fragments by default (FUSEDMOE_TRITON_W4_FRAGMENTS unset
-# or 1; "all" adds int4 at every shape, which the default now lays so too: below). H200, fusedmoe bench, each layout with plans tuned for it:
-# mxfp4 level to 1.9x faster at every M (results/2026-11-27_h200_fragments_ab.txt, then tuned
-# entries); nvfp4 level to 1.5x faster at M >= 16, 0.77-1.09x at M = 1.
+# or 1; "all" adds int4 at every shape, as the default now does: below). H200, fusedmoe bench,
+# each layout with plans tuned for it: mxfp4 level to 1.9x faster at every M
+# (results/2026-11-27_h200_fragments_ab.txt, then tuned entries); nvfp4 level to 1.5x faster at
+# M >= 16, 0.77-1.09x at M = 1.
 DEFAULT_FRAGMENT_FORMATS = ("mxfp4", "nvfp4")
 # int4 by group and shape: the smallest per-GPU intermediate size at which each group is laid as
 # fragments by default (a group not named keeps the checkpoint layout). The checkpoint layout

@@ -8,8 +8,10 @@ Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -20,6 +22,22 @@ from fusedmoe.modular import ExpertWeights
 from fusedmoe.quant.weights import dequantize_weights, quantize_weights
 
 CODE_FLIP_ROWS, CODE_FLIP_TOL = 2, 1e-2
+
+
+@contextlib.contextmanager
+def int4_fragment_minimum(minimum: dict[int, int]):
+    """weight_only.INT4_FRAGMENTS_MIN_INTER with `minimum`'s groups replaced (e.g. {32: 2048}: g32's
+    rule before the sixty-sixth session), the memoized tile choices cleared on entry and exit (they
+    remember the layout a problem plans for, which the table decides)."""
+    from fusedmoe.backends.triton import weight_only
+    from fusedmoe.backends.triton.experts import clear_tile_caches
+
+    clear_tile_caches()
+    try:
+        with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, minimum):
+            yield
+    finally:
+        clear_tile_caches()
 
 
 def code_flip_stats(out, want) -> tuple[int, float]:

@@ -168,14 +168,15 @@ def test_plans_come_from_the_named_gpus_table_whatever_triton_compiles(tmp_path,
     machine's may be another (the report compiled heuristic plans while saying otherwise)."""
     table = {"format": 3, "device": "NVIDIA H200", "triton": "3.6.0", "entries": [
         {"dtype": "bfloat16", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "gated": True,
-         "tokens": 256, "quant": "int4_w4a16_g32", "gemm1": [16, 32, 64, 4, 2, 1], "gemm2": [16, 32, 64, 4, 2, 1]}]}
+         "tokens": 256, "quant": "int4_w4a16_g32", "layout": "fragments", "gemm1": [16, 64, 128, 4, 2, 1],
+         "gemm2": [16, 64, 128, 4, 2, 1]}]}
     (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(table))
     monkeypatch.setenv("FUSEDMOE_TUNED_DIR", str(tmp_path))
     rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "256", "--quant", "int4_w4a16_g32",
                    "--device-name", "NVIDIA H200")
     assert [(r["path"], r["kernel"]) for r in rows] == [("aligned", "moe_gemm1_kernel"), ("aligned", "moe_gemm2_kernel")]
     for r in rows:
-        assert (r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_stages"]) == (16, 32, 64, 2), r
+        assert (r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_stages"]) == (16, 64, 128, 2), r
 
 
 def test_asm_pack_hazards_flag_a_decode_whose_packed_registers_are_not_consecutive():

@@ -241,7 +241,9 @@ def test_w4_fragments_planned():
 
     mxfp4, nvfp4, int4 = (get_scheme(q) for q in ("mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32"))
     assert w4_fragments_planned(mxfp4, 2048, 768) and w4_fragments_planned(nvfp4, 2880, 2880)
-    assert not w4_fragments_planned(int4, 2048, 768)  # the checkpoint layout by default
+    assert w4_fragments_planned(int4, 2048, 768)  # every int4 group at every size by default
+    with knobs.override(TRITON_W4_FRAGMENTS=False):
+        assert not w4_fragments_planned(int4, 2048, 768)
     assert not w4_fragments_planned(mxfp4, 2048, 776) and not w4_fragments_planned(mxfp4, 2056, 768)
     assert not w4_fragments_planned(mxfp4, 64, 40, gated=False)  # w2 [64, 40]: K not whole 64-wide fragments
     assert w4_fragments_planned(mxfp4, 64, 640, gated=False)
@@ -662,6 +664,7 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
     )
     from fusedmoe.quant.scheme import get_scheme
     from fusedmoe.tune import write_table
+    from quant_problems import int4_fragment_minimum
 
     int4, mxfp4 = get_scheme("int4_w4a16_g32"), get_scheme("mxfp4_w4a16")
     checkpoint = (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 128, 128, 4, 3))
@@ -686,7 +689,10 @@ def test_w4_tuned_entries_serve_the_layout_they_were_timed_on(tmp_path, monkeypa
     assert unnamed_entry_layout(mxfp4, 2048, 776) == "checkpoint"  # not whole fragments
     assert unnamed_entry_layout(int4, 2048, 2048) == "checkpoint"  # whatever int4's default is now
     assert w4_layout(problem, None) is None and w4_layout(problem, get_scheme("fp8_w8a16")) is None
-    with knobs.override(TUNED_DIR=str(tmp_path), TUNED_PACKAGED=False):
+    with knobs.override(TUNED_DIR=str(tmp_path), TUNED_PACKAGED=False):  # int4's default: fragments at every I
+        assert w4_layout(problem, int4) == "fragments" and choose_weight_only_tiles(problem, int4, cuda) == fragments
+    # the former rule: int4 below I = 2048 planned as stored
+    with int4_fragment_minimum({32: 2048, 128: 2048}), knobs.override(TUNED_DIR=str(tmp_path), TUNED_PACKAGED=False):
         assert choose_weight_only_tiles(held(False), int4, cuda) == checkpoint
         assert choose_weight_only_tiles(held(True), int4, cuda) == fragments
         assert choose_weight_only_tiles(problem, int4, cuda) == checkpoint  # planned: int4 stays as stored
@@ -941,7 +947,7 @@ def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
                _entry(2, path="direct", **tiles(d1, d2)),  # ... and aligned at M=2
                _entry(16, **tiles(a1, a2)),  # format 2: the aligned path's tiles, no path decided
                _entry(8, path="direct", **tiles(d1, d2), **ds),
-               _entry(1, path="direct", **tiles(d1, d2), quant=int4.name)]
+               _entry(1, path="direct", **tiles(d1, d2), quant=int4.name, layout="fragments")]  # int4's default
     (tmp_path / "Fake_GPU.json").write_text(json.dumps(_table(entries)))
     monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
     monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -25,14 +24,13 @@ tl = triton.language
 
 from fusedmoe import MoEConfig  # noqa: E402
 from fusedmoe.backends.emulation import EmulationExperts  # noqa: E402
-from fusedmoe.backends.triton import weight_only  # noqa: E402
 from fusedmoe.backends.triton.experts import TritonExperts  # noqa: E402
 from fusedmoe.backends.triton.quant import triton_quant_experts, triton_quant_experts_op  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig, check_tile, heuristic  # noqa: E402
 from fusedmoe.modular import ExpertWeights  # noqa: E402
 from fusedmoe.quant import QuantParams  # noqa: E402
 from fusedmoe.quant.weights import quantize_weights  # noqa: E402
-from quant_problems import Case, problem, rel_err, run  # noqa: E402
+from quant_problems import Case, int4_fragment_minimum, problem, rel_err, run  # noqa: E402
 
 TOL = {torch.float32: 1e-5}  # the same float math as emulation: only the summation order differs
 
@@ -141,7 +139,7 @@ def test_asymmetric_int4_zero_points_are_laid_as_their_scales():
     assert w4_fragments_planned(get_scheme("int4_w4a16_g64"), 128, 128)
     assert w4_fragments_planned(get_scheme("int4_w4a16_g64_zp"), 128, 128)
     assert w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)  # every group at every I
-    with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {32: 2048}):  # a minimum binds the zp twin too
+    with int4_fragment_minimum({32: 2048}):  # a minimum binds the zp twin too
         assert not w4_fragments_planned(get_scheme("int4_w4a16_g32_zp"), 128, 128)
     for mode, frag in ((None, True), (False, False), ("all", True)):
         with knobs.override(TRITON_W4_FRAGMENTS=mode):
@@ -421,9 +419,8 @@ def test_fragment_layout_conditions():
         config, x, w, weights, ids, _ = problem(Case("cond-" + scheme, T=3, H=128, I=inter), scheme, torch.float32)
         with knobs.override(TRITON_W4_FRAGMENTS="all"):  # int4 at every group and size
             laid = TritonExperts(config).process_weights(w)
-        # by default at I = 64-128: nvfp4, and int4 g64 (laid at every I); int4 g32 / g128 from I = 2048
-        assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale) == scheme.startswith(
-            ("nvfp4", "int4_w4a16_g64"))
+        # by default at I = 64-128 too: nvfp4 and every int4 group (INT4_FRAGMENTS_MIN_INTER)
+        assert is_fragments(TritonExperts(config).process_weights(w).quant.w13_scale), scheme
         assert laid.quant.w13_scale.shape == shape and is_fragments(laid.quant.w2_scale), scheme
         check_quant_weights(laid.w13, laid.w2, laid.quant, 128, 2 * inter)
         before, after = dequantize_weights(w.w13, w.w2, w.quant), dequantize_weights(laid.w13, laid.w2, laid.quant)
@@ -729,7 +726,6 @@ def test_int4_laid_as_fragments_by_group_and_intermediate():
     it did before the scales were loaded as words); the planned layout is the one held (the
     heuristic's K steps follow it), and the laid call matches emulation."""
     from fusedmoe import knobs
-    from fusedmoe.backends.triton import weight_only
     from fusedmoe.backends.triton.experts import GemmProblem
     from fusedmoe.backends.triton.weight_only import w4_layout
     from fusedmoe.quant.fragments import is_fragments
@@ -750,7 +746,7 @@ def test_int4_laid_as_fragments_by_group_and_intermediate():
     for scheme, inter in (("int4_w4a16_g32", 192), ("int4_w4a16_g32", 2048), ("int4_w4a16_g128", 1920),
                           ("int4_w4a16_g64", 192)):
         check(scheme, inter, True)
-    with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {32: 2048, 128: 2048}):  # the former rule
+    with int4_fragment_minimum({32: 2048, 128: 2048}):  # the former rule
         for scheme, inter, want in (("int4_w4a16_g32", 1984, False), ("int4_w4a16_g128", 1920, False),
                                     ("int4_w4a16_g128", 2048, True), ("int4_w4a16_g64", 192, True)):
             check(scheme, inter, want)
@@ -812,7 +808,7 @@ def test_fragment_tile_widens_narrow_tiles():
     for group in (32, 128):  # every int4 group at every I; a group's minimum I still names itself
         assert describe_plan(problem, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))["w4_layout"].startswith(
             "fragments where"), group
-        with mock.patch.dict(weight_only.INT4_FRAGMENTS_MIN_INTER, {group: 2048}):
+        with int4_fragment_minimum({group: 2048}):
             assert describe_plan(problem, get_scheme(f"int4_w4a16_g{group}"), torch.device("cpu"))[
                 "w4_layout"].startswith(f"checkpoint layout (int4 g{group} is laid as fragments by default where "
                                         "I >= 2048; FUSEDMOE_TRITON_W4_FRAGMENTS=all lays it so)"), group

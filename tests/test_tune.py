@@ -18,7 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
-from fusedmoe import select_experts  # noqa: E402
+from fusedmoe import knobs, select_experts  # noqa: E402
 from fusedmoe.backends.triton.experts import launch_reduce, triton_experts  # noqa: E402
 from fusedmoe.backends.triton.quant import triton_quant_experts  # noqa: E402
 from fusedmoe.backends.triton.tiles import TileConfig  # noqa: E402
@@ -549,9 +549,10 @@ def test_w4_gemm2_descent_starts_from_the_persistent_tile():
     costs = {"gemm1": flat(30.0), "align": flat(5.0), "direct gemm1": flat(100.0), "direct gemm2": flat(100.0),
              "gemm2": lambda tile: 10.0 if start(tile) else 40.0 if tile.persistent else 30.0}
     seen = []
-    [entry] = tune_shape(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2,
-                         device=torch.device("cpu"), tokens_list=[40], quant="int4_w4a16_g32",
-                         timer=_model_timer(costs, seen))
+    with knobs.override(TRITON_W4_FRAGMENTS=False):  # the checkpoint layout (int4's default is fragments)
+        [entry] = tune_shape(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2,
+                             device=torch.device("cpu"), tokens_list=[40], quant="int4_w4a16_g32",
+                             timer=_model_timer(costs, seen))
     assert entry["gemm2"][1:5] == [128, 128, 4, 3] and entry["gemm2"][8] is True
     assert entry["gemm2"][0] == entry["gemm1"][0]
     assert W4_PERSISTENT_START.persistent and any(start(tile) for kind, tile in seen if kind == "gemm2")

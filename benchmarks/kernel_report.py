@@ -118,16 +118,6 @@ def record(preset, tokens: int, scheme, dtype, direct: bool, t1: TileConfig, t2:
     return calls
 
 
-def plain_ttgir(text: str) -> str:
-    """TTGIR without its source locations and with every SSA value named %v: two trees' kernels
-    that compile to the same code give the same text (whatever their variables are called)."""
-    import re
-
-    text = re.sub(r"^#loc.*\n", "", text, flags=re.M)
-    text = re.sub(r" ?loc\((?:[^()]|\([^()]*\))*\)", "", text)
-    return re.sub(r"%[A-Za-z_0-9#]+", "%v", text)
-
-
 def diff(old_path: str, new_path: str) -> int:
     """Per cell and kernel of two reports: registers, spill stack, instructions, global loads and
     programs per SM, old -> new."""
@@ -202,7 +192,7 @@ def main(argv=None) -> int:
                     if args.ttgir:
                         os.makedirs(args.ttgir, exist_ok=True)
                         with open(os.path.join(args.ttgir, f"{name}_M{tokens}_{call.name}.ttgir"), "w") as f:
-                            f.write(plain_ttgir(compiled.asm["ttgir"]))
+                            f.write(kernel_report.plain_ttgir(compiled.asm["ttgir"]))
                     threads = 32 * call.kwargs.get("num_warps", 4)
                     per_sm = kernel_report.programs_per_sm(u["regs"], threads, u["shared"])
                     rows.append({"preset": name, "tokens": tokens, "path": "direct" if direct else "aligned",

@@ -186,6 +186,14 @@ def programs_per_sm(regs: int, threads: int, shared: int) -> int:
     return min(32, by_regs, 228 * 1024 // (shared + 1024))
 
 
+def plain_ttgir(text: str) -> str:
+    """TTGIR without its source locations and with every SSA value named %v: two trees' kernels
+    that compile to the same code give the same text (whatever their variables are called)."""
+    text = re.sub(r"^#loc.*\n", "", text, flags=re.M)
+    text = re.sub(r" ?loc\((?:[^()]|\([^()]*\))*\)", "", text)
+    return re.sub(r"%[A-Za-z_0-9#]+", "%v", text)
+
+
 def _layouts(ttgir: str) -> dict[str, tuple[str, dict]]:
     """The TTGIR's #blocked / #linear layout aliases: name -> (kind, fields: lists of ints or of
     int lists)."""

@@ -168,7 +168,7 @@ def test_plans_come_from_the_named_gpus_table_whatever_triton_compiles(tmp_path,
     machine's may be another (the report compiled heuristic plans while saying otherwise)."""
     table = {"format": 3, "device": "NVIDIA H200", "triton": "3.6.0", "entries": [
         {"dtype": "bfloat16", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "gated": True,
-         "tokens": 256, "quant": "int4_w4a16_g32", "layout": "fragments", "path": "aligned", "gemm1": [16, 64, 128, 4, 2, 1],
+         "tokens": 256, "quant": "int4_w4a16_g32", "layout": "fragments", "gemm1": [16, 64, 128, 4, 2, 1],
          "gemm2": [16, 64, 128, 4, 2, 1]}]}
     (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(table))
     monkeypatch.setenv("FUSEDMOE_TUNED_DIR", str(tmp_path))

@@ -921,6 +921,41 @@ def test_tuned_table_paths_nearest_and_plan():
     assert nearest_entry(table, key, 2, ("direct",)).tokens == 1
 
 
+def test_tuned_dir_entry_without_a_path_is_not_passed_over(tmp_path, monkeypatch):
+    """FUSEDMOE_TUNED_DIR is searched before the packaged table: its entry without a path (formats
+    1-2: aligned tiles, path left to the rule) serves over a packaged entry naming a path for the
+    same shape, as its named entries do; the packaged table serves shapes (or token counts more
+    than an octave off) the folder has nothing for."""
+    import json
+
+    from fusedmoe import knobs
+    from fusedmoe.backends.triton import experts as experts_mod
+    from fusedmoe.backends.triton import tuning
+    from fusedmoe.backends.triton.experts import GemmProblem, choose_plan
+
+    mine, packaged = (TileConfig(16, 32, 128, 4, 4), TileConfig(16, 64, 64, 4, 4)), \
+        (TileConfig(16, 128, 128, 4, 3), TileConfig(16, 128, 64, 4, 3))
+    tiles = lambda t: dict(g1=tuple(t[0].as_list()), g2=tuple(t[1].as_list()))  # noqa: E731
+    (tmp_path / "user").mkdir(), (tmp_path / "packaged").mkdir()
+    (tmp_path / "user" / "Fake_GPU.json").write_text(json.dumps(_table([_entry(16, **tiles(mine))])))
+    (tmp_path / "packaged" / "Fake_GPU.json").write_text(json.dumps(_table(
+        [_entry(16, path="aligned", **tiles(packaged)), _entry(128, path="aligned", **tiles(packaged))])))
+    monkeypatch.setattr(tuning, "PACKAGED", tmp_path / "packaged")
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(experts_mod, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # lookup reads tables for CUDA devices only; nothing runs here
+
+    def problem(tokens):
+        return GemmProblem(tokens * 8, 128, 2048, 768, 8, True, torch.bfloat16)
+
+    with knobs.override(TRITON_TMA=False):
+        assert choose_plan(problem(16), None, cuda) == (False, *packaged)
+        with knobs.override(TUNED_DIR=str(tmp_path / "user")):
+            assert tuning.lookup_plan(problem(16), cuda) is None  # the rule decides the path ...
+            assert choose_plan(problem(16), None, cuda) == (False, *mine)  # ... on the folder's tiles
+            assert choose_plan(problem(128), None, cuda) == (False, *packaged)  # 3 octaves from M=16
+
+
 def test_tuned_paths_decide_the_plan(tmp_path, monkeypatch):
     """choose_plan takes the path of a tuned entry that timed both (over the rule, both ways);
     FUSEDMOE_TRITON_DIRECT=0 / force still decide; explain says where tiles and path came from."""

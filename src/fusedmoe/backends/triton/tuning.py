@@ -3,8 +3,9 @@
     lookup(problem, device, scheme) -> (gemm1 tile, gemm2 tile) | None   (None: the heuristic)
     lookup_plan(problem, device, scheme) -> Tuned | None                  (the timed path's entry)
 
-Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first) and in the packaged
-`tuned/` folder (FUSEDMOE_TUNED_PACKAGED=0: not read, so the heuristic can be A/B'd where the
+Files are `<device name>.json` in FUSEDMOE_TUNED_DIR (searched first; where it holds an entry for
+the shape without a path, the rule decides the path, not a later table's entry naming one) and in
+the packaged `tuned/` folder (FUSEDMOE_TUNED_PACKAGED=0: not read, so the heuristic can be A/B'd where the
 packaged tables have entries). They are data only (json.load, never executed). An entry names its shape, its
 activation dtype and its quantization scheme ("quant", absent = unquantized; format 1 tables
 have none), and serves that scheme only. An entry's "path" (format 3) says which path its tiles
@@ -266,7 +267,11 @@ SCHEME_SIBLINGS: dict[str, tuple[str, tuple]] = {
 }
 
 
-def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
+def _find(problem, device: torch.device, scheme, paths: tuple, first_decides: bool = False) -> Tuned | None:
+    """The nearest entry on `paths` in this GPU's tables, first table first, else a sibling's.
+    first_decides: a table with any entry for the shape ends the search (lookup_plan: a
+    FUSEDMOE_TUNED_DIR entry without a path is not passed over for a later table's entry naming
+    one)."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return None
     from fusedmoe.backends.triton.weight_only import w4_layout
@@ -278,6 +283,8 @@ def _find(problem, device: torch.device, scheme, paths: tuple) -> Tuned | None:
         found = nearest_entry(table, key, tokens, paths, layout)
         if found is not None:
             return found
+        if first_decides and nearest_entry(table, key, tokens, ALL_PATHS, layout) is not None:
+            return None  # a path-less entry here: the rule decides the path, not a later table's entry
     # siblings' entries only for shapes this GPU / scheme has no entry of any path for: where it
     # has one (a path-less aligned entry, say), its own table and the rule decide, as without them
     if knobs.get("TUNED_SIBLINGS") is False or any(nearest_entry(t, key, tokens, ALL_PATHS, layout) for t in own):
@@ -321,7 +328,7 @@ def lookup_plan(problem, device: torch.device, scheme=None) -> Tuned | None:
     """The nearest entry whose tuner timed both paths (it names its path), or None: the path is
     then the rule's (`experts.direct_wanted`). A direct entry decides no larger token count than
     its own (a direct GEMM2 program streams every slot of its token: more tokens, more repeats)."""
-    found = _find(problem, device, scheme, PATHS)
+    found = _find(problem, device, scheme, PATHS, first_decides=True)
     if found is None or found.direct and _tokens(problem) > found.tokens:
         return None
     return found

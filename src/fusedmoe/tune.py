@@ -401,7 +401,7 @@ def tune_shape(
                 starts1, starts2 = [h1], [h2]
             else:  # the heuristic's tile moved to this block size, and the heuristic's pick for it
                 pick = functools.partial(heuristic, problem.num_slots, experts, num_sms=sms, quant=mode,
-                                         group=group, codes=codes, block_m=block_m)
+                                         group=group, codes=codes, block_m=block_m, fragments=bool(frag))
                 starts1 = [dataclasses.replace(h1, block_m=block_m), pick(inter, hidden, dtype, gated=gated, tma=tma1)]
                 starts2 = [dataclasses.replace(h2, block_m=block_m), pick(hidden, inter, dtype, gated=False, tma=tma2)]
             if block_m in WIDE_START_BLOCK_MS:  # the wide starts (ok1 / ok2: unquantized only)

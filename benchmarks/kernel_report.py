@@ -40,7 +40,7 @@ from fusedmoe.quant.scheme import get_scheme  # noqa: E402
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "SPLIT", "QUANT", "DIRECT",
         "FUSE_AQ", "W_DESC", "A_DESC", "PTX_DECODE", "SWAP_AB", "BLOCK_I", "NUM_STAGES", "SPLIT_N", "PERSISTENT",
-        "RS_SYNC")
+        "RS_SYNC", "ONE_DOT", "GROUP_M")
 # moe_gemm2_rows_kernel names its K extent BLOCK_I (the whole I) and its stages NUM_STAGES (tl.range's)
 TILE_ALIASES = {"BLOCK_K": "BLOCK_I", "num_stages": "NUM_STAGES"}
 
@@ -79,8 +79,10 @@ def plan(problem, scheme, device: torch.device, tiles: str | None) -> tuple[bool
     """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, aligned)."""
     from fusedmoe.backends.triton import experts
 
-    if tiles:
-        t1, t2 = (TileConfig(*map(int, t.split(","))) for t in tiles.split("/"))
+    if tiles:  # each as a tuned table writes it (TileConfig.as_list): 16,64,128,4,4,1,null,8,false,true
+        from fusedmoe.backends.triton.tuning import _tile
+
+        t1, t2 = (_tile(json.loads(f"[{t}]")) for t in tiles.split("/"))
         return False, t1, t2
     return experts.choose_plan(problem, scheme, device)
 
@@ -148,7 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--device-name", default="NVIDIA H200",
                     help="plan with this GPU's packaged tuned table ('none': the heuristic alone)")
-    ap.add_argument("--tiles", default=None, help="gemm1/gemm2 tiles, e.g. 128,64,128,8,3/128,64,128,8,3")
+    ap.add_argument("--tiles", default=None,
+                    help="gemm1/gemm2 tiles as a tuned table lists them (the aligned path), e.g. "
+                         "128,64,128,8,3/128,64,128,8,3 or 16,64,128,4,4,1,null,8,false,true/16,128,64,4,4")
     ap.add_argument("--json", default=None)
     ap.add_argument("--loop", action="store_true",
                     help="also print each GEMM's longest loop (its K step): instructions and opcode mix")
@@ -202,14 +206,17 @@ def main(argv=None) -> int:
     tuned_with = table_triton(name) if name else None
     source = f"{name}'s tuned table (Triton {tuned_with})" if tuned_with else "the heuristic"
     print(f"sm90 compile with Triton {triton.__version__} ({args.quant or args.dtype}); plans: {source}")
-    print(f"{'preset':16} {'M':>5} {'path':7} {'kernel':26} {'tile (m,n,k,w,s)':20} {'regs':>4} {'stack':>5} "
+    print(f"{'preset':16} {'M':>5} {'path':7} {'kernel':26} {'tile (m,n,k,w,s)':22} {'regs':>4} {'stack':>5} "
           f"{'smem':>7} {'/SM':>3} {'instr':>6}  key opcodes")
     for r in rows:
         tile = ",".join(str(r.get(k, r.get(TILE_ALIASES.get(k, k), "-")))
                         for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
         tile += ",p" if r.get("PERSISTENT") else ""  # a persistent launch (TileConfig.persistent)
+        tile += ",1dot" if r.get("ONE_DOT") else ""  # gate and up as one dot (TileConfig.one_dot)
+        tile += f",x{r['SPLIT_K']}" if r.get("SPLIT_K", 1) > 1 else ""  # GEMM1's K split (TileConfig.split_k)
+        tile += f",x{r['SPLIT']}" if r.get("SPLIT", 1) > 1 else ""  # the direct GEMM2's slot shares
         ops = " ".join(f"{k}={v}" for k, v in r["opcodes"].items() if v)
-        print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:20} {r['regs']:>4} "
+        print(f"{r['preset']:16} {r['tokens']:>5} {r['path']:7} {r['kernel']:26} {tile:22} {r['regs']:>4} "
               f"{r['stack']:>5} {r['shared']:>7} {r['programs_per_sm']:>3} {r['instructions']:>6}  {ops}")
         if args.loop:
             loop = r["loop"]

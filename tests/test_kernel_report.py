@@ -78,6 +78,17 @@ def test_fragment_gemms_wait_for_each_wgmma(tmp_path, monkeypatch):
         [(r["kernel"], r["wgmma_waits"]) for r in rows]
 
 
+def test_tiles_as_a_tuned_table_lists_them(tmp_path):
+    """--tiles takes a tuned entry's lists as written (TileConfig.as_list: swap_ab, group_m,
+    persistent, one_dot after the integers), and a row names one_dot and the program order's
+    group_m: the plan the sixty-seventh session's int4 entries run at Qwen3-30B M=16."""
+    rows = _report(tmp_path, "--presets", "qwen3-30b-a3b", "--tokens", "16", "--quant", "int4_w4a16_g32",
+                   "--tiles", "16,64,128,4,4,1,null,1,false,true/16,128,64,4,4")
+    assert [(r["kernel"], r.get("ONE_DOT", False), r.get("GROUP_M")) for r in rows] == \
+        [("moe_gemm1_kernel", True, 1), ("moe_gemm2_kernel", False, 8)]
+    assert (rows[1]["BLOCK_N"], rows[1]["BLOCK_K"]) == (128, 64)
+
+
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "int4_w4a16_g64"])
 def test_no_register_operand_wgmma_is_left_in_flight(tmp_path, monkeypatch, scheme):
     """Every kernel of a 4-bit call in the fragment layout (int4 g64 by FUSEDMOE_TRITON_W4_FRAGMENTS=all),

@@ -75,15 +75,24 @@ def as_on_gpu(device_name: str | None) -> torch.device:
     return torch.device("cuda")
 
 
-def plan(problem, scheme, device: torch.device, tiles: str | None) -> tuple[bool, TileConfig, TileConfig]:
+def parse_tiles(text: str) -> tuple[TileConfig, TileConfig]:
+    """--tiles: "GEMM1/GEMM2", each as a tuned table writes it (TileConfig.as_list), e.g.
+    16,64,128,4,4,1,null,8,false,true. ValueError / TypeError name what does not parse."""
+    from fusedmoe.backends.triton.tuning import _tile
+
+    parts = text.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"{len(parts)} tiles given, want GEMM1/GEMM2")
+    t1, t2 = (_tile(json.loads(f"[{t}]")) for t in parts)
+    return t1, t2
+
+
+def plan(problem, scheme, device: torch.device, tiles: tuple | None) -> tuple[bool, TileConfig, TileConfig]:
     """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, aligned)."""
     from fusedmoe.backends.triton import experts
 
-    if tiles:  # each as a tuned table writes it (TileConfig.as_list): 16,64,128,4,4,1,null,8,false,true
-        from fusedmoe.backends.triton.tuning import _tile
-
-        t1, t2 = (_tile(json.loads(f"[{t}]")) for t in tiles.split("/"))
-        return False, t1, t2
+    if tiles:
+        return False, *tiles
     return experts.choose_plan(problem, scheme, device)
 
 
@@ -161,6 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), default=None,
                     help="compare two --json reports of the same cells (e.g. two source trees) and exit")
     args = ap.parse_args(argv)
+    try:
+        tiles = parse_tiles(args.tiles) if args.tiles else None
+    except (ValueError, TypeError) as exc:  # json's errors are ValueErrors
+        ap.error(f"--tiles {args.tiles!r}: {exc}")
     if args.diff:
         return diff(*args.diff)
     reason = kernel_report.unavailable()
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
                 inter = preset.intermediate_size // preset.bench_tp
                 problem = GemmProblem(tokens * preset.top_k, preset.num_experts, preset.hidden_size, inter,
                                       preset.top_k, is_gated(preset.activation), dtype)
-                direct, t1, t2 = plan(problem, scheme, device, args.tiles)
+                direct, t1, t2 = plan(problem, scheme, device, tiles)
                 for call in record(preset, tokens, scheme, dtype, direct, t1, t2):
                     if not call.name.startswith("moe_gemm"):
                         continue

@@ -89,6 +89,17 @@ def test_tiles_as_a_tuned_table_lists_them(tmp_path):
     assert (rows[1]["BLOCK_N"], rows[1]["BLOCK_K"]) == (128, 64)
 
 
+@pytest.mark.parametrize("tiles,match", [("16,64,abc,4,4/16,64,64,4,4", "Expecting value"),
+                                         ("16,64,128,4,4,1,null,8,false,1/16,64,64,4,4", "one_dot=1 is not true/false"),
+                                         ("16,64,128,4,4", "1 tiles given, want GEMM1/GEMM2")])
+def test_bad_tiles_are_a_usage_error(tiles, match):
+    """A --tiles that does not parse is refused before anything compiles, naming the value."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--presets", "qwen3-30b-a3b",
+                           "--tokens", "16", "--tiles", tiles], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2 and f"--tiles {tiles!r}: " in proc.stderr and match in proc.stderr, proc.stderr[-800:]
+
+
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "int4_w4a16_g64"])
 def test_no_register_operand_wgmma_is_left_in_flight(tmp_path, monkeypatch, scheme):
     """Every kernel of a 4-bit call in the fragment layout (int4 g64 by FUSEDMOE_TRITON_W4_FRAGMENTS=all),

@@ -229,10 +229,42 @@ def test_w4_heuristic_k_steps():
                           group=32) is None, tile
         return tile.block_k
 
-    assert [k_step(m, 2048, True, True) for m in (32, 64, 128)] == [128, 64, 128]
+    assert [k_step(m, 2048, True, True) for m in (32, 64, 128)] == [64, 64, 128]  # 32: one dot (below)
     assert [k_step(m, 2048, True, False) for m in (32, 64, 128)] == [64, 128, 128]
     assert [k_step(m, 2880, True, f) for m in (32, 64) for f in (True, False)] == [64] * 4  # gpt-oss H
     assert [k_step(m, 768, False, f) for m in (32, 64, 128) for f in (True, False)] == [64] * 4 + [128] * 2
+
+
+def test_w4_fragment_heuristic_runs_the_tuners_decode_plans():
+    """Over 4-bit fragments at 16- and 32-row blocks the heuristic gives the plans `fusedmoe tune`
+    picked at Qwen3-30B / DeepSeek-V3 (sixty-seventh session): GEMM1 one dot over gate and up,
+    GEMM2 128 wide, 64 deep where a K step holds two scale groups; 32-row blocks from 13 rows per
+    expert. Not over the checkpoint layout, not where GEMM1 splits K, not past 32 rows."""
+    bf16 = torch.bfloat16
+
+    def plan(slots, experts, inter, hidden, group=32, fragments=True):
+        kw = dict(num_sms=132, quant="w4", group=group, fragments=fragments)
+        t1 = heuristic(slots, experts, inter, hidden, bf16, gated=True, **kw)
+        t2 = heuristic(slots, experts, hidden, inter, bf16, gated=False, **kw)
+        assert check_tile(t1, dtype=bf16, operands=2, allow_split=True, quant="w4", group=group) is None, t1
+        assert check_tile(t2, dtype=bf16, operands=1, quant="w4", group=group) is None, t2
+        return t1, t2
+
+    # Qwen3-30B M=16 (1 row an expert): 16 x 2*64 x 128 one-dot GEMM1, 16 x 128 x 64 GEMM2 (g32)
+    assert plan(128, 128, 768, 2048) == (TileConfig(16, 64, 128, 4, 4, one_dot=True), TileConfig(16, 128, 64, 4, 4))
+    assert plan(128, 128, 768, 2048, group=128)[1] == TileConfig(16, 128, 128, 4, 4)  # one group a K step
+    # Qwen3-30B M=256: 16 rows an expert -> 32-row blocks; DeepSeek-V3 TP8 M=256 (8 rows) keeps 16
+    assert plan(2048, 128, 768, 2048) == (TileConfig(32, 128, 64, 4, 4, one_dot=True), TileConfig(32, 128, 64, 4, 4))
+    assert plan(2048, 256, 256, 7168)[0] == TileConfig(16, 64, 128, 4, 4, one_dot=True)
+    # the checkpoint layout keeps two dots and 16-row blocks at 16 rows an expert
+    t1, t2 = plan(2048, 128, 768, 2048, fragments=False)
+    assert t1.block_m == 16 and not t1.one_dot and t2.block_n == 64
+    # decode with few programs splits GEMM1's K instead (DeepSeek-V3 M=1: 8 slots)
+    t1, _ = plan(8, 256, 256, 7168)
+    assert t1.split_k > 1 and not t1.one_dot
+    # 64-row blocks and up: the larger tiles' rule
+    t1, _ = plan(4096 * 8, 128, 768, 2048)
+    assert t1.block_m >= 64 and not t1.one_dot
 
 
 def test_w4_fragments_planned():

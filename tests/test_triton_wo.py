@@ -979,9 +979,11 @@ def test_heuristic_weight_only_tiles_are_valid(mode, group):
         for slots in (1, 7, 64, 1000, 32768):
             for experts in (1, 8, 128):
                 for n, k, gated in ((2880, 2880, True), (4096, 1792, False), (256, 7168, True), (48, 128, False)):
-                    tile = heuristic(slots, experts, n, k, dtype, gated=gated, quant=mode, group=group)
-                    assert check_tile(tile, dtype=dtype, operands=2 if gated else 1, allow_split=gated,
-                                      quant=mode, group=group) is None, tile
+                    for fragments in (False, True) if mode == "w4" else (False,):
+                        tile = heuristic(slots, experts, n, k, dtype, gated=gated, quant=mode, group=group,
+                                         fragments=fragments)
+                        assert check_tile(tile, dtype=dtype, operands=2 if gated else 1, allow_split=gated,
+                                          quant=mode, group=group) is None, tile
 
 
 @pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])

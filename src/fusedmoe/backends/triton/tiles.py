@@ -301,6 +301,12 @@ def heuristic(
             # alternating (`2026-11-24_h200_2416cbc_int8_heuristic_ab.txt`): DeepSeek-V3 M=1024
             # -5%, gpt-oss -8%, Llama-4 M=4096 -4%
             block_m = 64
+        elif quant == "w4" and fragments and block_m == 16 and num_slots > 12 * min(num_local_experts, num_slots):
+            # 4-bit fragments at 13-16 rows per expert: uniform routing takes many experts past
+            # one 16-row block (a second, mostly empty block streams the weights again);
+            # `fusedmoe tune` picked 32-row blocks there (int4 Qwen3-30B / Qwen3-235B M=256,
+            # mxfp4 Mixtral M=64) and kept 16 at 8 rows per expert (DeepSeek-V3 M=256)
+            block_m = 32
     operands = 2 if gated else 1
     blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
     split = 1
@@ -387,15 +393,35 @@ def heuristic(
                 block_k = 64
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
-    tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split)
+    one_dot = False
+    if quant == "w4" and fragments and block_m <= 32 and split == 1:
+        # 4-bit fragments at 16- and 32-row blocks: the tiles `fusedmoe tune` picked over int4
+        # g32 / g64 / g128 at Qwen3-30B, Qwen3-235B TP4 and DeepSeek-V3 TP8, M = 16-256 (H200,
+        # sixty-seventh session, 2026-11-30_h200_78a2a19_int4_fragment_tunes.txt, whole call
+        # -5 to -24% against this rule's two-dot plans): GEMM1 one dot over gate and up
+        # (2 x 64 weight rows a program at 16 rows, 2 x 128 at 32), GEMM2 128 wide, 64 deep
+        # where a K step then holds two or more scale groups (group <= 32), else 128 deep.
+        # Measured as a rule (packaged tables off, alternating with the two-dot rule, two rounds,
+        # 2026-11-30_h200_e0dfc84_w4_fragment_heuristic_ab.txt): int4 g32 / g128, mxfp4, nvfp4
+        # over six presets x M = 16, 64, 256 (69 cells): 58 faster by 1-24%, 8 within 1%, and
+        # Mixtral M=16 with groups <= 32 slower by 3-5% (int4 g32, mxfp4, nvfp4; the tuner's
+        # Mixtral mxfp4 best there kept a two-dot GEMM1 and a 128-deep GEMM2: not special-cased
+        # until measured as a rule).
+        if gated:
+            one_dot, block_n = True, 64 if block_m == 16 else 128
+            block_k = 128 if block_m == 16 else 64
+        else:
+            block_n = 128
+            block_k = 64 if block_m == 32 or (group or 32) <= 32 else 128
+        num_warps, num_stages = 4, 4
+    tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split, one_dot=one_dot)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):
         if tile.num_stages > 2:
-            tile = TileConfig(block_m, block_n, block_k, num_warps, tile.num_stages - 1, split)
+            tile = replace(tile, num_stages=tile.num_stages - 1)
         elif tile.block_k > 32:
-            block_k //= 2
-            tile = TileConfig(block_m, block_n, block_k, num_warps, 4, split)
+            tile = replace(tile, block_k=tile.block_k // 2, num_stages=4)
         else:
-            tile = TileConfig(block_m, block_n, block_k, num_warps, 1, split)
+            tile = replace(tile, num_stages=1)
             break
     return tile
 

@@ -369,6 +369,11 @@ def test_tune_shape_measures_against_the_tables_plan(monkeypatch):
     costs = dict(costs, gemm1=lambda tile: 50.0 if tile == entry1 else 10.0 if tile.block_m == 64 else 30.0)
     [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
     assert (entry["us"], entry["heuristic_us"], entry["table_us"]) == (45.0, 65.0, 85.0)
+    # an entry slower than the rule (tuned before a heuristic change) and a search that only ties
+    # the rule: the bar is the plan that runs now, so the stale entry is replaced
+    costs = dict(costs, gemm1=lambda tile: 50.0 if tile == entry1 else 30.0)
+    [entry] = tune_shape(**shape, timer=_model_timer(costs, []))
+    assert (entry["us"], entry["heuristic_us"], entry["table_us"]) == (65.0, 65.0, 85.0)
 
 
 def test_tune_shape_confirms_entries_with_whole_calls(monkeypatch):
@@ -413,6 +418,10 @@ def test_tune_shape_confirms_entries_with_whole_calls(monkeypatch):
                                                      calls))
     assert calls == [best, rule, table] and (entry["table_us"], entry["table_call_us"]) == (85.0, 70.0)
     assert tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=75.0, table=61.0)), [])) == []
+    # a table entry slower as a whole call than the rule's plan: the bar is the entry (what runs
+    # now), so a best that ties the rule is written in its place
+    [entry] = tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=59.0, table=70.0)), []))
+    assert (entry["call_us"], entry["heuristic_call_us"], entry["table_call_us"]) == (60.0, 59.0, 70.0)
 
 
 def test_search_tries_swap_ab_for_w8a8_codes():

@@ -48,8 +48,14 @@ against 123.2 (benchmarks/results/2026-11-29_h200_71b8cf5_w4_padding_bisect_and_
 an earlier Mixtral M=1 entry was dropped for the same reason. So before an entry is written its
 plan runs as whole calls of the experts op (`_whole_calls`: the alignment, both GEMMs and the
 top-k sum as the layer launches them), next to the rule's heuristic plan and the plan the tables
-give now, and it is written only if it beats both there by `min_gain` too; the entry records
-those times (`call_us`, `heuristic_call_us`, `table_call_us`).
+give now, and it is written only if it beats there by `min_gain` too the plan that runs now;
+the entry records those times (`call_us`, `heuristic_call_us`, `table_call_us`).
+
+The bar, at both steps, is the plan that runs now: the tuned entry where one serves the shape,
+else the rule's. An entry slower than the rule (tuned before a heuristic change: the mxfp4 /
+nvfp4 fine-grained entries after the 4-bit fragment rule of 2026-11-30 lost 5-17% to it) is then
+replaced by the search's best even where that best only ties the rule; a bar of the faster of
+the two kept the stale entry serving.
 """
 
 from __future__ import annotations
@@ -282,9 +288,9 @@ def tune_shape(
     and the top-k sum besides the GEMMs (the direct path's GEMM2 sums in place), and W8A8's
     launch quantizing x per token / group on either path (the direct GEMM1 may do it itself,
     `quant.fuse_x_quantization`: then it is in GEMM1's time), so the two paths compare as the
-    layer runs them. An entry is written when it beats by `min_gain` (a fraction) both the rule's
-    plan on heuristic tiles (`heuristic_us`) and the plan the tables give this shape now
-    (`table_us`, timed where an entry serves it).
+    layer runs them. An entry is written when it beats by `min_gain` (a fraction) the plan that
+    runs now: the plan the tables give this shape (`table_us`, timed where an entry serves it),
+    else the rule's plan on heuristic tiles (`heuristic_us`, recorded either way).
     search: "descent" (from the heuristic's tiles) or "grid" (every valid GRID tile at each
     block_m first, then the descent from the best of them too); the direct path descends either way.
     compile_pool: compiles each batch of tiles about to be timed in its worker processes first
@@ -294,8 +300,8 @@ def tune_shape(
     ids: bench's default softmax-renormalize draws here, the ids of any monotonic scoring), and a
     count's draws do not depend on the other counts tuned with it.
     A search result that passes is then timed as whole calls of the experts op against the rule's
-    plan and the table's (module docstring), and written only if it beats them there by
-    `min_gain` as well; log(line) hears of a result the whole calls turned down.
+    plan and the table's (module docstring), and written only if it beats the plan that runs
+    now there by `min_gain` as well; log(line) hears of a result the whole calls turned down.
     """
     if search not in SEARCHES:
         raise ValueError(f"search={search!r} must be one of {', '.join(SEARCHES)}")
@@ -458,7 +464,10 @@ def tune_shape(
         now = WholePlan(*choose_plan(problem, scheme, device))
         table_us = None if now == rule else _table_plan_us(
             problem, now, timers, align_us, scheme, weights, draws, activation, timer, direct_xq_us)
-        if best[0] > (1 - min_gain) * min(default[1], table_us or default[1]):
+        # the bar is the plan that runs now: a serving entry slower than the rule's plan (tuned
+        # before a heuristic change) is replaced by the search's best even where that best only
+        # ties the rule (kept, the stale entry would go on serving)
+        if best[0] > (1 - min_gain) * (default[1] if table_us is None else table_us):
             continue
         # and so are they as whole calls, where GEMM2 waits on GEMM1 (module docstring)
         plans = {"call_us": WholePlan(best[1] == "direct", best[2], best[3]), "heuristic_call_us": rule}
@@ -476,12 +485,13 @@ def tune_shape(
                     f"first run (relative error {err:.1e}: {why}); nothing written")
             continue
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
-        bar = min(us for name, us in calls.items() if name != "call_us")
+        bar = calls.get("table_call_us", calls["heuristic_call_us"])
         if calls["call_us"] > (1 - min_gain) * bar:
             if log:
                 log(f"M={tokens:>5}: the search's best, {best[1]} at {best[0]:.1f} us as GEMMs timed apart, ran "
                     f"the whole call in {calls['call_us']:.1f} us against {bar:.1f} for the plan that runs now "
-                    f"or the heuristic's; nothing written")
+                    f"({'the tuned entry' if 'table_call_us' in calls else 'the heuristic'}; "
+                    f"heuristic {calls['heuristic_call_us']:.1f}); nothing written")
             continue
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}

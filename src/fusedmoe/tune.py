@@ -53,7 +53,7 @@ the entry records those times (`call_us`, `heuristic_call_us`, `table_call_us`).
 
 The bar, at both steps, is the plan that runs now: the tuned entry where one serves the shape,
 else the rule's. An entry slower than the rule (tuned before a heuristic change: the mxfp4 /
-nvfp4 fine-grained entries after the 4-bit fragment rule of 2026-11-30 lost 5-17% to it) is then
+nvfp4 fine-grained entries after the 4-bit fragment rule of 2026-11-30 lost 3-17% to it) is then
 replaced by the search's best even where that best only ties the rule; a bar of the faster of
 the two kept the stale entry serving.
 """

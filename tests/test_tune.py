@@ -665,10 +665,11 @@ def test_w4_gemm1_descent_starts_from_the_wide_tile_at_128_row_blocks(monkeypatc
 def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch):
     """Over fragment-layout 4-bit weights (mxfp4 by default) GEMM1's descents, aligned and
     direct, toggle one_dot both ways, and the entry's GEMM1 has it (the tile's 10th value) where
-    the model makes it fastest: the aligned heuristic's GEMM1 at this size is one-dot, the model
-    there favours two dots; the direct one splits K, the model favours one dot. GEMM2 never
-    times it. In the checkpoint layout (the fragments knob off) nothing times a one-dot tile:
-    that layout runs it as two tiles."""
+    the model makes it fastest: at 20 rows an expert the aligned heuristic's GEMM1 is two-dot and
+    the model favours one dot; at 12 rows it is one-dot (the fragment rule up to 16 rows) and the
+    model favours two; the direct one splits K, the model favours one dot. GEMM2 never times it.
+    In the checkpoint layout (the fragments knob off) nothing times a one-dot tile: that layout
+    runs it as two tiles."""
     from fusedmoe.tune import tune_shape
 
     if not fragments:
@@ -679,21 +680,22 @@ def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch)
     cpu = torch.device("cpu")
     shape = dict(experts=E, hidden=H, inter=I, top_k=K, dtype=torch.float32, copies=2, device=cpu,
                  quant="mxfp4_w4a16")
-    for tokens, costs, gemm1 in (
-            (40, {"gemm1": two(10.0, 30.0), "gemm2": flat(30.0), "align": flat(5.0),
-                  "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}, "gemm1"),
+    aligned = {"gemm2": flat(30.0), "align": flat(5.0), "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
+    for tokens, costs, gemm1, want in (
+            (40, dict(aligned, gemm1=one(10.0, 30.0)), "gemm1", True),
+            (24, dict(aligned, gemm1=two(10.0, 30.0)), "gemm1", False),
             (1, {"gemm1": flat(100.0), "gemm2": flat(100.0), "align": flat(5.0),
-                 "direct gemm1": one(10.0, 30.0), "direct gemm2": flat(30.0)}, "direct gemm1")):
+                 "direct gemm1": one(10.0, 30.0), "direct gemm2": flat(30.0)}, "direct gemm1", True)):
         seen = []
         entries = tune_shape(**shape, tokens_list=[tokens], timer=_model_timer(costs, seen))
-        # "align" is timed under the GEMM1 tile that sets its block size (the heuristic's one-dot one)
+        # "align" is timed under the GEMM1 tile that sets its block size (the heuristic's, one-dot at 12 rows)
         assert not any(tile.one_dot for kind, tile in seen if kind not in ("gemm1", "direct gemm1", "align"))
         if fragments:
             assert {tile.one_dot for kind, tile in seen if kind == gemm1} == {True, False}
             [entry] = entries
             assert entry["path"] == ("direct" if tokens == 1 else "aligned")
             one_dot = len(entry["gemm1"]) > 9 and entry["gemm1"][9] is True
-            assert one_dot == (tokens == 1) and len(entry["gemm2"]) <= 9, entry
+            assert one_dot == want and len(entry["gemm2"]) <= 9, (tokens, entry)
             assert entry["layout"] == "fragments"
         else:
             assert entries == [] and not any(tile.one_dot for _, tile in seen)

@@ -396,7 +396,8 @@ def heuristic(
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     one_dot = False
-    if quant == "w4" and fragments and block_m <= 32 and split == 1:
+    if quant == "w4" and fragments and block_m <= 32 and split == 1 \
+            and num_slots <= 16 * min(num_local_experts, num_slots):
         # 4-bit fragments at 16- and 32-row blocks: the tiles `fusedmoe tune` picked over int4
         # g32 / g64 / g128 at Qwen3-30B, Qwen3-235B TP4 and DeepSeek-V3 TP8, M = 16-256 (H200,
         # sixty-seventh session, 2026-11-30_h200_78a2a19_int4_fragment_tunes.txt, whole call
@@ -408,7 +409,8 @@ def heuristic(
         # over six presets x M = 16, 64, 256 (69 cells): 58 faster by 1-24%, 8 within 1%, and
         # Mixtral M=16 with groups <= 32 slower by 3-5% (int4 g32, mxfp4, nvfp4; the tuner's
         # Mixtral mxfp4 best there kept a two-dot GEMM1 and a 128-deep GEMM2: not special-cased
-        # until measured as a rule).
+        # until measured as a rule). Up to 16 rows an expert, where it was measured: past that the
+        # 32-row blocks keep the 3-stage two-dot tiles below them (Qwen3-30B M=512, gpt-oss M=1024).
         if gated:
             one_dot, block_n = True, 64 if block_m == 16 else 128
             block_k = 128 if block_m == 16 else 64

@@ -420,8 +420,19 @@ def test_tune_shape_confirms_entries_with_whole_calls(monkeypatch):
     assert tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=75.0, table=61.0)), [])) == []
     # a table entry slower as a whole call than the rule's plan: the bar is the entry (what runs
     # now), so a best that ties the rule is written in its place
-    [entry] = tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=59.0, table=70.0)), []))
-    assert (entry["call_us"], entry["heuristic_call_us"], entry["table_call_us"]) == (60.0, 59.0, 70.0)
+    [entry] = tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=60.0, rule=61.0, table=70.0)), []))
+    assert (entry["gemm2"], entry["call_us"], entry["heuristic_call_us"], entry["table_call_us"]) == (
+        faster2.as_list(), 60.0, 61.0, 70.0)
+    # and where the rule's plan runs the whole call faster than the search's best, the rule's plan
+    # is written in the entry's place (the best's time kept as search_call_us)
+    lines = []
+    [entry] = tune_shape(**shape, log=lines.append,
+                         timer=_model_timer(dict(costs, call=whole(best=60.0, rule=59.0, table=70.0)), []))
+    assert (entry["path"], entry["gemm1"], entry["gemm2"]) == ("direct", d1.as_list(), d2.as_list())
+    assert (entry["call_us"], entry["search_call_us"], entry["table_call_us"]) == (59.0, 60.0, 70.0)
+    assert entry["us"] == entry["heuristic_us"] and "written in the entry's place" in lines[0], lines
+    # neither beats the entry by min_gain: nothing written
+    assert tune_shape(**shape, timer=_model_timer(dict(costs, call=whole(best=69.0, rule=68.5, table=70.0)), [])) == []
 
 
 def test_search_tries_swap_ab_for_w8a8_codes():

@@ -54,8 +54,9 @@ the entry records those times (`call_us`, `heuristic_call_us`, `table_call_us`).
 The bar, at both steps, is the plan that runs now: the tuned entry where one serves the shape,
 else the rule's. An entry slower than the rule (tuned before a heuristic change: the mxfp4 /
 nvfp4 fine-grained entries after the 4-bit fragment rule of 2026-11-30 lost 3-17% to it) is then
-replaced by the search's best even where that best only ties the rule; a bar of the faster of
-the two kept the stale entry serving.
+replaced by the search's best even where that best only ties the rule, or by the rule's own plan
+where that runs the whole call faster than the best (`search_call_us` records the best's); a bar
+of the faster of the two kept the stale entry serving.
 """
 
 from __future__ import annotations
@@ -457,8 +458,8 @@ def tune_shape(
         if not found:
             continue
         best = min(found, key=lambda f: f[0])
-        # the plan the library runs today (a tuned entry, when one serves this shape) is the bar
-        # too: an entry no better than the table's is not written again
+        # the plan the library runs today (a tuned entry, when one serves this shape) is timed
+        # too: where one serves, it is the bar (an entry no better than it is not written)
         rule = (WholePlan(True, *direct_heuristic(problem, scheme, sms)) if default[0] == "direct"
                 else WholePlan(False, h1, h2))
         now = WholePlan(*choose_plan(problem, scheme, device))
@@ -486,13 +487,26 @@ def tune_shape(
             continue
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
         bar = calls.get("table_call_us", calls["heuristic_call_us"])
-        if calls["call_us"] > (1 - min_gain) * bar:
+        # over a stale entry the rule's plan is a candidate too: where it runs the whole call
+        # faster than the search's best it is written in the entry's place (a table cannot drop
+        # an entry, and a tie goes to the heuristic)
+        written = "call_us"
+        if "table_call_us" in calls and calls["heuristic_call_us"] < calls["call_us"]:
+            written = "heuristic_call_us"
+        if calls[written] > (1 - min_gain) * bar:
             if log:
                 log(f"M={tokens:>5}: the search's best, {best[1]} at {best[0]:.1f} us as GEMMs timed apart, ran "
                     f"the whole call in {calls['call_us']:.1f} us against {bar:.1f} for the plan that runs now "
                     f"({'the tuned entry' if 'table_call_us' in calls else 'the heuristic'}; "
                     f"heuristic {calls['heuristic_call_us']:.1f}); nothing written")
             continue
+        if written == "heuristic_call_us":
+            if log:
+                log(f"M={tokens:>5}: the rule's plan ran the whole call in {calls['heuristic_call_us']:.1f} us, "
+                    f"the search's best {calls['call_us']:.1f}, the tuned entry serving now "
+                    f"{calls['table_call_us']:.1f}: the rule's plan is written in the entry's place")
+            best = (default[1], default[0], rule.gemm1, rule.gemm2)
+            calls = dict(calls, search_call_us=calls["call_us"], call_us=calls["heuristic_call_us"])
         entry = {"dtype": str(dtype).replace("torch.", ""), "experts": experts, "hidden": hidden,
                  "inter": inter, "top_k": top_k, "gated": gated, "tokens": tokens}
         if scheme is not None:

@@ -282,8 +282,8 @@ def heuristic(
     block_m: the rows per block to pick the rest for (`fusedmoe tune` starts its other block sizes
     there); None: the heuristic's own. fragments ("w4"): the weights will be in the fragment
     layout (weight_only.w4_fragments_planned), not the checkpoint's; at 16- and 32-row blocks
-    (32 from 13 rows an expert) they take the fine-grained tuned plans: one-dot GEMM1, GEMM2 128
-    wide (below).
+    up to 16 rows an expert (32 from 13) they take the fine-grained tuned plans: one-dot GEMM1,
+    GEMM2 128 wide (below).
     """
     if tma is not None and tma not in TMA_LOADS:
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")

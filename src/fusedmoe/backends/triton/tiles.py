@@ -289,6 +289,7 @@ def heuristic(
         raise ValueError(f"tma={tma!r} must be None or one of {TMA_LOADS}")
     if block_m is not None and (block_m < 16 or not _pow2(block_m)):
         raise ValueError(f"block_m={block_m} must be a power of two >= 16")
+    touched = min(num_local_experts, num_slots)  # experts with rows, at most (num_slots / touched: rows an expert)
     if block_m is None:
         block_m = block_m_for(num_slots, num_local_experts, dtype)
         if quant == "block":
@@ -303,14 +304,14 @@ def heuristic(
             # alternating (`2026-11-24_h200_2416cbc_int8_heuristic_ab.txt`): DeepSeek-V3 M=1024
             # -5%, gpt-oss -8%, Llama-4 M=4096 -4%
             block_m = 64
-        elif quant == "w4" and fragments and block_m == 16 and num_slots > 12 * min(num_local_experts, num_slots):
+        elif quant == "w4" and fragments and block_m == 16 and num_slots > 12 * touched:
             # 4-bit fragments at 13-16 rows per expert: uniform routing takes many experts past
             # one 16-row block (a second, mostly empty block streams the weights again);
             # `fusedmoe tune` picked 32-row blocks there (int4 Qwen3-30B / Qwen3-235B M=256,
             # mxfp4 Mixtral M=64) and kept 16 at 8 rows per expert (DeepSeek-V3 M=256)
             block_m = 32
     operands = 2 if gated else 1
-    blocks = -(-num_slots // block_m) + min(num_local_experts, num_slots)
+    blocks = -(-num_slots // block_m) + touched
     split = 1
     num_stages = 4
     if block_m == 16:
@@ -336,7 +337,7 @@ def heuristic(
             # both operands on descriptors (gemm2 1619 vs 1753 us, the gemm1 shape 3363 vs 3471).
             # Between 256 and 1024 rows per expert: not measured, 8 warps kept.
             num_warps, num_stages = 8, 3
-            if tma == "a+w" and num_slots >= 1024 * min(num_local_experts, num_slots):
+            if tma == "a+w" and num_slots >= 1024 * touched:
                 num_warps, num_stages = 4, 4
     if quant in QUANT_GRANULARITIES:
         if block_m > 16:
@@ -396,8 +397,7 @@ def heuristic(
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     one_dot = False
-    if quant == "w4" and fragments and block_m <= 32 and split == 1 \
-            and num_slots <= 16 * min(num_local_experts, num_slots):
+    if quant == "w4" and fragments and block_m <= 32 and split == 1 and num_slots <= 16 * touched:
         # 4-bit fragments at 16- and 32-row blocks: the tiles `fusedmoe tune` picked over int4
         # g32 / g64 / g128 at Qwen3-30B, Qwen3-235B TP4 and DeepSeek-V3 TP8, M = 16-256 (H200,
         # sixty-seventh session, 2026-11-30_h200_78a2a19_int4_fragment_tunes.txt, whole call

@@ -254,6 +254,10 @@ def test_w4_fragment_heuristic_runs_the_tuners_decode_plans():
     # Qwen3-30B M=16 (1 row an expert): 16 x 2*64 x 128 one-dot GEMM1, 16 x 128 x 64 GEMM2 (g32)
     assert plan(128, 128, 768, 2048) == (TileConfig(16, 64, 128, 4, 4, one_dot=True), TileConfig(16, 128, 64, 4, 4))
     assert plan(128, 128, 768, 2048, group=128)[1] == TileConfig(16, 128, 128, 4, 4)  # one group a K step
+    # past W4_LONG_K (Mixtral I = 14336) GEMM2 steps 128 deep at any group and block; Llama-4's 8192 is not past it
+    assert plan(32, 8, 14336, 4096)[1] == TileConfig(16, 128, 128, 4, 4)
+    assert plan(128, 8, 14336, 4096)[1] == TileConfig(32, 128, 128, 4, 4)
+    assert plan(16, 128, 8192, 5120)[1] == TileConfig(16, 128, 64, 4, 4)
     # Qwen3-30B M=256: 16 rows an expert -> 32-row blocks; DeepSeek-V3 TP8 M=256 (8 rows) keeps 16
     assert plan(2048, 128, 768, 2048) == (TileConfig(32, 128, 64, 4, 4, one_dot=True), TileConfig(32, 128, 64, 4, 4))
     assert plan(2048, 256, 256, 7168)[0] == TileConfig(16, 64, 128, 4, 4, one_dot=True)

@@ -34,6 +34,9 @@ PERSISTENT_PROGRAMS = 1  # programs per SM of a persistent GEMM launch (TileConf
 # tile), M=64 274 / 161 / 123 against 166 (146); Qwen3-30B and gpt-oss (I = 768, 2880) lost.
 W4_PERSISTENT_PROGRAMS = 4
 MAX_GROUP_M = 64
+# K (the intermediate, GEMM2's depth) past which the 4-bit fragment GEMM2 at 16- and 32-row blocks
+# steps 128 deep at any group (heuristic): Mixtral's 14336 is past it, Llama-4's 8192 is not
+W4_LONG_K = 8192
 
 
 @dataclass(frozen=True)
@@ -415,8 +418,12 @@ def heuristic(
             one_dot, block_n = True, 64 if block_m == 16 else 128
             block_k = 128 if block_m == 16 else 64
         else:
+            # past W4_LONG_K (Mixtral's I = 14336) 128 deep at any group: the tuner's Mixtral mxfp4
+            # bests at M=16 and 64 ran GEMM2 x 128 x 128 (the 64-deep rule lost 3-5% at Mixtral
+            # M=16, groups <= 32), where 112 K steps of 128 each program are already many
             block_n = 128
-            block_k = 64 if block_m == 32 or (group or 32) <= 32 else 128
+            short = (block_m == 32 or (group or 32) <= 32) and k <= W4_LONG_K
+            block_k = 64 if short else 128
         num_warps, num_stages = 4, 4
     tile = TileConfig(block_m, block_n, block_k, num_warps, num_stages, split, one_dot=one_dot)
     while check_tile(tile, dtype=dtype, operands=operands, allow_split=True, quant=quant, group=group):

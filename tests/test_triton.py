@@ -229,7 +229,7 @@ def test_w4_heuristic_k_steps():
                           group=32) is None, tile
         return tile.block_k
 
-    assert [k_step(m, 2048, True, True) for m in (32, 64, 128)] == [128, 64, 128]  # 32 rows an expert: not the one-dot rule (below)
+    assert [k_step(m, 2048, True, True) for m in (32, 64, 128)] == [64, 64, 128]  # 32: the one-dot rule (below)
     assert [k_step(m, 2048, True, False) for m in (32, 64, 128)] == [64, 128, 128]
     assert [k_step(m, 2880, True, f) for m in (32, 64) for f in (True, False)] == [64] * 4  # gpt-oss H
     assert [k_step(m, 768, False, f) for m in (32, 64, 128) for f in (True, False)] == [64] * 4 + [128] * 2
@@ -239,8 +239,8 @@ def test_w4_fragment_heuristic_runs_the_tuners_decode_plans():
     """Over 4-bit fragments at 16- and 32-row blocks the heuristic gives the plans `fusedmoe tune`
     picked at Qwen3-30B / DeepSeek-V3 (sixty-seventh session): GEMM1 one dot over gate and up,
     GEMM2 128 wide, 64 deep where a K step holds two scale groups; 32-row blocks from 13 rows per
-    expert. Not over the checkpoint layout, not where GEMM1 splits K, not past 32 rows nor past 16
-    rows an expert (where it was measured)."""
+    expert, up to 32 rows an expert. Not over the checkpoint layout, not where GEMM1 splits K, not
+    past 32-row blocks."""
     bf16 = torch.bfloat16
 
     def plan(slots, experts, inter, hidden, group=32, fragments=True):
@@ -267,9 +267,13 @@ def test_w4_fragment_heuristic_runs_the_tuners_decode_plans():
     # decode with few programs splits GEMM1's K instead (DeepSeek-V3 M=1: 8 slots)
     t1, _ = plan(8, 256, 256, 7168)
     assert t1.split_k > 1 and not t1.one_dot
-    # past 16 rows an expert (Qwen3-30B M=512: 32) the 32-row blocks keep the two-dot 3-stage tiles
-    t1, t2 = plan(4096, 128, 768, 2048)
+    # 17-32 rows an expert (Qwen3-30B M=512: 32) too; the checkpoint layout keeps two-dot 3-stage tiles
+    assert plan(4096, 128, 768, 2048) == (TileConfig(32, 128, 64, 4, 4, one_dot=True), TileConfig(32, 128, 64, 4, 4))
+    t1, t2 = plan(4096, 128, 768, 2048, fragments=False)
     assert t1.block_m == 32 and not t1.one_dot and (t1.num_stages, t2.num_stages) == (3, 3)
+    # an explicit 32-row block past 32 rows an expert (the tuner's descent) keeps the larger tiles' rule
+    t1 = heuristic(8192, 128, 768, 2048, bf16, gated=True, quant="w4", group=32, fragments=True, block_m=32)
+    assert not t1.one_dot and t1.num_stages == 3
     # 64-row blocks and up: the larger tiles' rule
     t1, _ = plan(4096 * 8, 128, 768, 2048)
     assert t1.block_m >= 64 and not t1.one_dot

@@ -987,12 +987,13 @@ def test_four_bit_tiles_past_16_row_blocks():
     """4-bit GEMMs over 32-row and larger blocks take 128-wide tiles in 3 stages, 8 warps from 128
     rows (H200 grid and old / new A/B in tiles.heuristic), 128 deep but where the K-step rule takes
     64 (4 warps: GEMM2; GEMM1 over fragments at 64 rows, over the checkpoint layout at 32, K not a
-    multiple of 128); 16-row blocks keep the narrow decode rule."""
+    multiple of 128); 16-row blocks keep the narrow decode rule. Over fragments 32-row blocks up to
+    32 rows an expert take the fragment rule instead (test_triton.py)."""
     for tokens, experts, top_k, hidden, inter, block_m, warps, k_steps in (
             (256, 8, 2, 4096, 14336, 64, 4, {False: (128, 64), True: (64, 64)}),  # Mixtral M=256: 64 rows per expert
             (1024, 128, 8, 2048, 768, 64, 4, {False: (128, 64), True: (64, 64)}),  # Qwen3-30B M=1024
-            (1024, 128, 4, 2880, 2880, 32, 4, {False: (64, 64), True: (64, 64)}),  # gpt-oss M=1024 (H % 128)
-            (512, 128, 8, 2048, 768, 32, 4, {False: (64, 64), True: (128, 64)}),   # Qwen3-30B M=512
+            (1024, 128, 4, 2880, 2880, 32, 4, {False: (64, 64)}),  # gpt-oss M=1024 (H % 128)
+            (512, 128, 8, 2048, 768, 32, 4, {False: (64, 64)}),   # Qwen3-30B M=512
             (4096, 128, 8, 2048, 768, 128, 8, {False: (128, 128), True: (128, 128)})):  # Qwen3-30B M=4096
         for fragments, (k1, k2) in k_steps.items():
             for n, k, gated, block_k in ((inter, hidden, True, k1), (hidden, inter, False, k2)):

@@ -676,9 +676,9 @@ def test_w4_gemm1_descent_starts_from_the_wide_tile_at_128_row_blocks(monkeypatc
 def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch):
     """Over fragment-layout 4-bit weights (mxfp4 by default) GEMM1's descents, aligned and
     direct, toggle one_dot both ways, and the entry's GEMM1 has it (the tile's 10th value) where
-    the model makes it fastest: at 20 rows an expert the aligned heuristic's GEMM1 is two-dot and
-    the model favours one dot; at 12 rows it is one-dot (the fragment rule up to 16 rows) and the
-    model favours two; the direct one splits K, the model favours one dot. GEMM2 never times it.
+    the model makes it fastest: at 40 rows an expert the aligned heuristic's GEMM1 is two-dot (64-row
+    blocks) and the model favours one dot; at 12 rows it is one-dot (the fragment rule up to 32 rows)
+    and the model favours two; the direct one splits K, the model favours one dot. GEMM2 never times it.
     In the checkpoint layout (the fragments knob off) nothing times a one-dot tile: that layout
     runs it as two tiles."""
     from fusedmoe.tune import tune_shape
@@ -693,7 +693,7 @@ def test_w4_gemm1_descent_toggles_one_dot_over_fragments(fragments, monkeypatch)
                  quant="mxfp4_w4a16")
     aligned = {"gemm2": flat(30.0), "align": flat(5.0), "direct gemm1": flat(100.0), "direct gemm2": flat(100.0)}
     for tokens, costs, gemm1, want in (
-            (40, dict(aligned, gemm1=one(10.0, 30.0)), "gemm1", True),
+            (80, dict(aligned, gemm1=one(10.0, 30.0)), "gemm1", True),
             (24, dict(aligned, gemm1=two(10.0, 30.0)), "gemm1", False),
             (1, {"gemm1": flat(100.0), "gemm2": flat(100.0), "align": flat(5.0),
                  "direct gemm1": one(10.0, 30.0), "direct gemm2": flat(30.0)}, "direct gemm1", True)):

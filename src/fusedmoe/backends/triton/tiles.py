@@ -285,7 +285,7 @@ def heuristic(
     block_m: the rows per block to pick the rest for (`fusedmoe tune` starts its other block sizes
     there); None: the heuristic's own. fragments ("w4"): the weights will be in the fragment
     layout (weight_only.w4_fragments_planned), not the checkpoint's; at 16- and 32-row blocks
-    up to 16 rows an expert (32 from 13) they take the fine-grained tuned plans: one-dot GEMM1,
+    up to 32 rows an expert (32-row blocks from 13) they take the fine-grained tuned plans: one-dot GEMM1,
     GEMM2 128 wide (below).
     """
     if tma is not None and tma not in TMA_LOADS:
@@ -400,7 +400,7 @@ def heuristic(
     if block_m == 16 and (quant == "w4" or (gated and quant in NARROW_8BIT and block_n == 16)):
         block_n, split, block_k = _narrow_decode(num_slots, num_local_experts, n, k, gated, num_sms, block_k)
     one_dot = False
-    if quant == "w4" and fragments and block_m <= 32 and split == 1 and num_slots <= 16 * touched:
+    if quant == "w4" and fragments and block_m <= 32 and split == 1 and num_slots <= 32 * touched:
         # 4-bit fragments at 16- and 32-row blocks: the tiles `fusedmoe tune` picked over int4
         # g32 / g64 / g128 at Qwen3-30B, Qwen3-235B TP4 and DeepSeek-V3 TP8, M = 16-256 (H200,
         # sixty-seventh session, 2026-11-30_h200_78a2a19_int4_fragment_tunes.txt, whole call
@@ -412,15 +412,20 @@ def heuristic(
         # over six presets x M = 16, 64, 256 (69 cells): 58 faster by 1-24%, 8 within 1%, and
         # Mixtral M=16 with groups <= 32 slower by 3-5% (int4 g32, mxfp4, nvfp4; the tuner's
         # Mixtral mxfp4 best there kept a two-dot GEMM1 and a 128-deep GEMM2: not special-cased
-        # until measured as a rule). Up to 16 rows an expert, where it was measured: past that the
-        # 32-row blocks keep the 3-stage two-dot tiles below them (Qwen3-30B M=512, gpt-oss M=1024).
+        # until measured as a rule; since W4_LONG_K, below). 17-32 rows an expert (Qwen3-30B,
+        # Qwen3-235B, GLM-4.5-Air M=512, gpt-oss-120b M=1024) measured against the 3-stage two-dot
+        # tiles the larger blocks keep (2026-11-30_h200_b61cabc_w4_long_k_rows32_ab.txt, tables off,
+        # two rounds): -3 to -11% over int4 g32, mxfp4, nvfp4 (g32 -9 to -11%). Not past 32 rows.
         if gated:
             one_dot, block_n = True, 64 if block_m == 16 else 128
             block_k = 128 if block_m == 16 else 64
         else:
             # past W4_LONG_K (Mixtral's I = 14336) 128 deep at any group: the tuner's Mixtral mxfp4
             # bests at M=16 and 64 ran GEMM2 x 128 x 128 (the 64-deep rule lost 3-5% at Mixtral
-            # M=16, groups <= 32), where 112 K steps of 128 each program are already many
+            # M=16, groups <= 32), where 112 K steps of 128 each program are already many. As a rule
+            # (A/B against the 64-deep step, two rounds, 2026-11-30_h200_b61cabc_w4_long_k_rows32_ab.txt):
+            # Mixtral M=16 -6 to -9% (int4 g32 252 -> 230 us), M=64 -1 to -3% but mxfp4 with tables
+            # off +3% (296 -> 306; -3% with them on)
             block_n = 128
             short = (block_m == 32 or (group or 32) <= 32) and k <= W4_LONG_K
             block_k = 64 if short else 128

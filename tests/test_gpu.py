@@ -70,20 +70,27 @@ def test_dtypes_and_activations(dtype, act):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("T,E,K,H,I", [(0, 8, 2, 128, 64), (1, 8, 2, 128, 64), (5, 7, 3, 65, 37),
-                                       (33, 6, 6, 4096, 128), (9, 257, 8, 256, 96)])
+                                       (33, 6, 6, 4096, 128), (9, 257, 8, 256, 96), (45, 5, 1, 97, 51)])
 def test_edge_shapes(T, E, K, H, I, dtype):
+    """M=0 and 1, odd H and I, top_k = E (33 x 6 of 6), E not a power of two (7, 257, 5), top_k = 1."""
     x, w13, w2, b13, b2, w, ids = make(T, E, K, H, I, dtype, seed=2)
+    poison_allocator()
     out = fused_experts(x, w13, w2, w, ids, backend="triton")
     assert out.shape == (T, H)
     if T:
         assert rel_err(out, ref_of(x, w13, w2, b13, b2, w, ids)) < TOL[dtype]
 
 
-def test_all_tokens_one_expert_and_empty_experts():
-    x, w13, w2, _, _, w, ids = make(500, 16, 1, 512, 256, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,top_k", [(500, 1), (3, 1), (200, 4)])
+def test_all_tokens_one_expert_and_empty_experts(dtype, tokens, top_k):
+    """Every slot on expert 11 (the others empty), at 1 and 4 slots a token (top_k 4: the same expert
+    four times, summed with four weights); the direct decode path (3 tokens) and the aligned one."""
+    x, w13, w2, _, _, w, ids = make(tokens, 16, top_k, 512, 256, dtype, seed=3)
     ids = torch.full_like(ids, 11)
+    poison_allocator()
     out = fused_experts(x, w13, w2, w, ids, backend="triton")
-    assert rel_err(out, ref_of(x, w13, w2, None, None, w, ids)) < TOL[torch.bfloat16]
+    assert rel_err(out, ref_of(x, w13, w2, None, None, w, ids)) < TOL[dtype]
 
 
 def test_expert_map_and_out_of_range_ids():
@@ -107,14 +114,46 @@ def test_expert_map_and_out_of_range_ids():
 
 
 @pytest.mark.bigmem
-def test_int32_offset_overflow():
-    """T*K*H = 100000 * 6 * 4096 > 2^31: row offsets must be 64-bit."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int32_offset_overflow(dtype):
+    """T*K*H = 100000 * 6 * 4096 > 2^31: row offsets must be 64-bit (fp32: 9.8 GB of slot rows)."""
     T, E, K, H, I = 100_000, 8, 6, 4096, 128
-    x, w13, w2, _, _, w, ids = make(T, E, K, H, I, torch.bfloat16, seed=5)
+    x, w13, w2, _, _, w, ids = make(T, E, K, H, I, dtype, seed=5)
+    poison_allocator()
     out = fused_experts(x, w13, w2, w, ids, backend="triton")
     rows = torch.cat([torch.arange(0, 100), torch.arange(T - 100, T)]).cuda()
     ref = ref_of(x[rows], w13, w2, None, None, w[rows], ids[rows])
-    assert rel_err(out[rows], ref) < TOL[torch.bfloat16]
+    assert rel_err(out[rows], ref) < TOL[dtype]
+    del out
+    torch.cuda.empty_cache()
+
+
+_PROCESS_RUN = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_gpu import make
+from fusedmoe import fused_experts
+x, w13, w2, _, _, w, ids = make({tokens}, 32, 4, 1024, 512, {dtype}, seed=7)
+torch.save(fused_experts(x, w13, w2, w, ids, backend="triton").cpu(), {path!r})
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 200])
+def test_deterministic_across_processes(dtype, tokens, tmp_path):
+    """A fresh process (its own Triton launch state, allocator and addresses) computes bitwise the
+    output this one does: the direct decode path (1 token) and the aligned one (200)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    x, w13, w2, _, _, w, ids = make(tokens, 32, 4, 1024, 512, dtype, seed=7)
+    here = fused_experts(x, w13, w2, w, ids, backend="triton").cpu()
+    path = tmp_path / "out.pt"
+    code = _PROCESS_RUN.format(tests=str(Path(__file__).parent), tokens=tokens, dtype=f"torch.{str(dtype).split('.')[-1]}",
+                               path=str(path))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+    assert torch.equal(torch.load(path), here)
 
 
 def test_deterministic_and_cuda_graph():

@@ -73,6 +73,7 @@ A100 = Platform("cuda", (8, 0))
 V100 = Platform("cuda", (7, 0))
 B200_FI = Platform("cuda", (10, 0), packages=("flashinfer",))
 B200_FI_CUTLASS = Platform("cuda", (10, 0), packages=("flashinfer", "cutlass"))
+B200_CUTLASS = Platform("cuda", (10, 0), packages=("cutlass",))
 SPARK_FI = Platform("cuda", (12, 1), packages=("flashinfer",))
 MI300 = Platform("rocm", (9, 4))
 MI300_AITER = Platform("rocm", (9, 4), packages=("aiter",))
@@ -261,6 +262,10 @@ CASES = [
     Case("nvfp4-hopper", cfg(quant="nvfp4"), H100_FI, "marlin"),
     Case("nvfp4-b12x-explicit-only", cfg(quant="nvfp4"), SPARK_FI, "flashinfer_cutlass"),
     Case("nvfp4-b12x-request", cfg(quant="nvfp4", backend="flashinfer_b12x"), SPARK_FI, "flashinfer_b12x"),
+    # the seeds' allow_vllm_cutlass is FP8's: NVFP4 takes VLLM_CUTLASS in auto without it
+    Case("nvfp4-vllm-cutlass-auto", cfg(quant="nvfp4"), B200_CUTLASS, "cutlass"),
+    Case("nvfp4-fi-off-vllm-cutlass", cfg(quant="nvfp4"), B200_FI_CUTLASS, "cutlass", env={"USE_FLASHINFER": "0"}),
+    Case("nvfp4-vllm-cutlass-ep-marlin", cfg(quant="nvfp4", parallel=EP2), B200_CUTLASS, "marlin"),
     Case("nvfp4-cutlass-ep", cfg(quant="nvfp4", allow_cutlass=True, parallel=EP2, backend="cutlass"),
          B200_FI_CUTLASS, None, BackendRequestError, "NVFP4 path needs ep_size == 1"),
     Case("nvfp4-cpu", cfg(quant="nvfp4"), CPU, "emulation"),

@@ -98,8 +98,8 @@ KNOBS: dict[str, Knob] = {
         Knob("USE_AITER", _tristate, None,
              "ROCm AITER backend: unset/0 = off (opt-in, as upstream), 1 = require."),
         Knob("ALLOW_CUTLASS", _tristate, None,
-             "Let auto-selection consider the cutlass grouped-GEMM backends (default: only when "
-             "the config sets allow_cutlass)."),
+             "Let auto-selection consider the cutlass grouped-GEMM backends for FP8 (default: only "
+             "when the config sets allow_cutlass; NVFP4 considers them always, as the seeds do)."),
         Knob("BATCH_INVARIANT", _tristate, None,
              "Only select backends whose output does not depend on the batch composition "
              "(triton: aligned tile plans that keep each row's bits, docs/reliability.md)."),

@@ -222,10 +222,11 @@ def _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aite
         )
         if forced is not None:
             return forced
-    if not config.allow_cutlass:
+    if not config.allow_cutlass and config.family == "fp8":
+        # the seeds' allow_vllm_cutlass is FP8's: NVFP4's auto order keeps VLLM_CUTLASS ahead of Marlin
         for name in order:
             if REGISTRY[name].group == "cutlass":
-                excluded[name] = "cutlass backends need allow_cutlass=True (FUSEDMOE_ALLOW_CUTLASS=1)"
+                excluded[name] = "FP8 cutlass backends need allow_cutlass=True (FUSEDMOE_ALLOW_CUTLASS=1)"
     for name, why in excluded.items():
         checks[name] = checks[name] or why
 

@@ -255,6 +255,9 @@ CASES = [
     # --- NVFP4 -------------------------------------------------------------------------------------------
     Case("nvfp4-trtllm", cfg(quant="nvfp4"), B200_FI, "flashinfer_trtllm"),
     Case("nvfp4-clamp-trtllm", cfg(quant="nvfp4", swiglu_limit=10.0), B200_FI, "flashinfer_trtllm"),
+    # the seeds keep only FI_TRTLLM under a clamp (so Hopper raises); marlin applies the clamp (docs/oracle.md)
+    Case("nvfp4-clamp-hopper-marlin", cfg(quant="nvfp4", swiglu_limit=10.0), H100_FI, "marlin"),
+    Case("nvfp4-clamp-request-marlin", cfg(quant="nvfp4", swiglu_limit=10.0, backend="marlin"), H100_FI, "marlin"),
     Case("nvfp4-clamp-request-refused", cfg(quant="nvfp4", swiglu_limit=10.0, backend="flashinfer_cutlass"),
          B200_FI, None, BackendRequestError, r"Use one of \[.*'flashinfer_trtllm'"),
     Case("nvfp4-clamp-mode-refused", cfg(quant="nvfp4", swiglu_limit=10.0), B200_FI, None, BackendRequestError,

@@ -1041,3 +1041,26 @@ def test_checkpoint_on_gpu(fmt: str) -> None:
         want = cpu(x, logits)
     assert 0.1 < want.pow(2).mean().sqrt() < 10
     assert rel_error(out, want) < GPU_RTOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpt_oss_mxfp4_checkpoint_on_gpu() -> None:
+    """gpt-oss's fused MXFP4 tensors (gate / up rows interleaved, biases) loaded into a bf16 layer
+    on the GPU: the Triton weight-only kernels (re-laid as fragments where the rule says) against
+    the reference on the de-interleaved dequantized weights, swigluoai with its biases."""
+    ckpt = make_gpt_oss()
+    gpu = FusedMoE(E, TOP_K, H, I, params_dtype=torch.bfloat16, quant="mxfp4_w4a16", prequantized=True,
+                   activation="swigluoai", has_bias=True, device="cuda")
+    named = [(f"model.layers.0.mlp.experts.{n}", t) for n, t in ckpt.tensors.items()]
+    assert gpu.load_weights(named) == {n for n, _ in named}
+    assert gpu.selection.name == "triton"
+    x, logits = batch()
+    x = x.bfloat16().float()
+    out = gpu(x.cuda().bfloat16(), logits.cuda()).float().cpu()
+    cpu = layer_for("mxfp4_w4a16", activation="swigluoai", has_bias=True)
+    weights, ids = cpu.route(x, logits)
+    want = fused_experts_ref(x, ckpt.w13, ckpt.w2, weights, ids, activation="swigluoai",
+                             w13_bias_LG=ckpt.b13, w2_bias_LH=ckpt.b2)
+    assert 0.1 < want.pow(2).mean().sqrt() < 10
+    assert rel_error(out, want) < GPU_RTOL

@@ -40,7 +40,9 @@ TOL = 2e-2
 SHAPES = {"mixtral-like": (8, 2, 4096, 1792, "silu", False),
           "gpt-oss-like": (32, 4, 2880, 2880, "swigluoai", True),  # E=128 ran out of memory in fp32 quantization temporaries
           "deepseek-v3-tp8-like": (64, 8, 7168, 256, "silu", False),  # 64 of its 256 experts, as test_gpu_quant
-          "qwen3-235b-tp4-like": (128, 8, 4096, 384, "silu", False)}
+          "qwen3-235b-tp4-like": (128, 8, 4096, 384, "silu", False),
+          # Qwen3-30B-A3B whole: M=512 is 32 rows an expert (the 4-bit fragment rule's 32-row blocks)
+          "qwen3-30b": (128, 8, 2048, 768, "silu", False)}
 
 
 def make_weights(E, H, I, scheme, *, seed=0, bias=False, gated=True):
@@ -295,7 +297,9 @@ def test_opcheck_on_gpu():
 
 
 @pytest.mark.parametrize("scheme", ["int4_w4a16_g32", "mxfp4_w4a16", "mxfp4_w4a16:fragments", "nvfp4_w4a16",
-                                    "fp8_w8a16", "nvfp4_w4a16:fragments", "int4_w4a16_g32:fragments"])
+                                    "fp8_w8a16", "nvfp4_w4a16:fragments", "int4_w4a16_g32:fragments",
+                                    "int8_w8a16", "int4_w4a16_g64:fragments", "int4_w4a16_g128",
+                                    "int4_w4a16_g128:fragments", "int4_w4a16_g32_zp", "int4_w4a16_g128_zp:fragments"])
 def test_batched_layout_and_cuda_graph(scheme):
     """dispatch -> batched_triton (weight-only) -> combine: equal to the contiguous Triton path up
     to summation order and close to emulation, with an expert that gets every token and empty
@@ -317,7 +321,8 @@ def test_batched_layout_and_cuda_graph(scheme):
 @pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])
 def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
     """On Hopper the oracle sends NVFP4 W4A4 and MXFP4 W4A8 to marlin (weight-only execution,
-    the seeds' Marlin): equal to the weight-only twin's emulation, in both layouts, in a graph."""
+    the seeds' Marlin): equal to the weight-only twin's emulation, in both layouts, each replayed
+    in a CUDA graph bitwise."""
     from fusedmoe import MoEConfig, Platform, select_backend
     from fusedmoe.quant import QuantParams
 
@@ -338,8 +343,7 @@ def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
                                 backend=backend, activation_format=layout)
         out = run()
         assert rel_err(out, want) < TOL, backend
-        if layout == "standard":
-            assert torch.equal(replayed(run), out)
+        assert torch.equal(replayed(run), out), backend
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128"])

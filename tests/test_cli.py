@@ -65,6 +65,23 @@ def test_explain_reads_a_checkpoint_config(tmp_path, capsys):
         assert why in capsys.readouterr().err
 
 
+def test_explain_every_scheme(capsys):
+    """`fusedmoe explain --quant S` for every scheme: on Hopper (no vendor packages) our Triton
+    kernels, marlin for NVFP4 W4A4 and MXFP4 W4A8 (weight-only execution, the seeds' Marlin rows,
+    with the note saying so); off-GPU the emulation."""
+    from fusedmoe.quant.scheme import SCHEMES
+
+    for scheme in SCHEMES:
+        for platform, want in (("cuda:9.0", "marlin" if scheme in ("nvfp4", "mxfp4_w4a8") else "triton"),
+                               ("cpu", "emulation")):
+            assert main(["explain", "--model", "qwen3-30b-a3b", "--quant", scheme, "--platform", platform,
+                         "--json"]) == 0, (scheme, platform)
+            data = json.loads(capsys.readouterr().out)
+            assert data["chosen"] == want, (scheme, platform, data["chosen"])
+    assert main(["explain", "--model", "qwen3-30b-a3b", "--quant", "nvfp4", "--platform", "cuda:9.0"]) == 0
+    assert "weight-only" in capsys.readouterr().out
+
+
 def test_explain_json_with_parallel_config(capsys):
     rc = main(["explain", "--experts", "64", "--hidden", "2048", "--intermediate", "1408", "--top-k", "6",
                "--ep", "2", "--dp", "2", "--platform", "cuda:9.0", "--packages", "flashinfer", "--json"])

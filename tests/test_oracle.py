@@ -285,6 +285,12 @@ CASES = [
     Case("nvfp4-w4a16-b200-triton", cfg(quant="nvfp4_w4a16"), B200_FI, "triton"),
     # --- MXFP4 / INT4 ---------------------------------------------------------------------------------------
     Case("mxfp4-hopper", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), H100_FI, "triton"),
+    # gpt-oss order: AITER ahead of Triton on ROCm (opt-in, as upstream), FI_CUTLASS bf16 on SM90 on request
+    Case("mxfp4-rocm-triton", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), MI300_AITER, "triton"),
+    Case("mxfp4-rocm-aiter", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), MI300_AITER, "aiter",
+         env={"USE_AITER": "1"}),
+    Case("mxfp4-hopper-flashinfer-cutlass", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), H100_FI,
+         "flashinfer_cutlass", env={"USE_FLASHINFER": "1"}),
     Case("mxfp4-b200-trtllm", cfg(quant="mxfp4_w4a16", activation="swigluoai", has_bias=True), B200_FI,
          "flashinfer_trtllm"),
     Case("mxfp4-marlin-batched", cfg(quant="mxfp4_w4a16", activation_format="batched", backend="marlin"), A100,

@@ -36,7 +36,8 @@ TOL_EXACT = {"fp8": math.sqrt(3) * 0.036 + 4e-3, "int8": math.sqrt(3) * 0.016 + 
 # E, K, H, I: the presets (DeepSeek-V3 TP8 with 64 of its 256 experts: the kernels see the
 # same per-expert shapes; the fp32 quantization temporaries of all 256 need ~20 GB)
 SHAPES = {"mixtral-like": (8, 2, 4096, 1792), "qwen3-30b-like": (128, 8, 2048, 768),
-          "deepseek-v3-tp8-like": (64, 8, 7168, 256), "qwen3-235b-tp4-like": (128, 8, 4096, 384)}
+          "deepseek-v3-tp8-like": (64, 8, 7168, 256), "qwen3-235b-tp4-like": (128, 8, 4096, 384),
+          "gpt-oss-like": (32, 4, 2880, 2880)}  # H = I = 2880: not a multiple of the 128 blocks
 
 
 def tol_emulation(scheme: str) -> float:

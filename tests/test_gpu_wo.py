@@ -346,6 +346,31 @@ def test_marlin_runs_w4a4_and_w4a8_weight_only(scheme, twin):
         assert torch.equal(replayed(run), out), backend
 
 
+@pytest.mark.parametrize("scheme,twin", [("nvfp4", "nvfp4_w4a16"), ("mxfp4_w4a8", "mxfp4_w4a16")])
+def test_layer_runs_w4a4_and_w4a8_on_marlin_and_compiles(scheme, twin):
+    """FusedMoE with NVFP4 W4A4 / MXFP4 W4A8 on Hopper: the oracle picks marlin (weight-only
+    execution), the layer compiles with fullgraph=True, and its output is the weight-only twin's
+    emulation on the processed weights."""
+    E, K, H, I = 16, 4, 512, 256
+    layer = FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", quant=scheme)
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, H**-0.5)
+        layer.w2_weight.normal_(0, I**-0.5)
+    chosen = layer.process_weights_after_loading().name
+    if torch.cuda.get_device_capability() < (10, 0):
+        assert chosen == "marlin"
+    x = torch.randn(37, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(37, E, device="cuda")
+    poison_allocator()
+    eager = layer(x, logits)
+    out = torch.compile(layer, fullgraph=True)(x, logits)
+    assert rel_err(out, eager) < 1e-2
+    w, ids = layer.route(x, logits)
+    twin_params = dataclasses.replace(layer.quant_params, scheme=twin)
+    emulated = fused_experts(x, layer.w13_weight, layer.w2_weight, w, ids, quant=twin_params, backend="emulation")
+    assert rel_err(eager, emulated) < TOL
+
+
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "int4_w4a16_g128"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_fragments_in_fp16_and_fp32(dtype, scheme):

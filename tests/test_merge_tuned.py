@@ -67,3 +67,36 @@ def test_an_invalid_entry_is_refused(tmp_path, capsys):
     new.write_text(json.dumps(_table([bad])))
     assert merge_tuned.main([str(new), "--into", str(into)]) == 2
     assert "entry 0" in capsys.readouterr().err
+
+
+def _mixtral(tokens: int, quant: str = "mxfp4_w4a16") -> dict:
+    e = copy.deepcopy(next(e for e in PACKAGED["entries"] if e.get("quant") == quant and e["experts"] == 8
+                           and e["hidden"] == 4096 and e["inter"] == 14336))
+    e["tokens"] = tokens
+    return e
+
+
+def test_drop_removes_a_presets_entries_at_one_token_count(tmp_path, capsys):
+    """--drop QUANT:PRESET:TOKENS removes exactly the entries serving the preset's bench shape at that
+    token count (before a merge, with one); a dry run writes nothing; a spec that matches nothing,
+    or names no scheme, preset or count, exits 2 naming it and leaves the table alone."""
+    into, new = tmp_path / "NVIDIA_H200.json", tmp_path / "new.json"
+    m16, m256, other = _mixtral(16), _mixtral(256), _entry(256, 40.0, quant="nvfp4_w4a16")
+    into.write_text(json.dumps(_table([m16, m256, other])))
+    before = into.read_text()
+    assert merge_tuned.main(["--drop", "mxfp4_w4a16:mixtral-8x7b:256", "--into", str(into), "--dry-run"]) == 0
+    assert "1 dropped" in capsys.readouterr().out and into.read_text() == before
+    for spec, why in (("mxfp4_w4a16:mixtral-8x7b:512", "no entry of"), ("mxfp9:mixtral-8x7b:16", "unknown scheme"),
+                      ("mxfp4_w4a16:mixtral:16", "unknown preset"), ("mxfp4_w4a16:mixtral-8x7b:x", "positive integer"),
+                      ("mxfp4_w4a16:mixtral-8x7b", "QUANT:PRESET:TOKENS")):
+        assert merge_tuned.main(["--drop", spec, "--into", str(into)]) == 2, spec
+        assert why in capsys.readouterr().err and into.read_text() == before
+    new.write_text(json.dumps(_table([_mixtral(4096)], date="2026-11-30")))
+    assert merge_tuned.main([str(new), "--drop", "mxfp4_w4a16:mixtral-8x7b:256", "--into", str(into)]) == 0
+    out = capsys.readouterr().out
+    assert "0 replaced, 1 added, 1 dropped" in out and "dropped: ('mxfp4_w4a16'" in out
+    kept = json.loads(into.read_text())["entries"]
+    assert sorted((e.get("quant"), e["tokens"]) for e in kept) == sorted(
+        [("mxfp4_w4a16", 16), ("mxfp4_w4a16", 4096), ("nvfp4_w4a16", other["tokens"])])
+    assert merge_tuned.main(["--into", str(into)]) == 2
+    assert "nothing to do" in capsys.readouterr().err

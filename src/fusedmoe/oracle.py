@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from fusedmoe import backends as _backends
 from fusedmoe import knobs
 from fusedmoe.backends import REGISTRY, Backend, load_plugins, resolve_name
-from fusedmoe.backends.table import FLASHINFER_MODES, FLASHINFER_OPT_IN, PRIORITY
+from fusedmoe.backends.table import CUTLASS_OPT_IN, FLASHINFER_MODES, FLASHINFER_OPT_IN, PRIORITY
 from fusedmoe.config import MoEConfig
 from fusedmoe.errors import BackendRequestError, NoBackendError
 from fusedmoe.platform import Platform
@@ -222,11 +222,11 @@ def _decide(config, platform, checks, request, use_fi, fi_mode, use_dg, use_aite
         )
         if forced is not None:
             return forced
-    if not config.allow_cutlass and config.family == "fp8":
-        # the seeds' allow_vllm_cutlass is FP8's: NVFP4's auto order keeps VLLM_CUTLASS ahead of Marlin
+    if not config.allow_cutlass and config.family in CUTLASS_OPT_IN:
         for name in order:
             if REGISTRY[name].group == "cutlass":
-                excluded[name] = "FP8 cutlass backends need allow_cutlass=True (FUSEDMOE_ALLOW_CUTLASS=1)"
+                excluded[name] = (f"{FAMILY_LABEL[config.family]} cutlass backends need allow_cutlass=True "
+                                  "(FUSEDMOE_ALLOW_CUTLASS=1)")
     for name, why in excluded.items():
         checks[name] = checks[name] or why
 

@@ -365,6 +365,9 @@ PRIORITY: dict[str, tuple[tuple[str, frozenset[str] | None], ...]] = {
 
 # Families where FlashInfer is opt-in (FUSEDMOE_USE_FLASHINFER=1), as upstream does for bf16.
 FLASHINFER_OPT_IN = frozenset(("unquantized",))
+# Families whose auto order skips the cutlass group unless allow_cutlass / FUSEDMOE_ALLOW_CUTLASS=1:
+# the seeds' allow_vllm_cutlass is an FP8 argument; NVFP4 keeps VLLM_CUTLASS ahead of Marlin.
+CUTLASS_OPT_IN = frozenset(("fp8",))
 # FUSEDMOE_FLASHINFER_MODE -> backend.
 FLASHINFER_MODES = {
     "latency": "flashinfer_trtllm",

@@ -37,7 +37,7 @@ def _minor(version: str) -> list[str]:
 
 def _drop_matcher(spec: str):
     """QUANT:PRESET:TOKENS -> a predicate on table entries (module docstring)."""
-    from fusedmoe.presets import PRESETS
+    from fusedmoe.bench import preset_shapes
     from fusedmoe.quant.scheme import SCHEMES
 
     parts = spec.split(":")
@@ -46,14 +46,14 @@ def _drop_matcher(spec: str):
     quant, preset, tokens = parts
     if quant != "bf16" and quant not in SCHEMES:
         raise ValueError(f"--drop {spec!r}: unknown scheme {quant!r} (bf16 or one of {sorted(SCHEMES)})")
-    if preset not in PRESETS:
-        raise ValueError(f"--drop {spec!r}: unknown preset {preset!r} (one of {sorted(PRESETS)})")
     if not tokens.isdigit() or int(tokens) < 1:
         raise ValueError(f"--drop {spec!r}: TOKENS must be a positive integer, got {tokens!r}")
-    p = PRESETS[preset]
-    shape = (p.num_experts, p.hidden_size, p.intermediate_size // p.bench_tp, p.top_k, int(tokens))
-    want = "" if quant == "bf16" else quant
-    return lambda e: (e.get("quant") or "", e["experts"], e["hidden"], e["inter"], e["top_k"], e["tokens"]) == (want, *shape)
+    try:
+        experts, top_k, hidden, inter, _ = preset_shapes(preset)[preset]
+    except ValueError as exc:
+        raise ValueError(f"--drop {spec!r}: {exc}") from None
+    want = ("" if quant == "bf16" else quant, experts, hidden, inter, top_k, int(tokens))
+    return lambda e: (e.get("quant") or "", e["experts"], e["hidden"], e["inter"], e["top_k"], e["tokens"]) == want
 
 
 def merge(new_path: Path | None, into: Path | None = None, *, dry_run: bool = False,

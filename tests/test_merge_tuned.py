@@ -87,7 +87,7 @@ def test_drop_removes_a_presets_entries_at_one_token_count(tmp_path, capsys):
     assert merge_tuned.main(["--drop", "mxfp4_w4a16:mixtral-8x7b:256", "--into", str(into), "--dry-run"]) == 0
     assert "1 dropped" in capsys.readouterr().out and into.read_text() == before
     for spec, why in (("mxfp4_w4a16:mixtral-8x7b:512", "no entry of"), ("mxfp9:mixtral-8x7b:16", "unknown scheme"),
-                      ("mxfp4_w4a16:mixtral:16", "unknown preset"), ("mxfp4_w4a16:mixtral-8x7b:x", "positive integer"),
+                      ("mxfp4_w4a16:mixtral:16", "unknown model preset"), ("mxfp4_w4a16:mixtral-8x7b:x", "positive integer"),
                       ("mxfp4_w4a16:mixtral-8x7b", "QUANT:PRESET:TOKENS")):
         assert merge_tuned.main(["--drop", spec, "--into", str(into)]) == 2, spec
         assert why in capsys.readouterr().err and into.read_text() == before

@@ -488,8 +488,8 @@ def tune_shape(
         calls = {name: timer("call", plan, _rotate([call(plan) for call in by_draw])) for name, plan in plans.items()}
         bar = calls.get("table_call_us", calls["heuristic_call_us"])
         # over a stale entry the rule's plan is a candidate too: where it runs the whole call
-        # faster than the search's best it is written in the entry's place (a table cannot drop
-        # an entry, and a tie goes to the heuristic)
+        # faster than the search's best it is written in the entry's place (a tuner's table cannot
+        # drop an entry from the packaged one it is merged into, and a tie goes to the heuristic)
         written = "call_us"
         if "table_call_us" in calls and calls["heuristic_call_us"] < calls["call_us"]:
             written = "heuristic_call_us"

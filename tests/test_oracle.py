@@ -607,3 +607,11 @@ def test_knobs_read_inside_a_fullgraph_compile(monkeypatch):
 
     with knobs.override(TRITON_ROUTING=False):
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_explain_names_the_cutlass_opt_in(kernels):
+    """explain says why FP8 skips the cutlass rows (allow_cutlass is FP8's switch, as the seeds'
+    allow_vllm_cutlass), and NVFP4 on a B200 with cutlass and no FlashInfer chooses cutlass."""
+    reasons = {v.name: v.reason for v in explain(cfg(quant="fp8_w8a8_channel"), H100_CUTLASS).verdicts}
+    assert "FP8 cutlass backends need allow_cutlass=True (FUSEDMOE_ALLOW_CUTLASS=1)" in reasons["cutlass"]
+    assert explain(cfg(quant="nvfp4"), B200_CUTLASS).chosen == "cutlass"

@@ -1054,7 +1054,7 @@ def test_gpt_oss_mxfp4_checkpoint_on_gpu() -> None:
                    activation="swigluoai", has_bias=True, device="cuda")
     named = [(f"model.layers.0.mlp.experts.{n}", t) for n, t in ckpt.tensors.items()]
     assert gpu.load_weights(named) == {n for n, _ in named}
-    assert gpu.selection.name == "triton"
+    assert gpu.process_weights_after_loading().name == "triton"
     x, logits = batch()
     x = x.bfloat16().float()
     out = gpu(x.cuda().bfloat16(), logits.cuda()).float().cpu()

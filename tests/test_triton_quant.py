@@ -283,6 +283,8 @@ CASES = [  # (case, schemes): the paths each case exercises differently
     (Case("wo-relu2-partial-tiles", activation="relu2_no_mul", H=80, I=48), ["nvfp4_w4a16"]),
     (Case("wo-partial-tiles", H=96, I=160), ["int4_w4a16_g32", "mxfp4_w4a16"]),
     (Case("wo-odd-n", H=100, I=37, tiles=((16, 32, 32, 4, 1), (16, 64, 32, 4, 1))), ["int8_w8a16", "fp8_w8a16"]),
+    # H and I both odd (1-byte code rows of 65 and 37 bytes: no stride is a multiple of 16)
+    (Case("odd-h-and-i", T=5, E=6, K=3, H=65, I=37), ["fp8_w8a8_block", "int8_w8a8", "int8_w8a16"]),
     # a K step inside one group (BLOCK_K 32 < 128) and a split that starts mid-group
     (Case("wo-split-k", H=256, I=128, tiles=((16, 64, 32, 4, 1, 4), (16, 128, 32, 4, 1))),
      ["int4_w4a16_g128", "nvfp4_w4a16", "fp8_w8a16"]),

@@ -33,6 +33,12 @@ def row_err(out, ref) -> float:
     return (diff / norm.clamp(min=floor.item() or 1e-30)).max().item()
 
 
+def close(out, ref, tol: float) -> None:
+    """Whole-tensor relative error within tol, and the worst row (token) within ROW_FACTOR * tol."""
+    assert rel_err(out, ref) < tol
+    assert row_err(out, ref) < ROW_FACTOR * tol
+
+
 def poison_allocator(nbytes: int = 1 << 28) -> None:
     """Fill freed cache blocks with NaN so an output element the kernel never writes shows up."""
     torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
@@ -58,3 +64,20 @@ def replayed(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     graph.replay()
     torch.cuda.synchronize()
     return out
+
+
+def replay_on_new_inputs(run: Callable[[], torch.Tensor], x, w, ids, num_experts: int,
+                         want: Callable[[], torch.Tensor], tol: float) -> None:
+    """`run()` captured, its inputs changed in place (routing redrawn, x doubled: dynamic scales
+    follow the data), replayed: the static output `close` to `want()` on the new inputs (a graph
+    that baked in a captured value fails here, not in a replay on the captured inputs)."""
+    from fusedmoe import select_experts
+
+    graph, static_out = capture(run)
+    new_w, new_ids = select_experts(x, torch.randn(x.shape[0], num_experts, device=x.device), ids.shape[1])
+    w.copy_(new_w)
+    ids.copy_(new_ids)
+    x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    close(static_out, want(), tol)

@@ -5,6 +5,14 @@
 Programmatic dependent launch is off unless --pdl: under it a kernel starts before the one it
 depends on ends and waits inside, so the profiler counts that wait in its time (the alignment
 read 34 us at Qwen3-30B M=4096 with PDL, 14.7 alone). The call's own total is `fusedmoe bench`'s.
+
+`--profile-runs N` makes the same calls for an outside profiler instead: after a warm-up call on
+every weight copy (compiles, tile lookups), N eager calls on the first copy between
+`torch.cuda.profiler.start()` and `stop()`, so `ncu --profile-from-start off` sees only those
+(scripts/gpu_check.sh's ncu step):
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+        python benchmarks/profile_kernels.py --presets gpt-oss-120b --tokens 1 --quant int8_w8a8 --profile-runs 2
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ def main() -> None:
     ap.add_argument("--quant", default=None, help="a scheme `fusedmoe bench --quant` takes (weights quantized)")
     ap.add_argument("--pdl", action="store_true",
                     help="keep programmatic dependent launch (a kernel's time then includes its wait)")
+    ap.add_argument("--profile-runs", type=int, default=0, metavar="N",
+                    help="no timing: N eager calls per cell between cudaProfilerStart/Stop, for ncu")
     args = ap.parse_args()
+    if args.profile_runs < 0:
+        ap.error(f"--profile-runs must be >= 0, got {args.profile_runs}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (torch sees none)")
     with contextlib.nullcontext() if args.pdl else knobs.override(PDL=False):
         profile(args)
 
@@ -54,6 +68,15 @@ def profile(args) -> None:
             for w13, w2, prm in ws:
                 fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
             torch.cuda.synchronize()
+            if args.profile_runs:
+                w13, w2, prm = ws[0]
+                torch.cuda.profiler.start()
+                for _ in range(args.profile_runs):
+                    fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+                print(f"{name} {args.quant or 'bf16'} M={t}: {args.profile_runs} eager calls profiled")
+                continue
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     for w13, w2, prm in ws:

@@ -5,7 +5,7 @@
 # under OUT and prints its tail; summary.txt says how each step ended. Runs in the current Python
 # environment (the GPU machine's torch and Triton; nothing is installed).
 #
-#   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz retune
+#   OUT=dir bash scripts/gpu_check.sh [STEP ...]          STEP: env tests bench fuzz retune knob ncu
 #                                                         (default: env tests bench fuzz)
 #
 # Settings (environment):
@@ -24,6 +24,17 @@
 #                 OUT/tuned on each cell (the first tuned run with --check); retune_summary.txt gives
 #                 each cell's times (the rounds' JSON files packed in retune_runs.tgz); merge what wins
 #                 with scripts/merge_tuned.py OUT/tuned/<device>.json
+#   KNOB          knob: a fusedmoe knob's name (PDL, TRITON_RS_SYNC, ...: fusedmoe/knobs.py) timed at
+#                 each of VALUES (default "unset 1 0"; unset = the variable removed) over CELLS
+#                 ("QUANT:PRESETS:TOKENS ...", PRESETS and TOKENS comma lists: each entry one bench
+#                 process, so "Q:gpt-oss-120b,qwen3-30b-a3b:1" times Qwen3 after gpt-oss in its
+#                 process), ROUNDS rounds (default 2), the values' order reversed every other round;
+#                 each value's first round --check'ed unless KNOB_CHECK=0 (a timing-only setting that
+#                 may compute wrong rows); knob_summary.txt gives each cell's times by value
+#   NCU_CELLS     ncu: "QUANT:PRESET:M ..." (QUANT none for bf16): ncu (--clock-control none) of
+#                 NCU_RUNS (default 2) eager calls of each cell after a warm-up, through
+#                 benchmarks/profile_kernels.py --profile-runs (PDL off); NCU_SECTIONS to change the
+#                 sections, NCU_ARGS for more ncu arguments; each cell's report in ncu_<cell>.txt
 # The exit status is nonzero if a step failed or ran out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -147,9 +158,85 @@ PY
     [ $failed = 0 ] && note retune "ok" || note retune "failed (a bench run above)"
 }
 
+step_knob() {
+    local var="FUSEDMOE_$KNOB" round cell q p m r json value failed=0 values
+    read -r -a values <<< "${VALUES:-unset 1 0}"
+    mkdir -p "$OUT/knob_runs"
+    for round in $(seq "${ROUNDS:-2}"); do
+        local order=("${values[@]}")
+        if [ $((round % 2)) = 0 ]; then  # every other round the other way round: no value always runs first
+            order=()
+            for ((i = ${#values[@]} - 1; i >= 0; i--)); do order+=("${values[i]}"); done
+        fi
+        for cell in $CELLS; do
+            IFS=: read -r q p m <<< "$cell"
+            for value in "${order[@]}"; do
+                local args=(--presets "$p" --tokens "$m" --backends triton) env=(env -u "$var")
+                [ "$q" != none ] && args+=(--quant "$q")
+                [ "$round" = 1 ] && [ "${KNOB_CHECK:-1}" = 1 ] && args+=(--check)
+                [ "$value" != unset ] && env=(env "$var=$value")
+                json="$OUT/knob_runs/${round}_${value}_${q}_${p//,/+}_${m//,/+}.json"
+                echo "== round $round $var=$value $cell" >> "$OUT/knob.txt"
+                "${env[@]}" timeout "${LIMIT_BENCH:-300}" python -m fusedmoe bench "${args[@]}" --json "$json" \
+                    2>&1 | tr '\r' '\n' | grep -v '^\[ *[0-9]' >> "$OUT/knob.txt"
+                r=${PIPESTATUS[0]}
+                [ "$r" -ne 0 ] && { note "bench round $round $var=$value $cell" "$(ended "$r")"; failed=1; }
+            done
+        done
+    done
+    python - "$OUT" "$var" "${values[*]}" $CELLS <<'PY' | tee "$OUT/knob_summary.txt"
+import glob, json, os, sys
+out, var, values, cells = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4:]
+for cell in cells:
+    q, presets, tokens = cell.split(":")
+    times = {}  # (preset, tokens) -> value -> [us, ...] in round order
+    for value in values:
+        name = f"{value}_{q}_{presets.replace(',', '+')}_{tokens.replace(',', '+')}.json"
+        runs = [path for path in glob.glob(f"{out}/knob_runs/*_{name}")
+                if os.path.basename(path).split("_", 1)[1:] == [name]]  # ROUND_NAME, not a longer name
+        for path in sorted(runs, key=lambda path: int(os.path.basename(path).split("_", 1)[0])):
+            for row in json.load(open(path))["rows"]:
+                if row.get("us") is not None:
+                    times.setdefault((row["preset"], row["tokens"]), {}).setdefault(value, []).append(row["us"])
+    print(f"== {cell} ({var})")
+    for preset in presets.split(","):
+        for m in tokens.split(","):
+            by_value = times.get((preset, int(m)), {})
+            print(f"{q} {preset} M={m}: " + "; ".join(
+                f"{value} {', '.join(f'{t:.1f}' for t in by_value.get(value, [])) or '-'} us" for value in values))
+PY
+    tar czf "$OUT/knob_runs.tgz" -C "$OUT" knob_runs && rm -r "$OUT/knob_runs"
+    [ $failed = 0 ] && note "knob $KNOB" "ok" || note "knob $KNOB" "failed (a bench run above)"
+}
+
+step_ncu() {
+    local cell q p m r name sections=()
+    if ! command -v ncu > /dev/null; then
+        note ncu "failed (no ncu on PATH)"
+        return
+    fi
+    for s in ${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy SchedulerStats WarpStateStats MemoryWorkloadAnalysis}; do
+        sections+=(--section "$s")
+    done
+    local extra
+    read -r -a extra <<< "${NCU_ARGS:-}"
+    for cell in $NCU_CELLS; do
+        IFS=: read -r q p m <<< "$cell"
+        local args=(--presets "$p" --tokens "$m" --profile-runs "${NCU_RUNS:-2}")
+        [ "$q" != none ] && args+=(--quant "$q")
+        name="$OUT/ncu_${q}_${p}_${m}.txt"
+        echo "== ncu $cell" | tee "$name"
+        timeout "${LIMIT_NCU:-300}" ncu --clock-control none --profile-from-start off "${sections[@]}" "${extra[@]}" \
+            python benchmarks/profile_kernels.py "${args[@]}" >> "$name" 2>&1
+        r=$?
+        grep -E "^  [a-zA-Z_]+.*\(|Duration|Registers Per|Achieved Occupancy|DRAM Throughput" "$name" | head -40
+        note "ncu $cell" "$(ended "$r")"
+    done
+}
+
 for s in "${steps[@]}"; do
     if ! declare -F "step_$s" > /dev/null; then
-        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz, retune)" >&2
+        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz, retune, knob, ncu)" >&2
         exit 2
     fi
     if [ "$s" = retune ]; then
@@ -157,6 +244,25 @@ for s in "${steps[@]}"; do
         for cell in $CELLS; do
             [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$ ]] || {
                 echo "gpu_check.sh: CELLS entry '$cell' is not QUANT:PRESET:M" >&2; exit 2; }
+        done
+    fi
+    if [ "$s" = knob ]; then
+        [[ "${KNOB:-}" =~ ^[A-Z0-9_]+$ ]] || {
+            echo "gpu_check.sh: knob needs KNOB=NAME (a fusedmoe knob, e.g. PDL), not '${KNOB:-}'" >&2; exit 2; }
+        [ -n "${CELLS:-}" ] || { echo "gpu_check.sh: knob needs CELLS=\"QUANT:PRESETS:TOKENS ...\"" >&2; exit 2; }
+        for cell in $CELLS; do
+            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$ ]] || {
+                echo "gpu_check.sh: CELLS entry '$cell' is not QUANT:PRESETS:TOKENS" >&2; exit 2; }
+        done
+        for value in ${VALUES:-unset 1 0}; do
+            [[ "$value" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "gpu_check.sh: VALUES entry '$value' is not a plain word" >&2; exit 2; }
+        done
+    fi
+    if [ "$s" = ncu ]; then
+        [ -n "${NCU_CELLS:-}" ] || { echo "gpu_check.sh: ncu needs NCU_CELLS=\"QUANT:PRESET:M ...\"" >&2; exit 2; }
+        for cell in $NCU_CELLS; do
+            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$ ]] || {
+                echo "gpu_check.sh: NCU_CELLS entry '$cell' is not QUANT:PRESET:M" >&2; exit 2; }
         done
     fi
 done

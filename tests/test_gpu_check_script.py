@@ -100,3 +100,71 @@ def test_retune_tunes_each_cell_and_refuses_bad_cells_before_any_run(tmp_path):
         bad = run(out, "env", "retune", **env)
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
         assert not (out / "summary.txt").exists()  # refused before the env step ran
+
+
+def test_knob_times_each_value_per_cell_and_refuses_bad_settings_before_any_run(tmp_path):
+    """The knob step: one bench process per cell, value and round, the knob's variable set to the
+    value (or removed for unset), the values' order reversed every other round, the first round
+    --check'ed unless KNOB_CHECK=0; without CUDA every run fails and the summary says which, with
+    no times. KNOB, CELLS and VALUES malformed are refused before any step runs."""
+    done = run(tmp_path, "knob", KNOB="PDL", VALUES="unset 0", ROUNDS="2",
+               CELLS="fp8_w8a8_block:qwen3-30b-a3b:1 none:gpt-oss-120b,qwen3-30b-a3b:1,4")
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    ran = [line.split(": failed")[0] for line in summary[:-1]]
+    assert ran == ["bench round 1 FUSEDMOE_PDL=unset fp8_w8a8_block:qwen3-30b-a3b:1",
+                   "bench round 1 FUSEDMOE_PDL=0 fp8_w8a8_block:qwen3-30b-a3b:1",
+                   "bench round 1 FUSEDMOE_PDL=unset none:gpt-oss-120b,qwen3-30b-a3b:1,4",
+                   "bench round 1 FUSEDMOE_PDL=0 none:gpt-oss-120b,qwen3-30b-a3b:1,4",
+                   "bench round 2 FUSEDMOE_PDL=0 fp8_w8a8_block:qwen3-30b-a3b:1",
+                   "bench round 2 FUSEDMOE_PDL=unset fp8_w8a8_block:qwen3-30b-a3b:1",
+                   "bench round 2 FUSEDMOE_PDL=0 none:gpt-oss-120b,qwen3-30b-a3b:1,4",
+                   "bench round 2 FUSEDMOE_PDL=unset none:gpt-oss-120b,qwen3-30b-a3b:1,4"]
+    assert summary[-1] == "knob PDL: failed (a bench run above)"
+    log = (tmp_path / "knob.txt").read_text()
+    assert log.count("needs a CUDA device") == 8
+    assert (tmp_path / "knob_summary.txt").read_text().splitlines() == [
+        "== fp8_w8a8_block:qwen3-30b-a3b:1 (FUSEDMOE_PDL)",
+        "fp8_w8a8_block qwen3-30b-a3b M=1: unset - us; 0 - us",
+        "== none:gpt-oss-120b,qwen3-30b-a3b:1,4 (FUSEDMOE_PDL)",
+        *(f"none {p} M={m}: unset - us; 0 - us" for p in ("gpt-oss-120b", "qwen3-30b-a3b") for m in (1, 4))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["knob.txt", "knob_runs.tgz", "knob_summary.txt",
+                                                          "summary.txt"]
+    for env, why in (({"CELLS": "none:qwen3-30b-a3b:1"}, "knob needs KNOB=NAME"),
+                     ({"KNOB": "pdl", "CELLS": "none:qwen3-30b-a3b:1"}, "knob needs KNOB=NAME"),
+                     ({"KNOB": "PDL"}, "knob needs CELLS"),
+                     ({"KNOB": "PDL", "CELLS": "none:qwen3-30b-a3b"}, "is not QUANT:PRESETS:TOKENS"),
+                     ({"KNOB": "PDL", "CELLS": "none:qwen3-30b-a3b:1", "VALUES": "1 $(x)"}, "is not a plain word")):
+        out = tmp_path / f"bad{len(os.listdir(tmp_path))}"
+        bad = run(out, "env", "knob", **env)
+        assert bad.returncode == 2 and why in bad.stderr, (env, bad.stderr)
+        assert not (out / "summary.txt").exists()  # refused before the env step ran
+
+
+def test_ncu_profiles_each_cell_through_profile_kernels(tmp_path):
+    """The ncu step: ncu (here a stand-in that prints its arguments and runs the command) of
+    benchmarks/profile_kernels.py --profile-runs for each cell, each report in its own file; no
+    ncu on PATH is a failed step; NCU_CELLS missing or malformed is refused before any step runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ncu"
+    fake.write_text('#!/usr/bin/env bash\necho "ncu $*"\nwhile [ "$1" != python ]; do shift; done\nexec "$@"\n')
+    fake.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = tmp_path / "out"
+    done = run(out, "ncu", NCU_CELLS="int8_w8a8:gpt-oss-120b:1 none:mixtral-8x7b:4", NCU_RUNS="3", PATH=path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (out / "summary.txt").read_text().splitlines() == [
+        "ncu int8_w8a8:gpt-oss-120b:1: failed (exit 2)", "ncu none:mixtral-8x7b:4: failed (exit 2)"]
+    report = (out / "ncu_int8_w8a8_gpt-oss-120b_1.txt").read_text()
+    assert "--clock-control none --profile-from-start off --section SpeedOfLight" in report
+    assert "profile_kernels.py --presets gpt-oss-120b --tokens 1 --profile-runs 3 --quant int8_w8a8" in report
+    assert "needs a CUDA device" in report
+    assert "--profile-runs 3\n" in (out / "ncu_none_mixtral-8x7b_4.txt").read_text()  # bf16: no --quant
+    # no ncu: the step fails, saying so
+    bare = f"{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    done = run(tmp_path / "no_ncu", "ncu", NCU_CELLS="none:mixtral-8x7b:4", PATH=bare)
+    assert done.returncode == 1 and (tmp_path / "no_ncu" / "summary.txt").read_text() == "ncu: failed (no ncu on PATH)\n"
+    for env, why in (({}, "ncu needs NCU_CELLS"), ({"NCU_CELLS": "none:mixtral-8x7b:4,16"}, "is not QUANT:PRESET:M")):
+        bad = run(tmp_path / f"bad{len(why)}", "env", "ncu", **env)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr

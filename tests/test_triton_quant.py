@@ -603,8 +603,11 @@ def test_gemm2_rows_matches_tiled(case, scheme, monkeypatch):
         assert torch.equal(rows, tiled)
     else:
         assert rel_err(rows, tiled) < 1e-6
+    # against emulation up to a code flip: the intermediate's dynamic int8 / fp8 codes come from GEMM1
+    # sums in numpy's order here and torch's there, and which order a CPU's matmul takes depends on
+    # its vector units (r-maxi-input-map flipped one code on one CI machine and none on others)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(rows, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(rows, emulated)
 
 
 def test_gemm2_rows_rule(monkeypatch):

@@ -288,6 +288,48 @@ def test_weight_round_trip_and_layout(scheme_name):
     assert rel_error(d13, w13) < bound and rel_error(d2, w2) < bound
 
 
+@pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
+def test_weights_are_quantized_a_chunk_of_experts_at_a_time_bit_for_bit(scheme_name, monkeypatch):
+    """quantize_weight / dequantize_weight work through QUANTIZE_CHUNK_ELEMENTS weights at a time
+    (their temporaries bounded, not growing with E): the same bits as one pass over every expert,
+    at 5 experts in chunks of 2 (the last one short), fp32 and bf16 weights, 4-bit payloads also in
+    the fragment layout; and a chunk is never less than one expert."""
+    from fusedmoe.quant import weights
+    from fusedmoe.quant.fragments import to_fragments
+
+    scheme = SCHEMES[scheme_name]
+    seen = []
+    real = weights._quantize_experts
+    monkeypatch.setattr(weights, "_quantize_experts", lambda w, s: (seen.append(w.shape[0]), real(w, s))[1])
+    for dtype in (torch.float32, torch.bfloat16):
+        w13, w2 = (w.to(dtype) for w in make_weights(5, 2 * 128, 128, 128, seed=14))
+        monkeypatch.setattr(weights, "QUANTIZE_CHUNK_ELEMENTS", 1 << 40)
+        whole = weights.quantize_weights(w13, w2, scheme_name)
+        assert seen == [5, 5]
+        seen.clear()
+        monkeypatch.setattr(weights, "QUANTIZE_CHUNK_ELEMENTS", 2 * 256 * 128)  # two of w13's experts
+        chunked = weights.quantize_weights(w13, w2, scheme_name)
+        assert seen == [2, 2, 1, 4, 1], seen  # w2's experts are half w13's: 4 at a time
+        seen.clear()
+        assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+        for name in ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero"):
+            a, b = getattr(chunked[2], name), getattr(whole[2], name)
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        q13, params = whole[0], whole[2]
+        layouts = [(q13, params.w13_scale, params.w13_zero)]
+        if scheme.weight.dtype == "mxfp4":
+            layouts.append((*to_fragments(q13, params.w13_scale, "mxfp4"), None))
+        for q, scale, zero in layouts:
+            monkeypatch.setattr(weights, "QUANTIZE_CHUNK_ELEMENTS", 1 << 40)
+            one = weights.dequantize_weight(q, scale, scheme_name, params.w13_global_scale, zero=zero)
+            monkeypatch.setattr(weights, "QUANTIZE_CHUNK_ELEMENTS", 2 * 256 * 128)
+            assert torch.equal(weights.dequantize_weight(q, scale, scheme_name, params.w13_global_scale, zero=zero),
+                               one)
+    monkeypatch.setattr(weights, "QUANTIZE_CHUNK_ELEMENTS", 1)
+    assert weights._expert_chunks(3, 64, 128) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert weights._expert_chunks(0, 64, 128) == [slice(0, 0)]
+
+
 @pytest.mark.parametrize("scheme_name", ["int4_w4a16_g32", "int4_w4a16_g128"])
 def test_int4_scales_of_bf16_weights_are_bf16(scheme_name):
     """int4 group scales of bf16 weights are stored in bf16 (as GPTQ / AWQ checkpoints and the

@@ -98,8 +98,32 @@ def quantize_weight(
     to 0 without NaN.
     """
     scheme = _resolve(scheme)
-    key = scheme.weight
     _check_float_weight(scheme, "w", w_ENK)
+    parts = [_quantize_experts(w_ENK[chunk], scheme) for chunk in _expert_chunks(*w_ENK.shape)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if part is None else torch.cat([p[i] for p in parts]) for i, part in enumerate(parts[0]))
+
+
+# Every scheme's codes and scales of an expert depend on that expert's weights alone (a scale's
+# granule is at most one expert), so experts are quantized and dequantized a chunk at a time, bit
+# for bit as all at once: the temporaries (e2m1 encoding holds ~30 bytes an element in int64
+# buckets and masks) then stay near QUANTIZE_CHUNK_ELEMENTS elements' worth instead of growing with
+# the whole weight (gpt-oss-120b's experts, 3.2 G weights: ~74 GB to quantize to mxfp4 at once).
+QUANTIZE_CHUNK_ELEMENTS = 1 << 26  # ~2 GB of temporaries a chunk
+
+
+def _expert_chunks(num_experts: int, n: int, k: int) -> list[slice]:
+    """Slices of the expert dim of [E, N, K] weights, about QUANTIZE_CHUNK_ELEMENTS weights each
+    (one expert at least)."""
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
+    return [slice(e, e + step) for e in range(0, num_experts, step)] or [slice(0, 0)]
+
+
+def _quantize_experts(
+    w_ENK: torch.Tensor, scheme: QuantScheme
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    key = scheme.weight
     w = w_ENK.float()
     if key.dtype == "nvfp4":
         global_E = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
@@ -157,16 +181,30 @@ def dequantize_weight(
     check_zero("zero", zero, scale, scheme)
     if key.dtype == "nvfp4" and global_scale is not None:
         _check_tensor("global_scale", global_scale, ((q.shape[0],),), (torch.float32,), scheme, q.device)
+    if key.dtype == "nvfp4" and global_scale is None:
+        raise ValueError(f"{scheme.name} weights need global_scale (fp32 [E]), got None")
+    if key.dtype != "nvfp4" and global_scale is not None:
+        raise ValueError(f"global_scale is set but {scheme.name} has none (only nvfp4 does)")
+    chunks = _expert_chunks(q.shape[0], q.shape[1], q.shape[2] * pack)
+    if len(chunks) == 1:
+        return _dequantize_experts(q, scale, scheme, global_scale, zero)
+    out = torch.empty(q.shape[0], q.shape[1], q.shape[2] * pack, dtype=torch.float32, device=q.device)
+    for chunk in chunks:  # into one output: the float weights are the big tensor here
+        out[chunk] = _dequantize_experts(q[chunk], scale[chunk], scheme,
+                                         None if global_scale is None else global_scale[chunk],
+                                         None if zero is None else zero[chunk])
+    return out
+
+
+def _dequantize_experts(q: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme, global_scale: torch.Tensor | None,
+                        zero: torch.Tensor | None) -> torch.Tensor:
+    key = scheme.weight
     if is_fragments(scale) and key.dtype in _PACKED:  # the triton backend's fragment layout: back to the checkpoint's
         if zero is not None:  # laid as its scales are
             zero = from_fragments(q, zero, key.dtype)[1]
         q, scale = from_fragments(q, scale, key.dtype)
     if key.dtype == "nvfp4":
-        if global_scale is None:
-            raise ValueError(f"{scheme.name} weights need global_scale (fp32 [E]), got None")
         return nvfp4_dequantize(q, scale, global_scale.float().view(-1, 1, 1))
-    if global_scale is not None:
-        raise ValueError(f"global_scale is set but {scheme.name} has none (only nvfp4 does)")
     if key.dtype == "mxfp4":
         return mxfp4_dequantize(q, scale)
     if key.dtype == "fp8":

@@ -234,37 +234,30 @@ step_ncu() {
     done
 }
 
+refuse() { echo "gpu_check.sh: $*" >&2; exit 2; }
+
+need_cells() {  # need_cells STEP VAR FORM REGEX: VAR is set and each of its entries matches REGEX
+    local cell
+    [ -n "${!2:-}" ] || refuse "$1 needs $2=\"$3 ...\""
+    for cell in ${!2}; do
+        [[ "$cell" =~ $4 ]] || refuse "$2 entry '$cell' is not $3"
+    done
+}
+
+cell='^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$'  # QUANT:PRESET:M
+cells='^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$'  # QUANT:PRESETS:TOKENS
 for s in "${steps[@]}"; do
-    if ! declare -F "step_$s" > /dev/null; then
-        echo "gpu_check.sh: unknown step '$s' (env, tests, bench, fuzz, retune, knob, ncu)" >&2
-        exit 2
-    fi
-    if [ "$s" = retune ]; then
-        [ -n "${CELLS:-}" ] || { echo "gpu_check.sh: retune needs CELLS=\"QUANT:PRESET:M ...\"" >&2; exit 2; }
-        for cell in $CELLS; do
-            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$ ]] || {
-                echo "gpu_check.sh: CELLS entry '$cell' is not QUANT:PRESET:M" >&2; exit 2; }
-        done
-    fi
-    if [ "$s" = knob ]; then
-        [[ "${KNOB:-}" =~ ^[A-Z0-9_]+$ ]] || {
-            echo "gpu_check.sh: knob needs KNOB=NAME (a fusedmoe knob, e.g. PDL), not '${KNOB:-}'" >&2; exit 2; }
-        [ -n "${CELLS:-}" ] || { echo "gpu_check.sh: knob needs CELLS=\"QUANT:PRESETS:TOKENS ...\"" >&2; exit 2; }
-        for cell in $CELLS; do
-            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$ ]] || {
-                echo "gpu_check.sh: CELLS entry '$cell' is not QUANT:PRESETS:TOKENS" >&2; exit 2; }
-        done
-        for value in ${VALUES:-unset 1 0}; do
-            [[ "$value" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "gpu_check.sh: VALUES entry '$value' is not a plain word" >&2; exit 2; }
-        done
-    fi
-    if [ "$s" = ncu ]; then
-        [ -n "${NCU_CELLS:-}" ] || { echo "gpu_check.sh: ncu needs NCU_CELLS=\"QUANT:PRESET:M ...\"" >&2; exit 2; }
-        for cell in $NCU_CELLS; do
-            [[ "$cell" =~ ^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$ ]] || {
-                echo "gpu_check.sh: NCU_CELLS entry '$cell' is not QUANT:PRESET:M" >&2; exit 2; }
-        done
-    fi
+    declare -F "step_$s" > /dev/null || refuse "unknown step '$s' (env, tests, bench, fuzz, retune, knob, ncu)"
+    case "$s" in
+        retune) need_cells retune CELLS QUANT:PRESET:M "$cell" ;;
+        ncu) need_cells ncu NCU_CELLS QUANT:PRESET:M "$cell" ;;
+        knob)
+            [[ "${KNOB:-}" =~ ^[A-Z0-9_]+$ ]] || refuse "knob needs KNOB=NAME (a fusedmoe knob, e.g. PDL), not '${KNOB:-}'"
+            need_cells knob CELLS QUANT:PRESETS:TOKENS "$cells"
+            for value in ${VALUES:-unset 1 0}; do
+                [[ "$value" =~ ^[A-Za-z0-9_.-]+$ ]] || refuse "VALUES entry '$value' is not a plain word"
+            done ;;
+    esac
 done
 for s in "${steps[@]}"; do
     echo "######## $s $(date +%T)"

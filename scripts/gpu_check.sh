@@ -159,7 +159,7 @@ PY
 }
 
 step_knob() {
-    local var="FUSEDMOE_$KNOB" round cell q p m r json value failed=0 values
+    local var="FUSEDMOE_$KNOB" round cell q p m r json value i failed=0 values
     read -r -a values <<< "${VALUES:-unset 1 0}"
     mkdir -p "$OUT/knob_runs"
     for round in $(seq "${ROUNDS:-2}"); do
@@ -210,13 +210,13 @@ PY
 }
 
 step_ncu() {
-    local cell q p m r name sections=()
+    local cell q p m r name section sections=()
     if ! command -v ncu > /dev/null; then
         note ncu "failed (no ncu on PATH)"
         return
     fi
-    for s in ${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy SchedulerStats WarpStateStats MemoryWorkloadAnalysis}; do
-        sections+=(--section "$s")
+    for section in ${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy SchedulerStats WarpStateStats MemoryWorkloadAnalysis}; do
+        sections+=(--section "$section")
     done
     local extra
     read -r -a extra <<< "${NCU_ARGS:-}"
@@ -244,16 +244,16 @@ need_cells() {  # need_cells STEP VAR FORM REGEX: VAR is set and each of its ent
     done
 }
 
-cell='^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$'  # QUANT:PRESET:M
-cells='^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$'  # QUANT:PRESETS:TOKENS
+cell_re='^[a-z0-9_]+:[a-z0-9._-]+:[0-9]+$'  # QUANT:PRESET:M
+cells_re='^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$'  # QUANT:PRESETS:TOKENS
 for s in "${steps[@]}"; do
     declare -F "step_$s" > /dev/null || refuse "unknown step '$s' (env, tests, bench, fuzz, retune, knob, ncu)"
     case "$s" in
-        retune) need_cells retune CELLS QUANT:PRESET:M "$cell" ;;
-        ncu) need_cells ncu NCU_CELLS QUANT:PRESET:M "$cell" ;;
+        retune) need_cells retune CELLS QUANT:PRESET:M "$cell_re" ;;
+        ncu) need_cells ncu NCU_CELLS QUANT:PRESET:M "$cell_re" ;;
         knob)
             [[ "${KNOB:-}" =~ ^[A-Z0-9_]+$ ]] || refuse "knob needs KNOB=NAME (a fusedmoe knob, e.g. PDL), not '${KNOB:-}'"
-            need_cells knob CELLS QUANT:PRESETS:TOKENS "$cells"
+            need_cells knob CELLS QUANT:PRESETS:TOKENS "$cells_re"
             for value in ${VALUES:-unset 1 0}; do
                 [[ "$value" =~ ^[A-Za-z0-9_.-]+$ ]] || refuse "VALUES entry '$value' is not a plain word"
             done ;;

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections import defaultdict
 
 import torch
 
-from fusedmoe import fused_experts, knobs, select_experts
-from fusedmoe.bench import _quantized_copy
+from fusedmoe import fused_experts, knobs
+from fusedmoe.bench import _quantized_copy, cell_draws, random_expert_weights
 from fusedmoe.presets import get_preset
+
+DEVICE = "cuda"
 
 
 def main() -> None:
@@ -48,39 +51,41 @@ def main() -> None:
 
 
 def profile(args) -> None:
+    """Each preset's problems as `fusedmoe bench` times them: its benchmark TP split, biases where
+    the preset has them, 4 weight copies (`bench.random_expert_weights`, quantized as bench does)
+    and each cell's routing draws (`bench.cell_draws`), copy i with draw i."""
+    device = torch.device(DEVICE)
+    copies = 4
     for name in args.presets.split(","):
         p = get_preset(name)
         inter = p.intermediate_size // p.bench_tp
-        gated = p.activation in ("silu", "gelu", "gelu_tanh", "swigluoai")
-        copies = 4
-        ws = [((torch.randn(p.num_experts, (2 if gated else 1) * inter, p.hidden_size, device="cuda") / 50).bfloat16(),
-               (torch.randn(p.num_experts, p.hidden_size, inter, device="cuda") / 30).bfloat16()) for _ in range(copies)]
-        if args.quant is not None:  # (q13, q2, QuantParams) per copy
-            ws = [(q13, q2, prm) for q13, q2, _, _, prm in (_quantized_copy(w13, w2, None, None, args.quant)
-                                                            for w13, w2 in ws)]
-        else:
-            ws = [(w13, w2, None) for w13, w2 in ws]
+        gen = torch.Generator(device=device).manual_seed(0)
+        ws = []  # (w13, w2, b13, b2, QuantParams or None) per copy
+        for _ in range(copies):
+            w13, w2, b13, b2 = random_expert_weights(p.num_experts, p.hidden_size, inter, p.activation, device=device,
+                                                     dtype=torch.bfloat16, generator=gen, bias=p.has_bias)
+            ws.append(_quantized_copy(w13, w2, b13, b2, args.quant) if args.quant else (w13, w2, b13, b2, None))
+        kw = dict(activation=p.activation, backend=args.backend,
+                  apply_router_weight_on_input=p.apply_router_weight_on_input)
         for t in (int(v) for v in args.tokens.split(",")):
-            x = torch.randn(t, p.hidden_size, device="cuda").bfloat16()
-            w, ids = select_experts(x, torch.randn(t, p.num_experts, device="cuda"), p.top_k)
-            kw = dict(activation=p.activation, backend=args.backend,
-                      apply_router_weight_on_input=p.apply_router_weight_on_input)
-            for w13, w2, prm in ws:
-                fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
+            calls = [functools.partial(fused_experts, d[0], c[0], c[1], d[2], d[3], w13_bias=c[2], w2_bias=c[3],
+                                       quant=c[4], **kw)
+                     for c, d in zip(ws, cell_draws(p, t, copies, 0, device, torch.bfloat16), strict=True)]
+            for call in calls:
+                call()
             torch.cuda.synchronize()
             if args.profile_runs:
-                w13, w2, prm = ws[0]
                 torch.cuda.profiler.start()
                 for _ in range(args.profile_runs):
-                    fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
+                    calls[0]()
                 torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
                 print(f"{name} {args.quant or 'bf16'} M={t}: {args.profile_runs} eager calls profiled")
                 continue
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    for w13, w2, prm in ws:
-                        fused_experts(x, w13, w2, w, ids, quant=prm, **kw)
+                    for call in calls:
+                        call()
                 torch.cuda.synchronize()
             totals = defaultdict(float)
             for evt in prof.events():

@@ -337,10 +337,10 @@ def test_bench_quant_bytes_and_refusals(capsys):
 
 @pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16_g32", "fp8_w8a8_tensor_static",
                                     "fp8_w8a8_block", "int8_w8a8"])
-def test_bench_quantizes_by_expert_chunks_as_whole(scheme):
-    """bench._quantized_copy quantizes 8 experts at a time (bounded float32 temporaries): the same
-    payloads and per-expert scales as one quantize_weights over every expert (E = 19: a short
-    last chunk), the static activation scales once."""
+def test_bench_copies_are_quantize_weights(scheme):
+    """bench._quantized_copy gives quantize_weights' payloads and scales (E = 19; quantize_weights
+    bounds its temporaries itself, a chunk of experts at a time: tests/test_quant.py), the static
+    activation scales once, int4's group scales in bf16."""
     import torch
 
     from fusedmoe.bench import _quantized_copy

@@ -781,15 +781,9 @@ def _quantized_copy(w13, w2, b13, b2, scheme: str, prepare: bool | None = None) 
 
     static = scheme.endswith("_static")
     amax = (torch.tensor(6.0), torch.tensor(10.0)) if static else None  # |x| ~ 5 sigma, |a| ~ 8
-    # 8 experts at a time: quantize_weights' float32 temporaries of a whole gpt-oss-120b weight
-    # (~16 GB each) ran an 80 GB H100 out of memory
-    parts = [quantize_weights(w13[e:e + 8], w2[e:e + 8], scheme, activation_amax=amax)
-             for e in range(0, w13.shape[0], 8)]
-    q13, q2 = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
-    per_expert = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "w13_zero", "w2_zero")  # dim 0: experts
-    params = dataclasses.replace(parts[0][2], **{name: torch.cat([getattr(part[2], name) for part in parts])
-                                                 for name in per_expert if getattr(parts[0][2], name) is not None})
-    del parts
+    # a chunk of experts at a time (quant.weights.QUANTIZE_CHUNK_ELEMENTS): the float32 temporaries
+    # of a whole gpt-oss-120b weight at once (~16 GB each) ran an 80 GB H100 out of memory
+    q13, q2, params = quantize_weights(w13, w2, scheme, activation_amax=amax)
     if params.scheme.weight.dtype == "int4":  # bf16 group scales, as quant_bytes counts them
         # (quantize_weights stores them so for bf16 weights already; fp32 weights' are cast)
         params = dataclasses.replace(params, **{name: getattr(params, name).to(torch.bfloat16)

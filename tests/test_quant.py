@@ -330,6 +330,18 @@ def test_weights_are_quantized_a_chunk_of_experts_at_a_time_bit_for_bit(scheme_n
     assert weights._expert_chunks(0, 64, 128) == [slice(0, 0)]
 
 
+def test_dequantize_weight_refuses_a_missing_or_stray_global_scale():
+    """nvfp4 needs its per-expert global scale; any other scheme given one is refused, by name,
+    before any dequantization (checked ahead of the chunked work)."""
+    w13, w2 = make_weights(2, 64, 128, 64, seed=15)
+    q13, _, params = quantize_weights(w13, w2, "nvfp4_w4a16")
+    with pytest.raises(ValueError, match="nvfp4_w4a16 weights need global_scale"):
+        dequantize_weight(q13, params.w13_scale, "nvfp4_w4a16")
+    m13, _, mx = quantize_weights(w13, w2, "mxfp4_w4a16")
+    with pytest.raises(ValueError, match="global_scale is set but mxfp4_w4a16 has none"):
+        dequantize_weight(m13, mx.w13_scale, "mxfp4_w4a16", params.w13_global_scale)
+
+
 @pytest.mark.parametrize("scheme_name", ["int4_w4a16_g32", "int4_w4a16_g128"])
 def test_int4_scales_of_bf16_weights_are_bf16(scheme_name):
     """int4 group scales of bf16 weights are stored in bf16 (as GPTQ / AWQ checkpoints and the

@@ -179,11 +179,11 @@ def dequantize_weight(
     check_group_divides(scheme, "q", q.shape[2] * pack)
     _check_weight_scale("scale", scale, scheme, q.shape[0], q.shape[1], q.shape[2] * pack, q.device)
     check_zero("zero", zero, scale, scheme)
-    if key.dtype == "nvfp4" and global_scale is not None:
+    if key.dtype == "nvfp4":
+        if global_scale is None:
+            raise ValueError(f"{scheme.name} weights need global_scale (fp32 [E]), got None")
         _check_tensor("global_scale", global_scale, ((q.shape[0],),), (torch.float32,), scheme, q.device)
-    if key.dtype == "nvfp4" and global_scale is None:
-        raise ValueError(f"{scheme.name} weights need global_scale (fp32 [E]), got None")
-    if key.dtype != "nvfp4" and global_scale is not None:
+    elif global_scale is not None:
         raise ValueError(f"global_scale is set but {scheme.name} has none (only nvfp4 does)")
     chunks = _expert_chunks(q.shape[0], q.shape[1], q.shape[2] * pack)
     if len(chunks) == 1:

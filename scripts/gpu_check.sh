@@ -9,7 +9,9 @@
 #                                                         (default: env tests bench fuzz)
 #
 # Settings (environment):
-#   TESTS         arguments for scripts/test_gpu.sh (default: every test file); PHASES its phases
+#   TESTS         arguments for scripts/test_gpu.sh (default: every test file), split as a shell splits
+#                 words, quotes included (TESTS="tests/test_gpu_wo.py -k 'not w8a8'"), nothing expanded;
+#                 PHASES its phases
 #                 ("small big"; the whole suite takes ~17 minutes on an H200: split it over calls
 #                 under a shorter limit, e.g. PHASES=small then PHASES=big, or TESTS by file)
 #   QUANTS        comma-separated schemes for bench, "none" for bf16 (default: none)
@@ -71,9 +73,13 @@ step_env() {
     note env "$(ended $r)"
 }
 
+split_words() {  # split_words TEXT: TEXT's words as a shell splits them (quotes, no expansion), NUL-ended
+    python -c 'import shlex, sys; sys.stdout.write("".join(w + "\0" for w in shlex.split(sys.argv[1])))' "$1"
+}
+
 step_tests() {
-    local args
-    read -r -a args <<< "${TESTS:-}"
+    local args=()
+    mapfile -d '' -t args < <(split_words "${TESTS:-}")
     timeout "${LIMIT_TESTS:-400}" bash scripts/test_gpu.sh "${args[@]}" > "$OUT/tests.log" 2>&1
     local r=$?
     grep -E "FAILED|ERROR|^SKIPPED| in [0-9.]+s" "$OUT/tests.log" | tail -20
@@ -249,6 +255,8 @@ cells_re='^[a-z0-9_]+:[a-z0-9._-]+(,[a-z0-9._-]+)*:[0-9]+(,[0-9]+)*$'  # QUANT:P
 for s in "${steps[@]}"; do
     declare -F "step_$s" > /dev/null || refuse "unknown step '$s' (env, tests, bench, fuzz, retune, knob, ncu)"
     case "$s" in
+        tests) split_words "${TESTS:-}" > /dev/null 2>&1 \
+                   || refuse "TESTS does not split into words (an unclosed quote?): ${TESTS:-}" ;;
         retune) need_cells retune CELLS QUANT:PRESET:M "$cell_re" ;;
         ncu) need_cells ncu NCU_CELLS QUANT:PRESET:M "$cell_re" ;;
         knob)

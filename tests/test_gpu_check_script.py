@@ -42,6 +42,18 @@ def test_a_passing_step_leaves_the_exit_status_zero(tmp_path):
     assert "skipped" in done.stdout and "deselected" in done.stdout  # the phase's summary line is printed
 
 
+def test_tests_split_as_a_shell_line_quotes_included(tmp_path):
+    # a -k expression with spaces is one argument; without the quotes' handling pytest would read
+    # "'wide_fragment_plan" as a file and fail
+    done = run(tmp_path, "tests", TESTS="tests/test_gpu_wo.py -k 'wide_fragment_plan and not no_such_test'")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "skipped" in done.stdout and "deselected" in done.stdout
+    refused = tmp_path / "refused"
+    done = run(refused, "env", "tests", TESTS="tests/test_gpu_wo.py -k 'not w8a8")
+    assert done.returncode == 2 and "TESTS does not split into words" in done.stderr
+    assert not (refused / "summary.txt").exists()  # refused before env ran
+
+
 def test_an_unknown_step_is_refused_before_any_runs(tmp_path):
     done = run(tmp_path, "env", "benchmark")
     assert done.returncode == 2 and "unknown step 'benchmark'" in done.stderr

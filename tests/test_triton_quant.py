@@ -53,7 +53,9 @@ WEIGHT_ONLY = ["fp8_w8a16", "int8_w8a16", "int4_w4a16_g32", "int4_w4a16_g64", "i
                "int4_w4a16_g32_zp", "mxfp4_w4a16", "nvfp4_w4a16"]
 # Triton vs emulation: the same quantized operands; only the summation order differs (and, for
 # fp16, the per-slot rounding of y before the fp32 top-k sum: ~2^-11 relative, measured 3.5e-4).
-# An intermediate value within an fp32 rounding of a code boundary may still flip one code.
+# An intermediate value within an fp32 rounding of a code boundary may still flip one code: a
+# scheme that quantizes activations is held to emulation in fp32 up to such flips
+# (assert_matches_emulation); in fp16 TOL's 2e-3 is above one flip's ~1e-3.
 # Weight-only in fp16: the dequantized weights are rounded to fp16 (exact for 8-bit codes and
 # e2m1 * 2^s; 2^-11 relative for scaled int4 / nvfp4): measured 3.9e-4 to 5.7e-4.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -70,6 +72,16 @@ def exact_tol(scheme: str) -> float:
     weight-only is the same float math (fp32: only the summation order differs)."""
     activation = SCHEMES[scheme].activation
     return TOL[torch.float32] if activation is None else math.sqrt(3) * ACT_RMS[activation.dtype]
+
+
+def assert_matches_emulation(out, emulated, scheme: str) -> None:
+    """fp32 Triton against emulation: weight-only within TOL; a scheme that quantizes activations
+    up to a code flip (assert_close_up_to_code_flips), as the intermediate's codes come from GEMM1
+    sums in numpy's order here and torch's there (which order depends on the CPU's vector units)."""
+    if SCHEMES[scheme].activation is None:
+        assert rel_err(out, emulated) < TOL[torch.float32]
+    else:
+        assert_close_up_to_code_flips(out, emulated)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -302,7 +314,7 @@ def test_schemes_match_emulation_and_reference(case, scheme):
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
     out = run(config, x, w, weights, ids, expert_map, case.tiles)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert_matches_emulation(out, emulated, scheme)
     exact = dequantized_reference(config, x, w, weights, ids, expert_map)
     assert rel_err(out, exact) < exact_tol(scheme)
     if expert_map is not None:  # tokens whose slots are all remote get exactly zero
@@ -349,7 +361,7 @@ def test_w8a8_direct_decode_matches_emulation(case, scheme):
     config, x, w, weights, ids, expert_map = problem(case, scheme, torch.float32)
     out = run(config, x, w, weights, ids, expert_map, case.tiles, direct=True)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(out, emulated)
     assert torch.equal(out, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
     if expert_map is not None:  # tokens whose slots are all remote get exactly zero
         assert (out[(expert_map[ids.long()] < 0).all(-1)] == 0).all()
@@ -402,7 +414,7 @@ def test_direct_gemm2_quantizes_a_bitwise(case, scheme, monkeypatch):
     assert not tq.fuse_a_quantization(get_scheme(scheme).activation, case.I)
     assert torch.equal(fused, run(config, x, w, weights, ids, expert_map, case.tiles, direct=True))
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(fused, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(fused, emulated)
 
 
 def test_fuse_a_quantization_rule():
@@ -471,7 +483,7 @@ def test_fp8_accumulate_reaches_the_gemms(scheme, direct, monkeypatch):
         with knobs.override(FP8_ACCUMULATE=mode):
             out = run(config, x, w, weights, ids, expert_map, direct=direct)
         assert seen == [want, want], (mode, seen)
-        assert rel_err(out, emulated) < TOL[torch.float32]
+        assert_close_up_to_code_flips(out, emulated)
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["aligned", "direct"])
@@ -539,7 +551,7 @@ def test_swap_ab_matches_unswapped(case, scheme, direct):
         swapped = run(config, x, w, weights, ids, expert_map, tiles, direct=direct)
     assert_close_up_to_code_flips(swapped, plain)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=expert_map)
-    assert rel_err(swapped, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(swapped, emulated)
 
 
 BLOCK_TILES = ((64, 128, 128, 4, 1), (64, 128, 128, 4, 1))  # the tiled GEMM2 steps K by 128, as the groups
@@ -767,7 +779,7 @@ def test_empty_experts_out_of_range_ids_and_determinism(scheme):
     out = run(config, x, w, weights, ids, None, case.tiles)
     keep = (ids >= 0) & (ids < 4)
     emulated = EmulationExperts(config).apply(x, w, weights * keep, ids.clamp(0, 3), expert_map_E=None)
-    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert_matches_emulation(out, emulated, scheme)
     assert (out[4] == 0).all()
     assert torch.equal(out, run(config, x, w, weights, ids, None, case.tiles))
     empty = run(config, x[:0], w, weights[:0], ids[:0], None)
@@ -779,7 +791,7 @@ def test_experts_class_heuristic_tiles_in_place_and_errors():
     experts = TritonExperts(config)
     out = experts.apply(x, w, weights, ids, expert_map_E=None)
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
-    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(out, emulated)
     into = x.clone()
     assert experts.apply(into, w, weights, ids, expert_map_E=None, out_TH=into) is into
     assert torch.equal(into, out)
@@ -835,7 +847,10 @@ def test_batched_matches_contiguous_and_emulation(scheme, dtype):
     contiguous = run(config, x, w, weights, ids, None, case.tiles)
     assert rel_err(out, contiguous) < TOL[dtype]
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
-    assert rel_err(out, emulated) < TOL[dtype]
+    if dtype == torch.float32:
+        assert_matches_emulation(out, emulated, scheme)
+    else:
+        assert rel_err(out, emulated) < TOL[dtype]
 
 
 @pytest.mark.parametrize("scheme", W8A8 + ["fp8_w8a16", "int4_w4a16_g64", "nvfp4_w4a16"])
@@ -863,7 +878,7 @@ def test_batched_counts_and_rows_past_the_count(scheme):
         if n:
             ids = torch.full((n, 1), e, dtype=torch.int32)
             want = EmulationExperts(config).apply(x[e, :n], w, torch.ones(n, 1), ids, expert_map_E=None)
-            assert rel_err(y[e, :n], want) < TOL[torch.float32]
+            assert_matches_emulation(y[e, :n], want, scheme)
     assert torch.equal(y, _run_batched(config, x, counts, w))  # deterministic
     assert _run_batched(config, x[:, :0], counts * 0, w).shape == (L, 0, H)
 
@@ -882,7 +897,7 @@ def test_batched_experts_class_through_modular_and_errors(monkeypatch):
     out = make_modular(config, BatchedTritonExperts(config))(x, w, weights, ids)
     assert [(p.num_slots, p.top_k) for p in seen] == [(5, 1)]
     emulated = EmulationExperts(config).apply(x, w, weights, ids, expert_map_E=None)
-    assert rel_err(out, emulated) < TOL[torch.float32]
+    assert_close_up_to_code_flips(out, emulated)
     x_b = torch.randn(case.E, 3, case.H)
     counts = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
     other = BatchedTritonExperts(MoEConfig(4, 1, 64, 32, dtype=torch.float32, quant="fp8_w8a8_channel",

@@ -2,7 +2,7 @@
 compiled for sm90 on this machine (no GPU needed; `fusedmoe.backends.triton.kernel_report`).
 
     python benchmarks/kernel_report.py --presets mixtral-8x7b --tokens 1,4096 [--quant fp8_w8a8_block]
-        [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3] [--json out.json]
+        [--device-name "NVIDIA H200"] [--tiles 128,64,128,8,3/128,64,128,8,3 [--direct]] [--json out.json]
     python benchmarks/kernel_report.py --diff old.json new.json     # e.g. two trees' reports
     python benchmarks/kernel_report.py ... --loop     # + each GEMM's K loop: instructions per step, mix,
                                                       #   and its hazards (spills, serialized wgmma)
@@ -87,12 +87,14 @@ def parse_tiles(text: str) -> tuple[TileConfig, TileConfig]:
     return t1, t2
 
 
-def plan(problem, scheme, device: torch.device, tiles: tuple | None) -> tuple[bool, TileConfig, TileConfig]:
-    """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, aligned)."""
+def plan(problem, scheme, device: torch.device, tiles: tuple | None,
+         direct: bool = False) -> tuple[bool, TileConfig, TileConfig]:
+    """(direct?, gemm1 tile, gemm2 tile) the library picks (or --tiles, on the aligned path unless
+    --direct)."""
     from fusedmoe.backends.triton import experts
 
     if tiles:
-        return False, *tiles
+        return direct, *tiles
     return experts.choose_plan(problem, scheme, device)
 
 
@@ -162,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default=None,
                     help="gemm1/gemm2 tiles as a tuned table lists them (the aligned path), e.g. "
                          "128,64,128,8,3/128,64,128,8,3 or 16,64,128,4,4,1,null,8,false,true/16,128,64,4,4")
+    ap.add_argument("--direct", action="store_true",
+                    help="with --tiles: run them on the direct decode path (GEMM1 by slot, GEMM2 with the top-k sum)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--loop", action="store_true",
                     help="also print each GEMM's longest loop (its K step): instructions and opcode mix")
@@ -200,7 +204,7 @@ def main(argv=None) -> int:
                 inter = preset.intermediate_size // preset.bench_tp
                 problem = GemmProblem(tokens * preset.top_k, preset.num_experts, preset.hidden_size, inter,
                                       preset.top_k, is_gated(preset.activation), dtype)
-                direct, t1, t2 = plan(problem, scheme, device, tiles)
+                direct, t1, t2 = plan(problem, scheme, device, tiles, args.direct)
                 for call in record(preset, tokens, scheme, dtype, direct, t1, t2):
                     if not call.name.startswith("moe_gemm"):
                         continue

@@ -920,3 +920,26 @@ def test_ab_trees_summarize_pairs_each_cell_across_rounds():
     assert lines[0].startswith("mxfp4_w4a16 qwen3-30b-a3b triton 16") and "old    104.0 new    100.0   -3.8%" in lines[0]
     assert lines[0].endswith("spread   6.0 /   3.0")
     assert "-10.0%" in lines[1] and "-1.7%" in lines[2]
+
+
+def test_aligned_overhead_sums_random_rows_not_an_uninitialised_buffer(monkeypatch):
+    """The aligned path's overhead (alignment + top-k sum) is timed on a fresh launch, whose y
+    GEMM2 never wrote: the sum reads random rows made once instead (y here poisoned with NaN, as
+    uninitialised memory may be), so the timed launches never add inf or NaN."""
+    import dataclasses
+
+    from fusedmoe import tune
+    from fusedmoe.backends.triton import experts
+
+    made, summed = experts.prepare_launch, []
+    monkeypatch.setattr(experts, "prepare_launch",
+                        lambda *a, **kw: (lambda L: dataclasses.replace(L, y=L.y.fill_(float("nan"))))(made(*a, **kw)))
+    monkeypatch.setattr(experts, "launch_reduce", lambda L, out: (summed.append(L.y), launch_reduce(L, out)))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=gen)
+    topk_w, topk_ids = select_experts(x, torch.randn(T, E, generator=gen), K)
+    run = tune._aligned_overhead(x, topk_w, topk_ids, E, I, "silu", 16)
+    run(0)
+    run(1)
+    assert len(summed) == 2 and summed[0] is summed[1] and torch.isfinite(summed[0]).all()
+    assert summed[0].shape == (T * K, H) and summed[0].std() > 0.5  # random rows, not zeros

@@ -662,17 +662,19 @@ def _aligned_overhead(x, topk_w, topk_ids, experts, inter, activation, block_m,
                       xq: Callable[[int], None] | None = None) -> Callable[[int], None]:
     """fn(i) running the aligned path's launches other than its GEMMs: the alignment at block_m,
     x's quantization (xq, where it is its own launch) and the top-k sum (the same for every
-    weight copy i)."""
+    weight copy i). The sum reads random rows made once (a fresh launch's y is uninitialised: its
+    sums could be inf and NaN)."""
     from fusedmoe.backends.triton.experts import launch_reduce, prepare_launch
 
     out = torch.empty_like(x)
+    y = torch.randn(topk_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
 
     def run(i: int) -> None:
         launch = prepare_launch(x, topk_w, topk_ids, None, experts, experts, inter, activation, False,
                                 1.702, None, block_m)
         if xq is not None:
             xq(i)
-        launch_reduce(launch, out)
+        launch_reduce(dataclasses.replace(launch, y=y), out)
 
     return run
 

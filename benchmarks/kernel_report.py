@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device-name", default="NVIDIA H200",
                     help="plan with this GPU's packaged tuned table ('none': the heuristic alone)")
     ap.add_argument("--tiles", default=None,
-                    help="gemm1/gemm2 tiles as a tuned table lists them (the aligned path), e.g. "
+                    help="gemm1/gemm2 tiles as a tuned table lists them (the aligned path; --direct: the direct one), e.g. "
                          "128,64,128,8,3/128,64,128,8,3 or 16,64,128,4,4,1,null,8,false,true/16,128,64,4,4")
     ap.add_argument("--direct", action="store_true",
                     help="with --tiles: run them on the direct decode path (GEMM1 by slot, GEMM2 with the top-k sum)")
